@@ -1,0 +1,32 @@
+# Each target creates .venv and installs into it on a fresh machine.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-slow demo lint format clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check posttrain tests configs
+	$(PY) -m pytest -n 2 --durations=15
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -n 2 -m slow --durations=15
+
+demo: $(STAMP)
+	$(VENV)/bin/posttrain demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check posttrain tests configs
+
+format: $(STAMP)
+	$(PY) -m ruff format posttrain tests configs
+	$(PY) -m ruff check --fix posttrain tests configs
+
+clean:
+	rm -rf $(VENV) .pytest_cache

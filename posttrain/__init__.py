@@ -1,0 +1,3 @@
+"""posttrain: JAX/TPU-native post-training for large language models."""
+
+__version__ = "0.1.0"
