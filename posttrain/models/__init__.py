@@ -1,0 +1,39 @@
+"""Models: one decoder-only transformer, its presets and HF import/export."""
+
+from posttrain.models._attention import attention, attention_mask
+from posttrain.models._config import ModelConfig, RopeScaling
+from posttrain.models._hf import from_hf, to_hf
+from posttrain.models._presets import PRESETS, get_preset
+from posttrain.models._transformer import (
+    ParamSpec,
+    Transformer,
+    forward,
+    hidden_states,
+    init_params,
+    lm_logits,
+    param_axes,
+    param_shapes,
+    param_shardings,
+    param_specs,
+)
+
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "ParamSpec",
+    "RopeScaling",
+    "Transformer",
+    "attention",
+    "attention_mask",
+    "forward",
+    "from_hf",
+    "get_preset",
+    "hidden_states",
+    "init_params",
+    "lm_logits",
+    "param_axes",
+    "param_shapes",
+    "param_shardings",
+    "param_specs",
+    "to_hf",
+]

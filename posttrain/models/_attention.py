@@ -1,0 +1,130 @@
+"""Causal self-attention with packing (segment ids), GQA and sliding windows.
+
+Three implementations share one signature: the XLA reference (every backend, positions-based
+masks, also right for KV caches), cuDNN flash attention on GPU and the splash Pallas kernel on
+TPU. The fused kernels mask by index, which equals the positions-based mask for training rows
+(positions count up inside each packed document).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posttrain.parallel import logical_to_spec
+
+_NEG_INF = float(np.finfo(np.float32).min)
+
+
+def resolve_impl(impl: str) -> str:
+    """Turns `auto` into the fastest implementation for this backend; checks explicit choices."""
+    platform = jax.default_backend()
+    if impl == "auto":
+        return {"gpu": "cudnn", "tpu": "splash"}.get(platform, "xla")
+    wanted = {"cudnn": "gpu", "splash": "tpu"}.get(impl)
+    if wanted is not None and platform != wanted:
+        raise ValueError(f"attention={impl!r} runs on {wanted.upper()} only, but JAX's backend is "
+                         f"{platform!r}; set model.attention to 'auto' or 'xla'")
+    return impl
+
+
+def attention(q_BLNH, k_BSKH, v_BSKH, *, q_positions_BL, kv_positions_BS, q_segment_ids_BL,
+              kv_segment_ids_BS, window: int = 0, impl: str = "xla"):
+    """Scaled dot-product attention of queries over keys, causal by position.
+
+    Args:
+      q_BLNH, k_BSKH, v_BSKH: queries, keys and values; N must be a multiple of K (GQA).
+      q_positions_BL, kv_positions_BS: token positions; a query sees keys at positions <= its own.
+      q_segment_ids_BL, kv_segment_ids_BS: packed-document ids; attention stays inside a document.
+      window: if > 0, a query sees only keys with `q_pos - kv_pos < window` (sliding window).
+      impl: "xla", "cudnn" or "splash" (see `resolve_impl`).
+
+    Returns:
+      The attended values, `[B, L, N, H]` in the dtype of `q_BLNH`.
+    """
+    if impl == "xla":
+        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_positions_BL, kv_positions_BS,
+                              q_segment_ids_BL, kv_segment_ids_BS, window)
+    if impl == "cudnn":
+        return _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS,
+                                window)
+    if impl == "splash":
+        return _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS,
+                                 window)
+    raise ValueError(f"unknown attention implementation {impl!r}")
+
+
+def attention_mask(q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS,
+                   window: int = 0):
+    """Boolean `[B, L, S]`: same document, causal by position, inside the window if any."""
+    q_pos, kv_pos = q_positions_BL[:, :, None], kv_positions_BS[:, None, :]
+    mask = (kv_pos <= q_pos) & (q_segment_ids_BL[:, :, None] == kv_segment_ids_BS[:, None, :])
+    if window:
+        mask &= q_pos - kv_pos < window
+    return mask
+
+
+def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window):
+    B, L, N, H = q_BLNH.shape
+    K = k_BSKH.shape[2]
+    q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H)
+    scores_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH,
+                              preferred_element_type=jnp.float32) * (H ** -0.5)
+    mask_BLS = attention_mask(q_pos, kv_pos, q_seg, kv_seg, window)
+    scores_BKGLS = jnp.where(mask_BLS[:, None, None], scores_BKGLS, _NEG_INF)
+    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKH.dtype)
+    out_BLKGH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BKGLS, v_BSKH)
+    return out_BLKGH.reshape(B, L, N, H)
+
+
+def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
+    segment_mask_B1LS = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(
+        q_BLNH, k_BSKH, v_BSKH, mask=segment_mask_B1LS, is_causal=True,
+        local_window_size=(window - 1, 0) if window else None, implementation="cudnn")
+
+
+def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
+    L, S = q_BLNH.shape[1], k_BSKH.shape[1]
+    if L % 128 or S % 128:
+        raise ValueError(f"splash attention needs sequence lengths that are multiples of 128, "
+                         f"got {L} and {S}; pad the batch or set model.attention='xla'")
+    mesh = jax.sharding.get_abstract_mesh()
+    local = functools.partial(_splash_local, window=window)
+    if mesh.empty:
+        return local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg)
+    # Pallas kernels see one device's block: batch and heads stay sharded, length is gathered.
+    q_spec = logical_to_spec(("act_batch", None, "act_heads", None), q_BLNH.shape, mesh)
+    kv_spec = logical_to_spec(("act_batch", None, "act_kv_heads", None), k_BSKH.shape, mesh)
+    if len(q_spec) > 2 and (len(kv_spec) <= 2 or q_spec[2] != kv_spec[2]):
+        # Query heads sharded but kv heads not: shard neither so groups stay on one device.
+        q_spec = logical_to_spec(("act_batch",), q_BLNH.shape, mesh)
+        kv_spec = q_spec
+    seg_spec = jax.sharding.PartitionSpec(*q_spec[:1])
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec),
+                         out_specs=q_spec, check_vma=False)(q_BLNH, k_BSKH, v_BSKH, q_seg,
+                                                             kv_seg)
+
+
+def _splash_local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, *, window):
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as masks,
+    )
+
+    _, L, N, H = q_BLNH.shape
+    S = k_BSKH.shape[1]
+    base = (masks.LocalMask((L, S), (window - 1, 0), 0) if window
+            else masks.CausalMask((L, S)))
+    kernel = splash.make_splash_mha(masks.MultiHeadMask([base] * N), head_shards=1,
+                                    q_seq_shards=1)
+    q_BNLH = (q_BLNH * H ** -0.5).astype(q_BLNH.dtype).transpose(0, 2, 1, 3)
+    k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+    segments = splash.SegmentIds(q=q_seg, kv=kv_seg)
+    out_BNLH = jax.vmap(kernel)(q_BNLH, k_BKSH, v_BKSH, segment_ids=segments)
+    return out_BNLH.transpose(0, 2, 1, 3)

@@ -1,0 +1,31 @@
+"""Parallelism: the device mesh, logical-axis sharding rules and helpers to place data."""
+
+from posttrain.parallel._mesh import MESH_AXES, MeshConfig, make_mesh
+from posttrain.parallel._rules import (
+    DEFAULT_RULES,
+    LogicalAxes,
+    Rules,
+    axis_rules,
+    constrain,
+    current_rules,
+    logical_to_spec,
+    named_sharding,
+    tree_shardings,
+)
+from posttrain.parallel._shard import shard_batch
+
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "LogicalAxes",
+    "MeshConfig",
+    "Rules",
+    "axis_rules",
+    "constrain",
+    "current_rules",
+    "logical_to_spec",
+    "make_mesh",
+    "named_sharding",
+    "shard_batch",
+    "tree_shardings",
+]

@@ -1,0 +1,88 @@
+"""Device mesh from config: five named axes, sizes inside a slice (ici) and across slices (dcn)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+# Outermost first: data parallelism crosses the slowest links, tensor parallelism the fastest.
+MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape. Each axis size is an int; -1 (at most once per level) takes what is left."""
+
+    # Sizes inside one slice (ICI links), per axis of MESH_AXES.
+    ici: tuple[int, ...] = (1, -1, 1, 1, 1)
+    # Sizes across slices (DCN links); their product is the number of slices.
+    dcn: tuple[int, ...] = (1, 1, 1, 1, 1)
+
+    @classmethod
+    def from_dict(cls, ici: Mapping[str, int] | None = None,
+                  dcn: Mapping[str, int] | None = None) -> MeshConfig:
+        """Builds a config from `{"fsdp": -1, "tensor": 4}`-style dicts; absent axes are 1."""
+        return cls(ici=_axis_tuple(ici or {"fsdp": -1}, "ici"),
+                   dcn=_axis_tuple(dcn or {}, "dcn"))
+
+
+def _axis_tuple(sizes: Mapping[str, int], level: str) -> tuple[int, ...]:
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh.{level} names unknown axes {sorted(unknown)}; "
+                         f"the mesh axes are {MESH_AXES}")
+    return tuple(int(sizes.get(axis, 1)) for axis in MESH_AXES)
+
+
+def _resolve(sizes: Sequence[int], total: int, level: str) -> tuple[int, ...]:
+    """Fills a single -1 so the product equals `total`; errors name the axes and the count."""
+    desc = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, sizes, strict=True) if s != 1)
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh.{level} sizes must be positive or -1, got {desc}")
+    if list(sizes).count(-1) > 1:
+        raise ValueError(f"mesh.{level} may use -1 for one axis only, got {desc}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if total % known:
+            raise ValueError(f"mesh.{level} ({desc}) cannot fill -1: {known} does not divide "
+                             f"the {total} devices available at this level")
+        sizes = [total // known if s == -1 else s for s in sizes]
+    elif known != total:
+        raise ValueError(f"mesh.{level} ({desc or 'all 1'}) multiplies to {known}, but there are "
+                         f"{total} devices at this level; make the sizes multiply to {total} "
+                         f"or set one axis to -1")
+    return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig = MeshConfig(),
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Lays the devices out on the five named axes.
+
+    Args:
+      config: axis sizes inside (ici) and across (dcn) slices.
+      devices: defaults to all of `jax.devices()`.
+
+    Returns:
+      A `Mesh` with axes `MESH_AXES`, topology-aware on TPU (hybrid across slices).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    num_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    dcn = _resolve(config.dcn, num_slices, "dcn")
+    ici = _resolve(config.ici, len(devices) // num_slices, "ici")
+    if num_slices > 1:
+        device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    elif math.prod(dcn) != 1:
+        raise ValueError(f"mesh.dcn asks for {math.prod(dcn)} slices but the devices form one")
+    else:
+        try:
+            device_array = mesh_utils.create_device_mesh(ici, devices)
+        except (AssertionError, NotImplementedError, ValueError):
+            # Partial TPU slices or odd shapes: fall back to the plain device order.
+            device_array = np.asarray(devices).reshape(ici)
+    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
