@@ -1,0 +1,62 @@
+"""Tiny random transformers models of every supported architecture, saved to a directory."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+               rms_norm_eps=1e-6, rope_theta=10_000.0)
+
+# Each entry is (HF config class name, kwargs); together they cover every feature of the model.
+HF_ARCHS: dict[str, tuple[str, dict]] = {
+    # Llama 3.1-style long-context RoPE, untied embeddings, GQA.
+    "llama3": ("LlamaConfig", dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    # Llama with tied embeddings and biases on every attention projection.
+    "llama_tied_bias": ("LlamaConfig", dict(tie_word_embeddings=True, attention_bias=True,
+                                            num_key_value_heads=2)),
+    # Qwen2/2.5: q/k/v bias, tied embeddings as in the small Qwen2.5 models.
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    # Qwen2 with sliding windows on some layers only (per-layer window switch).
+    "qwen2_mixed_window": ("Qwen2Config", dict(
+        use_sliding_window=True, sliding_window=3, max_window_layers=1, num_hidden_layers=3,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
+    # Qwen3: q/k RMSNorm, explicit head_dim different from hidden/heads.
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=False)),
+    # Mistral: sliding window shorter than the test sequences.
+    "mistral": ("MistralConfig", dict(sliding_window=4, head_dim=8)),
+}
+
+
+def save_tiny_hf_model(arch: str, path: str, *, seed: int = 0, **overrides) -> str:
+    """Builds a random transformers model of `arch` (see HF_ARCHS) and saves it to `path`."""
+    import torch
+    import transformers
+
+    class_name, kwargs = HF_ARCHS[arch]
+    config = getattr(transformers, class_name)(**{**_COMMON, **kwargs, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # norms start at 1 and biases at 0; randomise so the tests see them
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+def hf_logits(path: str, tokens: np.ndarray, attention_mask: np.ndarray | None = None
+              ) -> np.ndarray:
+    """float32 logits of the HF model saved at `path` (eager attention), as numpy."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32).eval()
+    mask = None if attention_mask is None else torch.tensor(attention_mask)
+    with torch.no_grad():
+        out = model(torch.tensor(tokens, dtype=torch.long), attention_mask=mask)
+    return out.logits.float().numpy()
