@@ -41,6 +41,7 @@ def _axis_tuple(sizes: Mapping[str, int], level: str) -> tuple[int, ...]:
 
 
 def _resolve(sizes: Sequence[int], total: int, level: str) -> tuple[int, ...]:
+    unit = "slice(s)" if level == "dcn" else "devices per slice"
     """Fills a single -1 so the product equals `total`; errors name the axes and the count."""
     desc = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, sizes, strict=True) if s != 1)
     if any(s == 0 or s < -1 for s in sizes):
@@ -51,11 +52,11 @@ def _resolve(sizes: Sequence[int], total: int, level: str) -> tuple[int, ...]:
     if -1 in sizes:
         if total % known:
             raise ValueError(f"mesh.{level} ({desc}) cannot fill -1: {known} does not divide "
-                             f"the {total} devices available at this level")
+                             f"{total} {unit}")
         sizes = [total // known if s == -1 else s for s in sizes]
     elif known != total:
         raise ValueError(f"mesh.{level} ({desc or 'all 1'}) multiplies to {known}, but there are "
-                         f"{total} devices at this level; make the sizes multiply to {total} "
+                         f"{total} {unit}; make the sizes multiply to {total} "
                          f"or set one axis to -1")
     return tuple(sizes)
 
@@ -77,8 +78,6 @@ def make_mesh(config: MeshConfig = MeshConfig(),
     ici = _resolve(config.ici, len(devices) // num_slices, "ici")
     if num_slices > 1:
         device_array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
-    elif math.prod(dcn) != 1:
-        raise ValueError(f"mesh.dcn asks for {math.prod(dcn)} slices but the devices form one")
     else:
         try:
             device_array = mesh_utils.create_device_mesh(ici, devices)

@@ -2,6 +2,7 @@
 
 import json
 
+import jinja2
 import pytest
 from posttrain.data import load_tokenizer
 
@@ -22,7 +23,7 @@ CHAT = [
     {"role": "user", "content": "What is the capital of France?"},
     {"role": "assistant", "content": "Paris."},
     {"role": "user", "content": "And 2+2? Answer in 東京 style 🙂"},
-    {"role": "assistant", "content": "Four, naïvely."},
+    {"role": "assistant", "content": "Four 🙂, naïvely."},
 ]
 CHATS = [CHAT, CHAT[1:3], CHAT[1:4], [{"role": "user", "content": "<|im_end|> sneaky"}]]
 
@@ -97,12 +98,17 @@ def test_template_variables_and_none_values_match_hf(chatml_dir):
 {{ m.tool_calls is defined }}{{ m.reasoning_content }}
         {% endif %}
     {% endfor %}
-|{{ strftime_now('%Y') | length }}"""
+|{{ strftime_now('%Y') | length }}
+{%- set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor -%}
+|{{ ns.n }}|{{ dict(a='<&>') | tojson }}|{{ dict.fromkeys(['k']) | tojson }}|
+{%- for x in [1, 2, 3] %}{% if x == 2 %}{% break %}{% endif %}{{ x }}{% endfor %}"""
     chat = [{"role": "assistant", "content": "x", "tool_calls": None, "thinking": "hmm"}]
     kwargs = {"chat_template": template, "greeting": "hey", "tokenize": False}
     text = ours.apply_chat_template(chat, **kwargs)
     assert text == hf.apply_chat_template(chat, **kwargs)
-    assert text == "<|im_end|>|False|hey|\nFalsehmm\n|4"
+    assert text == '<|im_end|>|False|hey|\nFalsehmm\n|4|1|{"a": "<&>"}|{"k": null}|1'
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        ours.apply_chat_template(chat, chat_template="{% set ns = namespace(_x=1) %}")
 
 
 def test_generation_tag_mask_matches_hf(generation_dir):
@@ -116,7 +122,7 @@ def test_generation_tag_mask_matches_hf(generation_dir):
         assert [int(m) for m in mask] == ref["assistant_masks"]
     ids, mask = ours.encode_chat(CHAT)
     assert ours.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == (
-        "Paris.<|im_end|>Four, naïvely.<|im_end|>")
+        "Paris.<|im_end|>Four 🙂, naïvely.<|im_end|>")
 
 
 @pytest.mark.parametrize("fixture,end", [("chatml_dir", "<|im_end|>"), ("llama3_dir", "<|eot_id|>")])
@@ -134,7 +140,7 @@ def test_prefix_mask_is_assistant_content_and_end_of_turn(request, fixture, end)
             runs, run = runs + [run], []
     runs += [run] if run else []
     assert [tok.decode(r, skip_special_tokens=False) for r in runs] == [
-        "Paris." + end, "Four, naïvely." + end]
+        "Paris." + end, "Four 🙂, naïvely." + end]
 
 
 def test_prefix_mask_rejects_history_rewriting_template(chatml_dir):
