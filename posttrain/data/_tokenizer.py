@@ -29,8 +29,8 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
                   "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_TEMPLATE_PLACES = ("chat_template.jinja, additional_chat_templates/*.jinja and the 'chat_template' "
-                    "key of tokenizer_config.json")
+_TEMPLATE_PLACES = ("chat_template.jinja, additional_chat_templates/*.jinja and the "
+                    "'chat_template' key of tokenizer_config.json")
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 Spans = list[tuple[int, int]]
@@ -206,7 +206,8 @@ class Tokenizer:
         Returns:
           The text.
         """
-        return self._clean_up(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._clean_up(text)
 
     def decode_batch(self, batch: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
                      ) -> list[str]:
@@ -399,6 +400,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     generation = _read_json(root / "generation_config.json")
 
     special, added = {}, []
+    known = {t.content: t for t in backend.get_added_tokens_decoder().values()}
     for name in _SPECIAL_NAMES:
         value = config.get(name)
         content = value.get("content") if isinstance(value, dict) else value
@@ -409,11 +411,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                              f"the vocabulary of {root / 'tokenizer.json'}; fix the token or "
                              "add it to tokenizer.json's added_tokens")
         special[name] = content
-        flags = {k: value[k] for k in ("single_word", "lstrip", "rstrip")
-                 if isinstance(value, dict) and k in value}
-        added.append(tokenizers.AddedToken(content, special=True, normalized=False, **flags))
-    # transformers registers every named special token as a special added token, which splits it
-    # off before pre-tokenization even where tokenizer.json has it as a plain vocabulary entry.
+        # transformers makes every named special token a special added token: split off before
+        # pre-tokenization even if tokenizer.json has it as a plain vocabulary entry, and
+        # dropped by skip_special_tokens even if tokenizer.json marks it non-special.
+        if (old := known.get(content)) is None:
+            flags = {k: value[k] for k in ("single_word", "lstrip", "rstrip")
+                     if isinstance(value, dict) and k in value}
+            added.append(tokenizers.AddedToken(content, special=True, normalized=False, **flags))
+        elif not old.special:
+            added.append(tokenizers.AddedToken(
+                content, single_word=old.single_word, lstrip=old.lstrip, rstrip=old.rstrip,
+                normalized=old.normalized, special=True))
     backend.add_special_tokens(added)
     ids = {name: backend.token_to_id(content) for name, content in special.items()}
     # add_bos_token/add_eos_token are ignored, as transformers 5 ignores them when tokenizer.json

@@ -100,8 +100,9 @@ def _write_dir(path, tokenizer_json, config, *, post_processor=None, files=None)
 
 @pytest.fixture(scope="session")
 def make_tokenizer_dir(tokenizer_json):
-    """`make(path, config, *, post_processor=None, files=None)` writes a tokenizer directory."""
-    return lambda path, config, **kwargs: _write_dir(path, tokenizer_json, config, **kwargs)
+    """`make(path, config, *, post_processor=None, files=None, tokenizer_json=...)` writes one."""
+    return lambda path, config, tokenizer_json=tokenizer_json, **kwargs: _write_dir(
+        path, tokenizer_json, config, **kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """posttrain.data.load_tokenizer against transformers.AutoTokenizer on the same directories."""
 
 import json
+import re
 
 import jinja2
 import pytest
+
 from posttrain.data import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -120,12 +122,17 @@ def test_generation_tag_mask_matches_hf(generation_dir):
         ref = hf.apply_chat_template(chat, return_dict=True, return_assistant_tokens_mask=True)
         assert ids == ref["input_ids"]
         assert [int(m) for m in mask] == ref["assistant_masks"]
+        # Without the tags the prefix method must find the same tokens.
+        untagged = re.sub(r"\{%-? *(end)?generation *%\}\n", "", ours.chat_template)
+        assert "generation %" not in untagged
+        assert ours.encode_chat(chat, chat_template=untagged) == (ids, mask)
     ids, mask = ours.encode_chat(CHAT)
-    assert ours.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == (
-        "Paris.<|im_end|>Four 🙂, naïvely.<|im_end|>")
+    assert ours.decode([i for i, m in zip(ids, mask, strict=True) if m],
+                       skip_special_tokens=False) == "Paris.<|im_end|>Four 🙂, naïvely.<|im_end|>"
 
 
-@pytest.mark.parametrize("fixture,end", [("chatml_dir", "<|im_end|>"), ("llama3_dir", "<|eot_id|>")])
+@pytest.mark.parametrize("fixture,end",
+                         [("chatml_dir", "<|im_end|>"), ("llama3_dir", "<|eot_id|>")])
 def test_prefix_mask_is_assistant_content_and_end_of_turn(request, fixture, end):
     tok = load_tokenizer(request.getfixturevalue(fixture))
     ids, mask = tok.encode_chat(CHAT)
@@ -133,7 +140,7 @@ def test_prefix_mask_is_assistant_content_and_end_of_turn(request, fixture, end)
     assert len(mask) == len(ids)
     # Split the masked tokens into maximal runs: one per assistant turn.
     runs, run = [], []
-    for i, m in zip(ids, mask):
+    for i, m in zip(ids, mask, strict=True):
         if m:
             run.append(i)
         elif run:
@@ -222,3 +229,48 @@ def test_errors(tmp_path, make_tokenizer_dir, chatml_dir):
         tok.encode_chat([])
     with pytest.raises(ValueError, match="syntax error"):
         tok.apply_chat_template(CHAT, chat_template="{% for %}")
+
+
+def test_legacy_special_tokens_map(tmp_path, make_tokenizer_dir):
+    # Without added_tokens_decoder in the config, special_tokens_map.json overrides it.
+    eot = {"content": "<|eot_id|>", "lstrip": False, "rstrip": False, "normalized": False,
+           "single_word": False}
+    path = make_tokenizer_dir(tmp_path, {"eos_token": "<|im_end|>"}, files={
+        "special_tokens_map.json": json.dumps({"eos_token": eot, "pad_token": "<|endoftext|>"})})
+    ours, hf = load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
+    assert (ours.eos_id, ours.pad_id) == (hf.eos_token_id, hf.pad_token_id)
+    assert ours.special_tokens == {"eos_token": "<|eot_id|>", "pad_token": "<|endoftext|>"}
+
+
+def test_clean_up_spaces_for_word_level_matches_hf(tmp_path):
+    # transformers applies clean_up_tokenization_spaces to non-BPE models only.
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["Hello , world . Is it ?"],
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]",
+        "clean_up_tokenization_spaces": True}))
+    ours, hf = load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = ours.encode("Hello, world. Is it?")
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True) == "Hello, world. Is it?"
+
+
+def test_special_token_registration_matches_hf(tmp_path, make_tokenizer_dir, tokenizer_json):
+    # Named special tokens become special added tokens, keeping tokenizer.json's flags.
+    tj = json.loads(json.dumps(tokenizer_json))
+    for token in tj["added_tokens"]:
+        token["lstrip"] = token["content"] == "<|eot_id|>"
+        token["special"] = token["content"] != "<|endoftext|>"
+    word = next(w for w in tj["model"]["vocab"] if w.isascii() and w.isalpha() and len(w) > 2)
+    path = make_tokenizer_dir(tmp_path, {"eos_token": "<|eot_id|>", "pad_token": "<|endoftext|>",
+                                         "sep_token": word}, tokenizer_json=tj)
+    ours, hf = load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
+    for text in [" a <|eot_id|> b", "x<|endoftext|>y", f"x{word}y {word}"]:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text), text
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    assert ours.decode(ours.encode("x<|endoftext|>y")) == "xy"
