@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import json
 import re
-import types
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -158,9 +157,12 @@ class Tokenizer:
       chat_templates: every chat template by name ("default", "tool_use", ...).
       special_tokens: named special tokens ({"eos_token": "<|im_end|>", ...}), template variables.
       clean_up_tokenization_spaces: the config's flag; transformers applies it to non-BPE models.
+
+    The mappings are plain dicts, so that a tokenizer pickles to data-loader workers; treat them
+    as read-only.
     """
 
-    backend: tokenizers.Tokenizer
+    backend: tokenizers.Tokenizer = dataclasses.field(repr=False)
     name_or_path: str
     vocab_size: int
     bos_id: int | None
@@ -168,8 +170,8 @@ class Tokenizer:
     eos_ids: tuple[int, ...]
     pad_id: int | None
     unk_id: int | None
-    chat_template: str | None
-    chat_templates: Mapping[str, str]
+    chat_template: str | None = dataclasses.field(repr=False)
+    chat_templates: Mapping[str, str] = dataclasses.field(repr=False)
     special_tokens: Mapping[str, str]
     clean_up_tokenization_spaces: bool = False
 
@@ -289,7 +291,8 @@ class Tokenizer:
                     f"chat template is not prefix-stable: messages[:{i}] with the generation "
                     f"prompt, or messages[:{i + 1}], does not render to a prefix of the whole "
                     "conversation (the template rewrites earlier turns, e.g. drops past "
-                    "reasoning), so assistant tokens cannot be located. Wrap each assistant "
+                    "reasoning, or its generation prompt differs from a rendered assistant turn), "
+                    "so assistant tokens cannot be located. Wrap each assistant "
                     "turn's content and end-of-turn token in {% generation %}...{% endgeneration "
                     "%} in the template.")
             # The newline templates put after end-of-turn is never generated (generation stops
@@ -407,9 +410,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         if content is None:
             continue
         if not isinstance(content, str) or backend.token_to_id(content) is None:
-            raise ValueError(f"tokenizer_config.json sets {name}={content!r}, which is not in "
-                             f"the vocabulary of {root / 'tokenizer.json'}; fix the token or "
-                             "add it to tokenizer.json's added_tokens")
+            raise ValueError(f"the tokenizer config sets {name}={content!r}, which is not in the "
+                             f"vocabulary of {root / 'tokenizer.json'}; fix the token in "
+                             "tokenizer_config.json (or special_tokens_map.json) or add it to "
+                             "tokenizer.json's added_tokens")
         special[name] = content
         # transformers makes every named special token a special added token: split off before
         # pre-tokenization even if tokenizer.json has it as a plain vocabulary entry, and
@@ -445,6 +449,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         bos_id=ids.get("bos_token"), eos_id=eos_id,
         eos_ids=tuple(dict.fromkeys(i for i in (eos_id, *stop) if i is not None)),
         pad_id=ids.get("pad_token", eos_id), unk_id=ids.get("unk_token"),
-        chat_template=templates.get("default"), chat_templates=types.MappingProxyType(templates),
-        special_tokens=types.MappingProxyType(special),
+        chat_template=templates.get("default"), chat_templates=templates,
+        special_tokens=special,
         clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)))

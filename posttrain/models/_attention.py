@@ -19,9 +19,16 @@ from posttrain.parallel import logical_to_spec
 _NEG_INF = float(np.finfo(np.float32).min)
 
 
+def _target_platform() -> str:
+    """The platform being compiled for: the mesh's devices (AOT for TPU from a CPU host), else
+    JAX's default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
 def resolve_impl(impl: str) -> str:
-    """Turns `auto` into the fastest implementation for this backend; checks explicit choices."""
-    platform = jax.default_backend()
+    """Turns `auto` into the fastest implementation for the target; checks explicit choices."""
+    platform = _target_platform()
     if impl == "auto":
         return {"gpu": "cudnn", "tpu": "splash"}.get(platform, "xla")
     wanted = {"cudnn": "gpu", "splash": "tpu"}.get(impl)

@@ -1,6 +1,7 @@
 """posttrain.data.load_tokenizer against transformers.AutoTokenizer on the same directories."""
 
 import json
+import pickle
 import re
 
 import jinja2
@@ -191,7 +192,7 @@ def test_named_templates(tmp_path, make_tokenizer_dir, chatml_dir):
         ours.apply_chat_template(CHAT, chat_template="nope")
 
 
-def test_errors(tmp_path, make_tokenizer_dir, chatml_dir):
+def test_load_errors(tmp_path, make_tokenizer_dir):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
@@ -215,7 +216,9 @@ def test_errors(tmp_path, make_tokenizer_dir, chatml_dir):
     with pytest.raises(ValueError, match=r"eos_token='</s>', which is not in the vocabulary"):
         load_tokenizer(unknown)
 
-    no_template = load_tokenizer(make_tokenizer_dir(tmp_path / "plain", {}))
+
+def test_chat_errors(tmp_path, make_tokenizer_dir, chatml_dir):
+    no_template = load_tokenizer(make_tokenizer_dir(tmp_path, {}))
     assert no_template.chat_template is None
     with pytest.raises(ValueError, match="no chat template.*chat_template.jinja.*tokenizer_config"):
         no_template.apply_chat_template(CHAT)
@@ -274,3 +277,10 @@ def test_special_token_registration_matches_hf(tmp_path, make_tokenizer_dir, tok
         assert ids == hf.encode(text), text
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
     assert ours.decode(ours.encode("x<|endoftext|>y")) == "xy"
+
+
+def test_pickles_and_prints_briefly(generation_dir):
+    tok = load_tokenizer(generation_dir)
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.encode_chat(CHAT) == tok.encode_chat(CHAT)
+    assert "vocab_size=400" in repr(tok) and "endgeneration" not in repr(tok)

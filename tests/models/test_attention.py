@@ -1,11 +1,21 @@
 """Attention implementations against the XLA reference (fused kernels only where they run)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.models import Transformer, attention, attention_mask, get_preset
+from posttrain.models import (
+    Transformer,
+    attention,
+    attention_mask,
+    get_preset,
+    param_shapes,
+    param_shardings,
+)
+from posttrain.parallel import MeshConfig, make_mesh, named_sharding
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -81,3 +91,62 @@ def test_model_with_cudnn_matches_xla():
                                                                        segments)
     valid = np.asarray(segments > 0)
     assert np.abs(np.asarray(got) - np.asarray(ref))[valid].max() < 5e-2
+
+
+@pytest.fixture
+def splash_on_cpu(monkeypatch):
+    """Runs the splash kernel in Pallas interpret mode, so its masks, GQA grouping, scaling and
+    shard_map wrapper are checked on CPU against the reference."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+    from posttrain.models import _attention
+
+    monkeypatch.setattr(splash, "make_splash_mha",
+                        functools.partial(splash.make_splash_mha, interpret=True))
+    monkeypatch.setattr(_attention, "_target_platform", lambda: "tpu")
+
+
+def test_splash_kernel_matches_reference_sharded(splash_on_cpu, devices):
+    config = get_preset("tiny", num_heads=4, num_kv_heads=2, head_dim=64, sliding_window=40,
+                        sliding_window_layers=(1,))
+    model = Transformer.init(config.replace(attention="xla"), rng=0)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 128)), jnp.int32)
+    positions, segments = _packing(L=128)
+    mesh = make_mesh(MeshConfig.from_dict({"fsdp": 2, "tensor": 2, "data": 2}))
+
+    def loss(params, impl):
+        logits = Transformer(params, config.replace(attention=impl))(tokens, positions, segments)
+        return jnp.sum(jnp.where((segments > 0)[..., None], logits, 0.0) ** 2) / 1e3, logits
+
+    grad = jax.value_and_grad(loss, has_aux=True)
+    (_, ref), ref_grads = grad(model.params, "xla")
+    with jax.set_mesh(mesh):
+        (_, got), got_grads = jax.jit(grad, static_argnums=1)(model.params, "splash")
+    valid = np.asarray(segments > 0)
+    assert np.abs(np.asarray(got) - np.asarray(ref))[valid].max() < 1e-4
+    for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads), strict=True):
+        assert np.linalg.norm(np.asarray(g) - r) <= 1e-4 * np.linalg.norm(r)
+
+
+def test_splash_compiles_for_tpu_ahead_of_time():
+    """With libtpu (the `tpu` extra) the fused kernel is what XLA compiles for a TPU slice."""
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    mesh = make_mesh(MeshConfig.from_dict({"fsdp": 2, "tensor": 2}), devices=topology.devices)
+    config = get_preset("tiny", compute_dtype="bfloat16", num_heads=4, num_kv_heads=2,
+                        head_dim=128)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          param_shapes(config), param_shardings(config, mesh))
+    tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32,
+                                  sharding=named_sharding(("act_batch",), (8, 256), mesh))
+    kernels = {}
+    for impl in ("auto", "xla"):
+        def loss(params, tokens, impl=impl):
+            return Transformer(params, config.replace(attention=impl))(tokens).mean()
+
+        with jax.set_mesh(mesh):
+            hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+        kernels[impl] = hlo.count('custom_call_target="tpu_custom_call"')
+    assert kernels["auto"] >= 2 and kernels["xla"] == 0, kernels  # forward and backward kernels
