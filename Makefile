@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m ruff check posttrain tests configs
+	$(PY) -m ruff check posttrain tests benchmarks
 	$(PY) -m pytest -n 2 --durations=15
 
 test-slow: $(STAMP)
@@ -22,11 +22,11 @@ demo: $(STAMP)
 	$(VENV)/bin/posttrain demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check posttrain tests configs
+	$(PY) -m ruff check posttrain tests benchmarks
 
 format: $(STAMP)
-	$(PY) -m ruff format posttrain tests configs
-	$(PY) -m ruff check --fix posttrain tests configs
+	$(PY) -m ruff format posttrain tests benchmarks
+	$(PY) -m ruff check --fix posttrain tests benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache

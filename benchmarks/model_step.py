@@ -22,11 +22,28 @@ import numpy as np
 from posttrain.models import ModelConfig, Transformer, init_params
 
 CONFIGS = {
-    "tiny": ModelConfig(vocab_size=512, embed_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=32, mlp_dim=256, name="tiny"),
-    "1b": ModelConfig(vocab_size=32_000, embed_dim=2048, num_layers=16, num_heads=16,
-                      num_kv_heads=8, head_dim=128, mlp_dim=5632, rope_theta=500_000.0,
-                      norm_eps=1e-5, name="1b"),
+    "tiny": ModelConfig(
+        vocab_size=512,
+        embed_dim=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        mlp_dim=256,
+        name="tiny",
+    ),
+    "1b": ModelConfig(
+        vocab_size=32_000,
+        embed_dim=2048,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        mlp_dim=5632,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+        name="1b",
+    ),
 }
 
 
@@ -65,12 +82,19 @@ def time_torch(config: ModelConfig, tokens: np.ndarray, steps: int, dtype: str) 
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.embed_dim,
-        intermediate_size=config.mlp_dim, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim, rope_theta=config.rope_theta, rms_norm_eps=config.norm_eps)
+        vocab_size=config.vocab_size,
+        hidden_size=config.embed_dim,
+        intermediate_size=config.mlp_dim,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.norm_eps,
+    )
     model = transformers.LlamaForCausalLM._from_config(
-        hf_config, attn_implementation="sdpa", dtype=getattr(torch, dtype)).to(device)
+        hf_config, attn_implementation="sdpa", dtype=getattr(torch, dtype)
+    ).to(device)
     tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
 
     def step():
@@ -100,28 +124,45 @@ def main():
     args = parser.parse_args()
 
     config = CONFIGS[args.preset].replace(param_dtype=args.dtype, compute_dtype=args.dtype)
-    tokens = np.random.RandomState(0).randint(0, config.vocab_size,
-                                              (args.batch, args.seq + 1)).astype(np.int32)
+    tokens = (
+        np.random.RandomState(0)
+        .randint(0, config.vocab_size, (args.batch, args.seq + 1))
+        .astype(np.int32)
+    )
     impls = {"cpu": ["xla"], "gpu": ["xla", "cudnn"], "tpu": ["xla", "splash"]}[
-        jax.default_backend()]
+        jax.default_backend()
+    ]
     rows = {"HF transformers (torch, sdpa)": time_torch(config, tokens, args.steps, args.dtype)}
     for impl in impls:
-        rows[f"posttrain (attention={impl})"] = time_jax(config.replace(attention=impl), tokens,
-                                                         args.steps)
+        rows[f"posttrain (attention={impl})"] = time_jax(
+            config.replace(attention=impl), tokens, args.steps
+        )
     flops = step_flops(config, args.batch, args.seq)
     tokens_per_step = args.batch * args.seq
     baseline = rows["HF transformers (torch, sdpa)"]
-    print(f"\n{config.name}: {config.num_params() / 1e9:.2f}B params, batch {args.batch} x "
-          f"{args.seq} tokens, {args.dtype}, fwd+bwd, {jax.devices()[0].device_kind}\n")
+    print(
+        f"\n{config.name}: {config.num_params() / 1e9:.2f}B params, batch {args.batch} x "
+        f"{args.seq} tokens, {args.dtype}, fwd+bwd, {jax.devices()[0].device_kind}\n"
+    )
     print("| implementation | step (ms) | tokens/s | model TFLOP/s | speed vs HF |")
     print("|---|---|---|---|---|")
     for name, seconds in rows.items():
-        print(f"| {name} | {seconds * 1e3:.1f} | {tokens_per_step / seconds:,.0f} | "
-              f"{flops / seconds / 1e12:.1f} | {baseline / seconds:.2f}x |")
+        print(
+            f"| {name} | {seconds * 1e3:.1f} | {tokens_per_step / seconds:,.0f} | "
+            f"{flops / seconds / 1e12:.1f} | {baseline / seconds:.2f}x |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": jax.devices()[0].device_kind,
-                       "seconds_per_step": rows, "model_flops_per_step": flops}, f, indent=2)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "device": jax.devices()[0].device_kind,
+                    "seconds_per_step": rows,
+                    "model_flops_per_step": flops,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         print(DEMO_PLAN)
         return 0
     if command in _PENDING:
-        print(f"posttrain {command}: not available yet; it arrives with {_PENDING[command]}.",
-              file=sys.stderr)
+        print(
+            f"posttrain {command}: not available yet; it arrives with {_PENDING[command]}.",
+            file=sys.stderr,
+        )
         return 2
     print(f"posttrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -24,19 +24,39 @@ import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                  "mask_token")
+_SPECIAL_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_TEMPLATE_PLACES = ("chat_template.jinja, additional_chat_templates/*.jinja and the "
-                    "'chat_template' key of tokenizer_config.json")
-_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-            (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+_TEMPLATE_PLACES = (
+    "chat_template.jinja, additional_chat_templates/*.jinja and the "
+    "'chat_template' key of tokenizer_config.json"
+)
+_CLEANUP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
 Spans = list[tuple[int, int]]
 
 # (chunks rendered so far, spans) while a render records {% generation %} blocks, else None.
 _tracking: contextvars.ContextVar[tuple[list[str], Spans] | None] = contextvars.ContextVar(
-    "posttrain_generation_tracking", default=None)
+    "posttrain_generation_tracking", default=None
+)
 
 
 class _GenerationTracker(jinja2.ext.Extension):
@@ -91,19 +111,26 @@ def _raise_exception(message):
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # jinja's own tojson HTML-escapes '<', '>' and '&', which would corrupt prompts.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @functools.lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
     """Compiles a chat template in the sandbox transformers uses (templates are untrusted code)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTracker, jinja2.ext.loopcontrols],
+    )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, dict=_template_dict, namespace=_Namespace,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.globals.update(
+        raise_exception=_raise_exception,
+        dict=_template_dict,
+        namespace=_Namespace,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+    )
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
@@ -113,13 +140,16 @@ def _compile(template: str) -> jinja2.Template:
 def _check_messages(messages: Any) -> list[dict]:
     """Validates messages and normalises them as transformers does before rendering."""
     if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} "
-                         f"dicts, got {messages!r:.100}")
+        raise ValueError(
+            "messages must be a non-empty list of {'role': ..., 'content': ...} "
+            f"dicts, got {messages!r:.100}"
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content' keys, "
-                             f"got {m!r:.100}")
+            raise ValueError(
+                f"messages[{i}] must be a dict with 'role' and 'content' keys, got {m!r:.100}"
+            )
         # Templates test `is defined`, so None values (e.g. OpenAI's content=None beside tool_calls)
         # become missing keys; reasoning under older names is aliased to the standard one.
         m = {k: v for k, v in m.items() if v is not None}
@@ -192,8 +222,9 @@ class Tokenizer:
         """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True
-                     ) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], *, add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """`encode` of each string, in parallel in the `tokenizers` backend."""
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
@@ -211,11 +242,13 @@ class Tokenizer:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._clean_up(text)
 
-    def decode_batch(self, batch: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
-                     ) -> list[str]:
+    def decode_batch(
+        self, batch: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
+    ) -> list[str]:
         """`decode` of each id sequence."""
-        texts = self.backend.decode_batch([list(ids) for ids in batch],
-                                          skip_special_tokens=skip_special_tokens)
+        texts = self.backend.decode_batch(
+            [list(ids) for ids in batch], skip_special_tokens=skip_special_tokens
+        )
         return [self._clean_up(t) for t in texts]
 
     def _clean_up(self, text: str) -> str:
@@ -225,11 +258,16 @@ class Tokenizer:
                 text = text.replace(old, new)
         return text
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = False, tokenize: bool = True,
-                            tools: Sequence[Mapping] | None = None,
-                            chat_template: str | None = None, **template_kwargs: Any
-                            ) -> str | list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        tools: Sequence[Mapping] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
         """Renders a conversation with a chat template, as transformers' method of that name.
 
         Args:
@@ -245,13 +283,19 @@ class Tokenizer:
           The rendered text, or its ids.
         """
         template = self._template(chat_template, tools)
-        text, _ = self._render(template, _check_messages(messages), add_generation_prompt, tools,
-                               template_kwargs)
+        text, _ = self._render(
+            template, _check_messages(messages), add_generation_prompt, tools, template_kwargs
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                    tools: Sequence[Mapping] | None = None, chat_template: str | None = None,
-                    **template_kwargs: Any) -> tuple[list[int], list[bool]]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> tuple[list[int], list[bool]]:
         """Tokenizes a conversation and marks its assistant tokens (those SFT computes loss on).
 
         With `{% generation %}` blocks in the template, the mask covers what they render (as
@@ -285,7 +329,7 @@ class Tokenizer:
             if message["role"] != "assistant":
                 continue
             prompt, _ = self._render(template, msgs[:i], True, tools, kwargs)
-            through, _ = self._render(template, msgs[:i + 1], False, tools, kwargs)
+            through, _ = self._render(template, msgs[: i + 1], False, tools, kwargs)
             if not (through.startswith(prompt) and text.startswith(through)):
                 raise ValueError(
                     f"chat template is not prefix-stable: messages[:{i}] with the generation "
@@ -294,7 +338,8 @@ class Tokenizer:
                     "reasoning, or its generation prompt differs from a rendered assistant turn), "
                     "so assistant tokens cannot be located. Wrap each assistant "
                     "turn's content and end-of-turn token in {% generation %}...{% endgeneration "
-                    "%} in the template.")
+                    "%} in the template."
+                )
             # The newline templates put after end-of-turn is never generated (generation stops
             # at end-of-turn), so it stays out of the loss.
             spans.append((len(prompt), max(len(prompt), len(through.rstrip()))))
@@ -307,27 +352,39 @@ class Tokenizer:
             if name_or_template in templates:
                 return templates[name_or_template]
             if "{" not in name_or_template:
-                raise ValueError(f"no chat template named {name_or_template!r} in "
-                                 f"{self.name_or_path}; available: {sorted(templates)}")
+                raise ValueError(
+                    f"no chat template named {name_or_template!r} in "
+                    f"{self.name_or_path}; available: {sorted(templates)}"
+                )
             return name_or_template
         if tools is not None and "tool_use" in templates:
             return templates["tool_use"]
         if "default" in templates:
             return templates["default"]
         if templates:
-            raise ValueError(f"{self.name_or_path} has several chat templates, none named "
-                             f"'default'; pass chat_template= one of {sorted(templates)}")
-        raise ValueError(f"{self.name_or_path} has no chat template (looked in {_TEMPLATE_PLACES})"
-                         "; add chat_template.jinja there or pass chat_template='<jinja template>'")
+            raise ValueError(
+                f"{self.name_or_path} has several chat templates, none named "
+                f"'default'; pass chat_template= one of {sorted(templates)}"
+            )
+        raise ValueError(
+            f"{self.name_or_path} has no chat template (looked in {_TEMPLATE_PLACES})"
+            "; add chat_template.jinja there or pass chat_template='<jinja template>'"
+        )
 
-    def _render(self, template, msgs, add_generation_prompt, tools, kwargs, track=False
-                ) -> tuple[str, Spans]:
+    def _render(
+        self, template, msgs, add_generation_prompt, tools, kwargs, track=False
+    ) -> tuple[str, Spans]:
         """The rendered text and, with track=True, the spans of its {% generation %} blocks."""
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):
             raise ValueError("tools must be JSON-schema dicts ({'type': 'function', ...})")
-        variables = {**self.special_tokens, **kwargs, "messages": msgs, "tools": tools,
-                     "documents": kwargs.get("documents"),
-                     "add_generation_prompt": add_generation_prompt}
+        variables = {
+            **self.special_tokens,
+            **kwargs,
+            "messages": msgs,
+            "tools": tools,
+            "documents": kwargs.get("documents"),
+            "add_generation_prompt": add_generation_prompt,
+        }
         chunks: list[str] = []
         spans: Spans = []
         token = _tracking.set((chunks, spans) if track else None)
@@ -355,8 +412,10 @@ def _read_json(path: Path) -> dict:
 
 def _read_templates(root: Path, config: dict) -> dict[str, str]:
     """Chat templates by name; as in transformers, template files replace the config's."""
-    files = {p.stem: p.read_text(encoding="utf-8")
-             for p in sorted((root / "additional_chat_templates").glob("*.jinja"))}
+    files = {
+        p.stem: p.read_text(encoding="utf-8")
+        for p in sorted((root / "additional_chat_templates").glob("*.jinja"))
+    }
     if (root / "chat_template.jinja").is_file():
         files["default"] = (root / "chat_template.jinja").read_text(encoding="utf-8")
     raw = config.get("chat_template")
@@ -364,11 +423,14 @@ def _read_templates(root: Path, config: dict) -> dict[str, str]:
         return files
     if isinstance(raw, str):
         return {"default": raw}
-    if isinstance(raw, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys()
-                                     for t in raw):
+    if isinstance(raw, list) and all(
+        isinstance(t, dict) and {"name", "template"} <= t.keys() for t in raw
+    ):
         return {t["name"]: t["template"] for t in raw}
-    raise ValueError(f"{root / 'tokenizer_config.json'}: 'chat_template' must be a string or "
-                     "a list of {'name': ..., 'template': ...} dicts")
+    raise ValueError(
+        f"{root / 'tokenizer_config.json'}: 'chat_template' must be a string or "
+        "a list of {'name': ..., 'template': ...} dicts"
+    )
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -388,11 +450,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {root} does not exist; pass the directory "
-                                "that holds tokenizer.json")
+        raise FileNotFoundError(
+            f"tokenizer directory {root} does not exist; pass the directory "
+            "that holds tokenizer.json"
+        )
     if not (root / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{root} has no tokenizer.json; only fast tokenizers are "
-                                "supported (write one with transformers' save_pretrained)")
+        raise FileNotFoundError(
+            f"{root} has no tokenizer.json; only fast tokenizers are "
+            "supported (write one with transformers' save_pretrained)"
+        )
     try:
         backend = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
     except Exception as e:  # the Rust side raises a bare Exception
@@ -410,22 +476,34 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         if content is None:
             continue
         if not isinstance(content, str) or backend.token_to_id(content) is None:
-            raise ValueError(f"the tokenizer config sets {name}={content!r}, which is not in the "
-                             f"vocabulary of {root / 'tokenizer.json'}; fix the token in "
-                             "tokenizer_config.json (or special_tokens_map.json) or add it to "
-                             "tokenizer.json's added_tokens")
+            raise ValueError(
+                f"the tokenizer config sets {name}={content!r}, which is not in the "
+                f"vocabulary of {root / 'tokenizer.json'}; fix the token in "
+                "tokenizer_config.json (or special_tokens_map.json) or add it to "
+                "tokenizer.json's added_tokens"
+            )
         special[name] = content
         # transformers makes every named special token a special added token: split off before
         # pre-tokenization even if tokenizer.json has it as a plain vocabulary entry, and
         # dropped by skip_special_tokens even if tokenizer.json marks it non-special.
         if (old := known.get(content)) is None:
-            flags = {k: value[k] for k in ("single_word", "lstrip", "rstrip")
-                     if isinstance(value, dict) and k in value}
+            flags = {
+                k: value[k]
+                for k in ("single_word", "lstrip", "rstrip")
+                if isinstance(value, dict) and k in value
+            }
             added.append(tokenizers.AddedToken(content, special=True, normalized=False, **flags))
         elif not old.special:
-            added.append(tokenizers.AddedToken(
-                content, single_word=old.single_word, lstrip=old.lstrip, rstrip=old.rstrip,
-                normalized=old.normalized, special=True))
+            added.append(
+                tokenizers.AddedToken(
+                    content,
+                    single_word=old.single_word,
+                    lstrip=old.lstrip,
+                    rstrip=old.rstrip,
+                    normalized=old.normalized,
+                    special=True,
+                )
+            )
     backend.add_special_tokens(added)
     ids = {name: backend.token_to_id(content) for name, content in special.items()}
     # add_bos_token/add_eos_token are ignored, as transformers 5 ignores them when tokenizer.json
@@ -438,17 +516,26 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
     stop = generation.get("eos_token_id")
     stop = [] if stop is None else [stop] if isinstance(stop, int) else stop
-    if not isinstance(stop, list) or not all(isinstance(i, int) and 0 <= i < vocab_size
-                                             for i in stop):
-        raise ValueError(f"{root / 'generation_config.json'}: eos_token_id must be an id or a "
-                         f"list of ids below the vocabulary size {vocab_size}, got {stop!r}")
+    if not isinstance(stop, list) or not all(
+        isinstance(i, int) and 0 <= i < vocab_size for i in stop
+    ):
+        raise ValueError(
+            f"{root / 'generation_config.json'}: eos_token_id must be an id or a "
+            f"list of ids below the vocabulary size {vocab_size}, got {stop!r}"
+        )
     eos_id = ids.get("eos_token")
     templates = _read_templates(root, config)
     return Tokenizer(
-        backend=backend, name_or_path=str(root), vocab_size=vocab_size,
-        bos_id=ids.get("bos_token"), eos_id=eos_id,
+        backend=backend,
+        name_or_path=str(root),
+        vocab_size=vocab_size,
+        bos_id=ids.get("bos_token"),
+        eos_id=eos_id,
         eos_ids=tuple(dict.fromkeys(i for i in (eos_id, *stop) if i is not None)),
-        pad_id=ids.get("pad_token", eos_id), unk_id=ids.get("unk_token"),
-        chat_template=templates.get("default"), chat_templates=templates,
+        pad_id=ids.get("pad_token", eos_id),
+        unk_id=ids.get("unk_token"),
+        chat_template=templates.get("default"),
+        chat_templates=templates,
         special_tokens=special,
-        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)))
+        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+    )

@@ -33,13 +33,25 @@ def resolve_impl(impl: str) -> str:
         return {"gpu": "cudnn", "tpu": "splash"}.get(platform, "xla")
     wanted = {"cudnn": "gpu", "splash": "tpu"}.get(impl)
     if wanted is not None and platform != wanted:
-        raise ValueError(f"attention={impl!r} runs on {wanted.upper()} only, but JAX's backend is "
-                         f"{platform!r}; set model.attention to 'auto' or 'xla'")
+        raise ValueError(
+            f"attention={impl!r} runs on {wanted.upper()} only, but JAX's backend is "
+            f"{platform!r}; set model.attention to 'auto' or 'xla'"
+        )
     return impl
 
 
-def attention(q_BLNH, k_BSKH, v_BSKH, *, q_positions_BL, kv_positions_BS, q_segment_ids_BL,
-              kv_segment_ids_BS, window: int = 0, impl: str = "xla"):
+def attention(
+    q_BLNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    q_positions_BL,
+    kv_positions_BS,
+    q_segment_ids_BL,
+    kv_segment_ids_BS,
+    window: int = 0,
+    impl: str = "xla",
+):
     """Scaled dot-product attention of queries over keys, causal by position.
 
     Args:
@@ -53,19 +65,28 @@ def attention(q_BLNH, k_BSKH, v_BSKH, *, q_positions_BL, kv_positions_BS, q_segm
       The attended values, `[B, L, N, H]` in the dtype of `q_BLNH`.
     """
     if impl == "xla":
-        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_positions_BL, kv_positions_BS,
-                              q_segment_ids_BL, kv_segment_ids_BS, window)
+        return _xla_attention(
+            q_BLNH,
+            k_BSKH,
+            v_BSKH,
+            q_positions_BL,
+            kv_positions_BS,
+            q_segment_ids_BL,
+            kv_segment_ids_BS,
+            window,
+        )
     if impl == "cudnn":
-        return _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS,
-                                window)
+        return _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window)
     if impl == "splash":
-        return _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS,
-                                 window)
+        return _splash_attention(
+            q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window
+        )
     raise ValueError(f"unknown attention implementation {impl!r}")
 
 
-def attention_mask(q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS,
-                   window: int = 0):
+def attention_mask(
+    q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window: int = 0
+):
     """Boolean `[B, L, S]`: same document, causal by position, inside the window if any."""
     q_pos, kv_pos = q_positions_BL[:, :, None], kv_positions_BS[:, None, :]
     mask = (kv_pos <= q_pos) & (q_segment_ids_BL[:, :, None] == kv_segment_ids_BS[:, None, :])
@@ -78,8 +99,9 @@ def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window)
     B, L, N, H = q_BLNH.shape
     K = k_BSKH.shape[2]
     q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H)
-    scores_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH,
-                              preferred_element_type=jnp.float32) * (H ** -0.5)
+    scores_BKGLS = jnp.einsum(
+        "BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH, preferred_element_type=jnp.float32
+    ) * (H**-0.5)
     mask_BLS = attention_mask(q_pos, kv_pos, q_seg, kv_seg, window)
     scores_BKGLS = jnp.where(mask_BLS[:, None, None], scores_BKGLS, _NEG_INF)
     probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKH.dtype)
@@ -90,15 +112,23 @@ def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window)
 def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
     segment_mask_B1LS = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
-        q_BLNH, k_BSKH, v_BSKH, mask=segment_mask_B1LS, is_causal=True,
-        local_window_size=(window - 1, 0) if window else None, implementation="cudnn")
+        q_BLNH,
+        k_BSKH,
+        v_BSKH,
+        mask=segment_mask_B1LS,
+        is_causal=True,
+        local_window_size=(window - 1, 0) if window else None,
+        implementation="cudnn",
+    )
 
 
 def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
     L, S = q_BLNH.shape[1], k_BSKH.shape[1]
     if L % 128 or S % 128:
-        raise ValueError(f"splash attention needs sequence lengths that are multiples of 128, "
-                         f"got {L} and {S}; pad the batch or set model.attention='xla'")
+        raise ValueError(
+            f"splash attention needs sequence lengths that are multiples of 128, "
+            f"got {L} and {S}; pad the batch or set model.attention='xla'"
+        )
     mesh = jax.sharding.get_abstract_mesh()
     local = functools.partial(_splash_local, window=window)
     if mesh.empty:
@@ -111,9 +141,12 @@ def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
         q_spec = logical_to_spec(("act_batch",), q_BLNH.shape, mesh)
         kv_spec = q_spec
     seg_spec = jax.sharding.PartitionSpec(*q_spec[:1])
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec),
-                         out_specs=q_spec, check_vma=False)(q_BLNH, k_BSKH, v_BSKH, q_seg,
-                                                             kv_seg)
+    return jax.shard_map(
+        local,
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg)
 
 
 def _splash_local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, *, window):
@@ -126,11 +159,9 @@ def _splash_local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, *, window):
 
     _, L, N, H = q_BLNH.shape
     S = k_BSKH.shape[1]
-    base = (masks.LocalMask((L, S), (window - 1, 0), 0) if window
-            else masks.CausalMask((L, S)))
-    kernel = splash.make_splash_mha(masks.MultiHeadMask([base] * N), head_shards=1,
-                                    q_seq_shards=1)
-    q_BNLH = (q_BLNH * H ** -0.5).astype(q_BLNH.dtype).transpose(0, 2, 1, 3)
+    base = masks.LocalMask((L, S), (window - 1, 0), 0) if window else masks.CausalMask((L, S))
+    kernel = splash.make_splash_mha(masks.MultiHeadMask([base] * N), head_shards=1, q_seq_shards=1)
+    q_BNLH = (q_BLNH * H**-0.5).astype(q_BLNH.dtype).transpose(0, 2, 1, 3)
     k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
     segments = splash.SegmentIds(q=q_seg, kv=kv_seg)
     out_BNLH = jax.vmap(kernel)(q_BNLH, k_BKSH, v_BKSH, segment_ids=segments)

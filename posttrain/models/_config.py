@@ -57,12 +57,21 @@ class ModelConfig:
         def fail(msg):
             raise ValueError(f"Invalid model config {self.name!r}: {msg}")
 
-        for field in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
-                                    "head_dim", "mlp_dim"):
+        for field in (
+            "vocab_size",
+            "embed_dim",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "mlp_dim",
+        ):
             if getattr(self, field) <= 0:
                 fail(f"{field} must be positive, got {getattr(self, field)}")
         if self.num_heads % self.num_kv_heads:
-            fail(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            fail(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.attention not in ATTENTION_IMPLS:
             fail(f"attention={self.attention!r}; choose one of {ATTENTION_IMPLS}")
         if self.remat not in REMAT_POLICIES:
@@ -71,10 +80,15 @@ class ModelConfig:
             try:
                 jnp.dtype(getattr(self, field))
             except TypeError:
-                fail(f"{field}={getattr(self, field)!r} is not a dtype name (use float32 or bfloat16)")
+                fail(
+                    f"{field}={getattr(self, field)!r} is not a dtype name "
+                    "(use float32 or bfloat16)"
+                )
         if self.rope_scaling is not None and self.rope_scaling.rope_type not in ROPE_TYPES:
-            fail(f"rope_scaling type {self.rope_scaling.rope_type!r} is not supported; "
-                      f"supported: {ROPE_TYPES}")
+            fail(
+                f"rope_scaling type {self.rope_scaling.rope_type!r} is not supported; "
+                f"supported: {ROPE_TYPES}"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             fail(f"sliding_window must be positive or None, got {self.sliding_window}")
         if self.sliding_window_layers is not None:

@@ -21,8 +21,12 @@ from posttrain.models._config import ModelConfig, RopeScaling
 from posttrain.models._transformer import Transformer, param_shardings, param_specs
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # Tensors HF checkpoints may carry that the model recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -62,8 +66,10 @@ def config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> Mod
     """Maps an HF `config.json` dict onto a `ModelConfig`; `overrides` replace fields after."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise HFFormatError(f"{source}: model_type {model_type!r} is not supported; supported "
-                            f"types are {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise HFFormatError(
+            f"{source}: model_type {model_type!r} is not supported; supported "
+            f"types are {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
     if hf.get("mlp_bias"):
@@ -177,15 +183,23 @@ class _Tensor:
 
 
 def _weight_table(config: ModelConfig) -> list[_Tensor]:
-    D, N, K, H, F, V = (config.embed_dim, config.num_heads, config.num_kv_heads,
-                        config.head_dim, config.mlp_dim, config.vocab_size)
+    D, N, K, H, F, V = (
+        config.embed_dim,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.mlp_dim,
+        config.vocab_size,
+    )
     same = lambda w: w
     t = lambda w: w.T
     layer = "model.layers.{i}."
 
     def proj_in(n):  # HF [n*H, D] <-> ours [D, n, H]
-        return (lambda w: w.reshape(n, H, D).transpose(2, 0, 1),
-                lambda w: w.transpose(1, 2, 0).reshape(n * H, D))
+        return (
+            lambda w: w.reshape(n, H, D).transpose(2, 0, 1),
+            lambda w: w.transpose(1, 2, 0).reshape(n * H, D),
+        )
 
     def bias(n):  # HF [n*H] <-> ours [n, H]
         return (lambda w: w.reshape(n, H), lambda w: w.reshape(n * H))
@@ -194,39 +208,53 @@ def _weight_table(config: ModelConfig) -> list[_Tensor]:
         _Tensor(("embed",), "model.embed_tokens.weight", (V, D), same, same),
         _Tensor(("final_norm",), "model.norm.weight", (D,), same, same),
         _Tensor(("layers", "attn_norm"), layer + "input_layernorm.weight", (D,), same, same),
-        _Tensor(("layers", "mlp_norm"), layer + "post_attention_layernorm.weight", (D,), same,
-                same),
-        _Tensor(("layers", "attn", "q"), layer + "self_attn.q_proj.weight", (N * H, D),
-                *proj_in(N)),
-        _Tensor(("layers", "attn", "k"), layer + "self_attn.k_proj.weight", (K * H, D),
-                *proj_in(K)),
-        _Tensor(("layers", "attn", "v"), layer + "self_attn.v_proj.weight", (K * H, D),
-                *proj_in(K)),
-        _Tensor(("layers", "attn", "o"), layer + "self_attn.o_proj.weight", (D, N * H),
-                lambda w: w.reshape(D, N, H).transpose(1, 2, 0),
-                lambda w: w.transpose(2, 0, 1).reshape(D, N * H)),
+        _Tensor(
+            ("layers", "mlp_norm"), layer + "post_attention_layernorm.weight", (D,), same, same
+        ),
+        _Tensor(
+            ("layers", "attn", "q"), layer + "self_attn.q_proj.weight", (N * H, D), *proj_in(N)
+        ),
+        _Tensor(
+            ("layers", "attn", "k"), layer + "self_attn.k_proj.weight", (K * H, D), *proj_in(K)
+        ),
+        _Tensor(
+            ("layers", "attn", "v"), layer + "self_attn.v_proj.weight", (K * H, D), *proj_in(K)
+        ),
+        _Tensor(
+            ("layers", "attn", "o"),
+            layer + "self_attn.o_proj.weight",
+            (D, N * H),
+            lambda w: w.reshape(D, N, H).transpose(1, 2, 0),
+            lambda w: w.transpose(2, 0, 1).reshape(D, N * H),
+        ),
         _Tensor(("layers", "mlp", "gate"), layer + "mlp.gate_proj.weight", (F, D), t, t),
         _Tensor(("layers", "mlp", "up"), layer + "mlp.up_proj.weight", (F, D), t, t),
         _Tensor(("layers", "mlp", "down"), layer + "mlp.down_proj.weight", (D, F), t, t),
     ]
     if config.qkv_bias:
         table += [
-            _Tensor(("layers", "attn", "q_bias"), layer + "self_attn.q_proj.bias", (N * H,),
-                    *bias(N)),
-            _Tensor(("layers", "attn", "k_bias"), layer + "self_attn.k_proj.bias", (K * H,),
-                    *bias(K)),
-            _Tensor(("layers", "attn", "v_bias"), layer + "self_attn.v_proj.bias", (K * H,),
-                    *bias(K)),
+            _Tensor(
+                ("layers", "attn", "q_bias"), layer + "self_attn.q_proj.bias", (N * H,), *bias(N)
+            ),
+            _Tensor(
+                ("layers", "attn", "k_bias"), layer + "self_attn.k_proj.bias", (K * H,), *bias(K)
+            ),
+            _Tensor(
+                ("layers", "attn", "v_bias"), layer + "self_attn.v_proj.bias", (K * H,), *bias(K)
+            ),
         ]
     if config.o_bias:
-        table.append(_Tensor(("layers", "attn", "o_bias"), layer + "self_attn.o_proj.bias", (D,),
-                             same, same))
+        table.append(
+            _Tensor(("layers", "attn", "o_bias"), layer + "self_attn.o_proj.bias", (D,), same, same)
+        )
     if config.qk_norm:
         table += [
-            _Tensor(("layers", "attn", "q_norm"), layer + "self_attn.q_norm.weight", (H,), same,
-                    same),
-            _Tensor(("layers", "attn", "k_norm"), layer + "self_attn.k_norm.weight", (H,), same,
-                    same),
+            _Tensor(
+                ("layers", "attn", "q_norm"), layer + "self_attn.q_norm.weight", (H,), same, same
+            ),
+            _Tensor(
+                ("layers", "attn", "k_norm"), layer + "self_attn.k_norm.weight", (H,), same, same
+            ),
         ]
     if not config.tie_embeddings:
         table.append(_Tensor(("lm_head",), "lm_head.weight", (V, D), t, t))
@@ -258,18 +286,22 @@ class _SafetensorsDir:
             weight_map = _read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise HFFormatError(f"{index_path} has no 'weight_map' object")
-            missing = sorted({f for f in weight_map.values()
-                              if not os.path.exists(os.path.join(path, f))})
+            missing = sorted(
+                {f for f in weight_map.values() if not os.path.exists(os.path.join(path, f))}
+            )
             if missing:
                 raise HFFormatError(
                     f"{index_path} lists shard file(s) {missing} that are missing from {path}; "
-                    f"download the complete checkpoint")
+                    f"download the complete checkpoint"
+                )
             self.file_of = dict(weight_map)
         else:
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             if not files:
-                raise HFFormatError(f"{path} holds no *.safetensors file (PyTorch .bin checkpoints "
-                                    f"are not read: convert them to safetensors first)")
+                raise HFFormatError(
+                    f"{path} holds no *.safetensors file (PyTorch .bin checkpoints "
+                    f"are not read: convert them to safetensors first)"
+                )
             self.file_of = {}
             for f in files:
                 with safe_open(os.path.join(path, f), framework="numpy") as handle:
@@ -282,19 +314,24 @@ class _SafetensorsDir:
             try:
                 self._handles[file] = safe_open(os.path.join(self.path, file), framework="numpy")
             except Exception as e:  # safetensors raises its own error types for bad headers
-                raise HFFormatError(f"{os.path.join(self.path, file)} is not a readable "
-                                    f"safetensors file: {e}") from None
+                raise HFFormatError(
+                    f"{os.path.join(self.path, file)} is not a readable safetensors file: {e}"
+                ) from None
         return self._handles[file]
 
     def check(self, name: str, shape: tuple[int, ...]) -> None:
         if name not in self.file_of:
-            raise HFFormatError(f"tensor {name!r} is missing from {self.path} (expected shape "
-                                f"{shape}); the checkpoint does not match its config.json")
+            raise HFFormatError(
+                f"tensor {name!r} is missing from {self.path} (expected shape "
+                f"{shape}); the checkpoint does not match its config.json"
+            )
         file = self.file_of[name]
         actual = tuple(self._handle(file).get_slice(name).get_shape())
         if actual != shape:
-            raise HFFormatError(f"tensor {name!r} in {os.path.join(self.path, file)} has shape "
-                                f"{actual}, but config.json implies {shape}")
+            raise HFFormatError(
+                f"tensor {name!r} in {os.path.join(self.path, file)} has shape "
+                f"{actual}, but config.json implies {shape}"
+            )
 
     def read(self, name: str) -> np.ndarray:
         return self._handle(self.file_of[name]).get_tensor(name)
@@ -307,8 +344,13 @@ def _load_param(entry: _Tensor, files: _SafetensorsDir, shape, dtype, sharding) 
     for index in index_map.values():
         key = _index_key(index, shape)
         if key not in buffers:
-            buffers[key] = np.empty([len(range(*s.indices(n))) for s, n in zip(
-                _full_index(index, shape), shape, strict=True)], dtype)
+            buffers[key] = np.empty(
+                [
+                    len(range(*s.indices(n)))
+                    for s, n in zip(_full_index(index, shape), shape, strict=True)
+                ],
+                dtype,
+            )
     if entry.per_layer:
         for layer in range(shape[0]):
             value = entry.to_ours(files.read(entry.hf_name.format(i=layer))).astype(dtype)
@@ -320,8 +362,10 @@ def _load_param(entry: _Tensor, files: _SafetensorsDir, shape, dtype, sharding) 
         value = entry.to_ours(files.read(entry.hf_name)).astype(dtype)
         for key, buf in buffers.items():
             buf[...] = value[tuple(slice(*k) for k in key)]
-    arrays = [jax.device_put(buffers[_index_key(index, shape)], device)
-              for device, index in index_map.items()]
+    arrays = [
+        jax.device_put(buffers[_index_key(index, shape)], device)
+        for device, index in index_map.items()
+    ]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
@@ -363,31 +407,46 @@ def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
     files = _SafetensorsDir(path)
     table = _weight_table(config)
     for entry in table:  # validate everything before reading anything
-        names = ([entry.hf_name.format(i=i) for i in range(config.num_layers)]
-                 if entry.per_layer else [entry.hf_name])
+        names = (
+            [entry.hf_name.format(i=i) for i in range(config.num_layers)]
+            if entry.per_layer
+            else [entry.hf_name]
+        )
         for name in names:
             files.check(name, entry.hf_shape)
     known = {e.hf_name.format(i=i) for e in table for i in range(config.num_layers)}
-    unused = sorted(n for n in files.file_of if n not in known
-                    and not n.endswith(_IGNORED_SUFFIXES)
-                    and not (config.tie_embeddings and n == "lm_head.weight"))
+    unused = sorted(
+        n
+        for n in files.file_of
+        if n not in known
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_embeddings and n == "lm_head.weight")
+    )
     if unused:
-        raise HFFormatError(f"{path} has tensors this {hf['model_type']} config does not use, e.g. "
-                            f"{unused[:3]}; check that config.json matches the weights")
+        raise HFFormatError(
+            f"{path} has tensors this {hf['model_type']} config does not use, e.g. "
+            f"{unused[:3]}; check that config.json matches the weights"
+        )
 
     specs = param_specs(config)
     param_dtype = np.dtype(jnp.dtype(config.param_dtype))
     if mesh is None:
         device = jax.local_devices()[0]
-        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), specs,
-                                 is_leaf=lambda x: hasattr(x, "axes"))
+        shardings = jax.tree.map(
+            lambda _: jax.sharding.SingleDeviceSharding(device),
+            specs,
+            is_leaf=lambda x: hasattr(x, "axes"),
+        )
     else:
         shardings = param_shardings(config, mesh)
     params: dict = {}
     for entry in table:
         spec = _get(specs, entry.path)
-        _set(params, entry.path, _load_param(entry, files, spec.shape, param_dtype,
-                                             _get(shardings, entry.path)))
+        _set(
+            params,
+            entry.path,
+            _load_param(entry, files, spec.shape, param_dtype, _get(shardings, entry.path)),
+        )
     return Transformer(params, config)
 
 
@@ -402,8 +461,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def to_hf(model: Transformer, path: str, *, dtype=None,
-          max_shard_bytes: int = 5 * 1024**3) -> None:
+def to_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int = 5 * 1024**3) -> None:
     """Writes `model` as an HF directory (`config.json` + safetensors) that transformers loads.
 
     Shards are written as they fill, so host memory holds at most one shard (plus one weight).

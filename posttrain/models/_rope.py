@@ -28,7 +28,8 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
     smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)

@@ -33,8 +33,15 @@ class ParamSpec:
 def param_specs(config: ModelConfig) -> dict:
     """The table of every parameter; layer weights carry a leading `layers` dimension T."""
     c = config
-    T, D, N, K, H, F, V = (c.num_layers, c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim,
-                           c.mlp_dim, c.vocab_size)
+    T, D, N, K, H, F, V = (
+        c.num_layers,
+        c.embed_dim,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.mlp_dim,
+        c.vocab_size,
+    )
     attn = {
         "q": ParamSpec((T, D, N, H), ("layers", "embed", "heads", "head_dim")),
         "k": ParamSpec((T, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
@@ -81,8 +88,9 @@ def param_axes(config: ModelConfig) -> dict:
 def param_shapes(config: ModelConfig) -> dict:
     """Pytree of `jax.ShapeDtypeStruct`: the params without allocating them."""
     dtype = jnp.dtype(config.param_dtype)
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(config),
-                        is_leaf=_is_spec)
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(config), is_leaf=_is_spec
+    )
 
 
 def param_shardings(config: ModelConfig, mesh) -> dict:
@@ -136,8 +144,19 @@ _REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
-def _layer(x_BLD, p, window_index, *, config: ModelConfig, impl: str, windows: tuple[int, ...],
-           cos, sin, positions_BL, segment_ids_BL):
+def _layer(
+    x_BLD,
+    p,
+    window_index,
+    *,
+    config: ModelConfig,
+    impl: str,
+    windows: tuple[int, ...],
+    cos,
+    sin,
+    positions_BL,
+    segment_ids_BL,
+):
     """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
     dt = config.dtype
     a = p["attn"]
@@ -153,13 +172,23 @@ def _layer(x_BLD, p, window_index, *, config: ModelConfig, impl: str, windows: t
         q_BLNH = rms_norm(q_BLNH, a["q_norm"], config.norm_eps)
         k_BLKH = rms_norm(k_BLKH, a["k_norm"], config.norm_eps)
     q_BLNH = constrain(apply_rope(q_BLNH, cos, sin), ("act_batch", "act_length", "act_heads", None))
-    k_BLKH = constrain(apply_rope(k_BLKH, cos, sin),
-                       ("act_batch", "act_length", "act_kv_heads", None))
+    k_BLKH = constrain(
+        apply_rope(k_BLKH, cos, sin), ("act_batch", "act_length", "act_kv_heads", None)
+    )
     v_BLKH = constrain(v_BLKH, ("act_batch", "act_length", "act_kv_heads", None))
 
-    attend = [functools.partial(attention, window=w, impl=impl, q_positions_BL=positions_BL,
-                                kv_positions_BS=positions_BL, q_segment_ids_BL=segment_ids_BL,
-                                kv_segment_ids_BS=segment_ids_BL) for w in windows]
+    attend = [
+        functools.partial(
+            attention,
+            window=w,
+            impl=impl,
+            q_positions_BL=positions_BL,
+            kv_positions_BS=positions_BL,
+            q_segment_ids_BL=segment_ids_BL,
+            kv_segment_ids_BS=segment_ids_BL,
+        )
+        for w in windows
+    ]
     if len(attend) == 1:
         o_BLNH = attend[0](q_BLNH, k_BLKH, v_BLKH)
     else:  # layers differ in window size: pick this layer's statically-compiled variant
@@ -178,9 +207,13 @@ def _layer(x_BLD, p, window_index, *, config: ModelConfig, impl: str, windows: t
     return constrain(x_BLD, ("act_batch", "act_length", "act_embed")), None
 
 
-def hidden_states(params: dict, tokens_BL: jax.Array, config: ModelConfig,
-                  positions_BL: jax.Array | None = None,
-                  segment_ids_BL: jax.Array | None = None) -> jax.Array:
+def hidden_states(
+    params: dict,
+    tokens_BL: jax.Array,
+    config: ModelConfig,
+    positions_BL: jax.Array | None = None,
+    segment_ids_BL: jax.Array | None = None,
+) -> jax.Array:
     """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read)."""
     B, L = tokens_BL.shape
     if positions_BL is None:
@@ -194,14 +227,19 @@ def hidden_states(params: dict, tokens_BL: jax.Array, config: ModelConfig,
 
     windows = tuple(sorted(set(config.layer_windows)))
     window_index_T = jnp.asarray([windows.index(w) for w in config.layer_windows], jnp.int32)
-    layer = functools.partial(_layer, config=config, impl=resolve_impl(config.attention),
-                              windows=windows, cos=cos, sin=sin, positions_BL=positions_BL,
-                              segment_ids_BL=segment_ids_BL)
+    layer = functools.partial(
+        _layer,
+        config=config,
+        impl=resolve_impl(config.attention),
+        windows=windows,
+        cos=cos,
+        sin=sin,
+        positions_BL=positions_BL,
+        segment_ids_BL=segment_ids_BL,
+    )
     if config.remat != "none":
-        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat],
-                               prevent_cse=False)
-    x_BLD, _ = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD,
-                            (params["layers"], window_index_T))
+        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
+    x_BLD, _ = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, (params["layers"], window_index_T))
     return rms_norm(x_BLD, params["final_norm"], config.norm_eps)
 
 
@@ -209,17 +247,29 @@ def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.A
     """Vocabulary logits `[B, L, V]` in float32 from final hidden states."""
     dt = config.dtype
     if config.tie_embeddings:
-        logits = jnp.einsum("BLD,VD->BLV", hidden_BLD, params["embed"].astype(dt),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "BLD,VD->BLV",
+            hidden_BLD,
+            params["embed"].astype(dt),
+            preferred_element_type=jnp.float32,
+        )
     else:
-        logits = jnp.einsum("BLD,DV->BLV", hidden_BLD, params["lm_head"].astype(dt),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "BLD,DV->BLV",
+            hidden_BLD,
+            params["lm_head"].astype(dt),
+            preferred_element_type=jnp.float32,
+        )
     return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
 
-def forward(params: dict, tokens_BL: jax.Array, config: ModelConfig,
-            positions_BL: jax.Array | None = None,
-            segment_ids_BL: jax.Array | None = None) -> jax.Array:
+def forward(
+    params: dict,
+    tokens_BL: jax.Array,
+    config: ModelConfig,
+    positions_BL: jax.Array | None = None,
+    segment_ids_BL: jax.Array | None = None,
+) -> jax.Array:
     """Logits `[B, L, V]` (float32) for int32 tokens `[B, L]`.
 
     Args:
@@ -235,8 +285,7 @@ def forward(params: dict, tokens_BL: jax.Array, config: ModelConfig,
     return lm_logits(params, hidden, config)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
-                   meta_fields=["config"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])
 @dataclasses.dataclass(frozen=True)
 class Transformer:
     """A model is its config plus its params: `model(tokens) -> logits`. A pytree, so it can be

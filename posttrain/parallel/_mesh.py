@@ -25,18 +25,19 @@ class MeshConfig:
     dcn: tuple[int, ...] = (1, 1, 1, 1, 1)
 
     @classmethod
-    def from_dict(cls, ici: Mapping[str, int] | None = None,
-                  dcn: Mapping[str, int] | None = None) -> MeshConfig:
+    def from_dict(
+        cls, ici: Mapping[str, int] | None = None, dcn: Mapping[str, int] | None = None
+    ) -> MeshConfig:
         """Builds a config from `{"fsdp": -1, "tensor": 4}`-style dicts; absent axes are 1."""
-        return cls(ici=_axis_tuple(ici or {"fsdp": -1}, "ici"),
-                   dcn=_axis_tuple(dcn or {}, "dcn"))
+        return cls(ici=_axis_tuple(ici or {"fsdp": -1}, "ici"), dcn=_axis_tuple(dcn or {}, "dcn"))
 
 
 def _axis_tuple(sizes: Mapping[str, int], level: str) -> tuple[int, ...]:
     unknown = set(sizes) - set(MESH_AXES)
     if unknown:
-        raise ValueError(f"mesh.{level} names unknown axes {sorted(unknown)}; "
-                         f"the mesh axes are {MESH_AXES}")
+        raise ValueError(
+            f"mesh.{level} names unknown axes {sorted(unknown)}; the mesh axes are {MESH_AXES}"
+        )
     return tuple(int(sizes.get(axis, 1)) for axis in MESH_AXES)
 
 
@@ -51,18 +52,22 @@ def _resolve(sizes: Sequence[int], total: int, level: str) -> tuple[int, ...]:
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if total % known:
-            raise ValueError(f"mesh.{level} ({desc}) cannot fill -1: {known} does not divide "
-                             f"{total} {unit}")
+            raise ValueError(
+                f"mesh.{level} ({desc}) cannot fill -1: {known} does not divide {total} {unit}"
+            )
         sizes = [total // known if s == -1 else s for s in sizes]
     elif known != total:
-        raise ValueError(f"mesh.{level} ({desc or 'all 1'}) multiplies to {known}, but there are "
-                         f"{total} {unit}; make the sizes multiply to {total} "
-                         f"or set one axis to -1")
+        raise ValueError(
+            f"mesh.{level} ({desc or 'all 1'}) multiplies to {known}, but there are "
+            f"{total} {unit}; make the sizes multiply to {total} "
+            f"or set one axis to -1"
+        )
     return tuple(sizes)
 
 
-def make_mesh(config: MeshConfig = MeshConfig(),
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    config: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """Lays the devices out on the five named axes.
 
     Args:

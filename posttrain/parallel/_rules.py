@@ -38,7 +38,8 @@ DEFAULT_RULES: Rules = (
 )
 
 _ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar(
-    "posttrain_axis_rules", default=DEFAULT_RULES)
+    "posttrain_axis_rules", default=DEFAULT_RULES
+)
 
 
 @contextlib.contextmanager
@@ -55,8 +56,9 @@ def current_rules() -> Rules:
     return _ACTIVE_RULES.get()
 
 
-def logical_to_spec(axes: LogicalAxes, shape: Sequence[int] | None, mesh,
-                    rules: Rules | None = None) -> PartitionSpec:
+def logical_to_spec(
+    axes: LogicalAxes, shape: Sequence[int] | None, mesh, rules: Rules | None = None
+) -> PartitionSpec:
     """Maps logical dimension names to a PartitionSpec on `mesh`.
 
     A mesh axis is used at most once (first dimension wins), axes of size 1 are dropped, and when
@@ -76,8 +78,9 @@ def logical_to_spec(axes: LogicalAxes, shape: Sequence[int] | None, mesh,
         for axis in mesh_axes:
             if axis in used or sizes.get(axis, 1) == 1:
                 continue
-            if shape is not None and shape[dim] % (math.prod(sizes[a] for a in chosen)
-                                                   * sizes[axis]):
+            if shape is not None and shape[dim] % (
+                math.prod(sizes[a] for a in chosen) * sizes[axis]
+            ):
                 break
             chosen.append(axis)
         used.update(chosen)
@@ -87,8 +90,9 @@ def logical_to_spec(axes: LogicalAxes, shape: Sequence[int] | None, mesh,
     return PartitionSpec(*spec)
 
 
-def named_sharding(axes: LogicalAxes, shape: Sequence[int] | None, mesh,
-                   rules: Rules | None = None) -> NamedSharding:
+def named_sharding(
+    axes: LogicalAxes, shape: Sequence[int] | None, mesh, rules: Rules | None = None
+) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules))
 
 
@@ -96,7 +100,10 @@ def tree_shardings(axes_tree, shapes_tree, mesh, rules: Rules | None = None):
     """NamedShardings for a pytree of arrays, given the matching pytree of logical axes."""
     return jax.tree.map(
         lambda axes, x: named_sharding(axes, x.shape, mesh, rules),
-        axes_tree, shapes_tree, is_leaf=lambda x: isinstance(x, tuple))
+        axes_tree,
+        shapes_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:

@@ -16,6 +16,7 @@ def shard_batch(batch, mesh, axes: LogicalAxes = BATCH_AXES):
     Every leaf has the batch as its leading dimension; with several processes each passes only
     its own rows (`jax.make_array_from_process_local_data`), so no host holds the global batch.
     """
+
     def place(x):
         x = np.asarray(x)
         leaf_axes = tuple(axes[: x.ndim]) + (None,) * max(0, x.ndim - len(axes))

@@ -4,25 +4,51 @@ from __future__ import annotations
 
 import numpy as np
 
-_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-               rms_norm_eps=1e-6, rope_theta=10_000.0)
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10_000.0,
+)
 
 # Each entry is (HF config class name, kwargs); together they cover every feature of the model.
 HF_ARCHS: dict[str, tuple[str, dict]] = {
     # Llama 3.1-style long-context RoPE, untied embeddings, GQA.
-    "llama3": ("LlamaConfig", dict(
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
+    ),
     # Llama with tied embeddings and biases on every attention projection.
-    "llama_tied_bias": ("LlamaConfig", dict(tie_word_embeddings=True, attention_bias=True,
-                                            num_key_value_heads=2)),
+    "llama_tied_bias": (
+        "LlamaConfig",
+        dict(tie_word_embeddings=True, attention_bias=True, num_key_value_heads=2),
+    ),
     # Qwen2/2.5: q/k/v bias, tied embeddings as in the small Qwen2.5 models.
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     # Qwen2 with sliding windows on some layers only (per-layer window switch).
-    "qwen2_mixed_window": ("Qwen2Config", dict(
-        use_sliding_window=True, sliding_window=3, max_window_layers=1, num_hidden_layers=3,
-        layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
+    "qwen2_mixed_window": (
+        "Qwen2Config",
+        dict(
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=1,
+            num_hidden_layers=3,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        ),
+    ),
     # Qwen3: q/k RMSNorm, explicit head_dim different from hidden/heads.
     "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=False)),
     # Mistral: sliding window shorter than the test sequences.
@@ -48,14 +74,16 @@ def save_tiny_hf_model(arch: str, path: str, *, seed: int = 0, **overrides) -> s
     return path
 
 
-def hf_logits(path: str, tokens: np.ndarray, attention_mask: np.ndarray | None = None
-              ) -> np.ndarray:
+def hf_logits(
+    path: str, tokens: np.ndarray, attention_mask: np.ndarray | None = None
+) -> np.ndarray:
     """float32 logits of the HF model saved at `path` (eager attention), as numpy."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32).eval()
+        path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
     mask = None if attention_mask is None else torch.tensor(attention_mask)
     with torch.no_grad():
         out = model(torch.tensor(tokens, dtype=torch.long), attention_mask=mask)

@@ -5,8 +5,16 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
-                  "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -76,9 +84,12 @@ def tokenizer_json() -> dict:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_CORPUS, trainer)
     return json.loads(tok.to_str())
 
@@ -102,41 +113,64 @@ def _write_dir(path, tokenizer_json, config, *, post_processor=None, files=None)
 def make_tokenizer_dir(tokenizer_json):
     """`make(path, config, *, post_processor=None, files=None, tokenizer_json=...)` writes one."""
     return lambda path, config, tokenizer_json=tokenizer_json, **kwargs: _write_dir(
-        path, tokenizer_json, config, **kwargs)
+        path, tokenizer_json, config, **kwargs
+    )
 
 
 @pytest.fixture(scope="session")
 def chatml_dir(tmp_path_factory, tokenizer_json):
     """Qwen-style: no BOS, ChatML template in tokenizer_config.json, two stop ids."""
     return _write_dir(
-        tmp_path_factory.mktemp("chatml"), tokenizer_json,
-        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-         "chat_template": CHATML_TEMPLATE},
-        files={"generation_config.json": json.dumps({"eos_token_id": [2, 0]})})
+        tmp_path_factory.mktemp("chatml"),
+        tokenizer_json,
+        {
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "chat_template": CHATML_TEMPLATE,
+        },
+        files={"generation_config.json": json.dumps({"eos_token_id": [2, 0]})},
+    )
 
 
 @pytest.fixture(scope="session")
 def llama3_dir(tmp_path_factory, tokenizer_json):
     """Llama-3-style: the post-processor prepends BOS, AddedToken dicts, no pad token."""
     bos_id = SPECIAL_TOKENS.index("<|begin_of_text|>")
-    post = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
-            special_tokens=[("<|begin_of_text|>", bos_id)])])
-    token = {"content": "<|begin_of_text|>", "lstrip": False, "normalized": False,
-             "rstrip": False, "single_word": False, "special": True, "__type": "AddedToken"}
+    post = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A",
+                pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+                special_tokens=[("<|begin_of_text|>", bos_id)],
+            ),
+        ]
+    )
+    token = {
+        "content": "<|begin_of_text|>",
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+        "__type": "AddedToken",
+    }
     return _write_dir(
-        tmp_path_factory.mktemp("llama3"), tokenizer_json,
+        tmp_path_factory.mktemp("llama3"),
+        tokenizer_json,
         {"bos_token": token, "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE},
         post_processor=post,
-        files={"generation_config.json": json.dumps({"eos_token_id": [4, 7]})})
+        files={"generation_config.json": json.dumps({"eos_token_id": [4, 7]})},
+    )
 
 
 @pytest.fixture(scope="session")
 def generation_dir(tmp_path_factory, tokenizer_json):
     """ChatML with {% generation %} tags, in the newer chat_template.jinja layout."""
     return _write_dir(
-        tmp_path_factory.mktemp("generation"), tokenizer_json,
+        tmp_path_factory.mktemp("generation"),
+        tokenizer_json,
         {"eos_token": "<|im_end|>", "chat_template": "ignored: chat_template.jinja wins"},
-        files={"chat_template.jinja": GENERATION_TEMPLATE})
+        files={"chat_template.jinja": GENERATION_TEMPLATE},
+    )

@@ -46,10 +46,12 @@ def test_encode_decode_match_hf(pair):
             assert ids == hf.encode(text, add_special_tokens=special), text
             for skip in (True, False):
                 assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(
-                    ids, skip_special_tokens=skip)
+                    ids, skip_special_tokens=skip
+                )
     assert ours.encode_batch(TEXTS) == [hf.encode(t) for t in TEXTS]
     assert ours.decode_batch([ours.encode(t) for t in TEXTS]) == hf.batch_decode(
-        [hf.encode(t) for t in TEXTS], skip_special_tokens=True)
+        [hf.encode(t) for t in TEXTS], skip_special_tokens=True
+    )
     assert ours.vocab_size == len(hf)
     assert (ours.bos_id, ours.eos_id) == (hf.bos_token_id, hf.eos_token_id)
 
@@ -65,9 +67,15 @@ def test_llama3_post_processor_bos(llama3_dir):
 
 def test_add_bos_flags_defer_to_tokenizer_json(tmp_path, make_tokenizer_dir, chatml_dir):
     # transformers 5 ignores the flags when tokenizer.json exists; its post-processor decides.
-    path = make_tokenizer_dir(tmp_path, {
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-        "add_bos_token": True, "add_eos_token": True})
+    path = make_tokenizer_dir(
+        tmp_path,
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|end_of_text|>",
+            "add_bos_token": True,
+            "add_eos_token": True,
+        },
+    )
     ours, hf = load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
     assert ours.encode("Hello there") == hf.encode("Hello there")
     assert not ours.adds_bos and not load_tokenizer(chatml_dir).adds_bos
@@ -85,8 +93,16 @@ def test_chat_template_matches_hf(pair):
 
 def test_tools_and_tojson_match_hf(chatml_dir):
     ours, hf = load_tokenizer(chatml_dir), transformers.AutoTokenizer.from_pretrained(chatml_dir)
-    tools = [{"type": "function", "function": {"name": "météo", "description": "<a & b>",
-                                               "parameters": {"type": "object"}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "météo",
+                "description": "<a & b>",
+                "parameters": {"type": "object"},
+            },
+        }
+    ]
     text = ours.apply_chat_template(CHAT[1:2], tools=tools, tokenize=False)
     assert text == hf.apply_chat_template(CHAT[1:2], tools=tools, tokenize=False)
     assert '"météo"' in text and "<a & b>" in text  # no ASCII or HTML escaping
@@ -128,12 +144,15 @@ def test_generation_tag_mask_matches_hf(generation_dir):
         assert "generation %" not in untagged
         assert ours.encode_chat(chat, chat_template=untagged) == (ids, mask)
     ids, mask = ours.encode_chat(CHAT)
-    assert ours.decode([i for i, m in zip(ids, mask, strict=True) if m],
-                       skip_special_tokens=False) == "Paris.<|im_end|>Four 🙂, naïvely.<|im_end|>"
+    assert (
+        ours.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+        == "Paris.<|im_end|>Four 🙂, naïvely.<|im_end|>"
+    )
 
 
-@pytest.mark.parametrize("fixture,end",
-                         [("chatml_dir", "<|im_end|>"), ("llama3_dir", "<|eot_id|>")])
+@pytest.mark.parametrize(
+    "fixture,end", [("chatml_dir", "<|im_end|>"), ("llama3_dir", "<|eot_id|>")]
+)
 def test_prefix_mask_is_assistant_content_and_end_of_turn(request, fixture, end):
     tok = load_tokenizer(request.getfixturevalue(fixture))
     ids, mask = tok.encode_chat(CHAT)
@@ -148,20 +167,26 @@ def test_prefix_mask_is_assistant_content_and_end_of_turn(request, fixture, end)
             runs, run = runs + [run], []
     runs += [run] if run else []
     assert [tok.decode(r, skip_special_tokens=False) for r in runs] == [
-        "Paris." + end, "Four 🙂, naïvely." + end]
+        "Paris." + end,
+        "Four 🙂, naïvely." + end,
+    ]
 
 
 def test_prefix_mask_rejects_history_rewriting_template(chatml_dir):
     # Like Qwen3: reasoning is rendered for the last assistant turn only.
-    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if loop.last and "
-                "m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
-                "{{ m.content }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if loop.last and "
+        "m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+        "{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     tok = load_tokenizer(chatml_dir)
-    chat = [{"role": "user", "content": "a"},
-            {"role": "assistant", "content": "b", "reasoning_content": "r1"},
-            {"role": "user", "content": "c"},
-            {"role": "assistant", "content": "d", "reasoning_content": "r2"}]
+    chat = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "reasoning_content": "r1"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d", "reasoning_content": "r2"},
+    ]
     tok.encode_chat(chat[:2], chat_template=template)  # a single turn is fine
     with pytest.raises(ValueError, match=r"not prefix-stable.*\{% generation %\}"):
         tok.encode_chat(chat, chat_template=template)
@@ -179,15 +204,18 @@ def test_special_ids(chatml_dir, llama3_dir):
 
 def test_named_templates(tmp_path, make_tokenizer_dir, chatml_dir):
     chatml = load_tokenizer(chatml_dir).chat_template
-    templates = [{"name": "default", "template": chatml},
-                 {"name": "tool_use", "template": "TOOLS {{ tools | length }}"},
-                 {"name": "plain", "template": "{{ messages[0].content }}"}]
+    templates = [
+        {"name": "default", "template": chatml},
+        {"name": "tool_use", "template": "TOOLS {{ tools | length }}"},
+        {"name": "plain", "template": "{{ messages[0].content }}"},
+    ]
     path = make_tokenizer_dir(tmp_path, {"chat_template": templates})
     ours, hf = load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
     assert ours.chat_template == chatml
     for kwargs in ({}, {"chat_template": "plain"}, {"tools": [{"name": "f"}]}):
         assert ours.apply_chat_template(CHAT, tokenize=False, **kwargs) == (
-            hf.apply_chat_template(CHAT, tokenize=False, **kwargs))
+            hf.apply_chat_template(CHAT, tokenize=False, **kwargs)
+        )
     with pytest.raises(ValueError, match="no chat template named 'nope'.*plain"):
         ours.apply_chat_template(CHAT, chat_template="nope")
 
@@ -236,10 +264,20 @@ def test_chat_errors(tmp_path, make_tokenizer_dir, chatml_dir):
 
 def test_legacy_special_tokens_map(tmp_path, make_tokenizer_dir):
     # Without added_tokens_decoder in the config, special_tokens_map.json overrides it.
-    eot = {"content": "<|eot_id|>", "lstrip": False, "rstrip": False, "normalized": False,
-           "single_word": False}
-    path = make_tokenizer_dir(tmp_path, {"eos_token": "<|im_end|>"}, files={
-        "special_tokens_map.json": json.dumps({"eos_token": eot, "pad_token": "<|endoftext|>"})})
+    eot = {
+        "content": "<|eot_id|>",
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "single_word": False,
+    }
+    path = make_tokenizer_dir(
+        tmp_path,
+        {"eos_token": "<|im_end|>"},
+        files={
+            "special_tokens_map.json": json.dumps({"eos_token": eot, "pad_token": "<|endoftext|>"})
+        },
+    )
     ours, hf = load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
     assert (ours.eos_id, ours.pad_id) == (hf.eos_token_id, hf.pad_token_id)
     assert ours.special_tokens == {"eos_token": "<|eot_id|>", "pad_token": "<|endoftext|>"}
@@ -251,12 +289,19 @@ def test_clean_up_spaces_for_word_level_matches_hf(tmp_path):
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["Hello , world . Is it ?"],
-                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.train_from_iterator(
+        ["Hello , world . Is it ?"], trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]",
-        "clean_up_tokenization_spaces": True}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "[UNK]",
+                "clean_up_tokenization_spaces": True,
+            }
+        )
+    )
     ours, hf = load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
     ids = ours.encode("Hello, world. Is it?")
     assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True) == "Hello, world. Is it?"
@@ -269,8 +314,11 @@ def test_special_token_registration_matches_hf(tmp_path, make_tokenizer_dir, tok
         token["lstrip"] = token["content"] == "<|eot_id|>"
         token["special"] = token["content"] != "<|endoftext|>"
     word = next(w for w in tj["model"]["vocab"] if w.isascii() and w.isalpha() and len(w) > 2)
-    path = make_tokenizer_dir(tmp_path, {"eos_token": "<|eot_id|>", "pad_token": "<|endoftext|>",
-                                         "sep_token": word}, tokenizer_json=tj)
+    path = make_tokenizer_dir(
+        tmp_path,
+        {"eos_token": "<|eot_id|>", "pad_token": "<|endoftext|>", "sep_token": word},
+        tokenizer_json=tj,
+    )
     ours, hf = load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
     for text in [" a <|eot_id|> b", "x<|endoftext|>y", f"x{word}y {word}"]:
         ids = ours.encode(text)

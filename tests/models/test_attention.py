@@ -42,8 +42,18 @@ def test_reference_matches_dense_softmax():
     q, k, v = _qkv(0, L=16, dtype=jnp.float32)
     positions, segments = _packing(L=16)
     mask = np.asarray(attention_mask(positions, positions, segments, segments, window=5))
-    out = np.asarray(attention(q, k, v, q_positions_BL=positions, kv_positions_BS=positions,
-                               q_segment_ids_BL=segments, kv_segment_ids_BS=segments, window=5))
+    out = np.asarray(
+        attention(
+            q,
+            k,
+            v,
+            q_positions_BL=positions,
+            kv_positions_BS=positions,
+            q_segment_ids_BL=segments,
+            kv_segment_ids_BS=segments,
+            window=5,
+        )
+    )
     qn, kn, vn = map(np.asarray, (q, k, v))
     for b in range(2):
         for n in range(8):
@@ -59,18 +69,23 @@ def test_reference_matches_dense_softmax():
 def test_cudnn_matches_reference(window):
     q, k, v = _qkv(0)
     positions, segments = _packing()
-    kwargs = dict(q_positions_BL=positions, kv_positions_BS=positions, q_segment_ids_BL=segments,
-                  kv_segment_ids_BS=segments, window=window)
+    kwargs = dict(
+        q_positions_BL=positions,
+        kv_positions_BS=positions,
+        q_segment_ids_BL=segments,
+        kv_segment_ids_BS=segments,
+        window=window,
+    )
 
     def loss(q, k, v, impl):
         out = attention(q, k, v, impl=impl, **kwargs)
         valid = (segments > 0)[:, :, None, None]
         return jnp.sum(jnp.where(valid, out.astype(jnp.float32), 0.0) ** 2), out
 
-    (_, ref), ref_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v,
-                                                                                    "xla")
-    (_, got), got_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v,
-                                                                                    "cudnn")
+    (_, ref), ref_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, "xla")
+    (_, got), got_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        q, k, v, "cudnn"
+    )
     valid = np.asarray(segments > 0)
     diff = np.abs(np.asarray(got, np.float32) - np.asarray(ref, np.float32))[valid].max()
     assert diff < 2e-2, f"cuDNN output differs from the reference by {diff}"
@@ -81,14 +96,21 @@ def test_cudnn_matches_reference(window):
 
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN flash attention needs a GPU")
 def test_model_with_cudnn_matches_xla():
-    config = get_preset("tiny", embed_dim=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                        compute_dtype="bfloat16", sliding_window=64, sliding_window_layers=(1,))
+    config = get_preset(
+        "tiny",
+        embed_dim=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        compute_dtype="bfloat16",
+        sliding_window=64,
+        sliding_window_layers=(1,),
+    )
     model = Transformer.init(config.replace(attention="xla"), rng=0)
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 256)), jnp.int32)
     positions, segments = _packing()
     ref = model(tokens, positions, segments)
-    got = Transformer(model.params, config.replace(attention="cudnn"))(tokens, positions,
-                                                                       segments)
+    got = Transformer(model.params, config.replace(attention="cudnn"))(tokens, positions, segments)
     valid = np.asarray(segments > 0)
     assert np.abs(np.asarray(got) - np.asarray(ref))[valid].max() < 5e-2
 
@@ -101,14 +123,21 @@ def splash_on_cpu(monkeypatch):
 
     from posttrain.models import _attention
 
-    monkeypatch.setattr(splash, "make_splash_mha",
-                        functools.partial(splash.make_splash_mha, interpret=True))
+    monkeypatch.setattr(
+        splash, "make_splash_mha", functools.partial(splash.make_splash_mha, interpret=True)
+    )
     monkeypatch.setattr(_attention, "_target_platform", lambda: "tpu")
 
 
 def test_splash_kernel_matches_reference_sharded(splash_on_cpu, devices):
-    config = get_preset("tiny", num_heads=4, num_kv_heads=2, head_dim=64, sliding_window=40,
-                        sliding_window_layers=(1,))
+    config = get_preset(
+        "tiny",
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        sliding_window=40,
+        sliding_window_layers=(1,),
+    )
     model = Transformer.init(config.replace(attention="xla"), rng=0)
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 128)), jnp.int32)
     positions, segments = _packing(L=128)
@@ -135,14 +164,18 @@ def test_splash_compiles_for_tpu_ahead_of_time():
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
     mesh = make_mesh(MeshConfig.from_dict({"fsdp": 2, "tensor": 2}), devices=topology.devices)
-    config = get_preset("tiny", compute_dtype="bfloat16", num_heads=4, num_kv_heads=2,
-                        head_dim=128)
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          param_shapes(config), param_shardings(config, mesh))
-    tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32,
-                                  sharding=named_sharding(("act_batch",), (8, 256), mesh))
+    config = get_preset("tiny", compute_dtype="bfloat16", num_heads=4, num_kv_heads=2, head_dim=128)
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        param_shapes(config),
+        param_shardings(config, mesh),
+    )
+    tokens = jax.ShapeDtypeStruct(
+        (8, 256), jnp.int32, sharding=named_sharding(("act_batch",), (8, 256), mesh)
+    )
     kernels = {}
     for impl in ("auto", "xla"):
+
         def loss(params, tokens, impl=impl):
             return Transformer(params, config.replace(attention=impl))(tokens).mean()
 

@@ -33,8 +33,11 @@ def hf_dir(request, tmp_path_factory):
 
 
 def _ours(model, tokens, mask):
-    return np.asarray(jax.jit(lambda m, t, s: m(t, segment_ids_BL=s))(
-        model, jnp.asarray(tokens), jnp.asarray(mask)))
+    return np.asarray(
+        jax.jit(lambda m, t, s: m(t, segment_ids_BL=s))(
+            model, jnp.asarray(tokens), jnp.asarray(mask)
+        )
+    )
 
 
 def _max_diff_on_valid(a, b, mask):
@@ -56,8 +59,9 @@ def test_to_hf_round_trip(hf_dir, batch, tmp_path):
     exported = json.load(open(tmp_path / "config.json"))
     original = json.load(open(os.path.join(hf_dir, "config.json")))
     assert exported["model_type"] == original["model_type"]
-    diff = _max_diff_on_valid(hf_logits(str(tmp_path), tokens, mask),
-                              hf_logits(hf_dir, tokens, mask), mask)
+    diff = _max_diff_on_valid(
+        hf_logits(str(tmp_path), tokens, mask), hf_logits(hf_dir, tokens, mask), mask
+    )
     assert diff <= 1e-5, f"exported model's logits differ from the original by {diff}"
 
 
@@ -77,8 +81,7 @@ def test_sharded_checkpoint_loads_onto_mesh(batch, tmp_path):
     for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(sharded.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with jax.set_mesh(mesh):
-        diff = _max_diff_on_valid(_ours(sharded, tokens, mask), hf_logits(src, tokens, mask),
-                                  mask)
+        diff = _max_diff_on_valid(_ours(sharded, tokens, mask), hf_logits(src, tokens, mask), mask)
     assert diff <= 1e-4
 
 

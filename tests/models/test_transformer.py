@@ -21,9 +21,11 @@ from posttrain.models._presets import PUBLISHED_PARAMS
 TINY = get_preset("tiny", attention="xla")
 
 
-@pytest.mark.parametrize("config", [TINY, TINY.replace(sliding_window=3, qk_norm=True,
-                                                        qkv_bias=True)],
-                         ids=["full", "window_qknorm_bias"])
+@pytest.mark.parametrize(
+    "config",
+    [TINY, TINY.replace(sliding_window=3, qk_norm=True, qkv_bias=True)],
+    ids=["full", "window_qknorm_bias"],
+)
 def test_packed_documents_match_separate_runs(config):
     model = Transformer.init(config, rng=1)
     rng = np.random.RandomState(0)
@@ -31,8 +33,7 @@ def test_packed_documents_match_separate_runs(config):
     packed = np.concatenate([doc_a, doc_b, [0]])[None].astype(np.int32)  # one pad at the end
     segments = np.asarray([[1] * 9 + [2] * 6 + [0]], np.int32)
     positions = np.asarray([list(range(9)) + list(range(6)) + [0]], np.int32)
-    logits = np.asarray(model(jnp.asarray(packed), jnp.asarray(positions),
-                              jnp.asarray(segments)))
+    logits = np.asarray(model(jnp.asarray(packed), jnp.asarray(positions), jnp.asarray(segments)))
     alone_a = np.asarray(model(jnp.asarray(doc_a[None], jnp.int32)))
     alone_b = np.asarray(model(jnp.asarray(doc_b[None], jnp.int32)))
     np.testing.assert_allclose(logits[0, :9], alone_a[0], atol=1e-5)
@@ -96,13 +97,16 @@ def test_real_presets_shape_check(name):
     assert logits.shape == (1, 128, config.vocab_size) and logits.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(num_kv_heads=3), "multiple of num_kv_heads"),
-    (dict(attention="flash"), "attention='flash'"),
-    (dict(remat="some"), "remat='some'"),
-    (dict(compute_dtype="float17"), "not a dtype name"),
-    (dict(sliding_window=4, sliding_window_layers=(5,)), r"outside 0\.\.1"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(num_kv_heads=3), "multiple of num_kv_heads"),
+        (dict(attention="flash"), "attention='flash'"),
+        (dict(remat="some"), "remat='some'"),
+        (dict(compute_dtype="float17"), "not a dtype name"),
+        (dict(sliding_window=4, sliding_window_layers=(5,)), r"outside 0\.\.1"),
+    ],
+)
 def test_config_errors_say_what_to_change(changes, message):
     with pytest.raises(ValueError, match=message):
         TINY.replace(**changes)

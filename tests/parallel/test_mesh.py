@@ -13,30 +13,37 @@ def test_mesh_axes_and_fill(devices):
     assert dict(make_mesh().shape)["fsdp"] == 8  # default: all devices on fsdp
 
 
-@pytest.mark.parametrize("ici, message", [
-    ({"data": 3, "fsdp": -1}, r"data=3.*3 does not divide 8 devices per slice"),
-    ({"data": 2, "tensor": 2}, r"multiplies to 4, but there are 8 devices per slice"),
-    ({"data": -1, "fsdp": -1}, "-1 for one axis only"),
-    ({"model": 8}, r"unknown axes \['model'\]"),
-])
+@pytest.mark.parametrize(
+    "ici, message",
+    [
+        ({"data": 3, "fsdp": -1}, r"data=3.*3 does not divide 8 devices per slice"),
+        ({"data": 2, "tensor": 2}, r"multiplies to 4, but there are 8 devices per slice"),
+        ({"data": -1, "fsdp": -1}, "-1 for one axis only"),
+        ({"model": 8}, r"unknown axes \['model'\]"),
+    ],
+)
 def test_bad_mesh_is_a_clear_error(devices, ici, message):
     with pytest.raises(ValueError, match=message):
         make_mesh(MeshConfig.from_dict(ici))
 
 
 def test_dcn_without_slices_is_an_error(devices):
-    with pytest.raises(ValueError, match=r"mesh.dcn \(data=2\) multiplies to 2, but there are 1 slice"):
+    with pytest.raises(
+        ValueError, match=r"mesh.dcn \(data=2\) multiplies to 2, but there are 1 slice"
+    ):
         make_mesh(MeshConfig.from_dict({"fsdp": -1}, {"data": 2}))
 
 
 def test_logical_to_spec_rules(devices):
     mesh = make_mesh(MeshConfig.from_dict({"data": 2, "fsdp": 2, "tensor": 2}))
     # Params: embed over fsdp, heads over tensor; layers and head_dim replicated.
-    assert logical_to_spec(("layers", "embed", "heads", "head_dim"), (4, 64, 8, 16),
-                           mesh) == P(None, "fsdp", "tensor")
+    assert logical_to_spec(("layers", "embed", "heads", "head_dim"), (4, 64, 8, 16), mesh) == P(
+        None, "fsdp", "tensor"
+    )
     # Activations: the batch takes every data-like axis present.
-    assert logical_to_spec(("act_batch", "act_length", "act_embed"), (8, 16, 64),
-                           mesh) == P(("data", "fsdp"))
+    assert logical_to_spec(("act_batch", "act_length", "act_embed"), (8, 16, 64), mesh) == P(
+        ("data", "fsdp")
+    )
     # A dimension the mesh axes do not divide keeps the dividing prefix (here: only data).
     assert logical_to_spec(("act_batch",), (2,), mesh) == P("data")
     # A mesh axis is used once: heads took tensor, so kv_heads stays replicated.

@@ -17,18 +17,46 @@ MESHES = {
 }
 # Per-device shard shapes the default rules imply (embed->fsdp, heads/kv_heads/mlp/vocab->tensor).
 EXPECTED_SHARDS = {
-    "data=8": {"embed": (512, 64), "q": (2, 64, 8, 16), "k": (2, 64, 4, 16),
-               "o": (2, 8, 16, 64), "gate": (2, 64, 128), "down": (2, 128, 64),
-               "lm_head": (64, 512), "q_bias": (2, 8, 16)},
-    "fsdp=8": {"embed": (512, 8), "q": (2, 8, 8, 16), "k": (2, 8, 4, 16),
-               "o": (2, 8, 16, 8), "gate": (2, 8, 128), "down": (2, 128, 8),
-               "lm_head": (8, 512), "q_bias": (2, 8, 16)},
-    "fsdp=2,tensor=4": {"embed": (128, 32), "q": (2, 32, 2, 16), "k": (2, 32, 1, 16),
-                        "o": (2, 2, 16, 32), "gate": (2, 32, 32), "down": (2, 32, 32),
-                        "lm_head": (32, 128), "q_bias": (2, 2, 16)},
-    "data=2,fsdp=2,tensor=2": {"embed": (256, 32), "q": (2, 32, 4, 16), "k": (2, 32, 2, 16),
-                               "o": (2, 4, 16, 32), "gate": (2, 32, 64), "down": (2, 64, 32),
-                               "lm_head": (32, 256), "q_bias": (2, 4, 16)},
+    "data=8": {
+        "embed": (512, 64),
+        "q": (2, 64, 8, 16),
+        "k": (2, 64, 4, 16),
+        "o": (2, 8, 16, 64),
+        "gate": (2, 64, 128),
+        "down": (2, 128, 64),
+        "lm_head": (64, 512),
+        "q_bias": (2, 8, 16),
+    },
+    "fsdp=8": {
+        "embed": (512, 8),
+        "q": (2, 8, 8, 16),
+        "k": (2, 8, 4, 16),
+        "o": (2, 8, 16, 8),
+        "gate": (2, 8, 128),
+        "down": (2, 128, 8),
+        "lm_head": (8, 512),
+        "q_bias": (2, 8, 16),
+    },
+    "fsdp=2,tensor=4": {
+        "embed": (128, 32),
+        "q": (2, 32, 2, 16),
+        "k": (2, 32, 1, 16),
+        "o": (2, 2, 16, 32),
+        "gate": (2, 32, 32),
+        "down": (2, 32, 32),
+        "lm_head": (32, 128),
+        "q_bias": (2, 2, 16),
+    },
+    "data=2,fsdp=2,tensor=2": {
+        "embed": (256, 32),
+        "q": (2, 32, 4, 16),
+        "k": (2, 32, 2, 16),
+        "o": (2, 4, 16, 32),
+        "gate": (2, 32, 64),
+        "down": (2, 64, 32),
+        "lm_head": (32, 256),
+        "q_bias": (2, 4, 16),
+    },
 }
 
 
@@ -72,8 +100,11 @@ def test_loss_and_grads_match_single_device(problem, name, devices):
             assert x.addressable_shards[0].data.shape == expected, (_leaf_name(path), name)
 
     with jax.set_mesh(mesh):
-        step = jax.jit(jax.value_and_grad(_loss), in_shardings=(shardings, None),
-                       out_shardings=(None, shardings))
+        step = jax.jit(
+            jax.value_and_grad(_loss),
+            in_shardings=(shardings, None),
+            out_shardings=(None, shardings),
+        )
         loss, grads = step(sharded_params, shard_batch(batch, mesh))
     assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
