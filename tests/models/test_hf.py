@@ -65,7 +65,7 @@ def test_to_hf_round_trip(hf_dir, batch, tmp_path):
     assert diff <= 1e-5, f"exported model's logits differ from the original by {diff}"
 
 
-def test_sharded_checkpoint_loads_onto_mesh(batch, tmp_path):
+def test_sharded_checkpoint_loads_onto_mesh(batch, tmp_path, devices):
     """Export into many shards with an index, reload onto an fsdp x tensor mesh."""
     tokens, mask = batch
     src = save_tiny_hf_model("qwen3", str(tmp_path / "src"))
