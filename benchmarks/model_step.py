@@ -19,19 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.models import ModelConfig, Transformer, init_params
+from posttrain.models import ModelConfig, Transformer, get_preset, init_params
 
 CONFIGS = {
-    "tiny": ModelConfig(
-        vocab_size=512,
-        embed_dim=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        mlp_dim=256,
-        name="tiny",
-    ),
+    "tiny": get_preset("tiny"),
     "1b": ModelConfig(
         vocab_size=32_000,
         embed_dim=2048,
