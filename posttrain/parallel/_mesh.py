@@ -23,6 +23,30 @@ class MeshConfig:
     ici: tuple[int, ...] = (1, -1, 1, 1, 1)
     # Sizes across slices (DCN links); their product is the number of slices.
     dcn: tuple[int, ...] = (1, 1, 1, 1, 1)
+    # Logical-axis rules added to (and overriding) DEFAULT_RULES: ((name, mesh axes), ...).
+    rules: tuple = ()
+
+    @classmethod
+    def from_config(cls, values: Mapping, where: str = "mesh") -> MeshConfig:
+        """From a config section `{"ici": {...}, "dcn": {...}, "rules": [...]}`."""
+        unknown = sorted(set(values) - {"ici", "dcn", "rules"})
+        if unknown:
+            raise ValueError(
+                f"{where} has unknown key(s) {unknown}; known: ['dcn', 'ici', 'rules']"
+            )
+        rules = tuple(
+            (name, tuple(axes) if isinstance(axes, list | tuple) else axes)
+            for name, axes in values.get("rules") or ()
+        )
+        base = cls.from_dict(values.get("ici"), values.get("dcn"))
+        return dataclasses.replace(base, rules=rules)
+
+    @property
+    def axis_rules(self):
+        """DEFAULT_RULES with this config's rules taking precedence."""
+        from posttrain.parallel._rules import DEFAULT_RULES
+
+        return tuple(DEFAULT_RULES) + tuple(self.rules)
 
     @classmethod
     def from_dict(

@@ -1,0 +1,111 @@
+"""Config files (`configs/<method>.py[:preset]`) and ConfigDict -> frozen dataclasses.
+
+ConfigDict stops at the driver: `build(cls, config_dict)` turns it into the typed dataclasses the
+library takes, rejecting unknown keys and wrong types with the dotted name of the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """A config the user can fix; the message names the field and what to change."""
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """Loads `path/to/file.py[:preset]` by calling its `get_config(preset)`."""
+    path, _, preset = spec.partition(":")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    module_spec = importlib.util.spec_from_file_location(
+        f"_posttrain_config_{abs(hash(path))}", path
+    )
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} has no get_config(preset) function")
+    return module.get_config(preset) if preset else module.get_config()
+
+
+def _to_plain(value):
+    if isinstance(value, ml_collections.ConfigDict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _convert(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: cannot be {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if hasattr(tp, "from_config") and isinstance(value, Mapping):
+            return tp.from_config(value, where)
+        return build(tp, value, where)
+    if origin in (tuple, list, Sequence) or tp in (tuple, list):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item_type = args[0] if args else typing.Any
+        return tuple(_convert(item_type, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a dict, got {value!r}")
+        return dict(value)
+    if tp is typing.Any:
+        return value
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp in (str, bool) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def build(cls, config, where: str = "config"):
+    """Builds the frozen dataclass `cls` from a ConfigDict / dict, recursively.
+
+    Unknown keys are an error naming the key and the known ones; missing keys take the
+    dataclass defaults; `__post_init__` checks run as usual and are reported with `where`.
+    """
+    values = _to_plain(config)
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where}: expected a section of fields, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where} has unknown key(s) {unknown}; known keys: {sorted(fields)}")
+    kwargs = {
+        name: _convert(hints[name], values[name], f"{where}.{name}")
+        for name in fields
+        if name in values
+    }
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None

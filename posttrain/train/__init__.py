@@ -1,0 +1,33 @@
+"""Training: the train state, the pure step, the shared loop, checkpoints, metrics, drivers."""
+
+from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
+from posttrain.train._loop import LoopConfig, TrainingDiverged, train_loop
+from posttrain.train._metrics import MetricsWriter, flops_per_token, read_metrics
+from posttrain.train._optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from posttrain.train._sft import ModelSpec, SFTConfig, load_checkpoint_model, run_sft, sft_loss
+from posttrain.train._state import TrainState, create_state, state_shardings
+from posttrain.train._step import split_micro_batches, train_step
+
+__all__ = [
+    "CheckpointConfig",
+    "Checkpointer",
+    "LoopConfig",
+    "MetricsWriter",
+    "ModelSpec",
+    "OptimizerConfig",
+    "SFTConfig",
+    "TrainState",
+    "TrainingDiverged",
+    "create_state",
+    "flops_per_token",
+    "learning_rate_schedule",
+    "load_checkpoint_model",
+    "make_optimizer",
+    "read_metrics",
+    "run_sft",
+    "sft_loss",
+    "split_micro_batches",
+    "state_shardings",
+    "train_loop",
+    "train_step",
+]

@@ -1,0 +1,201 @@
+"""The one training loop every method uses: data -> sharded step -> metrics, eval, checkpoints.
+
+The host never waits on the device mid-run: metrics of step t are fetched after step t+1 is
+dispatched. SIGTERM (TPU preemption) saves a checkpoint at the current step and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from posttrain.parallel import shard_batch
+from posttrain.train._checkpoint import Checkpointer
+from posttrain.train._metrics import MetricsWriter, peak_flops_per_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    steps: int = 1000  # total optimizer steps of the run
+    micro_batches: int = 1  # gradient accumulation: micro-batches per step, inside the step
+    log_every: int = 10  # write train metrics every N steps
+    eval_every: int = 0  # held-out eval every N steps (0: only at the end)
+    eval_batches: int = 0  # eval batches per evaluation (0: the whole eval set)
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops (with a save)
+    seed: int = 0  # PRNG seed of the train state (init, dropout, sampling)
+    progress: bool = True  # show a progress bar
+
+    def __post_init__(self):
+        if self.steps <= 0 or self.micro_batches <= 0 or self.log_every <= 0:
+            raise ValueError("train.steps, train.micro_batches and train.log_every must be > 0")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive non-finite steps; a checkpoint was saved before raising."""
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop polls, restoring the old handler afterwards."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def __enter__(self):
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread (e.g. a notebook worker): no signal handling
+            self._old = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def _host_metrics(metrics) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def train_loop(
+    *,
+    state,
+    step_fn: Callable,
+    data: Iterator,
+    mesh,
+    workdir: str,
+    loop: LoopConfig,
+    checkpointer: Checkpointer,
+    evaluate: Callable[[object], dict] | None = None,
+    checkpoint_json: dict | None = None,
+    flops_per_token: float | None = None,
+    on_metrics: Callable[[int, dict], None] | None = None,
+) -> tuple[object, dict]:
+    """Runs `step_fn` from `state.step` to `loop.steps`.
+
+    Args:
+      state: the train state (fresh or restored), already sharded.
+      step_fn: jitted `(state, batch) -> (state, metrics)`.
+      data: iterator of this process's numpy batches with `get_state()` for checkpoints.
+      mesh: the device mesh batches are placed on.
+      workdir: where metrics, TensorBoard events and checkpoints go.
+      loop: steps, logging and eval cadence, divergence limit.
+      checkpointer: saves at `checkpointer.every`, at the end, on SIGTERM and on divergence.
+      evaluate: `state -> {"eval_loss": ..., ...}`; its loss ranks checkpoints for keep-best.
+      checkpoint_json: JSON items stored with every checkpoint (config, manifest).
+      flops_per_token: training FLOPs per token, for the MFU estimate.
+      on_metrics: called with `(step, metrics)` whenever train metrics reach the host.
+
+    Returns:
+      The final state and a summary (last metrics, eval metrics, why the loop stopped).
+    """
+    start = int(jax.device_get(state.step))
+    writer = MetricsWriter(workdir, resume_step=start)
+    peak = peak_flops_per_device()
+    summary: dict = {"start_step": start, "stopped": "completed"}
+    saved_step = start if checkpointer.latest_step() == start else None
+
+    def save(step, state, metrics=None, force=False):
+        nonlocal saved_step
+        data_state = data.get_state() if hasattr(data, "get_state") else None
+        checkpointer.save(
+            step, state, data_state=data_state, extra=checkpoint_json, metrics=metrics, force=force
+        )
+        saved_step = step
+
+    def run_eval(step, state):
+        if evaluate is None:
+            return None
+        metrics = evaluate(state)
+        writer.write(step, metrics, split="eval")
+        summary["eval"] = metrics
+        return metrics
+
+    bar = tqdm(
+        total=loop.steps,
+        initial=start,
+        disable=not loop.progress or jax.process_index(),
+        desc="train",
+        dynamic_ncols=True,
+    )
+    pending = None  # (step, device metrics, tokens, seconds) of the previous step
+    last_time = time.perf_counter()
+    with _Preemption() as preemption:
+
+        def flush(pending):
+            step, metrics, tokens, seconds = pending
+            host = _host_metrics(metrics)
+            host["tokens_per_second"] = tokens / max(seconds, 1e-9)
+            if flops_per_token and peak:
+                host["mfu"] = (
+                    flops_per_token * host["tokens_per_second"] / (peak * jax.device_count())
+                )
+            summary["train"] = host
+            if step % loop.log_every == 0 or step == loop.steps:
+                writer.write(step, host)
+            if on_metrics is not None:
+                on_metrics(step, host)
+            postfix = {"loss": f"{host['loss']:.4f}", "tok/s": f"{host['tokens_per_second']:.0f}"}
+            if "mfu" in host:
+                postfix["mfu"] = f"{100 * host['mfu']:.1f}%"
+            bar.set_postfix(postfix, refresh=False)
+            return host
+
+        for step in range(start + 1, loop.steps + 1):
+            host_batch = next(data)
+            tokens = float(np.sum(host_batch["segment_ids"] > 0)) * jax.process_count()
+            state, metrics = step_fn(state, shard_batch(host_batch, mesh))
+            if pending is not None:
+                host = flush(pending)
+                if host["bad_steps"] >= loop.max_bad_steps:
+                    save(step, state, force=True)
+                    checkpointer.wait()
+                    summary["stopped"] = "diverged"
+                    break
+            now = time.perf_counter()
+            pending = (step, metrics, tokens, now - last_time)
+            last_time = now
+            bar.update(1)
+
+            eval_metrics = None
+            if loop.eval_every and step % loop.eval_every == 0 and step != loop.steps:
+                eval_metrics = run_eval(step, state)
+            if step % checkpointer.every == 0 and step != loop.steps:
+                save(step, state, metrics=eval_metrics)
+            if preemption.requested or checkpointer.manager.reached_preemption(step):
+                if saved_step != step:
+                    save(step, state, force=True)
+                summary["stopped"] = "preempted"
+                break
+
+        if pending is not None and summary["stopped"] != "diverged":
+            flush(pending)
+        final_step = int(jax.device_get(state.step))
+        if summary["stopped"] == "completed":
+            eval_metrics = run_eval(final_step, state)
+            if saved_step != final_step:
+                save(final_step, state, metrics=eval_metrics, force=True)
+        checkpointer.wait()
+    bar.close()
+    writer.close()
+    summary["final_step"] = final_step
+    if summary["stopped"] == "diverged":
+        raise TrainingDiverged(
+            f"{loop.max_bad_steps} consecutive steps had a non-finite loss or gradient (last at "
+            f"step {final_step}); the updates were skipped and a checkpoint was saved at step "
+            f"{final_step}. Lower optimizer.learning_rate, check the data, or raise "
+            f"train.max_bad_steps."
+        )
+    return state, summary

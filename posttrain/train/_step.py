@@ -1,0 +1,103 @@
+"""The train step: a pure function `(state, batch) -> (state, metrics)` shared by every method.
+
+Methods differ only in `loss_fn(params, batch, rng) -> sums`, which returns summed quantities
+including `loss_sum` (differentiated) and `num_tokens` (the normaliser: loss tokens for SFT,
+pairs for DPO...). Micro-batches and data-parallel shards add their sums; the step divides once
+by the global count, so accumulation and sharding never change the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from posttrain.parallel import constrain
+from posttrain.train._state import TrainState
+
+LossFn = Callable[[dict, dict, jax.Array], dict[str, jax.Array]]
+
+
+def split_micro_batches(batch: dict, num: int) -> dict:
+    """`[B, ...] -> [num, B/num, ...]`, taking every num-th row so each device's rows stay local."""
+
+    def split(x):
+        if x.shape[0] % num:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into {num} micro-batches")
+        micro = x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1)
+        return constrain(micro, (None, "act_batch") + (None,) * (x.ndim - 1))
+
+    return jax.tree.map(split, batch)
+
+
+def train_step(
+    state: TrainState,
+    batch: dict,
+    *,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule | None = None,
+    micro_batches: int = 1,
+) -> tuple[TrainState, dict]:
+    """One optimizer update from `batch` (the global batch, sharded over the data axes).
+
+    Non-finite loss or gradients skip the update (params and optimizer state unchanged) and
+    count it in `bad_steps` (consecutive) and `skipped_steps` (total); the loop decides when
+    to stop.
+    """
+    rng, step_rng = jax.random.split(state.rng)
+    micro = split_micro_batches(batch, micro_batches)
+    rngs = jax.random.split(step_rng, micro_batches)
+
+    def accumulate(carry, xs):
+        grads_acc, sums_acc = carry
+        micro_batch, micro_rng = xs
+
+        def objective(params):
+            sums = loss_fn(params, micro_batch, micro_rng)
+            return sums["loss_sum"], sums
+
+        grads, sums = jax.grad(objective, has_aux=True)(state.params)
+        grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
+        return (grads, jax.tree.map(jnp.add, sums_acc, sums)), None
+
+    sums_shape = jax.eval_shape(loss_fn, state.params, jax.tree.map(lambda x: x[0], micro), rngs[0])
+    zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape)
+    zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), (micro, rngs))
+
+    denom = jnp.maximum(sums["num_tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    loss = sums["loss_sum"] / denom
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=jax.tree.map(keep, new_params, state.params),
+        opt_state=jax.tree.map(keep, new_opt_state, state.opt_state),
+        rng=rng,
+        bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
+        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+    )
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "param_norm": optax.global_norm(new_state.params),
+        "bad_step": (~finite).astype(jnp.int32),
+        "skipped_steps": new_state.skipped_steps,
+        "bad_steps": new_state.bad_steps,
+    }
+    for name, value in sums.items():
+        if name.endswith("_sum") and name != "loss_sum":
+            metrics[name[: -len("_sum")]] = value / denom
+        elif name != "loss_sum":
+            metrics[name] = value
+    if schedule is not None:
+        metrics["learning_rate"] = schedule(state.step)
+    return new_state, metrics
