@@ -8,34 +8,90 @@ import sys
 USAGE = """usage: posttrain <command> [flags]
 
 commands:
-  train      train a model (--config=configs/<method>.py[:preset] --workdir=DIR)
+  train      train a model (--config=configs/<method>.py[:preset] --workdir=DIR
+             [--config.a.b=value ...])
   generate   sample from a model
   eval       evaluate a checkpoint
-  export     write a checkpoint as a Hugging Face directory
+  export     write a checkpoint as a Hugging Face directory (--workdir=DIR --out=HF_DIR)
   compile    AOT-compile a train step for a TPU topology and report memory
   sweep      run a grid or random search over config keys
-  demo       the end-to-end demo on a bundled tiny model and task
+  demo       the end-to-end demo on a bundled tiny model and task (--workdir=DIR)
 """
 
 # Commands whose drivers have not landed yet, with the issue that brings each one.
 _PENDING = {
-    "train": "SFT (issue #3)",
     "generate": "the generation engine (issue #5)",
     "eval": "the evaluation harness (issue #10)",
-    "export": "SFT checkpoints (issue #3)",
     "compile": "AOT compilation (issue #8)",
     "sweep": "sweeps (issue #10)",
 }
 
-DEMO_PLAN = """posttrain demo: the end-to-end job on a bundled tiny model (CPU, minutes).
 
-What it will run once the training drivers land:
-  1. SFT      a tiny model learns the bundled task           (issue #3)
-  2. DPO      preference pairs labelled by the verifier        (issue #6)
-  3. GRPO     RL with verifiable rewards on the same task      (issue #7)
-Each stage prints accuracy before and after. Today the model, HF import/export and
-sharding are in place: `make test` exercises them.
-"""
+def _parse(argv: list[str], define) -> object:
+    """Defines the command's absl flags with `define(flags)` and parses `argv` into them."""
+    from absl import flags
+
+    values = flags.FlagValues()
+    define(flags, values)
+    try:
+        values(argv)
+    except flags.Error as e:
+        raise SystemExit(f"{argv[0]}: {e}") from None
+    return values
+
+
+def _train(argv: list[str]) -> int:
+    from ml_collections import config_flags
+
+    def define(flags, fv):
+        config_flags.DEFINE_config_file("config", None, "configs/<method>.py[:preset]",
+                                        flag_values=fv, lock_config=True)
+        flags.DEFINE_string("workdir", None, "output directory (checkpoints, metrics)",
+                            flag_values=fv)
+
+    fv = _parse(argv, define)
+    if fv.config is None or not fv.workdir:
+        raise SystemExit("posttrain train: --config=configs/<method>.py[:preset] and "
+                         "--workdir=DIR are required")
+    from posttrain.train.drivers import run_from_config
+
+    summary = run_from_config(fv.config, fv.workdir)
+    print(f"finished at step {summary['final_step']} ({summary['stopped']}); "
+          f"workdir: {fv.workdir}")
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    def define(flags, fv):
+        flags.DEFINE_string("workdir", None, "training run directory", flag_values=fv)
+        flags.DEFINE_string("out", None, "HF directory to write", flag_values=fv)
+        flags.DEFINE_integer("step", None, "checkpoint step (default: latest)", flag_values=fv)
+        flags.DEFINE_string("dtype", None, "storage dtype, e.g. bfloat16", flag_values=fv)
+
+    fv = _parse(argv, define)
+    if not fv.workdir or not fv.out:
+        raise SystemExit("posttrain export: --workdir=DIR and --out=HF_DIR are required")
+    from posttrain.models import to_hf
+    from posttrain.train import load_checkpoint_model
+
+    model = load_checkpoint_model(fv.workdir, fv.step)
+    to_hf(model, fv.out, dtype=fv.dtype)
+    print(f"wrote {fv.out}")
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
+    def define(flags, fv):
+        flags.DEFINE_string("workdir", "runs/demo", "where the demo writes", flag_values=fv)
+
+    fv = _parse(argv, define)
+    from posttrain.demo import run_demo
+
+    run_demo(fv.workdir)
+    return 0
+
+
+_COMMANDS = {"train": _train, "export": _export, "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,15 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
-    command = argv[0]
-    if command == "demo":
-        print(DEMO_PLAN)
-        return 0
+    command, rest = argv[0], argv[1:]
+    if command in _COMMANDS:
+        return _COMMANDS[command]([f"posttrain {command}", *rest])
     if command in _PENDING:
-        print(
-            f"posttrain {command}: not available yet; it arrives with {_PENDING[command]}.",
-            file=sys.stderr,
-        )
+        print(f"posttrain {command}: not available yet; it arrives with {_PENDING[command]}.",
+              file=sys.stderr)
         return 2
     print(f"posttrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -1,0 +1,36 @@
+"""The bundled demo task: arithmetic chats, their verifier, and the tiny tokenizer and datasets.
+
+`make demo` fine-tunes the `tiny` model from scratch on `ASSETS_DIR/train.jsonl` and measures
+exact-match accuracy on `ASSETS_DIR/eval.jsonl` with `is_correct`; DPO and RL reuse the verifier.
+"""
+
+from posttrain.demo._assets import ASSETS_DIR, build_assets, build_tokenizer
+from posttrain.demo._task import (
+    extract_answer,
+    is_correct,
+    make_dataset,
+    make_problem,
+    problem_key,
+)
+
+__all__ = [
+    "ASSETS_DIR",
+    "build_assets",
+    "build_tokenizer",
+    "extract_answer",
+    "is_correct",
+    "make_dataset",
+    "make_problem",
+    "problem_key",
+    "run_demo",
+]
+
+
+def __getattr__(name):
+    # The runner imports jax and the trainer; load it only when asked for, so the task and
+    # verifier stay light to import (reward workers, tests).
+    if name == "run_demo":
+        from posttrain.demo._run import run_demo
+
+        return run_demo
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,144 @@
+"""The pure train step: accumulation invariance, token-weighted packing loss, the NaN guard."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.models import forward, get_preset, init_params, param_specs
+from posttrain.train import (
+    OptimizerConfig,
+    create_state,
+    make_optimizer,
+    sft_loss,
+    train_step,
+)
+
+CONFIG = get_preset("tiny", attention="xla")
+
+
+def _batch(rows=8, length=16, seed=0):
+    """Rows with very different numbers of loss tokens (1 to 15)."""
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(1, 512, (rows, length)).astype(np.int32)
+    targets = np.roll(tokens, -1, axis=1)
+    loss_mask = np.zeros((rows, length), np.float32)
+    for r in range(rows):
+        loss_mask[r, length - 1 - (1 + 2 * r) % (length - 1) : length - 1] = 1.0
+    return {
+        "tokens": tokens,
+        "targets": targets,
+        "loss_mask": loss_mask,
+        "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
+        "segment_ids": np.ones((rows, length), np.int32),
+    }
+
+
+def _step(micro_batches, optimizer_config=OptimizerConfig(learning_rate=1e-2, grad_clip=0.0)):
+    optimizer = make_optimizer(optimizer_config, 10)
+    params = init_params(CONFIG, jax.random.key(0))
+    state = create_state(params, optimizer, seed=0)
+    step = jax.jit(functools.partial(train_step, loss_fn=sft_loss(CONFIG, 0.0),
+                                     optimizer=optimizer, micro_batches=micro_batches))
+    return state, step
+
+
+def test_accumulation_is_invariant_to_micro_batching():
+    batch = _batch()
+    assert len({int(m.sum()) for m in batch["loss_mask"]}) > 4  # uneven token counts
+    results = {}
+    for micro in (1, 8):
+        state, step = _step(micro)
+        new_state, metrics = step(state, batch)
+        results[micro] = (new_state.params, float(metrics["loss"]))
+    (params_1, loss_1), (params_8, loss_8) = results[1], results[8]
+    assert abs(loss_1 - loss_8) <= 1e-6 * abs(loss_1)
+    for a, b in zip(jax.tree.leaves(params_1), jax.tree.leaves(params_8), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(a)
+
+
+def test_loss_is_the_token_mean_not_a_mean_of_means():
+    batch = _batch()
+    state, step = _step(4)
+    _, metrics = step(state, batch)
+    logits = np.asarray(jax.jit(lambda p: jax.nn.log_softmax(
+        forward(p, batch["tokens"], CONFIG)))(state.params))
+    nll = -np.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    expected = (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+    assert float(metrics["num_tokens"]) == batch["loss_mask"].sum()
+
+
+def test_packed_batch_loss_equals_token_weighted_unpacked_loss():
+    rng = np.random.RandomState(1)
+    docs = [rng.randint(1, 512, n).astype(np.int32) for n in (5, 9, 7)]
+    masks = [np.r_[np.zeros(n // 2), np.ones(n - n // 2 - 1), 0.0].astype(np.float32)
+             for n in (5, 9, 7)]  # loss on each document's second half, no target at its end
+    state, step = _step(1)
+    loss_fn = sft_loss(CONFIG, 0.0)
+
+    def row(doc, mask, length=21, segment=1):
+        pad = length - len(doc)
+        return {"tokens": np.r_[doc, np.zeros(pad, np.int32)][None],
+                "targets": np.r_[np.roll(doc, -1), np.zeros(pad, np.int32)][None],
+                "loss_mask": np.r_[mask, np.zeros(pad, np.float32)][None],
+                "positions": np.r_[np.arange(len(doc)), np.zeros(pad)].astype(np.int32)[None],
+                "segment_ids": np.r_[np.full(len(doc), segment), np.zeros(pad)].astype(
+                    np.int32)[None]}
+
+    separate = [jax.device_get(loss_fn(state.params, row(d, m), None))
+                for d, m in zip(docs, masks, strict=True)]
+    expected = sum(s["nll_sum"] for s in separate) / sum(s["num_tokens"] for s in separate)
+    packed = {
+        "tokens": np.concatenate(docs)[None],
+        "targets": np.concatenate([np.roll(d, -1) for d in docs])[None],
+        "loss_mask": np.concatenate(masks)[None],
+        "positions": np.concatenate([np.arange(len(d)) for d in docs]).astype(np.int32)[None],
+        "segment_ids": np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)]
+                                      ).astype(np.int32)[None],
+    }
+    _, metrics = step(state, packed)
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+
+
+def test_non_finite_step_is_skipped_and_counted():
+    batch = _batch()
+    state, step = _step(2)
+    bad = jax.tree.map(lambda x: x, state.params)
+    bad["final_norm"] = bad["final_norm"].at[0].set(jnp.nan)
+    state = state.replace(params=bad)
+    new_state, metrics = step(state, batch)
+    assert int(metrics["bad_step"]) == 1 and int(new_state.bad_steps) == 1
+    assert int(new_state.skipped_steps) == 1 and int(new_state.step) == 1
+    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # update skipped
+    for a, b in zip(jax.tree.leaves(new_state.opt_state),
+                    jax.tree.leaves(state.opt_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_weight_decay_only_on_matrices():
+    specs = param_specs(CONFIG)
+    mask = jax.tree.map(lambda s: s.init == "normal", specs, is_leaf=lambda x: hasattr(x, "init"))
+    config = OptimizerConfig(learning_rate=1e-3, weight_decay=0.5, grad_clip=0.0)
+    optimizer = make_optimizer(config, 10, mask)
+    params = init_params(CONFIG, jax.random.key(0))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+    assert float(jnp.abs(updates["final_norm"]).max()) == 0.0  # norms: no decay
+    assert float(jnp.abs(updates["embed"]).max()) > 0.0  # matrices decay (warmup 0 -> lr > 0)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_schedules_warm_up_then_decay(schedule):
+    from posttrain.train import learning_rate_schedule
+
+    lr = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=10,
+                                                schedule=schedule, end_lr_ratio=0.1), 110)
+    assert float(lr(0)) == 0.0 and abs(float(lr(5)) - 0.5) < 1e-6
+    assert abs(float(lr(10)) - 1.0) < 1e-6
+    final = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[schedule]
+    assert abs(float(lr(110)) - final) < 1e-6
