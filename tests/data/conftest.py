@@ -174,3 +174,43 @@ def generation_dir(tmp_path_factory, tokenizer_json):
         {"eos_token": "<|im_end|>", "chat_template": "ignored: chat_template.jinja wins"},
         files={"chat_template.jinja": GENERATION_TEMPLATE},
     )
+
+
+def write_records(path, records):
+    """Writes records to `path` as JSON lines, Parquet or ArrayRecord (by suffix); returns it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        keys = list(dict.fromkeys(k for r in records for k in r))  # a column for every key
+        rows = [{k: r.get(k) for k in keys} for r in records]
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3)
+    elif path.suffix == ".arrayrecord":
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        writer = ArrayRecordWriter(str(path), "group_size:1")
+        for record in records:
+            writer.write(record if isinstance(record, bytes) else json.dumps(record).encode())
+        writer.close()
+    else:
+        path.write_text(
+            "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def chatml(chatml_dir):
+    """The ChatML tokenizer (no BOS, EOS <|im_end|>, pad <|endoftext|>), loaded."""
+    from posttrain.data import load_tokenizer
+
+    return load_tokenizer(chatml_dir)
+
+
+@pytest.fixture(scope="session")
+def llama3(llama3_dir):
+    """The Llama-3-style tokenizer (BOS from the post-processor, EOS <|eot_id|>), loaded."""
+    from posttrain.data import load_tokenizer
+
+    return load_tokenizer(llama3_dir)

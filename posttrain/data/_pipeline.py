@@ -1,0 +1,456 @@
+"""The SFT input pipeline: sources -> mixture -> tokenized examples -> packed rows -> batches.
+
+A Grain graph, so that its iterator state is a checkpointable dict and resume is exact:
+
+    per source: MapDataset.source(records).map(encode)[process_index::process_count]
+                .shuffle(seed_i).repeat()          # reshuffled every epoch
+    MapDataset.mix(sources, weights)               # num_epochs=None: weighted, forever
+      or concatenate(sources).shuffle().repeat(n)  # num_epochs=n: every record n times
+    .to_iter_dataset()                             # decoding and tokenizing in threads
+    _Tally                                         # filters skipped/dropped records, counts
+    FirstFitPackIterDataset                        # rows of max_len, segment ids, positions
+    .batch(rows)                                   # rows = batch_size // process_count
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from posttrain.data._formats import ExampleEncoder
+from posttrain.data._sources import Records, SourceConfig
+from posttrain.data._tokenizer import Tokenizer, load_tokenizer
+
+_log = logging.getLogger(__name__)
+_COUNTERS = ("read", "used", "skipped", "truncated", "dropped", "no_loss")
+_LOGGED_SKIPS = 10
+# Fields that do not change which batches come out (kept out of the state's identity check).
+_RUNTIME_FIELDS = ("read_threads", "read_buffer")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """How to turn SFT sources into batches.
+
+    Attributes:
+      sources: the sources of the mixture.
+      max_len: row length L of every batch array.
+      batch_size: rows per step over all processes; each process yields
+        batch_size // process_count of them.
+      seed: seeds the per-epoch shuffles; same config and seed give the same batches.
+      packing: first-fit pack several examples into each row; else one example per row.
+      shuffle: shuffle records, differently each epoch.
+      num_epochs: None repeats forever, mixing sources by weight (training); n reads every
+        record of every source n times, weights unused (evaluation), then stops.
+      on_error: "raise" on a malformed record (naming its file and line/row), or "skip" it and
+        count it in `stats["skipped"]`.
+      overlong: examples longer than max_len are cut to it ("truncate") or left out ("drop");
+        both counted in `stats`.
+      add_eos: append EOS to text and string completions (chat templates end turns themselves).
+      read_threads: threads decoding and tokenizing records ahead of packing (no effect on the
+        batches).
+      read_buffer: records decoded ahead of packing (no effect on the batches).
+    """
+
+    sources: tuple[SourceConfig, ...]
+    max_len: int
+    batch_size: int
+    seed: int = 0
+    packing: bool = True
+    shuffle: bool = True
+    num_epochs: int | None = None
+    on_error: str = "raise"
+    overlong: str = "truncate"
+    add_eos: bool = True
+    read_threads: int = 4
+    read_buffer: int = 64
+
+    def __post_init__(self):
+        object.__setattr__(self, "sources", tuple(self.sources))
+        checks = [
+            (self.sources, "sources must name at least one SourceConfig"),
+            (all(isinstance(s, SourceConfig) for s in self.sources), "sources: SourceConfigs"),
+            (self.max_len >= 2, f"max_len must be at least 2, got {self.max_len}"),
+            (self.batch_size >= 1, f"batch_size must be positive, got {self.batch_size}"),
+            (0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
+            (self.num_epochs is None or self.num_epochs >= 1, "num_epochs: None or >= 1"),
+            (self.on_error in ("raise", "skip"), f"on_error={self.on_error!r}: raise or skip"),
+            (self.overlong in ("truncate", "drop"), f"overlong={self.overlong!r}: truncate|drop"),
+            (self.read_threads >= 0 and self.read_buffer >= 0, "read_threads/read_buffer >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"DataConfig: {message}")
+
+
+def make_pipeline(
+    config: DataConfig,
+    tokenizer: Tokenizer | str | Path,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> SFTData:
+    """Builds this process's SFT batch stream.
+
+    Args:
+      config: the data configuration.
+      tokenizer: a `Tokenizer`, or a directory to load one from.
+      process_index, process_count: this process's shard; default `jax.process_index()` and
+        `jax.process_count()`.
+
+    Returns:
+      The `SFTData` iterator.
+
+    Raises:
+      FileNotFoundError: a source path is missing or its glob matches nothing.
+      ValueError: a source holds no records (or fewer than process_count), batch_size is not a
+        multiple of process_count, or EOS is needed but the tokenizer has none.
+    """
+    pi = jax.process_index() if process_index is None else process_index
+    pc = jax.process_count() if process_count is None else process_count
+    if not 0 <= pi < pc:
+        raise ValueError(f"process_index {pi} is not in [0, process_count={pc})")
+    if config.batch_size % pc:
+        raise ValueError(
+            f"batch_size {config.batch_size} does not divide over {pc} processes; "
+            f"use a multiple of {pc}"
+        )
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = load_tokenizer(tokenizer)
+    if (
+        config.add_eos
+        and tokenizer.eos_id is None
+        and any(s.format != "messages" for s in config.sources)
+    ):
+        raise ValueError(
+            f"add_eos=True but {tokenizer.name_or_path} has no eos_token; set one in "
+            "tokenizer_config.json or set add_eos=False"
+        )
+    records = [Records(s.path) for s in config.sources]
+    for source, recs in zip(config.sources, records, strict=True):
+        if len(recs) < pc:
+            raise ValueError(
+                f"data source {source.path} has {len(recs)} records, fewer than the "
+                f"{pc} processes that each read a share"
+            )
+    return SFTData(config, tokenizer, records, pi, pc)
+
+
+class _Tally(grain.IterDataset):
+    """Passes examples on, leaving out skipped/dropped records and counting everything."""
+
+    def __init__(self, parent: grain.IterDataset, *, names, sizes, domains):
+        super().__init__(parent)
+        self.names, self.sizes, self.domains = names, sizes, domains
+
+    def __iter__(self) -> _TallyIterator:
+        self.live = _TallyIterator(self._parent.__iter__(), self)
+        return self.live
+
+
+class _TallyIterator(grain.DatasetIterator):
+    """The counters live in the iterator state, so they are checkpointed with the data."""
+
+    def __init__(self, parent: grain.DatasetIterator, spec: _Tally):
+        super().__init__(parent)
+        self._spec = spec
+        self._last_error = None
+        self.set_tally(
+            {
+                "counts": dict.fromkeys(_COUNTERS, 0),
+                "domains": [0] * len(spec.domains),
+                "streak": [0] * len(spec.sizes),
+            }
+        )
+
+    def tally(self) -> dict[str, Any]:
+        return {"counts": dict(self._counts), "domains": self._domains, "streak": self._streak}
+
+    def set_tally(self, tally: dict[str, Any]):
+        self._counts, self._domains = dict(tally["counts"]), list(tally["domains"])
+        # Records in a row of each source that gave no example: a full pass means none can.
+        self._streak = list(tally["streak"])
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        counts = self._counts
+        while True:
+            try:
+                item = next(self._parent)
+            except StopIteration:
+                if counts["used"] == 0:
+                    raise ValueError(self._empty_message("the data")) from None
+                raise
+            counts["read"] += 1
+            counts["truncated"] += item.get("truncated", False)
+            source = item["source"]
+            if (example := item.get("example")) is not None:
+                counts["used"] += 1
+                self._domains[int(example["domain_ids"][0])] += 1
+                self._streak[source] = 0
+                return example
+            counts[item["status"]] += 1
+            if "error" in item:
+                self._last_error = item["error"]
+                if counts["skipped"] <= _LOGGED_SKIPS:
+                    _log.warning("skipped malformed record: %s", item["error"])
+            self._streak[source] += 1
+            if self._streak[source] >= 2 * self._spec.sizes[source]:
+                raise ValueError(self._empty_message(f"data source {self._spec.names[source]}"))
+
+    def _empty_message(self, what: str) -> str:
+        last = f" Last skipped: {self._last_error}" if self._last_error else ""
+        return (
+            f"{what} yields no example: every record read was skipped as malformed "
+            "(on_error='skip'), dropped as longer than max_len (overlong='drop'), or has no "
+            f"token to train on. Counts so far: {self._counts}.{last}"
+        )
+
+    def get_state(self) -> dict[str, Any]:
+        return {"parent": self._parent.get_state(), "tally": json.loads(json.dumps(self.tally()))}
+
+    def set_state(self, state: dict[str, Any]):
+        self._parent.set_state(state["parent"])
+        self.set_tally(state["tally"])
+
+
+def _find_tally(state: Any) -> dict[str, Any] | None:
+    """The tally inside a (nested) iterator state."""
+    if isinstance(state, dict):
+        if "tally" in state:
+            return state["tally"]
+        for value in state.values():
+            if (found := _find_tally(value)) is not None:
+                return found
+    elif isinstance(state, list | tuple):
+        for value in state:
+            if (found := _find_tally(value)) is not None:
+                return found
+    return None
+
+
+def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {
+        "tokens": packed["tokens"],
+        "targets": packed["targets"],
+        "loss_mask": packed["loss_mask"],
+        "positions": packed["tokens_positions"],
+        "segment_ids": packed["tokens_segment_ids"],
+        "domain_ids": packed["domain_ids"],
+    }
+
+
+def _fill_rows(batch: dict[str, np.ndarray], *, rows: int, pad: dict[str, Any]):
+    """Pads the last, short batch of a finite stream with empty rows (shapes stay fixed)."""
+    n = len(batch["tokens"])
+    if n == rows:
+        return batch
+    return {
+        k: np.concatenate([v, np.full((rows - n, *v.shape[1:]), pad.get(k, 0), v.dtype)])
+        for k, v in batch.items()
+    }
+
+
+def _seed(seed: int, *salt: int) -> int:
+    return int(np.random.SeedSequence([seed, *salt]).generate_state(1)[0])
+
+
+def _sha256_file(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+class SFTData:
+    """This process's stream of SFT batches; build it with `make_pipeline`.
+
+    Iterating yields dicts of numpy arrays, each `[rows, max_len]` with rows =
+    batch_size // process_count:
+
+      tokens      int32    input ids; pad_id (0 if none) in padding
+      targets     int32    the next token of the same document; 0 where there is none
+      loss_mask   float32  1.0 where targets is trained on; 0 at padding and at each
+                           document's last token (no target crosses documents)
+      positions   int32    position inside the document, from 0 for each packed document
+      segment_ids int32    1, 2, ... per document in the row; 0 in padding
+      domain_ids  int32    index into `domains` of the token's source domain; -1 in padding
+
+    With num_epochs set, the stream ends after the last example (its last batch padded with
+    empty rows); processes may then yield different numbers of batches.
+
+    Attributes:
+      config, tokenizer, process_index, process_count: as given to `make_pipeline`.
+      domains: domain names, in order of first appearance in `config.sources`.
+      rows: rows per batch on this process.
+    """
+
+    def __init__(self, config, tokenizer, records, process_index, process_count):
+        self.config, self.tokenizer, self._records = config, tokenizer, records
+        self.process_index, self.process_count = process_index, process_count
+        self.domains = tuple(dict.fromkeys(s.domain for s in config.sources))
+        self.rows = config.batch_size // process_count
+        self._manifest, self._exhausted = None, False
+        fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
+        self._identity = json.loads(
+            json.dumps(
+                {
+                    "config": fields,
+                    "process": [process_index, process_count],
+                    "records": [len(r) for r in records],
+                }
+            )
+        )
+        self._iterator = self._dataset().__iter__()
+
+    def _dataset(self) -> grain.IterDataset:
+        c, pi, pc = self.config, self.process_index, self.process_count
+        parts = [
+            grain.MapDataset.source(recs)
+            .map(
+                ExampleEncoder(
+                    self.tokenizer,
+                    s.format,
+                    c.max_len,
+                    source=i,
+                    domain=self.domains.index(s.domain),
+                    add_eos=c.add_eos,
+                    on_error=c.on_error,
+                    overlong=c.overlong,
+                )
+            )
+            .slice(slice(pi, None, pc))
+            for i, (s, recs) in enumerate(zip(c.sources, self._records, strict=True))
+        ]
+        if c.num_epochs is None:
+            parts = [
+                p.shuffle(seed=_seed(c.seed, i)) if c.shuffle else p for i, p in enumerate(parts)
+            ]
+            parts = [p.repeat() for p in parts]
+            weights = [s.weight for s in c.sources]
+            ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+        else:
+            ds = parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)
+            ds = (ds.shuffle(seed=_seed(c.seed)) if c.shuffle else ds).repeat(c.num_epochs)
+        options = grain.ReadOptions(num_threads=c.read_threads, prefetch_buffer_size=c.read_buffer)
+        self._tally = tally = _Tally(
+            ds.to_iter_dataset(options),
+            names=[s.path for s in c.sources],
+            sizes=[len(range(pi, len(r), pc)) for r in self._records],
+            domains=self.domains,
+        )
+        pad_id = self.tokenizer.pad_id or 0
+        length = dict.fromkeys(("tokens", "targets", "loss_mask", "domain_ids"), c.max_len)
+        packed = grain.experimental.FirstFitPackIterDataset(
+            tally,
+            length_struct=length,
+            num_packing_bins=self.rows,
+            shuffle_bins=False,
+            padding_struct={"tokens": pad_id, "targets": 0, "loss_mask": 0.0, "domain_ids": -1},
+            max_sequences_per_bin=None if c.packing else 1,
+        )
+        pad = {"tokens": pad_id, "domain_ids": -1}
+        return (
+            packed.map(_row).batch(self.rows).map(lambda b: _fill_rows(b, rows=self.rows, pad=pad))
+        )
+
+    def __iter__(self) -> SFTData:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._exhausted = True
+            raise
+
+    def get_state(self) -> dict[str, Any]:
+        """The iterator position (a JSON-serialisable dict) to save with a checkpoint."""
+        return {"pipeline": self._identity, "iterator": self._iterator.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Resumes at a `get_state()` position; the batches that follow are the same as then.
+
+        Raises:
+          ValueError: the state was saved by a pipeline with another config, shard or data.
+        """
+        saved = state.get("pipeline", {})
+        if saved != self._identity:
+            diff = sorted(
+                k
+                for k in {*saved.get("config", {}), *self._identity["config"]}
+                if saved.get("config", {}).get(k) != self._identity["config"].get(k)
+            )
+            diff += [k for k in ("process", "records") if saved.get(k) != self._identity[k]]
+            raise ValueError(
+                f"the data state was saved by a different pipeline (differs in {diff}); resume "
+                "with the same data config, process layout and data files, or start afresh"
+            )
+        self._iterator.set_state(state["iterator"])
+        self._exhausted = False
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """This process's counters over the records behind the batches yielded so far.
+
+        Keys: read (records read), used (examples in batches), skipped (malformed), truncated,
+        dropped (overlong), no_loss (no trained token, e.g. no assistant turn, or truncation cut
+        every one), and domains ({name: examples used}). A record counts each time it is read
+        (once per epoch). They are part of `get_state()`, so they resume with it.
+        """
+        if self._exhausted:  # the state leaves out records read after the last example
+            tally = self._tally.live.tally()
+        else:
+            tally = _find_tally(self._iterator.get_state())
+        return {
+            **tally["counts"],
+            "domains": dict(zip(self.domains, tally["domains"], strict=True)),
+        }
+
+    def manifest(self) -> dict[str, Any]:
+        """What the batches are made of: the files (with sha256 and record counts), the config and
+        the tokenizer's identity. JSON-serialisable; hashing reads every data file once."""
+        if self._manifest is None:
+            tok = self.tokenizer
+            root = Path(tok.name_or_path)
+            template = tok.chat_template
+            self._manifest = {
+                "sources": [
+                    {
+                        "path": s.path,
+                        "domain": s.domain,
+                        "weight": s.weight,
+                        "format": s.format,
+                        "records": len(recs),
+                        "files": recs.describe(),
+                    }
+                    for s, recs in zip(self.config.sources, self._records, strict=True)
+                ],
+                "config": {
+                    k: v for k, v in dataclasses.asdict(self.config).items() if k != "sources"
+                },
+                "tokenizer": {
+                    "path": tok.name_or_path,
+                    "sha256": _sha256_file(root / "tokenizer.json")
+                    or hashlib.sha256(tok.backend.to_str().encode()).hexdigest(),
+                    "chat_template_sha256": template
+                    and hashlib.sha256(template.encode()).hexdigest(),
+                },
+                "process_count": self.process_count,
+            }
+        return self._manifest
+
+    def write_manifest(self, path: str | Path) -> Path:
+        """Writes `manifest()` as JSON to `path` (parents created) and returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.manifest(), indent=2) + "\n")
+        return path
+
+    def close(self) -> None:
+        """Stops the reader threads."""
+        self._iterator.close()

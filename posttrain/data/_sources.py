@@ -1,0 +1,233 @@
+"""Record files: JSON lines, Parquet and ArrayRecord, read by record index.
+
+`Records(pattern)` turns a file or glob into one random-access sequence of raw records, each with
+its location ("data.jsonl line 7"), so that a malformed record can be reported where it lives.
+Records are decoded lazily: a JSON-lines file is only scanned once for line offsets (and hashed
+in the same pass), and each line is parsed when the pipeline reads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMATS = ("auto", "messages", "prompt_completion", "text")
+_KINDS = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".arrayrecord": "arrayrecord",
+    ".array_record": "arrayrecord",
+}
+_CHUNK = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceConfig:
+    """One data source of an SFT mixture.
+
+    Attributes:
+      path: a file or a glob of files: .jsonl/.json (JSON lines), .parquet, or .arrayrecord
+        (each record the UTF-8 bytes of one JSON object).
+      weight: relative mixture weight (used when repeating forever, `num_epochs=None`).
+      domain: name carried into every example (`domain_ids` in batches, per-domain stats).
+      format: "auto" (detected per record from its keys), "messages", "prompt_completion" or
+        "text".
+    """
+
+    path: str
+    weight: float = 1.0
+    domain: str = "default"
+    format: str = "auto"
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"source {self.path}: format={self.format!r}; use one of {FORMATS}")
+        if not self.weight > 0:
+            raise ValueError(f"source {self.path}: weight must be positive, got {self.weight}")
+
+
+def expand(pattern: str) -> list[Path]:
+    """The files a path or glob names, sorted; raises FileNotFoundError naming it if none."""
+    if glob.has_magic(pattern):
+        paths = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+        paths = [p for p in paths if p.is_file()]
+        if not paths:
+            raise FileNotFoundError(f"data source glob {pattern!r} matches no file")
+    else:
+        path = Path(pattern).expanduser()
+        if path.is_dir():
+            raise FileNotFoundError(
+                f"data source {pattern} is a directory; pass a file or a glob such as "
+                f"'{pattern.rstrip('/')}/*.jsonl'"
+            )
+        if not path.is_file():
+            raise FileNotFoundError(f"data source {pattern} does not exist")
+        paths = [path]
+    for p in paths:
+        if p.suffix.lower() not in _KINDS:
+            raise ValueError(
+                f"data file {p} has an unsupported suffix; use one of {sorted(_KINDS)}"
+            )
+    return paths
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _JsonLines:
+    """A JSON-lines file: byte offsets of its non-blank lines, read back with `pread`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        h, newlines, size = hashlib.sha256(), [], 0
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + size)
+                size += len(chunk)
+        self.sha256 = h.hexdigest()
+        ends = np.concatenate([*newlines, [size]]).astype(np.int64)
+        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+        keep = ends > starts
+        # Lines of one or two bytes may be "\r" or blank; look at those few to leave them out.
+        with open(path, "rb") as f:
+            for i in np.flatnonzero(keep & (ends - starts <= 2)):
+                f.seek(starts[i])
+                keep[i] = bool(f.read(ends[i] - starts[i]).strip())
+        self._lines = np.flatnonzero(keep) + 1  # 1-based line numbers
+        self._starts, self._ends = starts[keep], ends[keep]
+        self._fd, self._pid, self._lock = None, None, threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i: int) -> tuple[bytes, str]:
+        if self._pid != os.getpid():  # opened lazily, and again after a fork
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        start, end = int(self._starts[i]), int(self._ends[i])
+        return os.pread(self._fd, end - start, start), f"{self.path} line {self._lines[i]}"
+
+    def __getstate__(self):
+        return {**self.__dict__, "_fd": None, "_pid": None, "_lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
+            os.close(self._fd)
+
+
+class _Parquet:
+    """A Parquet file, decoded one row group at a time (a few kept in a small cache)."""
+
+    _CACHED_GROUPS = 4
+
+    def __init__(self, path: Path):
+        import pyarrow.parquet as pq
+
+        self.path = path
+        meta = pq.ParquetFile(path).metadata
+        sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        self._offsets = np.cumsum([0, *sizes])
+        self._file = None
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def sha256(self) -> str:
+        return _sha256(self.path)
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def __getitem__(self, i: int) -> tuple[dict[str, Any], str]:
+        import pyarrow.parquet as pq
+
+        group = int(np.searchsorted(self._offsets, i, side="right")) - 1
+        with self._lock:
+            if (table := self._cache.get(group)) is None:
+                self._file = self._file or pq.ParquetFile(self.path)
+                table = self._cache[group] = self._file.read_row_group(group)
+                if len(self._cache) > self._CACHED_GROUPS:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(group)
+        row = table.slice(i - int(self._offsets[group]), 1).to_pylist()[0]
+        # Columns another record type fills are null here; drop them so formats see absent keys.
+        return {k: v for k, v in row.items() if v is not None}, f"{self.path} row {i}"
+
+    def __getstate__(self):
+        return {**self.__dict__, "_file": None, "_cache": collections.OrderedDict(), "_lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock())
+
+
+class _ArrayRecord:
+    """An ArrayRecord file of JSON-encoded records."""
+
+    def __init__(self, path: Path):
+        import grain
+
+        self.path = path
+        self._source = grain.sources.ArrayRecordDataSource([str(path)])
+
+    @property
+    def sha256(self) -> str:
+        return _sha256(self.path)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, i: int) -> tuple[bytes, str]:
+        return self._source[i], f"{self.path} record {i}"
+
+
+_READERS = {"jsonl": _JsonLines, "parquet": _Parquet, "arrayrecord": _ArrayRecord}
+
+
+class Records:
+    """The records of one source's files as a single sequence of (raw record, location).
+
+    A raw record is the bytes of one JSON object (JSON lines, ArrayRecord) or a dict (a Parquet
+    row). Locations name the file and the 1-based line (JSON lines) or 0-based row/record index.
+
+    Raises (at construction):
+      FileNotFoundError: the path is missing or the glob matches nothing.
+      ValueError: a file has an unknown suffix, or the source holds no records at all.
+    """
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        self.files = [_READERS[_KINDS[p.suffix.lower()]](p) for p in expand(pattern)]
+        self._offsets = np.cumsum([0, *map(len, self.files)])
+        if len(self) == 0:
+            names = ", ".join(str(f.path) for f in self.files)
+            raise ValueError(f"data source {pattern} holds no records (files: {names})")
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def __getitem__(self, i: int) -> tuple[Any, str]:
+        f = int(np.searchsorted(self._offsets, i, side="right")) - 1
+        return self.files[f][i - int(self._offsets[f])]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per file: path, sha256 of its bytes and number of records (hashes are computed here)."""
+        return [{"path": str(f.path), "sha256": f.sha256, "records": len(f)} for f in self.files]
