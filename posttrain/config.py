@@ -35,13 +35,13 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     return module.get_config(preset) if preset else module.get_config()
 
 
-def _to_plain(value):
+def to_plain(value):
     if isinstance(value, ml_collections.ConfigDict):
-        return {k: _to_plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, Mapping):
-        return {k: _to_plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_to_plain(v) for v in value]
+        return [to_plain(v) for v in value]
     return value
 
 
@@ -90,7 +90,7 @@ def build(cls, config, where: str = "config"):
     Unknown keys are an error naming the key and the known ones; missing keys take the
     dataclass defaults; `__post_init__` checks run as usual and are reported with `where`.
     """
-    values = _to_plain(config)
+    values = to_plain(config)
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where}: expected a section of fields, got {values!r}")
     hints = typing.get_type_hints(cls)

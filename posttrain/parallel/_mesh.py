@@ -38,7 +38,15 @@ class MeshConfig:
             (name, tuple(axes) if isinstance(axes, list | tuple) else axes)
             for name, axes in values.get("rules") or ()
         )
-        base = cls.from_dict(values.get("ici"), values.get("dcn"))
+        levels = {}
+        for level in ("ici", "dcn"):
+            sizes = values.get(level)
+            if isinstance(sizes, list | tuple):  # the saved form: one size per axis
+                if len(sizes) != len(MESH_AXES):
+                    raise ValueError(f"{where}.{level} needs {len(MESH_AXES)} sizes {MESH_AXES}")
+                sizes = dict(zip(MESH_AXES, sizes, strict=True))
+            levels[level] = sizes
+        base = cls.from_dict(levels["ici"], levels["dcn"])
         return dataclasses.replace(base, rules=rules)
 
     @property

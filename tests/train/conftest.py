@@ -1,0 +1,75 @@
+"""A small SFT config on the bundled demo task, and a way to run it in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from posttrain.config import load_config_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SMALL = {
+    "data.max_len": 64,
+    "data.batch_size": 8,
+    "train.steps": 12,
+    "train.log_every": 1,
+    "train.eval_every": 0,
+    "train.progress": False,
+    "checkpoint.every": 4,
+    "checkpoint.keep_last": 10,
+    "optimizer.warmup_steps": 2,
+    "mesh.ici.fsdp": 1,
+    "mesh.ici.data": -1,
+}
+
+
+def small_config(**overrides):
+    """configs/sft.py:tiny shrunk to seconds; `overrides` use dotted keys with `__` for dots."""
+    config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny")
+    config.eval_data = []
+    values = {**SMALL, **{k.replace("__", "."): v for k, v in overrides.items()}}
+    for key, value in values.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config
+
+
+_RUNNER = """
+import json, os, sys, time
+sys.path.insert(0, {tests!r})
+from train.conftest import small_config
+from posttrain.train.drivers import run_from_config
+delay = float(os.environ.get("STEP_DELAY", "0"))
+config = small_config(**json.loads(sys.argv[2]))
+summary = run_from_config(config, sys.argv[1],
+                          on_metrics=lambda step, m: time.sleep(delay) if delay else None)
+print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
+"""
+
+
+def start_run(workdir, *, step_delay=0.0, **overrides) -> subprocess.Popen:
+    """Starts `run_from_config` on the small config in a fresh Python process."""
+    env = {**os.environ, "STEP_DELAY": str(step_delay), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    script = _RUNNER.format(tests=os.path.join(REPO, "tests"))
+    return subprocess.Popen([sys.executable, "-c", script, str(workdir), json.dumps(overrides)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = process.communicate(timeout=timeout)
+    if process.returncode != 0:
+        pytest.fail(f"training process failed ({process.returncode}):\n{out[-3000:]}")
+    return out
+
+
+def train_losses(workdir) -> list[tuple[int, float]]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [(r["step"], r["loss"]) for r in rows if r["split"] == "train"]
