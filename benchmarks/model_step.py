@@ -18,8 +18,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _peers import hf_llama  # benchmarks/ is the script directory
 
 from posttrain.models import ModelConfig, Transformer, get_preset, init_params
+from posttrain.train import flops_per_token
 
 CONFIGS = {
     "tiny": get_preset("tiny"),
@@ -36,16 +38,6 @@ CONFIGS = {
         name="1b",
     ),
 }
-
-
-def step_flops(config: ModelConfig, batch: int, seq: int) -> float:
-    """Model FLOPs of forward + backward: 6 * matmul params * tokens + causal attention."""
-    c = config
-    per_layer = c.embed_dim * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    per_layer += c.num_heads * c.head_dim * c.embed_dim + 3 * c.embed_dim * c.mlp_dim
-    matmul_params = c.num_layers * per_layer + c.embed_dim * c.vocab_size
-    attn = 2 * 2 * c.num_layers * c.num_heads * c.head_dim * seq * seq / 2  # causal half
-    return batch * (6 * matmul_params * seq + 3 * attn)
 
 
 def time_jax(config: ModelConfig, tokens: np.ndarray, steps: int) -> float:
@@ -69,23 +61,9 @@ def time_jax(config: ModelConfig, tokens: np.ndarray, steps: int) -> float:
 
 def time_torch(config: ModelConfig, tokens: np.ndarray, steps: int, dtype: str) -> float:
     import torch
-    import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.embed_dim,
-        intermediate_size=config.mlp_dim,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        rope_theta=config.rope_theta,
-        rms_norm_eps=config.norm_eps,
-    )
-    model = transformers.LlamaForCausalLM._from_config(
-        hf_config, attn_implementation="sdpa", dtype=getattr(torch, dtype)
-    ).to(device)
+    model = hf_llama(config, dtype, device)
     tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
 
     def step():
@@ -128,7 +106,7 @@ def main():
         rows[f"posttrain (attention={impl})"] = time_jax(
             config.replace(attention=impl), tokens, args.steps
         )
-    flops = step_flops(config, args.batch, args.seq)
+    flops = flops_per_token(config, args.seq) * args.batch * args.seq
     tokens_per_step = args.batch * args.seq
     baseline = rows["HF transformers (torch, sdpa)"]
     print(

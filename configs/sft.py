@@ -1,9 +1,9 @@
 """Supervised fine-tuning.
 
-    posttrain train --config=configs/sft.py:tiny --workdir=/tmp/sft_tiny    # CPU, ~2 minutes
+    posttrain train --config=configs/sft.py:tiny --workdir=/tmp/sft_tiny    # CPU, ~3 minutes
 
 Presets:
-  tiny           a 1.3M-parameter model trained from scratch on the bundled arithmetic task (CPU).
+  tiny           a 0.17M-parameter model trained from scratch on the bundled arithmetic task (CPU).
   llama3_8b_v5p  Llama 3.1 8B full fine-tune on a v5p-64 slice (set model.hf_path, data).
   qwen3_32b_v5p  Qwen3 32B full fine-tune on a v5p-256 slice (set model.hf_path, data).
 Override any field: --config.optimizer.learning_rate=1e-5 --config.data.batch_size=64
@@ -18,7 +18,8 @@ _DEMO = os.path.join(os.path.dirname(__file__), "..", "posttrain", "demo", "asse
 
 def _source(path, weight=1.0, domain="default", fmt="auto"):
     return ml_collections.ConfigDict(
-        {"path": path, "weight": weight, "domain": domain, "format": fmt})
+        {"path": path, "weight": weight, "domain": domain, "format": fmt}
+    )
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
@@ -92,10 +93,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.optimizer.learning_rate = 3e-3
         c.optimizer.warmup_steps = 50
         c.optimizer.weight_decay = 0.01
-        c.train.steps = 1200
+        c.train.steps = 1500
         c.train.log_every = 20
-        c.train.eval_every = 400
-        c.checkpoint.every = 400
+        c.train.eval_every = 500
+        c.checkpoint.every = 500
     elif preset == "llama3_8b_v5p":
         # 8B on v5p-64 (32 chips): FSDP over all chips, bf16 compute, remat of the layer body.
         c.model.preset = "llama3_8b"

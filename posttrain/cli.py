@@ -44,20 +44,22 @@ def _train(argv: list[str]) -> int:
     from ml_collections import config_flags
 
     def define(flags, fv):
-        config_flags.DEFINE_config_file("config", None, "configs/<method>.py[:preset]",
-                                        flag_values=fv, lock_config=True)
-        flags.DEFINE_string("workdir", None, "output directory (checkpoints, metrics)",
-                            flag_values=fv)
+        config_flags.DEFINE_config_file(
+            "config", None, "configs/<method>.py[:preset]", flag_values=fv, lock_config=True
+        )
+        flags.DEFINE_string(
+            "workdir", None, "output directory (checkpoints, metrics)", flag_values=fv
+        )
 
     fv = _parse(argv, define)
     if fv.config is None or not fv.workdir:
-        raise SystemExit("posttrain train: --config=configs/<method>.py[:preset] and "
-                         "--workdir=DIR are required")
+        raise SystemExit(
+            "posttrain train: --config=configs/<method>.py[:preset] and --workdir=DIR are required"
+        )
     from posttrain.train.drivers import run_from_config
 
     summary = run_from_config(fv.config, fv.workdir)
-    print(f"finished at step {summary['final_step']} ({summary['stopped']}); "
-          f"workdir: {fv.workdir}")
+    print(f"finished at step {summary['final_step']} ({summary['stopped']}); workdir: {fv.workdir}")
     return 0
 
 
@@ -103,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     if command in _COMMANDS:
         return _COMMANDS[command]([f"posttrain {command}", *rest])
     if command in _PENDING:
-        print(f"posttrain {command}: not available yet; it arrives with {_PENDING[command]}.",
-              file=sys.stderr)
+        print(
+            f"posttrain {command}: not available yet; it arrives with {_PENDING[command]}.",
+            file=sys.stderr,
+        )
         return 2
     print(f"posttrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -21,6 +21,7 @@ def test_unknown_and_pending_commands_fail_clearly(capsys):
 
 
 def test_module_entry_point_runs():
-    result = subprocess.run([sys.executable, "-m", "posttrain", "demo"], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", "demo"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and "SFT" in result.stdout

@@ -93,7 +93,7 @@ def build_assets(
     n_train: int = 12_000,
     n_eval: int = 500,
     seed: int = 0,
-    max_digits: int = 3,
+    max_digits: int = 2,
 ) -> dict[str, str]:
     """Writes the tokenizer and the task's datasets; the same bytes for the same arguments.
 

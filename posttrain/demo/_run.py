@@ -1,13 +1,15 @@
 """`make demo`: supervised fine-tuning of a tiny model on the bundled arithmetic task, on CPU.
 
-Stage 1 (SFT) trains a 1.3M-parameter transformer from scratch and reports greedy exact-match
-accuracy on held-out problems before and after. Later stages (DPO, RL) extend this file.
+Stage 1 (SFT) trains the `tiny` transformer from scratch on two-digit addition and subtraction
+chats and reports greedy exact-match accuracy on held-out problems before and after. Later
+stages (DPO, RL) extend this file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import jax
@@ -92,6 +94,9 @@ def run_demo(workdir: str = "runs/demo", *, overrides: dict | None = None) -> di
     )
     start = time.perf_counter()
     sft_dir = os.path.join(workdir, "sft")
+    if os.path.exists(sft_dir):  # a demo always starts from scratch (it would resume otherwise)
+        console.print(f"removing the previous demo run in {sft_dir}")
+        shutil.rmtree(sft_dir)
     summary = run_sft(config, sft_dir)
     seconds = time.perf_counter() - start
     trained = Transformer(jax.device_get(summary["state"].params), summary["model_config"])

@@ -15,8 +15,7 @@ import numpy as np
 
 def _encode(tokenizer, prompt_messages, answer: str):
     prompt = tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True)
-    full, mask = tokenizer.encode_chat([*prompt_messages,
-                                        {"role": "assistant", "content": answer}])
+    full, mask = tokenizer.encode_chat([*prompt_messages, {"role": "assistant", "content": answer}])
     if full[: len(prompt)] != prompt:
         raise ValueError("the chat template renders the prompt differently inside the full turn")
     return full, mask

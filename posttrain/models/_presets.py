@@ -101,6 +101,19 @@ PRESETS: dict[str, ModelConfig] = {
         norm_eps=1e-6,
         name="tiny",
     ),
+    # The demo's model: small enough to train from scratch on 2 CPU cores in minutes.
+    "demo": ModelConfig(
+        vocab_size=512,
+        embed_dim=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        mlp_dim=384,
+        max_seq_len=512,
+        norm_eps=1e-6,
+        name="demo",
+    ),
 }
 
 # Parameter counts published for the real presets (the shape checks compare against them).

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from posttrain.config import ConfigError, build
 from posttrain.data import DataConfig, SourceConfig, load_tokenizer, make_pipeline
@@ -130,9 +133,23 @@ class _Evaluator:
         from posttrain.parallel import shard_batch
 
         totals: dict[str, float] = {}
-        for i, batch in enumerate(make_pipeline(self.data_config, self.tokenizer)):
+        batches = make_pipeline(self.data_config, self.tokenizer)
+        empty = None
+        for i in itertools.count():
             if self.max_batches and i >= self.max_batches:
                 break
+            batch = next(batches, None)
+            if jax.process_count() > 1:
+                # Hosts' shards can end at different batch counts: every host takes part in
+                # each step (an empty batch once its own data is done) until all are done.
+                done = multihost_utils.process_allgather(np.asarray(batch is None))
+                if np.all(done):
+                    break
+            elif batch is None:
+                break
+            if batch is None:
+                batch = empty
+            empty = jax.tree.map(np.zeros_like, batch)
             sums = jax.device_get(self._step(state.params, shard_batch(batch, self.mesh)))
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + float(v)

@@ -52,7 +52,8 @@ def test_matches_step_by_step_greedy_decoding():
     model = _TableModel(table)
 
     got = greedy_exact_match(model, tokenizer, records, batch_size=3)
-    expected = [tokenizer.decode(_greedy(model, tokenizer, r["prompt"], 8)) == r["answer"]
-                for r in records]
+    expected = [
+        tokenizer.decode(_greedy(model, tokenizer, r["prompt"], 8)) == r["answer"] for r in records
+    ]
     assert list(got) == expected
     assert expected[0] and not any(expected[1:])

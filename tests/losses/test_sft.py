@@ -10,8 +10,9 @@ def test_cross_entropy_sums_by_hand():
     logits = np.log(np.asarray([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [1 / 3, 1 / 3, 1 / 3]]]))
     targets = np.asarray([[0, 1, 2]])
     mask = np.asarray([[1.0, 1.0, 0.0]])
-    sums = cross_entropy_sums(jnp.asarray(logits, jnp.float32), jnp.asarray(targets),
-                              jnp.asarray(mask), z_loss=0.5)
+    sums = cross_entropy_sums(
+        jnp.asarray(logits, jnp.float32), jnp.asarray(targets), jnp.asarray(mask), z_loss=0.5
+    )
     expected_nll = -np.log(0.7) - np.log(0.1)
     np.testing.assert_allclose(sums["nll_sum"], expected_nll, rtol=1e-6)
     np.testing.assert_allclose(sums["num_tokens"], 2.0)

@@ -55,11 +55,20 @@ print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
 
 def start_run(workdir, *, step_delay=0.0, **overrides) -> subprocess.Popen:
     """Starts `run_from_config` on the small config in a fresh Python process."""
-    env = {**os.environ, "STEP_DELAY": str(step_delay), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {
+        **os.environ,
+        "STEP_DELAY": str(step_delay),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    }
     script = _RUNNER.format(tests=os.path.join(REPO, "tests"))
-    return subprocess.Popen([sys.executable, "-c", script, str(workdir), json.dumps(overrides)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(workdir), json.dumps(overrides)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(process: subprocess.Popen, timeout: float = 300) -> str:

@@ -23,18 +23,21 @@ OPTIMIZER = make_optimizer(OptimizerConfig(), 10)
 
 
 def _abstract(mesh):
-    abstract = jax.eval_shape(functools.partial(create_state, optimizer=OPTIMIZER, seed=0),
-                              param_shapes(CONFIG))
+    abstract = jax.eval_shape(
+        functools.partial(create_state, optimizer=OPTIMIZER, seed=0), param_shapes(CONFIG)
+    )
     shardings = state_shardings(OPTIMIZER, abstract, param_shardings(CONFIG, mesh), mesh)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        abstract, shardings), shardings
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    ), shardings
 
 
 def _state(mesh, seed=0):
     _, shardings = _abstract(mesh)
     params = init_params(CONFIG, jax.random.key(seed), mesh)
-    return jax.jit(functools.partial(create_state, optimizer=OPTIMIZER, seed=seed),
-                   out_shardings=shardings)(params)
+    return jax.jit(
+        functools.partial(create_state, optimizer=OPTIMIZER, seed=seed), out_shardings=shardings
+    )(params)
 
 
 def _assert_equal(a, b):
@@ -52,7 +55,8 @@ def test_restore_onto_a_different_mesh(tmp_path, devices):
     load_mesh = make_mesh(MeshConfig.from_dict({"data": 2, "tensor": 4}))
     target, _ = _abstract(load_mesh)
     step, restored, data_state, extra = Checkpointer(str(tmp_path), CheckpointConfig()).restore(
-        target)
+        target
+    )
     assert step == 1 and data_state == {"position": 3} and extra["config"] == {"a": 1}
     _assert_equal(restored.params, state.params)
     _assert_equal(restored.opt_state, state.opt_state)
@@ -98,8 +102,9 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, devices, caplog):
 def test_keep_last_and_keep_best(tmp_path, devices):
     mesh = make_mesh(MeshConfig.from_dict({"fsdp": 8}))
     state = _state(mesh)
-    checkpointer = Checkpointer(str(tmp_path),
-                                CheckpointConfig(keep_last=2, keep_best=1, async_save=False))
+    checkpointer = Checkpointer(
+        str(tmp_path), CheckpointConfig(keep_last=2, keep_best=1, async_save=False)
+    )
     for step, loss in [(1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5), (5, 2.7)]:
         checkpointer.save(step, state, metrics={"eval_loss": loss})
     checkpointer.close()

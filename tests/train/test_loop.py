@@ -42,9 +42,13 @@ class _Batches:
         self.position += 1
         ones = np.ones((8, 16), np.int32)
         tokens = ones * (1 if self.position <= 2 else 0)
-        return {"tokens": tokens, "targets": ones, "loss_mask": ones.astype(np.float32),
-                "positions": np.tile(np.arange(16, dtype=np.int32), (8, 1)),
-                "segment_ids": ones}
+        return {
+            "tokens": tokens,
+            "targets": ones,
+            "loss_mask": ones.astype(np.float32),
+            "positions": np.tile(np.arange(16, dtype=np.int32), (8, 1)),
+            "segment_ids": ones,
+        }
 
     def get_state(self):
         return {"position": self.position}
@@ -57,28 +61,36 @@ def test_divergence_stops_with_a_checkpoint(tmp_path, devices):
 
     def nan_loss(params, batch, rng):  # NaN on poisoned batches
         loss = jnp.sum(params["final_norm"] ** 2)
-        return {"loss_sum": jnp.where(batch["tokens"][0, 0] > 0, loss, jnp.nan),
-                "num_tokens": 1.0}
+        return {"loss_sum": jnp.where(batch["tokens"][0, 0] > 0, loss, jnp.nan), "num_tokens": 1.0}
+
     step_fn = jax.jit(functools.partial(train_step, loss_fn=nan_loss, optimizer=optimizer))
     checkpointer = Checkpointer(str(tmp_path), CheckpointConfig(every=100))
     with pytest.raises(TrainingDiverged, match="3 consecutive steps.*checkpoint was saved"):
         with jax.set_mesh(mesh):
-            train_loop(state=state, step_fn=step_fn, data=_Batches(), mesh=mesh,
-                       workdir=str(tmp_path), loop=LoopConfig(steps=50, max_bad_steps=3,
-                                                              log_every=1, progress=False),
-                       checkpointer=checkpointer)
+            train_loop(
+                state=state,
+                step_fn=step_fn,
+                data=_Batches(),
+                mesh=mesh,
+                workdir=str(tmp_path),
+                loop=LoopConfig(steps=50, max_bad_steps=3, log_every=1, progress=False),
+                checkpointer=checkpointer,
+            )
     saved = [int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit()]
     assert saved == [6]  # bad steps 3, 4, 5 seen one step late, stopped after dispatching 6
     bad = [r["bad_step"] for r in read_metrics(str(tmp_path))]
     assert bad == [0, 0, 1, 1, 1]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"data__bogus": 1}, r"data has unknown key\(s\) \['bogus'\]"),
-    ({"mesh__ici__data": 3}, r"mesh.ici \(data=3\) multiplies to 3, but there are 8 devices"),
-    ({"data__batch_size": 12}, r"not divisible by the data-parallel size 8"),
-    ({"optimizer__schedule": "cosin"}, r"optimizer.schedule='cosin'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"data__bogus": 1}, r"data has unknown key\(s\) \['bogus'\]"),
+        ({"mesh__ici__data": 3}, r"mesh.ici \(data=3\) multiplies to 3, but there are 8 devices"),
+        ({"data__batch_size": 12}, r"not divisible by the data-parallel size 8"),
+        ({"optimizer__schedule": "cosin"}, r"optimizer.schedule='cosin'"),
+    ],
+)
 def test_bad_config_is_one_clear_error(tmp_path, change, message, devices):
     config = small_config()
     for key, value in change.items():

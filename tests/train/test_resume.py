@@ -27,8 +27,10 @@ def _wait_for(predicate, process, timeout=180.0):
         if predicate():
             return
         if process.poll() is not None:
-            pytest.fail(f"the run ended before the test could interrupt it:\n"
-                        f"{process.communicate()[0][-3000:]}")
+            pytest.fail(
+                f"the run ended before the test could interrupt it:\n"
+                f"{process.communicate()[0][-3000:]}"
+            )
         time.sleep(0.05)
     process.kill()
     pytest.fail("timed out waiting for the run")
@@ -60,8 +62,14 @@ def test_resume_after_sigkill_is_exact(straight, tmp_path):
 
 def test_sigterm_saves_at_the_signal_then_resumes_exactly(straight, tmp_path):
     process = start_run(tmp_path, step_delay=0.25)
-    _wait_for(lambda: len(train_losses(tmp_path)) >= 6 if os.path.exists(
-        tmp_path / "metrics.jsonl") else False, process)
+    _wait_for(
+        lambda: (
+            len(train_losses(tmp_path)) >= 6
+            if os.path.exists(tmp_path / "metrics.jsonl")
+            else False
+        ),
+        process,
+    )
     process.send_signal(signal.SIGTERM)
     out = finish(process)
     stopped_at = int(out.split("STOPPED preempted ")[1].split()[0])

@@ -41,8 +41,14 @@ def _step(micro_batches, optimizer=None):
     optimizer = optimizer or make_optimizer(OptimizerConfig(learning_rate=1e-2, grad_clip=0.0), 10)
     params = init_params(CONFIG, jax.random.key(0))
     state = create_state(params, optimizer, seed=0)
-    step = jax.jit(functools.partial(train_step, loss_fn=sft_loss(CONFIG, 0.0),
-                                     optimizer=optimizer, micro_batches=micro_batches))
+    step = jax.jit(
+        functools.partial(
+            train_step,
+            loss_fn=sft_loss(CONFIG, 0.0),
+            optimizer=optimizer,
+            micro_batches=micro_batches,
+        )
+    )
     return state, step
 
 
@@ -51,7 +57,8 @@ def _recording_sgd():
     exactly (params after minus before would lose digits to float cancellation)."""
     record = optax.GradientTransformation(
         lambda params: jax.tree.map(jnp.zeros_like, params),
-        lambda updates, state, params=None: (updates, updates))
+        lambda updates, state, params=None: (updates, updates),
+    )
     return optax.chain(record, optax.sgd(1e-3))
 
 
@@ -75,8 +82,9 @@ def test_loss_is_the_token_mean_not_a_mean_of_means():
     batch = _batch()
     state, step = _step(4)
     _, metrics = step(state, batch)
-    logits = np.asarray(jax.jit(lambda p: jax.nn.log_softmax(
-        forward(p, batch["tokens"], CONFIG)))(state.params))
+    logits = np.asarray(
+        jax.jit(lambda p: jax.nn.log_softmax(forward(p, batch["tokens"], CONFIG)))(state.params)
+    )
     nll = -np.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
     expected = (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
@@ -86,30 +94,35 @@ def test_loss_is_the_token_mean_not_a_mean_of_means():
 def test_packed_batch_loss_equals_token_weighted_unpacked_loss():
     rng = np.random.RandomState(1)
     docs = [rng.randint(1, 512, n).astype(np.int32) for n in (5, 9, 7)]
-    masks = [np.r_[np.zeros(n // 2), np.ones(n - n // 2 - 1), 0.0].astype(np.float32)
-             for n in (5, 9, 7)]  # loss on each document's second half, no target at its end
+    masks = [
+        np.r_[np.zeros(n // 2), np.ones(n - n // 2 - 1), 0.0].astype(np.float32) for n in (5, 9, 7)
+    ]  # loss on each document's second half, no target at its end
     state, step = _step(1)
     loss_fn = sft_loss(CONFIG, 0.0)
 
     def row(doc, mask, length=21, segment=1):
         pad = length - len(doc)
-        return {"tokens": np.r_[doc, np.zeros(pad, np.int32)][None],
-                "targets": np.r_[np.roll(doc, -1), np.zeros(pad, np.int32)][None],
-                "loss_mask": np.r_[mask, np.zeros(pad, np.float32)][None],
-                "positions": np.r_[np.arange(len(doc)), np.zeros(pad)].astype(np.int32)[None],
-                "segment_ids": np.r_[np.full(len(doc), segment), np.zeros(pad)].astype(
-                    np.int32)[None]}
+        return {
+            "tokens": np.r_[doc, np.zeros(pad, np.int32)][None],
+            "targets": np.r_[np.roll(doc, -1), np.zeros(pad, np.int32)][None],
+            "loss_mask": np.r_[mask, np.zeros(pad, np.float32)][None],
+            "positions": np.r_[np.arange(len(doc)), np.zeros(pad)].astype(np.int32)[None],
+            "segment_ids": np.r_[np.full(len(doc), segment), np.zeros(pad)].astype(np.int32)[None],
+        }
 
-    separate = [jax.device_get(loss_fn(state.params, row(d, m), None))
-                for d, m in zip(docs, masks, strict=True)]
+    separate = [
+        jax.device_get(loss_fn(state.params, row(d, m), None))
+        for d, m in zip(docs, masks, strict=True)
+    ]
     expected = sum(s["nll_sum"] for s in separate) / sum(s["num_tokens"] for s in separate)
     packed = {
         "tokens": np.concatenate(docs)[None],
         "targets": np.concatenate([np.roll(d, -1) for d in docs])[None],
         "loss_mask": np.concatenate(masks)[None],
         "positions": np.concatenate([np.arange(len(d)) for d in docs]).astype(np.int32)[None],
-        "segment_ids": np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)]
-                                      ).astype(np.int32)[None],
+        "segment_ids": np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)]).astype(
+            np.int32
+        )[None],
     }
     _, metrics = step(state, packed)
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
@@ -126,8 +139,9 @@ def test_non_finite_step_is_skipped_and_counted():
     assert int(new_state.skipped_steps) == 1 and int(new_state.step) == 1
     for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # update skipped
-    for a, b in zip(jax.tree.leaves(new_state.opt_state),
-                    jax.tree.leaves(state.opt_state), strict=True):
+    for a, b in zip(
+        jax.tree.leaves(new_state.opt_state), jax.tree.leaves(state.opt_state), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -147,8 +161,10 @@ def test_weight_decay_only_on_matrices():
 def test_schedules_warm_up_then_decay(schedule):
     from posttrain.train import learning_rate_schedule
 
-    lr = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=10,
-                                                schedule=schedule, end_lr_ratio=0.1), 110)
+    lr = learning_rate_schedule(
+        OptimizerConfig(learning_rate=1.0, warmup_steps=10, schedule=schedule, end_lr_ratio=0.1),
+        110,
+    )
     assert float(lr(0)) == 0.0 and abs(float(lr(5)) - 0.5) < 1e-6
     assert abs(float(lr(10)) - 1.0) < 1e-6
     final = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[schedule]
