@@ -12,11 +12,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from posttrain.parallel import logical_to_spec
 
-_NEG_INF = float(np.finfo(np.float32).min)
+# Added to masked scores: exp() of it is 0, yet adding it to a score never overflows.
+_MASKED = -1e30
 
 
 def _target_platform() -> str:
@@ -96,17 +96,24 @@ def attention_mask(
 
 
 def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window):
+    # Batched 3-D matmuls with (batch x kv-head) leading and an additive mask: XLA:CPU runs
+    # these far faster than 5-D einsums with a select, and the additive mask needs nothing
+    # saved for the backward pass. Each kv head serves its G query heads as G*L rows.
     B, L, N, H = q_BLNH.shape
-    K = k_BSKH.shape[2]
-    q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H)
-    scores_BKGLS = jnp.einsum(
-        "BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH, preferred_element_type=jnp.float32
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    G = N // K
+    q_XRH = q_BLNH.reshape(B, L, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B * K, G * L, H)
+    k_XSH = k_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H)
+    v_XSH = v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H)
+    scores_XRS = jax.lax.dot_general(
+        q_XRH, k_XSH, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
     ) * (H**-0.5)
     mask_BLS = attention_mask(q_pos, kv_pos, q_seg, kv_seg, window)
-    scores_BKGLS = jnp.where(mask_BLS[:, None, None], scores_BKGLS, _NEG_INF)
-    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKH.dtype)
-    out_BLKGH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BKGLS, v_BSKH)
-    return out_BLKGH.reshape(B, L, N, H)
+    bias_B11LS = jnp.where(mask_BLS, 0.0, _MASKED)[:, None, None]
+    scores_BKGLS = scores_XRS.reshape(B, K, G, L, S) + bias_B11LS
+    probs_XRS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKH.dtype).reshape(B * K, G * L, S)
+    out_XRH = jax.lax.dot_general(probs_XRS, v_XSH, (((2,), (1,)), ((0,), (0,))))
+    return out_XRH.reshape(B, K, G, L, H).transpose(0, 3, 1, 2, 4).reshape(B, L, N, H)
 
 
 def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
