@@ -51,6 +51,7 @@ def attention(
     kv_segment_ids_BS,
     window: int = 0,
     impl: str = "xla",
+    self_attention: bool = False,
 ):
     """Scaled dot-product attention of queries over keys, causal by position.
 
@@ -60,21 +61,18 @@ def attention(
       q_segment_ids_BL, kv_segment_ids_BS: packed-document ids; attention stays inside a document.
       window: if > 0, a query sees only keys with `q_pos - kv_pos < window` (sliding window).
       impl: "xla", "cudnn" or "splash" (see `resolve_impl`).
+      self_attention: queries and keys are the same tokens, with positions increasing along
+        each document (training rows, packed or padded). The XLA path then skips key blocks
+        that lie after each query block (all masked), as the fused kernels do.
 
     Returns:
       The attended values, `[B, L, N, H]` in the dtype of `q_BLNH`.
     """
     if impl == "xla":
-        return _xla_attention(
-            q_BLNH,
-            k_BSKH,
-            v_BSKH,
-            q_positions_BL,
-            kv_positions_BS,
-            q_segment_ids_BL,
-            kv_segment_ids_BS,
-            window,
-        )
+        args = (q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window)
+        if self_attention:
+            return _xla_causal_blocks(q_BLNH, k_BSKH, v_BSKH, *args)
+        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, *args)
     if impl == "cudnn":
         return _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window)
     if impl == "splash":
@@ -114,6 +112,34 @@ def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window)
     probs_XRS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKH.dtype).reshape(B * K, G * L, S)
     out_XRH = jax.lax.dot_general(probs_XRS, v_XSH, (((2,), (1,)), ((0,), (0,))))
     return out_XRH.reshape(B, K, G, L, H).transpose(0, 3, 1, 2, 4).reshape(B, L, N, H)
+
+
+def _xla_causal_blocks(
+    q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block: int = 32
+):
+    """Self-attention by query blocks, each over only the keys it can see: keys after the
+    block are causally masked, keys before `start - window` fall outside the window. Saves
+    about half the score memory and FLOPs at long lengths."""
+    L = q_BLNH.shape[1]
+    if L <= block:
+        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window)
+    outs = []
+    for start in range(0, L, block):
+        stop = min(start + block, L)
+        lo = max(0, start - window + 1) if window else 0
+        outs.append(
+            _xla_attention(
+                q_BLNH[:, start:stop],
+                k_BSKH[:, lo:stop],
+                v_BSKH[:, lo:stop],
+                q_pos[:, start:stop],
+                kv_pos[:, lo:stop],
+                q_seg[:, start:stop],
+                kv_seg[:, lo:stop],
+                window,
+            )
+        )
+    return jnp.concatenate(outs, axis=1)
 
 
 def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):

@@ -204,6 +204,7 @@ def _layer(
             kv_positions_BS=positions_BL,
             q_segment_ids_BL=segment_ids_BL,
             kv_segment_ids_BS=segment_ids_BL,
+            self_attention=True,
         )
         for w in windows
     ]
