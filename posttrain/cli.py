@@ -3,6 +3,8 @@ function that a notebook can call the same way."""
 
 from __future__ import annotations
 
+import glob
+import os
 import sys
 
 USAGE = """usage: posttrain <command> [flags]
@@ -96,8 +98,17 @@ def _demo(argv: list[str]) -> int:
 _COMMANDS = {"train": _train, "export": _export, "demo": _demo}
 
 
+def _skip_absent_tpu() -> None:
+    """With libtpu installed (the `tpu`/`dev` extras) but no TPU attached, JAX's TPU probe prints
+    pages of warnings; a machine with no accelerator device files at all runs on the CPU."""
+    devices = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+    if "JAX_PLATFORMS" not in os.environ and not any(glob.glob(d) for d in devices):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _skip_absent_tpu()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
