@@ -99,6 +99,21 @@ def _to_json(value):
     return json.loads(json.dumps(dataclasses.asdict(value), default=str))
 
 
+def _optimizer_and_abstract_state(config: SFTConfig, model_config: ModelConfig):
+    """The run's optimizer (weight decay on matrices only) and its state's shapes."""
+    decay_mask = jax.tree.map(
+        lambda s: s.init == "normal",
+        param_specs(model_config),
+        is_leaf=lambda x: hasattr(x, "init"),
+    )
+    optimizer = make_optimizer(config.optimizer, config.train.steps, decay_mask)
+    abstract = jax.eval_shape(
+        functools.partial(create_state, optimizer=optimizer, seed=config.train.seed),
+        param_shapes(model_config),
+    )
+    return optimizer, abstract
+
+
 def _check_batching(config: SFTConfig, mesh) -> None:
     sizes = dict(mesh.shape)
     data_parallel = sizes["data"] * sizes["fsdp"] * sizes["expert"]
@@ -187,17 +202,9 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
         json.dump(_to_json(config), f, indent=2)
 
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        specs = param_specs(model_config)
-        decay_mask = jax.tree.map(
-            lambda s: s.init == "normal", specs, is_leaf=lambda x: hasattr(x, "init")
-        )
-        optimizer = make_optimizer(config.optimizer, config.train.steps, decay_mask)
+        optimizer, abstract = _optimizer_and_abstract_state(config, model_config)
         schedule = learning_rate_schedule(config.optimizer, config.train.steps)
         p_shardings = param_shardings(model_config, mesh)
-        abstract = jax.eval_shape(
-            functools.partial(create_state, optimizer=optimizer, seed=config.train.seed),
-            param_shapes(model_config),
-        )
         shardings = state_shardings(optimizer, abstract, p_shardings, mesh)
         checkpointer = Checkpointer(workdir, config.checkpoint)
 
@@ -274,14 +281,7 @@ def load_checkpoint_model(workdir: str, step: int | None = None) -> Transformer:
     saved = checkpointer.read_json(step)
     config = build(SFTConfig, saved["config"])
     model_config = build(ModelConfig, saved["model_config"])
-    specs = param_specs(model_config)
-    decay_mask = jax.tree.map(
-        lambda s: s.init == "normal", specs, is_leaf=lambda x: hasattr(x, "init")
-    )
-    optimizer = make_optimizer(config.optimizer, config.train.steps, decay_mask)
-    abstract = jax.eval_shape(
-        functools.partial(create_state, optimizer=optimizer, seed=0), param_shapes(model_config)
-    )
+    _, abstract = _optimizer_and_abstract_state(config, model_config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
