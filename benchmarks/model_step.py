@@ -21,7 +21,6 @@ import numpy as np
 from _peers import hf_llama  # benchmarks/ is the script directory
 
 from posttrain.models import ModelConfig, Transformer, get_preset, init_params
-from posttrain.train import flops_per_token
 
 CONFIGS = {
     "tiny": get_preset("tiny"),
@@ -106,7 +105,7 @@ def main():
         rows[f"posttrain (attention={impl})"] = time_jax(
             config.replace(attention=impl), tokens, args.steps
         )
-    flops = flops_per_token(config, args.seq) * args.batch * args.seq
+    flops = config.flops_per_token(args.seq) * args.batch * args.seq
     tokens_per_step = args.batch * args.seq
     baseline = rows["HF transformers (torch, sdpa)"]
     print(

@@ -113,6 +113,16 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 x matmul params + causal attention."""
+        per_layer = self.embed_dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_layer += (
+            self.num_heads * self.head_dim * self.embed_dim + 3 * self.embed_dim * self.mlp_dim
+        )
+        matmul_params = self.num_layers * per_layer + self.embed_dim * self.vocab_size
+        attention = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len  # QK^T, AV
+        return 6 * matmul_params + attention
+
     def num_params(self) -> int:
         """Parameter count, from shapes alone."""
         from posttrain.models._transformer import param_shapes

@@ -2,7 +2,7 @@
 
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._loop import LoopConfig, TrainingDiverged, train_loop
-from posttrain.train._metrics import MetricsWriter, flops_per_token, read_metrics
+from posttrain.train._metrics import MetricsWriter, read_metrics
 from posttrain.train._optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from posttrain.train._sft import ModelSpec, SFTConfig, load_checkpoint_model, run_sft, sft_loss
 from posttrain.train._state import TrainState, create_state, state_shardings
@@ -19,7 +19,6 @@ __all__ = [
     "TrainState",
     "TrainingDiverged",
     "create_state",
-    "flops_per_token",
     "learning_rate_schedule",
     "load_checkpoint_model",
     "make_optimizer",

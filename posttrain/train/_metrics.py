@@ -7,8 +7,6 @@ import os
 
 import jax
 
-from posttrain.models import ModelConfig
-
 # Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
 PEAK_FLOPS = {
     "TPU v4": 275e12,
@@ -27,16 +25,6 @@ def peak_flops_per_device() -> float | None:
         if kind.startswith(name):
             return flops
     return None
-
-
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul params + causal attention (fwd + bwd)."""
-    c = config
-    per_layer = c.embed_dim * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    per_layer += c.num_heads * c.head_dim * c.embed_dim + 3 * c.embed_dim * c.mlp_dim
-    matmul_params = c.num_layers * per_layer + c.embed_dim * c.vocab_size
-    attention = 6 * c.num_layers * c.num_heads * c.head_dim * seq_len  # QK^T and AV, causal half
-    return 6 * matmul_params + attention
 
 
 class MetricsWriter:

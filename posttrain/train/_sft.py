@@ -31,7 +31,6 @@ from posttrain.models._hf import _read_json, config_from_hf
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh, named_sharding
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._loop import LoopConfig, train_loop
-from posttrain.train._metrics import flops_per_token
 from posttrain.train._optimizer import (
     OptimizerConfig,
     learning_rate_schedule,
@@ -262,7 +261,7 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
                 "model_config": _to_json(model_config),
                 "manifest": manifest,
             },
-            flops_per_token=flops_per_token(model_config, config.data.max_len),
+            flops_per_token=model_config.flops_per_token(config.data.max_len),
             on_metrics=on_metrics,
         )
         checkpointer.close()
