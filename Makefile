@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || echo "bubblewrap (bwrap) missing: the sandbox tests will be skipped; apt-get install bubblewrap"
 	$(PY) -m ruff check posttrain tests benchmarks
 	$(PY) -m pytest -n 2 --durations=15
 

@@ -1,0 +1,57 @@
+"""Verifiable rewards: reward functions by domain, scored in a pool of killable workers.
+
+A reward function is `fn(record, completion) -> (score, info)`. A `RewardRegistry` maps each
+record's "domain" to weighted reward functions (`default_registry()` has math, code, format,
+tool_call and the demo's arithmetic); `RewardPool` scores batches in worker processes, each
+completion under a deadline, so a hung or crashing verifier costs one zero reward, not a step.
+
+    registry = default_registry()
+    registry.check({r["domain"] for r in dataset})  # unknown domains fail here, not mid-run
+    with RewardPool(registry, workers=8, timeout_s=10) as pool:
+        rewards = [r.score for r in pool.score(records, completions)]
+"""
+
+from posttrain.rewards import sandbox
+from posttrain.rewards._code import code_reward, code_reward_all_pass, extract_code
+from posttrain.rewards._difficulty import filter_by_pass_rate, pass_at_k, pass_rate, stratify
+from posttrain.rewards._format import (
+    check_format,
+    format_reward,
+    overlong_penalty,
+    tool_call_reward,
+)
+from posttrain.rewards._math import extract_answer, math_equal, math_reward
+from posttrain.rewards._pool import RewardPool, RewardResult, summarize
+from posttrain.rewards._registry import (
+    RewardFn,
+    RewardRegistry,
+    RewardTerm,
+    arithmetic_reward,
+    default_registry,
+)
+
+__all__ = [
+    "RewardFn",
+    "RewardPool",
+    "RewardRegistry",
+    "RewardResult",
+    "RewardTerm",
+    "arithmetic_reward",
+    "check_format",
+    "code_reward",
+    "code_reward_all_pass",
+    "default_registry",
+    "extract_answer",
+    "extract_code",
+    "filter_by_pass_rate",
+    "format_reward",
+    "math_equal",
+    "math_reward",
+    "overlong_penalty",
+    "pass_at_k",
+    "pass_rate",
+    "sandbox",
+    "stratify",
+    "summarize",
+    "tool_call_reward",
+]

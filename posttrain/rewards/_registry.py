@@ -1,0 +1,230 @@
+"""Reward functions by domain: registration by name, weighted combination, startup checks.
+
+A reward function is `fn(record, completion) -> (score, info)`: `record` is the prompt record with
+its verifier fields (`answer`, `tests`, `schema`, `tools`...), `completion` the generated text,
+`info` a small picklable dict (extracted answer, failure reason). A domain maps to one or more
+such functions with weights and scores their weighted sum, so one RL run can mix many domains.
+
+Functions are held as importable references ("package.module:function" strings or top-level
+functions, which pickle by name), so a registry travels to `RewardPool` worker processes and
+heavy verifiers (sympy, the code sandbox) are imported only where they run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import math
+import pickle
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+RewardFn = Callable[[Mapping, str], tuple[float, dict]]
+
+
+@dataclass(frozen=True)
+class RewardTerm:
+    """One weighted reward function of a domain."""
+
+    name: str  # key of this term's info in the domain's combined info
+    fn: str | Callable  # "module:function" or a picklable callable
+    weight: float  # multiplies the term's score in the domain's sum
+
+
+class RewardRegistry:
+    """Maps domain names to weighted reward functions.
+
+    Example:
+      registry = RewardRegistry()
+      registry.register("math", "posttrain.rewards:math_reward")
+      registry.register("math", format_reward, weight=0.1)
+      registry.check({r["domain"] for r in dataset})  # at startup: one error for all unknowns
+      score, info = registry.score(record, completion)
+    """
+
+    def __init__(self):
+        self._terms: dict[str, tuple[RewardTerm, ...]] = {}
+
+    def register(
+        self, domain: str, fn: str | Callable, *, weight: float = 1.0, name: str | None = None
+    ) -> None:
+        """Adds a reward function to a domain (a domain's score is the weighted sum of its terms).
+
+        Args:
+          domain: the name records carry in their "domain" field.
+          fn: "package.module:function", or a top-level function (or a `functools.partial` of
+            one): it must pickle by name to reach the worker processes.
+          weight: the term's weight in the domain's sum.
+          name: the term's key in the combined info; defaults to the function's name.
+
+        Raises:
+          ValueError: a malformed reference, a callable that does not pickle (lambda, nested
+            function), a non-finite weight or a term name the domain already has.
+        """
+        if not isinstance(domain, str) or not domain:
+            raise ValueError(f"a reward domain is a non-empty string, got {domain!r}")
+        if not math.isfinite(weight):
+            raise ValueError(f"reward weight for domain {domain!r} must be finite, got {weight}")
+        if isinstance(fn, str):
+            module, _, attr = fn.partition(":")
+            if not module or not attr:
+                raise ValueError(f"reward reference {fn!r} must read 'package.module:function'")
+        elif callable(fn):
+            try:
+                pickle.dumps(fn)
+            except Exception as e:
+                raise ValueError(
+                    f"reward function {fn!r} for domain {domain!r} cannot be pickled to the "
+                    f"worker processes ({e}); define it at module top level or register it as "
+                    "a 'package.module:function' string"
+                ) from e
+        else:
+            raise ValueError(f"reward function for domain {domain!r} must be callable, got {fn!r}")
+        name = name or _fn_name(fn)
+        terms = self._terms.get(domain, ())
+        if any(t.name == name for t in terms):
+            raise ValueError(f"domain {domain!r} already has a reward term named {name!r}")
+        self._terms[domain] = (*terms, RewardTerm(name, fn, float(weight)))
+
+    def domains(self) -> list[str]:
+        """The registered domain names, sorted."""
+        return sorted(self._terms)
+
+    def terms(self, domain: str) -> tuple[RewardTerm, ...]:
+        """The weighted terms of a domain."""
+        self.check([domain], resolve=False)
+        return self._terms[domain]
+
+    def check(self, domains: Iterable[str], *, resolve: bool = True) -> None:
+        """Fails early, with one message, for domains a run would meet but cannot score.
+
+        Args:
+          domains: the domains of the run's records (duplicates are fine).
+          resolve: also import every function of those domains, so a broken reference fails
+            here rather than in a worker mid-run.
+
+        Raises:
+          ValueError: names every unknown domain with its close matches and the registered ones,
+            or every reference that does not import.
+        """
+        unknown = sorted(set(domains) - set(self._terms))
+        if unknown:
+            hints = []
+            for d in unknown:
+                close = difflib.get_close_matches(str(d), self._terms, n=3, cutoff=0.6)
+                hints.append(
+                    f"{d!r} (did you mean {', '.join(map(repr, close))}?)" if close else repr(d)
+                )
+            raise ValueError(
+                f"unknown reward domain(s): {', '.join(hints)}. Registered: "
+                f"{', '.join(self.domains()) or 'none'}. Register them with "
+                "registry.register(domain, fn) or fix the records' 'domain' field."
+            )
+        if not resolve:
+            return
+        broken = []
+        for d in sorted(set(domains)):
+            for t in self._terms[d]:
+                try:
+                    resolve_fn(t.fn)
+                except Exception as e:
+                    broken.append(f"{d}/{t.name} ({t.fn!r}): {type(e).__name__}: {e}")
+        if broken:
+            raise ValueError("reward functions that do not import: " + "; ".join(broken))
+
+    def score(
+        self, record: Mapping, completion: str, domain: str | None = None
+    ) -> tuple[float, dict]:
+        """Scores one completion in this process: the weighted sum of its domain's terms.
+
+        Args:
+          record: the prompt record.
+          completion: the generated text.
+          domain: defaults to `record["domain"]`.
+
+        Returns:
+          (score, info) with info = {term name: {"score": term score, **term info}}.
+
+        Raises:
+          ValueError: an unknown domain or a term that returns something other than
+            (finite number, dict). Exceptions of the reward functions propagate.
+        """
+        domain = record_domain(record) if domain is None else domain
+        total, info = 0.0, {}
+        for t in self.terms(domain):
+            out = resolve_fn(t.fn)(record, completion)
+            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+                raise ValueError(
+                    f"reward {t.name!r} must return (score, info dict), got {out!r:.200}"
+                )
+            score = float(out[0])
+            if not math.isfinite(score):
+                raise ValueError(f"reward {t.name!r} returned a non-finite score {score}")
+            total += t.weight * score
+            info[t.name] = {"score": score, **out[1]}
+        return total, info
+
+    def __repr__(self):
+        return f"RewardRegistry({', '.join(self.domains())})"
+
+
+def record_domain(record: Mapping) -> str:
+    """The "domain" field of a record, with a clear error where it is missing."""
+    try:
+        return record["domain"]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"record has no 'domain' field to pick its reward: {record!r:.200}; add one or pass "
+            "domains explicitly"
+        ) from None
+
+
+@functools.cache
+def _resolve_ref(ref: str) -> Callable:
+    module, _, attr = ref.partition(":")
+    fn = importlib.import_module(module)
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise TypeError(f"{ref!r} is not callable")
+    return fn
+
+
+def resolve_fn(fn: str | Callable) -> Callable:
+    """The callable behind a registered reference (imports its module on first use)."""
+    return _resolve_ref(fn) if isinstance(fn, str) else fn
+
+
+def _fn_name(fn: str | Callable) -> str:
+    if isinstance(fn, str):
+        return fn.rpartition(":")[2].rpartition(".")[2]
+    fn = getattr(fn, "func", fn)  # functools.partial
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def arithmetic_reward(record: Mapping, completion: str) -> tuple[float, dict]:
+    """The demo arithmetic task's verifier (`posttrain.demo.is_correct`) as a reward."""
+    from posttrain.demo import extract_answer, is_correct
+
+    correct = is_correct(completion, record)
+    info = {"extracted": extract_answer(completion)}
+    if not correct:
+        info["reason"] = "no integer answer" if info["extracted"] is None else "wrong answer"
+    return float(correct), info
+
+
+def default_registry() -> RewardRegistry:
+    """A registry with the built-in domains.
+
+    Domains: "math" (`math_reward`), "code" (`code_reward`, the sandboxed test runner),
+    "format" (`format_reward`), "tool_call" (`tool_call_reward`) and "arithmetic" (the demo task).
+    Each is registered by reference, so nothing heavy is imported until a domain is scored.
+    """
+    registry = RewardRegistry()
+    registry.register("math", "posttrain.rewards._math:math_reward")
+    registry.register("code", "posttrain.rewards._code:code_reward")
+    registry.register("format", "posttrain.rewards._format:format_reward")
+    registry.register("tool_call", "posttrain.rewards._format:tool_call_reward")
+    registry.register("arithmetic", "posttrain.rewards._registry:arithmetic_reward")
+    return registry

@@ -1,0 +1,399 @@
+"""Runs untrusted Python in a fresh bubblewrap container per execution, under hard limits.
+
+Each `run` starts one container (see `_sandbox_bwrap` for what it can see) holding one tiny
+launcher that sets the rlimits and then executes `/tmp/main.py` as `__main__`:
+
+- CPU time (`RLIMIT_CPU`, a backstop to the wall-clock timeout), address space
+  (`RLIMIT_AS` = `memory_mb`, per process), processes and threads (`RLIMIT_NPROC`, counted per
+  container thanks to its own user namespace), open files (`RLIMIT_NOFILE`), file size
+  (`RLIMIT_FSIZE`) and no core dumps; /tmp and /dev/shm are tmpfs mounts capped at `tmp_mb`.
+- A wall-clock timeout SIGKILLs bwrap's process group; the container's PID 1 dies with it
+  (`--die-with-parent`), and the kernel then kills everything left in its PID namespace, so
+  daemonised children never outlive a run, which also ends as soon as `main.py` exits.
+- stdout and stderr are read concurrently, each kept up to `max_output_bytes` and then
+  drained and discarded (flagged truncated), so a program printing 100 MB costs no memory.
+
+Where bwrap is missing or unusable, `run` raises `SandboxUnavailableError` saying how to install
+it, unless the caller opts into `backend="subprocess"` (or `POSTTRAIN_SANDBOX=unsafe-subprocess`):
+the same rlimits (minus `RLIMIT_NPROC`, which counts all of the user's processes there) and
+timeout in a temporary directory, with no filesystem, network or process isolation; it warns.
+
+Known gaps: memory is capped per process, so a program can hold up to `max_procs * memory_mb`
+in total (no cgroup); there is no seccomp filter, so the kernel's whole syscall surface is
+reachable, within the namespaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from posttrain.rewards import _sandbox_bwrap as _bw
+from posttrain.rewards._sandbox_bwrap import SandboxError, SandboxUnavailableError
+
+__all__ = [
+    "SandboxError",
+    "SandboxPool",
+    "SandboxResult",
+    "SandboxUnavailableError",
+    "UnsafeSandboxWarning",
+    "run",
+]
+
+_UNSAFE = ("subprocess", "unsafe-subprocess")
+_MAIN = "main.py"
+# Runs inside as `python -I -S -B -c _LAUNCHER`: reports "started" on its own pipe (so a
+# container that failed to start is an error, not a crash of the program), sets the limits, runs
+# main.py as __main__. -S skips site (faster start, no site-packages), so exit()/quit() are
+# restored by hand; the hook hides the launcher's own frame from tracebacks.
+_LAUNCHER = """\
+import builtins, os, resource, sys
+os.write({started_fd}, b"1")
+os.close({started_fd})
+for _k, _soft, _hard in {limits!r}:
+    resource.setrlimit(_k, (_soft, _hard))
+def _hook(t, v, tb, _h=sys.__excepthook__):
+    if tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
+        tb = tb.tb_next
+        v = v.with_traceback(tb)
+    _h(t, v, tb)
+sys.excepthook = _hook
+builtins.exit = builtins.quit = sys.exit
+sys.argv = [{main!r}]
+sys.path.insert(0, {workdir!r})
+__file__ = {main!r}
+with open(__file__, "rb") as _f:
+    _code = compile(_f.read(), __file__, "exec")
+del builtins, os, resource, sys, _k, _soft, _hard, _hook, _f
+exec(_code)
+"""
+
+
+class UnsafeSandboxWarning(UserWarning):
+    """Untrusted code runs under the subprocess backend: rlimits and a timeout only."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What one sandboxed execution did."""
+
+    # The program's exit status; None if a signal killed it or it timed out. bwrap reports
+    # death by signal N as status 128 + N, so a program exiting with 129..192 reads as killed.
+    exit_code: int | None
+    stdout: str  # decoded as UTF-8 (invalid bytes replaced), at most max_output_bytes
+    stderr: str
+    timed_out: bool  # killed at the wall-clock timeout
+    killed_by_signal: int | None = None  # SIGKILL (9) at a timeout, SIGXCPU (24) at the CPU limit
+    stdout_truncated: bool = False  # output past max_output_bytes was read and discarded
+    stderr_truncated: bool = False
+    oom: bool = False  # died with a MemoryError at the address-space limit
+    wall_s: float = 0.0  # from container start to exit, startup included
+    backend: str = "bwrap"  # "bwrap" or "subprocess" (the unsafe opt-in)
+
+    @property
+    def ok(self) -> bool:
+        """Exited with status 0 within the timeout."""
+        return self.exit_code == 0 and not self.timed_out
+
+
+def run(
+    code: str,
+    *,
+    stdin: str = "",
+    timeout_s: float,
+    memory_mb: int,
+    language: str = "python",
+    files: dict[str, str] | None = None,
+    max_procs: int = 32,
+    max_output_bytes: int = 1 << 20,
+    file_size_mb: int = 16,
+    tmp_mb: int = 64,
+    backend: str | None = None,
+) -> SandboxResult:
+    """Runs a Python program in a fresh sandbox and returns what it did.
+
+    Args:
+      code: the program, run as `/tmp/main.py` (its working directory is `/tmp`).
+      stdin: fed to the program's standard input.
+      timeout_s: wall-clock limit; the whole process tree is killed at it.
+      memory_mb: address-space limit of each process (Python itself needs ~20 MB).
+      language: only "python" (the system Python 3, standard library only).
+      files: extra files written next to main.py, {relative path: text}.
+      max_procs: processes and threads the program may have at once.
+      max_output_bytes: kept of stdout and of stderr each; the rest is discarded.
+      file_size_mb: largest file the program may write.
+      tmp_mb: size of the writable /tmp (and of /dev/shm).
+      backend: "bwrap" (default) or "subprocess", the unsafe opt-in: no filesystem, network or
+        process isolation. Defaults to `POSTTRAIN_SANDBOX` ("bwrap" or "unsafe-subprocess").
+
+    Returns:
+      A `SandboxResult`.
+
+    Raises:
+      SandboxUnavailableError: bwrap is missing or cannot create namespaces here, and the
+        unsafe backend was not chosen; the message says how to install it.
+      SandboxError: the container failed before the program started (a fault of the sandbox
+        or the machine, never of the program).
+      ValueError: an unsupported language or backend, a bad file name or a non-positive limit.
+    """
+    if language != "python":
+        raise ValueError(f"sandbox language {language!r} is not supported; use 'python'")
+    if min(timeout_s, memory_mb, max_procs, file_size_mb, tmp_mb) <= 0 or max_output_bytes < 0:
+        raise ValueError(
+            f"sandbox limits must be positive: timeout_s={timeout_s}, memory_mb={memory_mb}, "
+            f"max_procs={max_procs}, file_size_mb={file_size_mb}, tmp_mb={tmp_mb}, "
+            f"max_output_bytes={max_output_bytes}"
+        )
+    files = {**(files or {})}
+    for name in files:
+        norm = os.path.normpath(name)
+        if os.path.isabs(name) or norm.startswith("..") or norm in (".", _MAIN):
+            raise ValueError(f"sandbox file name {name!r} must be a relative path, not {_MAIN}")
+    files[_MAIN] = code
+    limits = [
+        (resource.RLIMIT_AS, memory_mb << 20, memory_mb << 20),
+        (resource.RLIMIT_CPU, int(timeout_s) + 1, int(timeout_s) + 2),
+        (resource.RLIMIT_NOFILE, 256, 256),
+        (resource.RLIMIT_FSIZE, file_size_mb << 20, file_size_mb << 20),
+        (resource.RLIMIT_CORE, 0, 0),
+    ]
+    backend = backend or os.environ.get("POSTTRAIN_SANDBOX") or "bwrap"
+    io = (stdin.encode(errors="replace"), timeout_s, max_output_bytes)
+    if backend in _UNSAFE:
+        warnings.warn(
+            "running untrusted code with the subprocess backend: rlimits (CPU, memory, file "
+            "size, open files) and a timeout only; no filesystem or network isolation, no "
+            "process-count limit, and children that leave the process group can outlive it. "
+            "Install bubblewrap for real isolation.",
+            UnsafeSandboxWarning,
+            stacklevel=2,
+        )
+        return _run_subprocess(files, limits, io)
+    if backend != "bwrap":
+        raise ValueError(f"sandbox backend {backend!r}: use 'bwrap' or 'unsafe-subprocess'")
+    limits.append((resource.RLIMIT_NPROC, max_procs, max_procs))
+    return _run_bwrap(files, limits, tmp_mb << 20, io)
+
+
+def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io) -> SandboxResult:
+    bwrap = _bw.find_bwrap()
+    if bwrap is None:
+        where = os.environ.get("POSTTRAIN_BWRAP") or "PATH"
+        raise SandboxUnavailableError(
+            f"refusing to run untrusted code: bubblewrap (bwrap) not found ({where}). "
+            f"{_bw.INSTALL_HINT}; or opt into the weaker backend with backend='subprocess' / "
+            "POSTTRAIN_SANDBOX=unsafe-subprocess (rlimits and a timeout only, no filesystem or "
+            "network isolation)."
+        )
+    _bw.check_usable(bwrap)
+    fds = []
+    try:
+        for name, text in files.items():
+            fd = os.memfd_create("posttrain-sandbox")
+            fds.append((fd, f"{_bw.WORKDIR}/{name}"))
+            data = memoryview(text.encode(errors="replace"))
+            while data:
+                data = data[os.write(fd, data) :]
+            os.lseek(fd, 0, os.SEEK_SET)
+        prefix, kwargs = _bw.privilege_drop()
+
+        def argv_for(started_fd: int) -> list[str]:
+            launcher = _LAUNCHER.format(
+                started_fd=started_fd,
+                limits=limits,
+                main=f"{_bw.WORKDIR}/{_MAIN}",
+                workdir=_bw.WORKDIR,
+            )
+            command = [_bw.interpreter()[0], "-I", "-S", "-B", "-c", launcher]
+            return prefix + _bw.bwrap_argv(bwrap, fds, tmp_bytes, command)
+
+        return _execute(argv_for, "bwrap", io, cwd="/", pass_fds=[fd for fd, _ in fds], **kwargs)
+    finally:
+        for fd, _ in fds:
+            os.close(fd)
+
+
+def _run_subprocess(files: dict[str, str], limits, io) -> SandboxResult:
+    with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as tmp:
+        for name, text in files.items():
+            path = os.path.join(tmp, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+
+        def argv_for(started_fd: int) -> list[str]:
+            main = os.path.join(tmp, _MAIN)
+            launcher = _LAUNCHER.format(
+                started_fd=started_fd, limits=limits, main=main, workdir=tmp
+            )
+            return [_bw.interpreter()[0], "-I", "-S", "-B", "-c", launcher]
+
+        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
+        return _execute(argv_for, "subprocess", io, cwd=tmp, env=env)
+
+
+def _execute(argv_for, backend: str, io, pass_fds=(), **popen_kwargs) -> SandboxResult:
+    """Runs argv_for(started fd) in its own session: stdin in, capped output out, deadline."""
+    stdin, timeout_s, cap = io
+    popen_kwargs.setdefault("env", {})  # the host's environment never reaches the sandbox
+    started_r, started_w = os.pipe()
+    try:
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            argv_for(started_w),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=(*pass_fds, started_w),
+            **popen_kwargs,
+        )
+    except BaseException:
+        os.close(started_r)
+        raise
+    finally:
+        os.close(started_w)
+    try:
+        out, err, started, timed_out = _communicate(proc, started_r, stdin, start + timeout_s, cap)
+    finally:
+        _kill_group(proc)  # no-op after a clean exit; on errors nothing may stay behind
+        os.close(started_r)
+    wall = time.monotonic() - start
+    code = proc.returncode
+    stderr = err[0].decode(errors="replace")
+    if not started and not timed_out:
+        raise SandboxError(
+            f"the {backend} sandbox exited ({code}) before running the program: "
+            f"{stderr.strip()[-1000:]}"
+        )
+    signum = -code if code < 0 else None
+    if backend == "bwrap" and 128 < code < 128 + signal.NSIG:
+        signum = code - 128  # bwrap reports a child killed by signal N as exit status 128 + N
+    return SandboxResult(
+        exit_code=None if signum or timed_out else code,
+        stdout=out[0].decode(errors="replace"),
+        stderr=stderr,
+        timed_out=timed_out,
+        killed_by_signal=signum,
+        stdout_truncated=out[1],
+        stderr_truncated=err[1],
+        oom=not timed_out and stderr.rstrip().rpartition("\n")[2].startswith("MemoryError"),
+        wall_s=wall,
+        backend=backend,
+    )
+
+
+def _communicate(proc: subprocess.Popen, started_fd: int, stdin: bytes, deadline: float, cap):
+    """((stdout, truncated), (stderr, truncated), started, timed_out), until the deadline."""
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    # fd -> [bytes kept, truncated, bytes to keep]
+    outputs = {out_fd: [bytearray(), False, cap], err_fd: [bytearray(), False, cap]}
+    outputs[started_fd] = [bytearray(), False, 1]
+    timed_out = False
+    with selectors.DefaultSelector() as sel:
+        for fd in outputs:
+            sel.register(fd, selectors.EVENT_READ)
+        pending = memoryview(stdin)
+        if pending:
+            os.set_blocking(proc.stdin.fileno(), False)
+            sel.register(proc.stdin, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+        while len(sel.get_map()) > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if timed_out:  # still open 1 s after the kill: give up on the rest
+                    break
+                timed_out = True
+                _kill_group(proc)
+                deadline = time.monotonic() + 1.0
+                continue
+            for key, _ in sel.select(remaining):
+                if key.fileobj is proc.stdin:
+                    try:
+                        pending = pending[os.write(key.fd, pending[: 1 << 16]) :]
+                    except (BrokenPipeError, BlockingIOError) as e:
+                        pending = pending[:0] if isinstance(e, BrokenPipeError) else pending
+                    if not pending:
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                buf = outputs[key.fd]
+                room = buf[2] - len(buf[0])
+                buf[0] += chunk[: max(room, 0)]
+                buf[1] = buf[1] or len(chunk) > room
+    if not proc.stdin.closed:
+        proc.stdin.close()
+    if not timed_out:
+        try:  # the output is closed; main.py may still be running (it closed its stdout)
+            proc.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    if timed_out:
+        _kill_group(proc)
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+    started = bool(outputs[started_fd][0])
+    return outputs[out_fd][:2], outputs[err_fd][:2], started, timed_out
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+class SandboxPool:
+    """Runs sandboxed executions concurrently, at most `max_workers` at a time.
+
+    Threads suffice: each execution is a subprocess the thread only waits on.
+
+    Example:
+      with SandboxPool(4, timeout_s=5, memory_mb=256) as pool:
+          results = pool.map(programs, stdins=inputs)
+    """
+
+    def __init__(self, max_workers: int, **defaults):
+        """`defaults` are `run` keyword arguments applied to every execution."""
+        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="sandbox")
+        self._defaults = defaults
+
+    def submit(self, code: str, **kwargs) -> Future[SandboxResult]:
+        """Schedules `run(code, **defaults, **kwargs)`."""
+        return self._executor.submit(run, code, **{**self._defaults, **kwargs})
+
+    def map(
+        self, codes: Iterable[str], *, stdins: Iterable[str] | None = None, **kwargs
+    ) -> list[SandboxResult]:
+        """Runs every program (with the matching stdin, if given); results in input order."""
+        codes = list(codes)
+        stdins = [""] * len(codes) if stdins is None else list(stdins)
+        if len(stdins) != len(codes):
+            raise ValueError(f"{len(codes)} programs but {len(stdins)} stdins")
+        futures = [self.submit(c, stdin=s, **kwargs) for c, s in zip(codes, stdins, strict=True)]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        """Waits for running executions and drops queued ones."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
