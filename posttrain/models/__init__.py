@@ -3,6 +3,7 @@
 from posttrain.models._attention import attention, attention_mask
 from posttrain.models._config import ModelConfig, RopeScaling
 from posttrain.models._hf import from_hf, to_hf
+from posttrain.models._hf_config import HFFormatError, load_hf_config
 from posttrain.models._presets import PRESETS, get_preset
 from posttrain.models._transformer import (
     ParamSpec,
@@ -18,6 +19,7 @@ from posttrain.models._transformer import (
 )
 
 __all__ = [
+    "HFFormatError",
     "PRESETS",
     "ModelConfig",
     "ParamSpec",
@@ -31,6 +33,7 @@ __all__ = [
     "hidden_states",
     "init_params",
     "lm_logits",
+    "load_hf_config",
     "param_axes",
     "param_shapes",
     "param_shardings",

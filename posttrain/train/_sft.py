@@ -23,11 +23,11 @@ from posttrain.models import (
     from_hf,
     get_preset,
     init_params,
+    load_hf_config,
     param_shapes,
     param_shardings,
     param_specs,
 )
-from posttrain.models._hf import _read_json, config_from_hf
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh, named_sharding
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._loop import LoopConfig, train_loop
@@ -59,8 +59,7 @@ class ModelSpec:
 
     def model_config(self) -> ModelConfig:
         if self.hf_path:
-            path = os.path.join(self.hf_path, "config.json")
-            return config_from_hf(_read_json(path), source=path, **self.overrides())
+            return load_hf_config(self.hf_path, **self.overrides())
         return get_preset(self.preset, **self.overrides())
 
 

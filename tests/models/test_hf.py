@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from posttrain.models import from_hf, to_hf
-from posttrain.models._hf import HFFormatError
+from posttrain.models import HFFormatError, from_hf, to_hf
 from posttrain.parallel import MeshConfig, make_mesh
 from posttrain.testing import HF_ARCHS, hf_logits, save_tiny_hf_model
 
