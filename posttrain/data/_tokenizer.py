@@ -8,21 +8,21 @@ and `encode_chat` adds the mask of assistant tokens that SFT computes its loss o
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
-import functools
 import json
-import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
 import tokenizers
+
+from posttrain.data._chat_template import (
+    GENERATION_TAG,
+    Spans,
+    check_messages,
+    compile_template,
+    generation_spans,
+)
 
 _SPECIAL_NAMES = (
     "bos_token",
@@ -33,8 +33,6 @@ _SPECIAL_NAMES = (
     "cls_token",
     "mask_token",
 )
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TEMPLATE_PLACES = (
     "chat_template.jinja, additional_chat_templates/*.jinja and the "
     "'chat_template' key of tokenizer_config.json"
@@ -51,112 +49,6 @@ _CLEANUP = (
     (" 've", "'ve"),
     (" 're", "'re"),
 )
-Spans = list[tuple[int, int]]
-
-# (chunks rendered so far, spans) while a render records {% generation %} blocks, else None.
-_tracking: contextvars.ContextVar[tuple[list[str], Spans] | None] = contextvars.ContextVar(
-    "posttrain_generation_tracking", default=None
-)
-
-
-class _GenerationTracker(jinja2.ext.Extension):
-    """Parses `{% generation %}...{% endgeneration %}` and records the character span it renders."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
-
-    def _track(self, caller):
-        text = caller()
-        if (state := _tracking.get()) is not None:
-            chunks, spans = state
-            # The span starts after what the render loop has consumed so far: transformers'
-            # rule, kept even where jinja's output buffering makes it subtle, so masks agree.
-            start = sum(map(len, chunks))
-            spans.append((start, start + len(text)))
-        return text
-
-
-def _template_dict(*args, **kwargs):
-    return dict(*args, **kwargs)
-
-
-# Templates get this stand-in for `dict`, without the type's attributes (as in HF).
-_template_dict.fromkeys = dict.fromkeys
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """`namespace()` refusing underscore names, so templates cannot reach internals (as in HF)."""
-
-    def __init__(*args, **kwargs):  # jinja's signature, so that namespace(self=...) still works
-        _check_names(dict(*args[1:], **kwargs))
-        jinja2.utils.Namespace.__init__(*args, **kwargs)
-
-    def __setitem__(self, name, value):
-        _check_names([name])
-        super().__setitem__(name, value)
-
-
-def _check_names(names):
-    if bad := [n for n in names if isinstance(n, str) and n.startswith("_")]:
-        raise jinja2.exceptions.SecurityError(f"namespace attributes {bad} are not allowed")
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # jinja's own tojson HTML-escapes '<', '>' and '&', which would corrupt prompts.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-@functools.lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-    """Compiles a chat template in the sandbox transformers uses (templates are untrusted code)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTracker, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals.update(
-        raise_exception=_raise_exception,
-        dict=_template_dict,
-        namespace=_Namespace,
-        strftime_now=lambda fmt: datetime.now().strftime(fmt),
-    )
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"chat template line {e.lineno} has a syntax error: {e.message}") from e
-
-
-def _check_messages(messages: Any) -> list[dict]:
-    """Validates messages and normalises them as transformers does before rendering."""
-    if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError(
-            "messages must be a non-empty list of {'role': ..., 'content': ...} "
-            f"dicts, got {messages!r:.100}"
-        )
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise ValueError(
-                f"messages[{i}] must be a dict with 'role' and 'content' keys, got {m!r:.100}"
-            )
-        # Templates test `is defined`, so None values (e.g. OpenAI's content=None beside tool_calls)
-        # become missing keys; reasoning under older names is aliased to the standard one.
-        m = {k: v for k, v in m.items() if v is not None}
-        if (reasoning := next((m[k] for k in _REASONING_FIELDS if k in m), None)) is not None:
-            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-        out.append(m)
-    return out
 
 
 def _overlap_mask(offsets: Sequence[tuple[int, int]], spans: Spans) -> list[bool]:
@@ -284,7 +176,7 @@ class Tokenizer:
         """
         template = self._template(chat_template, tools)
         text, _ = self._render(
-            template, _check_messages(messages), add_generation_prompt, tools, template_kwargs
+            template, check_messages(messages), add_generation_prompt, tools, template_kwargs
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -315,9 +207,9 @@ class Tokenizer:
             earlier turns as later ones are added), so assistant text cannot be located.
         """
         template = self._template(chat_template, tools)
-        msgs = _check_messages(messages)
+        msgs = check_messages(messages)
         text, spans = self._render(template, msgs, False, tools, template_kwargs, track=True)
-        if not _GENERATION_TAG.search(template):
+        if not GENERATION_TAG.search(template):
             spans = self._prefix_spans(template, msgs, text, tools, template_kwargs)
         encoding = self.backend.encode(text, add_special_tokens=False)
         return encoding.ids, _overlap_mask(encoding.offsets, spans)
@@ -387,13 +279,13 @@ class Tokenizer:
         }
         chunks: list[str] = []
         spans: Spans = []
-        token = _tracking.set((chunks, spans) if track else None)
+        token = generation_spans.set((chunks, spans) if track else None)
         try:
             # Rendering chunk by chunk is what tells _GenerationTracker where a block starts.
-            for chunk in _compile(template).generate(**variables):
+            for chunk in compile_template(template).generate(**variables):
                 chunks.append(chunk)
         finally:
-            _tracking.reset(token)
+            generation_spans.reset(token)
         return "".join(chunks), spans
 
 
