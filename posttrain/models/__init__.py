@@ -6,6 +6,7 @@ from posttrain.models._hf import from_hf, to_hf
 from posttrain.models._hf_config import HFFormatError, load_hf_config
 from posttrain.models._presets import PRESETS, get_preset
 from posttrain.models._transformer import (
+    KVCache,
     ParamSpec,
     Transformer,
     forward,
@@ -19,6 +20,7 @@ from posttrain.models._transformer import (
 )
 
 __all__ = [
+    "KVCache",
     "HFFormatError",
     "PRESETS",
     "ModelConfig",

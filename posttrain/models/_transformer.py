@@ -162,10 +162,45 @@ _REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k_TBSKH", "v_TBSKH", "positions_BS", "segment_ids_BS", "index"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer for S slots per row, for incremental decoding.
+
+    A forward pass with a cache writes its L tokens' keys, values, positions and segment ids at
+    slots `index .. index+L-1` of every row and attends over all S slots (masked by position and
+    segment id, so slots never written, with segment id -1, are never seen).
+    """
+
+    k_TBSKH: jax.Array
+    v_TBSKH: jax.Array
+    positions_BS: jax.Array  # int32 position of the token in each slot
+    segment_ids_BS: jax.Array  # int32; -1 marks a slot never written
+    index: jax.Array  # int32 scalar: the slot the next tokens are written at
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
+        """An empty cache of `length` slots per row, in the compute dtype."""
+        shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+        return cls(
+            k_TBSKH=jnp.zeros(shape, config.dtype),
+            v_TBSKH=jnp.zeros(shape, config.dtype),
+            positions_BS=jnp.zeros((batch, length), jnp.int32),
+            segment_ids_BS=jnp.full((batch, length), -1, jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+
 def _layer(
     x_BLD,
     p,
     window_index,
+    k_cache_BSKH=None,
+    v_cache_BSKH=None,
     *,
     config: ModelConfig,
     impl: str,
@@ -174,8 +209,15 @@ def _layer(
     sin,
     positions_BL,
     segment_ids_BL,
+    kv_positions_BS=None,
+    kv_segment_ids_BS=None,
+    cache_index=None,
 ):
-    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With a cache (`k_cache_BSKH` ...), the new keys and values are written at `cache_index` and
+    the queries attend over the whole cache; the updated (k, v) cache is the second output.
+    """
     dt = config.dtype
     a = p["attn"]
     h_BLD = rms_norm(x_BLD, p["attn_norm"], config.norm_eps)
@@ -195,16 +237,24 @@ def _layer(
     )
     v_BLKH = constrain(v_BLKH, ("act_batch", "act_length", "act_kv_heads", None))
 
+    new_cache = None
+    if k_cache_BSKH is None:
+        kv_positions_BS, kv_segment_ids_BS = positions_BL, segment_ids_BL
+    else:  # the fused kernels assume self-attention; cache attention uses the XLA reference
+        write = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=cache_index)
+        k_BLKH = write(k_cache_BSKH, k_BLKH.astype(k_cache_BSKH.dtype), axis=1)
+        v_BLKH = write(v_cache_BSKH, v_BLKH.astype(v_cache_BSKH.dtype), axis=1)
+        new_cache, impl = (k_BLKH, v_BLKH), "xla"
     attend = [
         functools.partial(
             attention,
             window=w,
             impl=impl,
             q_positions_BL=positions_BL,
-            kv_positions_BS=positions_BL,
+            kv_positions_BS=kv_positions_BS,
             q_segment_ids_BL=segment_ids_BL,
-            kv_segment_ids_BS=segment_ids_BL,
-            self_attention=True,
+            kv_segment_ids_BS=kv_segment_ids_BS,
+            self_attention=k_cache_BSKH is None,
         )
         for w in windows
     ]
@@ -223,7 +273,7 @@ def _layer(
     up_BLF = dense(h_BLD, m["up"].astype(dt))
     act_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_length", "act_mlp"))
     x_BLD = x_BLD + dense(act_BLF, m["down"].astype(dt))
-    return constrain(x_BLD, ("act_batch", "act_length", "act_embed")), None
+    return constrain(x_BLD, ("act_batch", "act_length", "act_embed")), new_cache
 
 
 def hidden_states(
@@ -232,8 +282,13 @@ def hidden_states(
     config: ModelConfig,
     positions_BL: jax.Array | None = None,
     segment_ids_BL: jax.Array | None = None,
-) -> jax.Array:
-    """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read)."""
+    cache: KVCache | None = None,
+):
+    """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read).
+
+    With a `cache`, returns `(hidden, cache)`: the tokens' keys and values are written at
+    `cache.index` and attention runs over the cache (see `KVCache`).
+    """
     B, L = tokens_BL.shape
     if positions_BL is None:
         positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
@@ -246,6 +301,16 @@ def hidden_states(
 
     windows = tuple(sorted(set(config.layer_windows)))
     window_index_T = jnp.asarray([windows.index(w) for w in config.layer_windows], jnp.int32)
+    xs = (params["layers"], window_index_T)
+    cache_kwargs = {}
+    if cache is not None:
+        xs += (cache.k_TBSKH, cache.v_TBSKH)
+        write = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=cache.index)
+        cache_kwargs = dict(
+            kv_positions_BS=write(cache.positions_BS, positions_BL.astype(jnp.int32), axis=1),
+            kv_segment_ids_BS=write(cache.segment_ids_BS, segment_ids_BL.astype(jnp.int32), axis=1),
+            cache_index=cache.index,
+        )
     layer = functools.partial(
         _layer,
         config=config,
@@ -255,11 +320,22 @@ def hidden_states(
         sin=sin,
         positions_BL=positions_BL,
         segment_ids_BL=segment_ids_BL,
+        **cache_kwargs,
     )
     if config.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
-    x_BLD, _ = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, (params["layers"], window_index_T))
-    return rms_norm(x_BLD, params["final_norm"], config.norm_eps)
+    x_BLD, kv = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
+    hidden_BLD = rms_norm(x_BLD, params["final_norm"], config.norm_eps)
+    if cache is None:
+        return hidden_BLD
+    cache = KVCache(
+        k_TBSKH=kv[0],
+        v_TBSKH=kv[1],
+        positions_BS=cache_kwargs["kv_positions_BS"],
+        segment_ids_BS=cache_kwargs["kv_segment_ids_BS"],
+        index=cache.index + L,
+    )
+    return hidden_BLD, cache
 
 
 def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.Array:
@@ -276,8 +352,9 @@ def forward(
     config: ModelConfig,
     positions_BL: jax.Array | None = None,
     segment_ids_BL: jax.Array | None = None,
-) -> jax.Array:
-    """Logits `[B, L, V]` (float32) for int32 tokens `[B, L]`.
+    cache: KVCache | None = None,
+):
+    """Logits `[B, L, V]` (float32) for int32 tokens `[B, L]`; `(logits, cache)` with a cache.
 
     Args:
       params: the params pytree (`init_params`, `from_hf`).
@@ -287,9 +364,13 @@ def forward(
         each document.
       segment_ids_BL: packed-document ids; tokens attend only within their document. Default:
         one document per row. Padding may use any id of its own (0 by convention).
+      cache: a `KVCache` to write these tokens into and attend over (incremental decoding);
+        the updated cache is returned with the logits.
     """
-    hidden = hidden_states(params, tokens_BL, config, positions_BL, segment_ids_BL)
-    return lm_logits(params, hidden, config)
+    out = hidden_states(params, tokens_BL, config, positions_BL, segment_ids_BL, cache)
+    if cache is None:
+        return lm_logits(params, out, config)
+    return lm_logits(params, out[0], config), out[1]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])
@@ -301,11 +382,13 @@ class Transformer:
     params: dict
     config: ModelConfig
 
-    def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None) -> jax.Array:
-        return forward(self.params, tokens_BL, self.config, positions_BL, segment_ids_BL)
+    def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, cache=None):
+        return forward(self.params, tokens_BL, self.config, positions_BL, segment_ids_BL, cache)
 
-    def hidden_states(self, tokens_BL, positions_BL=None, segment_ids_BL=None) -> jax.Array:
-        return hidden_states(self.params, tokens_BL, self.config, positions_BL, segment_ids_BL)
+    def hidden_states(self, tokens_BL, positions_BL=None, segment_ids_BL=None, cache=None):
+        return hidden_states(
+            self.params, tokens_BL, self.config, positions_BL, segment_ids_BL, cache
+        )
 
     @classmethod
     def init(cls, config: ModelConfig, rng: jax.Array | int = 0, mesh=None) -> Transformer:

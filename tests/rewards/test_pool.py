@@ -135,7 +135,7 @@ def test_pathological_math_is_cut_off_by_the_pool(pool):
     completions = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{\sqrt{4}}"]
     start = time.monotonic()
     results = pool.score(records, completions)
-    assert time.monotonic() - start < TIMEOUT_S + 1
+    assert time.monotonic() - start < TIMEOUT_S + 2  # + 2 s of slack for a loaded machine
     assert [(r.status, r.score) for r in results] == [("timeout", 0.0), ("ok", 1.0)]
 
 

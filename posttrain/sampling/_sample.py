@@ -1,0 +1,34 @@
+"""Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -jnp.inf
+
+
+def filter_logits(logits_BV, *, temperature, top_k, top_p):
+    """The sampling distribution's logits: scaled by 1/temperature, then the top-k tokens kept,
+    then the smallest set whose probability reaches top_p (HF's order). Removed tokens get
+    -inf. `top_k=0` and `top_p=1` keep everything; all three may be traced scalars."""
+    V = logits_BV.shape[-1]
+    scaled_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    sorted_BV = jnp.flip(jnp.sort(scaled_BV, axis=-1), axis=-1)  # descending
+    rank_V = jnp.arange(V)
+    keep_BV = rank_V < jnp.where(top_k > 0, top_k, V)
+    sorted_BV = jnp.where(keep_BV, sorted_BV, _MASKED)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass of the higher-ranked tokens
+    keep_BV &= (before_BV < top_p) | (rank_V == 0)
+    # The smallest kept logit is the cut: ties with it are kept too, as in HF.
+    cut_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(scaled_BV >= cut_B1, scaled_BV, _MASKED)
+
+
+def sample_tokens(rng, logits_BV, *, temperature, top_k, top_p):
+    """Next token ids `[B]`: argmax where temperature is 0, else a draw from `filter_logits`."""
+    greedy_B = jnp.argmax(logits_BV, axis=-1)
+    filtered_BV = filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
+    sampled_B = jax.random.categorical(rng, filtered_BV, axis=-1)
+    return jnp.where(temperature > 0, sampled_B, greedy_B).astype(jnp.int32)
