@@ -12,7 +12,8 @@ USAGE = """usage: posttrain <command> [flags]
 commands:
   train      train a model (--config=configs/<method>.py[:preset] --workdir=DIR
              [--config.a.b=value ...])
-  generate   sample from a model
+  generate   sample from a model (--model=HF_DIR_OR_WORKDIR --prompt=TEXT [--chat]
+             [--max-new-tokens=N] | --prompts-file=FILE [--out=JSONL])
   eval       evaluate a checkpoint
   export     write a checkpoint as a Hugging Face directory (--workdir=DIR --out=HF_DIR)
   compile    AOT-compile a train step for a TPU topology and report memory
@@ -22,7 +23,6 @@ commands:
 
 # Commands whose drivers have not landed yet, with the issue that brings each one.
 _PENDING = {
-    "generate": "the generation engine (issue #5)",
     "eval": "the evaluation harness (issue #10)",
     "compile": "AOT compilation (issue #8)",
     "sweep": "sweeps (issue #10)",
@@ -35,6 +35,14 @@ def _parse(argv: list[str], define) -> object:
 
     values = flags.FlagValues()
     define(flags, values)
+    # Accept --max-new-tokens as well as absl's --max_new_tokens.
+    argv = [argv[0]] + [
+        a.split("=", 1)[0].replace("-", "_").replace("__", "--", 1)
+        + ("=" + a.split("=", 1)[1] if "=" in a else "")
+        if a.startswith("--")
+        else a
+        for a in argv[1:]
+    ]
     try:
         values(argv)
     except flags.Error as e:
@@ -84,6 +92,45 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _generate(argv: list[str]) -> int:
+    def define(flags, fv):
+        flags.DEFINE_string("model", None, "HF model directory or training workdir", flag_values=fv)
+        flags.DEFINE_string("prompt", None, "prompt text (streamed answer)", flag_values=fv)
+        flags.DEFINE_string("prompts_file", None, "JSONL of prompts (batch mode)", flag_values=fv)
+        flags.DEFINE_string("out", None, "batch-mode output JSONL", flag_values=fv)
+        flags.DEFINE_bool(
+            "chat", False, "wrap the prompt as a user turn of the chat template", flag_values=fv
+        )
+        flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate", flag_values=fv)
+        flags.DEFINE_float("temperature", 0.0, "0 is greedy", flag_values=fv)
+        flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass", flag_values=fv)
+        flags.DEFINE_integer("top_k", 0, "keep the k most likely tokens (0: all)", flag_values=fv)
+        flags.DEFINE_integer("n", 1, "samples per prompt (batch mode)", flag_values=fv)
+        flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
+
+    fv = _parse(argv, define)
+    if not fv.model or not (fv.prompt or fv.prompts_file):
+        raise SystemExit(
+            "posttrain generate: --model and one of --prompt / --prompts-file are required"
+        )
+    from posttrain.sampling._run import run_generate
+
+    run_generate(
+        fv.model,
+        prompt=fv.prompt,
+        prompts_file=fv.prompts_file,
+        out=fv.out,
+        chat=fv.chat,
+        max_new_tokens=fv.max_new_tokens,
+        temperature=fv.temperature,
+        top_p=fv.top_p,
+        top_k=fv.top_k,
+        n=fv.n,
+        seed=fv.seed,
+    )
+    return 0
+
+
 def _demo(argv: list[str]) -> int:
     def define(flags, fv):
         flags.DEFINE_string("workdir", "runs/demo", "where the demo writes", flag_values=fv)
@@ -95,7 +142,7 @@ def _demo(argv: list[str]) -> int:
     return 0
 
 
-_COMMANDS = {"train": _train, "export": _export, "demo": _demo}
+_COMMANDS = {"train": _train, "export": _export, "generate": _generate, "demo": _demo}
 
 
 def _skip_absent_tpu() -> None:

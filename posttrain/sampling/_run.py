@@ -1,0 +1,91 @@
+"""`posttrain generate`: load a model (HF directory or training workdir), sample, print/save."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from posttrain.data import load_tokenizer
+from posttrain.models import from_hf
+from posttrain.sampling._generate import generate
+from posttrain.sampling._stream import stream
+
+
+def load_model_and_tokenizer(path: str):
+    """An HF model directory (config.json + safetensors + tokenizer files) or a training
+    workdir (its latest checkpoint and the tokenizer its config names)."""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        from posttrain.train import load_checkpoint_model
+
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        tokenizer_dir = config.get("tokenizer") or config.get("model", {}).get("hf_path")
+        return load_checkpoint_model(path), load_tokenizer(tokenizer_dir)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return from_hf(path), load_tokenizer(path)
+    raise FileNotFoundError(
+        f"{path!r} is neither an HF model directory (config.json) nor a "
+        f"training workdir (checkpoints/)"
+    )
+
+
+def _render(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+    return tokenizer.encode(prompt)
+
+
+def run_generate(
+    model_path: str,
+    *,
+    prompt: str | None = None,
+    prompts_file: str | None = None,
+    out: str | None = None,
+    chat: bool = False,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    n: int = 1,
+    seed: int = 0,
+) -> None:
+    """Streams one prompt's continuation to stdout, or writes a JSONL of completions for a
+    file of prompts (one JSON string or {"prompt": ...} object per line)."""
+    model, tokenizer = load_model_and_tokenizer(model_path)
+    settings = dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k
+    )
+    if prompts_file is None:
+        if prompt is None:
+            raise ValueError("give --prompt=TEXT or --prompts-file=FILE")
+        for piece in stream(
+            model, tokenizer, _render(tokenizer, prompt, chat), seed=seed, **settings
+        ):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return
+    with open(prompts_file) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    texts = [r if isinstance(r, str) else r["prompt"] for r in rows]
+    ids = [_render(tokenizer, t, chat) for t in texts]
+    results = generate(model, tokenizer, ids, n=n, seed=seed, **settings)
+    out = out or os.path.splitext(prompts_file)[0] + ".completions.jsonl"
+    with open(out, "w") as f:
+        for text, samples in zip(texts, results, strict=True):
+            for c in samples:
+                f.write(
+                    json.dumps(
+                        {
+                            "prompt": text,
+                            "completion": c.text,
+                            "finish_reason": c.finish_reason,
+                            "num_tokens": len(c.token_ids),
+                        }
+                    )
+                    + "\n"
+                )
+    print(f"wrote {sum(len(s) for s in results)} completions to {out}")
