@@ -1,6 +1,8 @@
 """Streaming (the CLI path) agrees with batch generation; `posttrain generate` end to end."""
 
 import json
+import os
+import shutil
 
 from posttrain import cli
 from posttrain.data import load_tokenizer
@@ -38,11 +40,7 @@ def test_cli_generate_streams_and_writes_jsonl(tmp_path, capsys):
     model_dir = tmp_path / "model"
     to_hf(MODEL, str(model_dir))
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (model_dir / name).write_bytes(
-            (ASSETS_DIR / "tokenizer" / name).read_bytes()
-            if hasattr(ASSETS_DIR, "__truediv__")
-            else open(f"{ASSETS_DIR}/tokenizer/{name}", "rb").read()
-        )
+        shutil.copy(os.path.join(ASSETS_DIR, "tokenizer", name), model_dir / name)
     assert (
         cli.main(
             [
