@@ -1,6 +1,7 @@
 """Sampling: the KV-cache generation engine used by RL rollouts, eval and `generate`."""
 
+from posttrain.sampling._continuous import generate_continuous
 from posttrain.sampling._generate import Completion, generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
 
-__all__ = ["Completion", "filter_logits", "generate", "sample_tokens"]
+__all__ = ["Completion", "filter_logits", "generate", "generate_continuous", "sample_tokens"]

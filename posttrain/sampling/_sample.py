@@ -27,8 +27,17 @@ def filter_logits(logits_BV, *, temperature, top_k, top_p):
 
 
 def sample_tokens(rng, logits_BV, *, temperature, top_k, top_p):
-    """Next token ids `[B]`: argmax where temperature is 0, else a draw from `filter_logits`."""
-    greedy_B = jnp.argmax(logits_BV, axis=-1)
-    filtered_BV = filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
-    sampled_B = jax.random.categorical(rng, filtered_BV, axis=-1)
-    return jnp.where(temperature > 0, sampled_B, greedy_B).astype(jnp.int32)
+    """Next token ids `[B]`: argmax where temperature is 0, else a draw from `filter_logits`.
+
+    A real branch on the (scalar) temperature: greedy decoding skips the vocabulary sort that
+    top-k/top-p need, which is most of a small model's decode step.
+    """
+
+    def greedy():
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+    def sample():
+        filtered_BV = filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
+        return jax.random.categorical(rng, filtered_BV, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(temperature > 0, sample, greedy)
