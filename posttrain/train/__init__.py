@@ -1,6 +1,7 @@
-"""Training: the train state, the pure step, the shared loop, checkpoints, metrics, drivers."""
+"""Training: the state, the pure step, the shared loop, checkpoints, metrics, drivers, DPO loss."""
 
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
+from posttrain.train._dpo import dpo_loss, reference_logps
 from posttrain.train._loop import LoopConfig, TrainingDiverged, train_loop
 from posttrain.train._metrics import MetricsWriter, read_metrics
 from posttrain.train._optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
@@ -19,10 +20,12 @@ __all__ = [
     "TrainState",
     "TrainingDiverged",
     "create_state",
+    "dpo_loss",
     "learning_rate_schedule",
     "load_checkpoint_model",
     "make_optimizer",
     "read_metrics",
+    "reference_logps",
     "run_sft",
     "sft_loss",
     "split_micro_batches",

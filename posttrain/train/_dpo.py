@@ -1,0 +1,175 @@
+"""DPO and its variants as a `loss_fn(params, batch, rng) -> sums` for the shared train step.
+
+The batch is `preference_batches`' (chosen_* and rejected_* `[B, L]` arrays). Chosen and
+rejected run through the policy in one forward pass (stacked along the batch, `[2B, L]`), are
+scored with `token_log_probs` + `sequence_logps` (summed over response tokens) and compared by
+`preference_loss`. The normaliser `num_tokens` is the number of real pairs (rows whose chosen
+and rejected both have response tokens), so padding rows and micro-batches add up exactly.
+
+Reference log-probs come from one of:
+  - "precomputed": `batch["ref_chosen_logps"]`, `batch["ref_rejected_logps"]` (`[B]`), filled
+    once per dataset by `reference_logps` (TRL's `precompute_ref_log_probs`): no reference
+    weights in memory during training.
+  - "on_the_fly": `ref_params`, closed over by the loss. The reference is a separate params
+    pytree (never an edit to the policy), under `stop_gradient`. Build the loss INSIDE the
+    jitted step so that `ref_params` is a traced argument with its own sharding, not a constant
+    baked into the executable:
+
+        def step(state, ref_params, batch):
+            loss_fn = dpo_loss(model_config, reference="on_the_fly", ref_params=ref_params)
+            return train_step(state, batch, loss_fn=loss_fn, optimizer=optimizer)
+
+        step = jax.jit(step, in_shardings=(state_sh, param_sh, batch_sh), donate_argnums=0)
+
+    (The batch cannot carry the reference: `train_step` splits every batch leaf into
+    micro-batches along its first axis.) The reference must not share buffers with the policy
+    it starts from (`jax.tree.map(jnp.copy, params)`): the step donates the policy's.
+  - "none": reference-free variants (simpo, orpo).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.losses import (
+    LENGTH_NORMALISED,
+    LOSS_TYPES,
+    REFERENCE_FREE,
+    preference_loss,
+    sequence_logps,
+    token_log_probs,
+)
+from posttrain.models import ModelConfig, forward
+
+REFERENCES = ("on_the_fly", "precomputed", "none")
+
+
+def _stacked(batch: dict) -> dict:
+    """chosen_* and rejected_* `[B, L]` -> `[2B, L]` (chosen rows first)."""
+    names = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
+    return {n: jnp.concatenate([batch[f"chosen_{n}"], batch[f"rejected_{n}"]]) for n in names}
+
+
+def _logps(params: dict, model_config: ModelConfig, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """Summed response log-probs `[2B]` and response lengths `[2B]` of the stacked pairs."""
+    x = _stacked(batch)
+    logits_2BLV = forward(params, x["tokens"], model_config, x["positions"], x["segment_ids"])
+    logps_2B = sequence_logps(token_log_probs(logits_2BLV, x["targets"]), x["loss_mask"])
+    return logps_2B, jnp.sum(x["loss_mask"].astype(jnp.float32), axis=-1)
+
+
+def reference_logps(ref_params: dict, model_config: ModelConfig, batch: dict) -> dict:
+    """The reference model's summed response log-probs, to store in the batch ("precomputed").
+
+    Args:
+      ref_params: the reference model's params (usually the SFT checkpoint the policy starts
+        from).
+      model_config: its config.
+      batch: a preference batch.
+
+    Returns:
+      {"ref_chosen_logps": `[B]`, "ref_rejected_logps": `[B]`} (float32, gradients stopped);
+      jittable.
+    """
+    logps_2B, _ = _logps(jax.lax.stop_gradient(ref_params), model_config, batch)
+    chosen_B, rejected_B = jnp.split(jax.lax.stop_gradient(logps_2B), 2)
+    return {"ref_chosen_logps": chosen_B, "ref_rejected_logps": rejected_B}
+
+
+def dpo_loss(
+    model_config: ModelConfig,
+    *,
+    loss_type: str = "sigmoid",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    gamma: float = 0.0,
+    reference: str = "on_the_fly",
+    ref_params: dict | None = None,
+):
+    """`(params, batch, rng) -> sums` of a pairwise preference loss, for `train_step`.
+
+    Args:
+      model_config: the policy's (and reference's) model config.
+      loss_type: one of `posttrain.losses._preference.LOSS_TYPES` (sigmoid = DPO).
+      beta, label_smoothing, gamma: as in `preference_loss`.
+      reference: "on_the_fly" (reference forward pass on `ref_params` each step),
+        "precomputed" (`batch["ref_chosen_logps"]`, `batch["ref_rejected_logps"]`), or "none"
+        (reference-free loss types only). See the module docstring.
+      ref_params: the reference params, for "on_the_fly" only.
+
+    Returns:
+      The loss function. Its sums: `loss_sum` (per-pair losses; for orpo each pair's chosen
+      per-token NLL plus the odds-ratio term, as TRL's ORPO), `num_tokens` (real pairs),
+      `chosen_reward_sum`, `rejected_reward_sum`, `margin_sum`, `accuracy_sum`,
+      `chosen_logps_sum`, `rejected_logps_sum`; `train_step` divides each `*_sum` by the
+      number of pairs.
+
+    Raises:
+      ValueError: an unknown loss_type or reference, a reference that does not fit the loss
+        type, or ref_params missing for (or given without) "on_the_fly".
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+    if reference not in REFERENCES:
+        raise ValueError(f"reference={reference!r}: use one of {REFERENCES}")
+    if (reference == "none") != (loss_type in REFERENCE_FREE):
+        raise ValueError(
+            f"loss_type={loss_type!r} needs reference="
+            f"{'none' if loss_type in REFERENCE_FREE else 'on_the_fly or precomputed'}, "
+            f"got {reference!r}"
+        )
+    if (reference == "on_the_fly") != (ref_params is not None):
+        raise ValueError("pass ref_params exactly when reference='on_the_fly'")
+    normalised = loss_type in LENGTH_NORMALISED
+
+    def loss_fn(params, batch, rng):
+        del rng
+        logps_2B, lengths_2B = _logps(params, model_config, batch)
+        chosen_B, rejected_B = jnp.split(logps_2B, 2)
+        len_c_B, len_r_B = jnp.split(lengths_2B, 2)
+        valid_B = (len_c_B > 0) & (len_r_B > 0)
+        # A filler row scores log p = 0, where ORPO's log(1 - p) is -inf; give it a finite
+        # stand-in so no NaN reaches the gradient (its loss is left out of the sums below).
+        chosen_B = jnp.where(valid_B, chosen_B, -1.0)
+        rejected_B = jnp.where(valid_B, rejected_B, -1.0)
+        refs = {}
+        if reference == "precomputed":
+            refs = {
+                "ref_chosen_logps_B": jax.lax.stop_gradient(batch["ref_chosen_logps"]),
+                "ref_rejected_logps_B": jax.lax.stop_gradient(batch["ref_rejected_logps"]),
+            }
+        elif reference == "on_the_fly":
+            ref = reference_logps(ref_params, model_config, batch)
+            refs = {
+                "ref_chosen_logps_B": ref["ref_chosen_logps"],
+                "ref_rejected_logps_B": ref["ref_rejected_logps"],
+            }
+        lengths = {"chosen_lengths_B": len_c_B, "rejected_lengths_B": len_r_B} if normalised else {}
+        out = preference_loss(
+            chosen_B,
+            rejected_B,
+            **refs,
+            loss_type=loss_type,
+            beta=beta,
+            label_smoothing=label_smoothing,
+            gamma=gamma,
+            **lengths,
+        )
+        losses_B = out["losses"]
+        if loss_type == "orpo":
+            losses_B = losses_B - chosen_B / jnp.maximum(len_c_B, 1.0)
+        # Filler rows (no response tokens) are not pairs: their losses stay out of the sums.
+        total = lambda x: jnp.sum(jnp.where(valid_B, x, 0.0))
+        return {
+            "loss_sum": total(losses_B),
+            "num_tokens": jnp.sum(valid_B.astype(jnp.float32)),
+            "chosen_reward_sum": total(out["rewards/chosen"]),
+            "rejected_reward_sum": total(out["rewards/rejected"]),
+            "margin_sum": total(out["rewards/margins"]),
+            "accuracy_sum": total(out["rewards/accuracies"]),
+            "chosen_logps_sum": total(out["logps/chosen"]),
+            "rejected_logps_sum": total(out["logps/rejected"]),
+        }
+
+    return loss_fn
