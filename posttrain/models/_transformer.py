@@ -295,7 +295,10 @@ def hidden_states(
     if segment_ids_BL is None:
         segment_ids_BL = jnp.ones((B, L), jnp.int32)
     dt = config.dtype
-    x_BLD = jnp.take(params["embed"], tokens_BL, axis=0).astype(dt)
+    # FSDP: gather the table's model dimension before the lookup (as for any weight), so the
+    # gathered rows come out sharded by batch instead of being resharded from the table's layout.
+    embed_VD = constrain(params["embed"], ("vocab", None))
+    x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(dt)
     x_BLD = constrain(x_BLD, ("act_batch", "act_length", "act_embed"))
     cos, sin = rope_angles(positions_BL, config)
 
