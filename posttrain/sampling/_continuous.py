@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.models import KVCache, Transformer, hidden_states, lm_logits
-from posttrain.sampling._generate import Completion, _check, _encode, _finish
+from posttrain.sampling._generate import Completion, _check, _finish, _prepare
 from posttrain.sampling._sample import sample_tokens
 
 
@@ -212,22 +212,8 @@ def generate_continuous(
     )
     if slots < 1 or chunk < 1:
         raise ValueError(f"slots and chunk must be >= 1, got slots={slots}, chunk={chunk}")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if stop and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer to decode the generated text")
-    ids = _encode(tokenizer, prompts)
-    limit = model.config.max_seq_len
-    for i, (p, m) in enumerate(zip(ids, budgets, strict=True)):
-        if len(p) + m > limit:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} that exceeds the "
-                f"model's context (max_seq_len={limit}); shorten the prompt or lower "
-                f"max_new_tokens"
-            )
-    if eos_ids is None:
-        eos_ids = () if tokenizer is None else tokenizer.eos_ids
+    ids, stop, eos_ids, pad_id = _prepare(model, tokenizer, prompts, budgets, stop, eos_ids)
     eos = frozenset(int(e) for e in eos_ids)
-    pad_id = 0 if tokenizer is None or tokenizer.pad_id is None else tokenizer.pad_id
 
     def bucket(length):
         return -(-length // length_bucket) * length_bucket

@@ -160,6 +160,27 @@ def _encode(tokenizer, prompts) -> list[list[int]]:
     return ids
 
 
+def _prepare(model, tokenizer, prompts, budgets, stop, eos_ids):
+    """Host-side setup shared by the static and continuous paths: encoded prompts (each within
+    the model's context with its token budget), stop strings, EOS ids and the pad id."""
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer to decode the generated text")
+    ids = _encode(tokenizer, prompts)
+    limit = model.config.max_seq_len
+    for i, (p, budget) in enumerate(zip(ids, budgets, strict=True)):
+        if len(p) + budget > limit:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={budget} that exceeds "
+                f"the model's context (max_seq_len={limit}); shorten the prompt or lower "
+                f"max_new_tokens"
+            )
+    if eos_ids is None:
+        eos_ids = () if tokenizer is None else tokenizer.eos_ids
+    pad_id = 0 if tokenizer is None or tokenizer.pad_id is None else tokenizer.pad_id
+    return ids, stop, tuple(eos_ids), pad_id
+
+
 def _finish(tokenizer, ids, logprobs, hit_eos, stop) -> Completion:
     """Host-side: decode, cut at the first stop string (and the tokens after it)."""
     if tokenizer is None:
@@ -231,21 +252,9 @@ def generate(
         n=n,
         length_bucket=length_bucket,
     )
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if stop and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer to decode the generated text")
-    ids = _encode(tokenizer, prompts)
-    limit = model.config.max_seq_len
-    for i, p in enumerate(ids):
-        if len(p) + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that "
-                f"exceeds the model's context (max_seq_len={limit}); shorten the prompt or "
-                f"lower max_new_tokens"
-            )
-    if eos_ids is None:
-        eos_ids = () if tokenizer is None else tokenizer.eos_ids
-    pad_id = 0 if tokenizer is None or tokenizer.pad_id is None else tokenizer.pad_id
+    ids, stop, eos_ids, pad_id = _prepare(
+        model, tokenizer, prompts, [max_new_tokens] * len(prompts), stop, eos_ids
+    )
 
     P = -(-max(len(p) for p in ids) // length_bucket) * length_bucket
     tokens_BP = np.full((len(ids), P), pad_id, np.int32)
