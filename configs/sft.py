@@ -29,6 +29,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.preset = "tiny"  # posttrain.models preset when hf_path is empty
     c.model.hf_path = ""  # HF model directory (config.json + safetensors)
+    c.model.checkpoint = ""  # or an earlier run's workdir: start from its latest params
     c.model.attention = ""  # "" keeps the model's (auto); xla | cudnn | splash
     c.model.remat = ""  # "" keeps the model's; none | full | dots | dots_no_batch
     c.model.compute_dtype = ""  # "" keeps the model's; float32 | bfloat16

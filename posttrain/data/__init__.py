@@ -5,6 +5,7 @@ from posttrain.data._preference import (
     PairError,
     PreferenceData,
     encode_pair,
+    make_preference_pipeline,
     preference_batches,
 )
 from posttrain.data._sources import SourceConfig
@@ -20,5 +21,6 @@ __all__ = [
     "encode_pair",
     "load_tokenizer",
     "make_pipeline",
+    "make_preference_pipeline",
     "preference_batches",
 ]

@@ -266,6 +266,36 @@ def _sha256_file(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
+def data_manifest(
+    config: DataConfig, tokenizer: Tokenizer, records: list[Records], process_count: int
+) -> dict[str, Any]:
+    """The sources' files (sha256, record counts), the data config and the tokenizer's identity,
+    as JSON; hashing reads every data file once."""
+    root = Path(tokenizer.name_or_path)
+    template = tokenizer.chat_template
+    return {
+        "sources": [
+            {
+                "path": s.path,
+                "domain": s.domain,
+                "weight": s.weight,
+                "format": s.format,
+                "records": len(recs),
+                "files": recs.describe(),
+            }
+            for s, recs in zip(config.sources, records, strict=True)
+        ],
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "sources"},
+        "tokenizer": {
+            "path": tokenizer.name_or_path,
+            "sha256": _sha256_file(root / "tokenizer.json")
+            or hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest(),
+            "chat_template_sha256": template and hashlib.sha256(template.encode()).hexdigest(),
+        },
+        "process_count": process_count,
+    }
+
+
 class SFTData:
     """This process's stream of SFT batches; build it with `make_pipeline`.
 
@@ -415,33 +445,9 @@ class SFTData:
         """What the batches are made of: the files (with sha256 and record counts), the config and
         the tokenizer's identity. JSON-serialisable; hashing reads every data file once."""
         if self._manifest is None:
-            tok = self.tokenizer
-            root = Path(tok.name_or_path)
-            template = tok.chat_template
-            self._manifest = {
-                "sources": [
-                    {
-                        "path": s.path,
-                        "domain": s.domain,
-                        "weight": s.weight,
-                        "format": s.format,
-                        "records": len(recs),
-                        "files": recs.describe(),
-                    }
-                    for s, recs in zip(self.config.sources, self._records, strict=True)
-                ],
-                "config": {
-                    k: v for k, v in dataclasses.asdict(self.config).items() if k != "sources"
-                },
-                "tokenizer": {
-                    "path": tok.name_or_path,
-                    "sha256": _sha256_file(root / "tokenizer.json")
-                    or hashlib.sha256(tok.backend.to_str().encode()).hexdigest(),
-                    "chat_template_sha256": template
-                    and hashlib.sha256(template.encode()).hexdigest(),
-                },
-                "process_count": self.process_count,
-            }
+            self._manifest = data_manifest(
+                self.config, self.tokenizer, self._records, self.process_count
+            )
         return self._manifest
 
     def write_manifest(self, path: str | Path) -> Path:

@@ -11,6 +11,10 @@ this: it can neither cancel a running task nor survive a dead worker.
 
 Workers are started with "spawn" by default, never "fork": the trainer's process runs JAX
 threads, and forking a multithreaded process can deadlock the child.
+
+Reward-model terms ("rm:<path>", `ModelReward`) never run in the workers, each of which would
+load the model onto the accelerator: the pool scores them in its own process, one batched call
+per reference, and adds them to the workers' sums. Their errors are the run's and propagate.
 """
 
 from __future__ import annotations
@@ -27,9 +31,15 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from posttrain.rewards._registry import RewardRegistry, record_domain, resolve_fn
+from posttrain.rewards._registry import (
+    RewardRegistry,
+    RewardTerm,
+    check_output,
+    record_domain,
+    resolve_fn,
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,9 @@ class RewardResult:
     info: dict  # {term name: term info} if ok, else {"error": why}
     domain: str
     status: str  # "ok", "timeout" (killed at its deadline) or "crash" (raised or died)
-    seconds: float  # wall time from dispatch to result
+    # Wall time from dispatch to result, plus the batch's reward-model time where "rm:" terms
+    # score the domain.
+    seconds: float
 
 
 class _Worker:
@@ -139,6 +151,7 @@ class RewardPool:
           ValueError: mismatched lengths, an unknown or missing domain, or a record that does
             not pickle (all before anything runs).
           RuntimeError: a worker failed to start (its reward functions do not import).
+          Exception: whatever a reward model term raises (scored here, before the workers).
         """
         if len(records) != len(completions):
             raise ValueError(f"{len(records)} records but {len(completions)} completions")
@@ -146,14 +159,21 @@ class RewardPool:
         if len(domains) != len(records):
             raise ValueError(f"{len(records)} records but {len(domains)} domains")
         self.registry.check(domains, resolve=False)
-        payloads = []
+        terms = {d: self.registry.terms(d) for d in set(domains)}
+        payloads: list[bytes | None] = [None] * len(records)
         for i, (d, r, c) in enumerate(zip(domains, records, completions, strict=True)):
+            if all(t.is_model for t in terms[d]):
+                continue  # nothing for a worker to do
             try:
-                payloads.append(pickle.dumps((d, r, c), protocol=pickle.HIGHEST_PROTOCOL))
+                payloads[i] = pickle.dumps((d, r, c), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as e:
                 raise ValueError(f"record {i} cannot be sent to a reward worker: {e}") from e
+        # Before the workers: a reward model error fails the call with nothing in flight.
+        start = time.monotonic()
+        model_outputs = _score_model_terms(terms, records, completions, domains)
+        model_seconds = time.monotonic() - start
         results: list[RewardResult | None] = [None] * len(records)
-        pending = deque(range(len(records)))
+        pending = deque(i for i, p in enumerate(payloads) if p is not None)
         try:
             while pending or any(w.task for w in self._workers):
                 self._dispatch(pending, payloads, domains)
@@ -165,6 +185,10 @@ class RewardPool:
                 if w.task:
                     self._replace(i)
             raise
+        for i, d in enumerate(domains):
+            if model_outputs[i]:
+                result = results[i] or RewardResult(0.0, {}, d, "ok", 0.0)  # only model terms
+                results[i] = _add_model_terms(result, terms[d], model_outputs[i], model_seconds)
         _tally(self._totals, results)
         return results
 
@@ -265,6 +289,49 @@ class RewardPool:
         return code
 
 
+def _score_model_terms(
+    terms: Mapping[str, tuple[RewardTerm, ...]],
+    records: Sequence[Mapping],
+    completions: Sequence[str],
+    domains: Sequence[str],
+) -> list[dict[str, tuple[float, dict]]]:
+    """Per record, {term name: checked (score, info)} of its "rm:" terms; one call per reference."""
+    indices: dict[str, dict[int, None]] = {}  # ordered sets of record indices per reference
+    for i, d in enumerate(domains):
+        for t in terms[d]:
+            if t.is_model:
+                indices.setdefault(t.fn, {})[i] = None
+    out = [{} for _ in records]
+    for ref, idx in indices.items():
+        scored = resolve_fn(ref).score_batch(
+            [records[i] for i in idx], [completions[i] for i in idx], [domains[i] for i in idx]
+        )
+        for i, score_info in zip(idx, scored, strict=True):
+            for t in terms[domains[i]]:
+                if t.fn == ref:
+                    out[i][t.name] = check_output(t, score_info)
+    return out
+
+
+def _add_model_terms(
+    result: RewardResult,
+    terms: tuple[RewardTerm, ...],
+    outputs: Mapping[str, tuple[float, dict]],
+    seconds: float,
+) -> RewardResult:
+    """A result with its domain's "rm:" terms added, as `RewardRegistry.score` combines terms."""
+    if result.status != "ok":  # a worker term timed out or crashed: the record scores 0
+        return replace(result, seconds=result.seconds + seconds)
+    total, info = result.score, {}
+    for t in terms:  # info in term order, as `RewardRegistry.score` builds it
+        if t.is_model:
+            score, info[t.name] = outputs[t.name]
+            total += t.weight * score
+        else:
+            info[t.name] = result.info[t.name]
+    return replace(result, score=total, info=info, seconds=result.seconds + seconds)
+
+
 def summarize(results: Sequence[RewardResult]) -> dict[str, float]:
     """Per-domain metrics of a batch of results.
 
@@ -323,6 +390,8 @@ def _worker_main(conn, registry: RewardRegistry) -> None:
     # to import is reported per record, as a crash, when its domain is scored.
     for d in registry.domains():
         for t in registry.terms(d):
+            if t.is_model:  # the parent scores these
+                continue
             with contextlib.suppress(Exception):
                 resolve_fn(t.fn)
     conn.send(("ready", None))
@@ -335,7 +404,7 @@ def _worker_main(conn, registry: RewardRegistry) -> None:
             return
         domain, record, completion = msg
         try:
-            score, info = registry.score(record, completion, domain)
+            score, info = registry.score(record, completion, domain, model_terms=False)
             reply = ("ok", score, info)
         except Exception as e:
             reply = ("crash", 0.0, {"error": f"{type(e).__name__}: {e}"[:2000]})

@@ -7,7 +7,9 @@ such functions with weights and scores their weighted sum, so one RL run can mix
 
 Functions are held as importable references ("package.module:function" strings or top-level
 functions, which pickle by name), so a registry travels to `RewardPool` worker processes and
-heavy verifiers (sympy, the code sandbox) are imported only where they run.
+heavy verifiers (sympy, the code sandbox) are imported only where they run. A reference
+"rm:<path>[#<head>]" is a trained reward model (`ModelReward`); `RewardPool` scores such terms
+in its own process, batched, never in the workers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import pickle
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from posttrain.rewards._model import ModelReward, check_model_ref, is_model_ref, parse_model_ref
+
 RewardFn = Callable[[Mapping, str], tuple[float, dict]]
 
 
@@ -31,6 +35,11 @@ class RewardTerm:
     fn: str | Callable  # "module:function" or a picklable callable
     weight: float  # multiplies the term's score in the domain's sum
 
+    @property
+    def is_model(self) -> bool:
+        """Whether this term is a reward model ("rm:<path>"), scored batched outside workers."""
+        return is_model_ref(self.fn)
+
 
 class RewardRegistry:
     """Maps domain names to weighted reward functions.
@@ -39,6 +48,7 @@ class RewardRegistry:
       registry = RewardRegistry()
       registry.register("math", "posttrain.rewards:math_reward")
       registry.register("math", format_reward, weight=0.1)
+      registry.register("chat", "rm:/runs/rm/export")  # a trained reward model
       registry.check({r["domain"] for r in dataset})  # at startup: one error for all unknowns
       score, info = registry.score(record, completion)
     """
@@ -54,19 +64,25 @@ class RewardRegistry:
         Args:
           domain: the name records carry in their "domain" field.
           fn: "package.module:function", or a top-level function (or a `functools.partial` of
-            one): it must pickle by name to reach the worker processes.
+            one): it must pickle by name to reach the worker processes. Or "rm:<path>" for a
+            trained reward model's directory, "rm:<path>#<head>" to score with a given head
+            (by default, the head named like the domain, else the model's only head).
           weight: the term's weight in the domain's sum.
-          name: the term's key in the combined info; defaults to the function's name.
+          name: the term's key in the combined info; defaults to the function's name ("rm", or
+            "rm_<head>", for a reward model).
 
         Raises:
-          ValueError: a malformed reference, a callable that does not pickle (lambda, nested
-            function), a non-finite weight or a term name the domain already has.
+          ValueError: a malformed reference, a reward model directory that does not exist, a
+            callable that does not pickle (lambda, nested function), a non-finite weight or a
+            term name the domain already has.
         """
         if not isinstance(domain, str) or not domain:
             raise ValueError(f"a reward domain is a non-empty string, got {domain!r}")
         if not math.isfinite(weight):
             raise ValueError(f"reward weight for domain {domain!r} must be finite, got {weight}")
-        if isinstance(fn, str):
+        if is_model_ref(fn):
+            fn = check_model_ref(fn)
+        elif isinstance(fn, str):
             module, _, attr = fn.partition(":")
             if not module or not attr:
                 raise ValueError(f"reward reference {fn!r} must read 'package.module:function'")
@@ -102,11 +118,13 @@ class RewardRegistry:
         Args:
           domains: the domains of the run's records (duplicates are fine).
           resolve: also import every function of those domains, so a broken reference fails
-            here rather than in a worker mid-run.
+            here rather than in a worker mid-run; for "rm:" terms, load the reward model (once
+            per process) and pick each domain's head.
 
         Raises:
           ValueError: names every unknown domain with its close matches and the registered ones,
-            or every reference that does not import.
+            or every reference that does not import (or reward model that does not load or has
+            no head for its domain).
         """
         unknown = sorted(set(domains) - set(self._terms))
         if unknown:
@@ -127,14 +145,21 @@ class RewardRegistry:
         for d in sorted(set(domains)):
             for t in self._terms[d]:
                 try:
-                    resolve_fn(t.fn)
+                    fn = resolve_fn(t.fn)
+                    if t.is_model:
+                        fn.check(d)
                 except Exception as e:
                     broken.append(f"{d}/{t.name} ({t.fn!r}): {type(e).__name__}: {e}")
         if broken:
-            raise ValueError("reward functions that do not import: " + "; ".join(broken))
+            raise ValueError("reward functions that do not import (or load): " + "; ".join(broken))
 
     def score(
-        self, record: Mapping, completion: str, domain: str | None = None
+        self,
+        record: Mapping,
+        completion: str,
+        domain: str | None = None,
+        *,
+        model_terms: bool = True,
     ) -> tuple[float, dict]:
         """Scores one completion in this process: the weighted sum of its domain's terms.
 
@@ -142,6 +167,8 @@ class RewardRegistry:
           record: the prompt record.
           completion: the generated text.
           domain: defaults to `record["domain"]`.
+          model_terms: include the "rm:" terms; `RewardPool`'s workers leave them out (the pool
+            scores them in its own process, batched).
 
         Returns:
           (score, info) with info = {term name: {"score": term score, **term info}}.
@@ -153,20 +180,30 @@ class RewardRegistry:
         domain = record_domain(record) if domain is None else domain
         total, info = 0.0, {}
         for t in self.terms(domain):
-            out = resolve_fn(t.fn)(record, completion)
-            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
-                raise ValueError(
-                    f"reward {t.name!r} must return (score, info dict), got {out!r:.200}"
-                )
-            score = float(out[0])
-            if not math.isfinite(score):
-                raise ValueError(f"reward {t.name!r} returned a non-finite score {score}")
+            if t.is_model:
+                if not model_terms:
+                    continue
+                # With the head of `domain`, which may differ from the record's own field.
+                out = resolve_fn(t.fn).score_batch([record], [completion], [domain])[0]
+            else:
+                out = resolve_fn(t.fn)(record, completion)
+            score, term_info = check_output(t, out)
             total += t.weight * score
-            info[t.name] = {"score": score, **out[1]}
+            info[t.name] = term_info
         return total, info
 
     def __repr__(self):
         return f"RewardRegistry({', '.join(self.domains())})"
+
+
+def check_output(term: RewardTerm, out: object) -> tuple[float, dict]:
+    """A term's (score, {"score": score, **info}) after checking what its function returned."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        raise ValueError(f"reward {term.name!r} must return (score, info dict), got {out!r:.200}")
+    score = float(out[0])
+    if not math.isfinite(score):
+        raise ValueError(f"reward {term.name!r} returned a non-finite score {score}")
+    return score, {"score": score, **out[1]}
 
 
 def record_domain(record: Mapping) -> str:
@@ -182,6 +219,8 @@ def record_domain(record: Mapping) -> str:
 
 @functools.cache
 def _resolve_ref(ref: str) -> Callable:
+    if is_model_ref(ref):
+        return ModelReward.from_ref(ref)
     module, _, attr = ref.partition(":")
     fn = importlib.import_module(module)
     for part in attr.split("."):
@@ -197,6 +236,9 @@ def resolve_fn(fn: str | Callable) -> Callable:
 
 
 def _fn_name(fn: str | Callable) -> str:
+    if is_model_ref(fn):
+        head = parse_model_ref(fn)[1]
+        return "rm" if head is None else f"rm_{head}"
     if isinstance(fn, str):
         return fn.rpartition(":")[2].rpartition(".")[2]
     fn = getattr(fn, "func", fn)  # functools.partial

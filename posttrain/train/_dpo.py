@@ -29,6 +29,8 @@ Reference log-probs come from one of:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -86,6 +88,8 @@ def dpo_loss(
     gamma: float = 0.0,
     reference: str = "on_the_fly",
     ref_params: dict | None = None,
+    sft_weight: float = 0.0,
+    domains: Sequence[str] = (),
 ):
     """`(params, batch, rng) -> sums` of a pairwise preference loss, for `train_step`.
 
@@ -97,6 +101,12 @@ def dpo_loss(
         "precomputed" (`batch["ref_chosen_logps"]`, `batch["ref_rejected_logps"]`), or "none"
         (reference-free loss types only). See the module docstring.
       ref_params: the reference params, for "on_the_fly" only.
+      sft_weight: adds `sft_weight` x the chosen response's per-token NLL to each pair's loss
+        (RPO, TRL's `rpo_alpha`; TRL averages the NLL over the batch's tokens, we over each
+        pair's). Not for orpo, whose loss already holds that term.
+      domains: domain names (the data's `domain_ids` index them); each adds
+        `accuracy/<name>_sum` and `accuracy/<name>_count`, which `train_step` turns into that
+        domain's accuracy.
 
     Returns:
       The loss function. Its sums: `loss_sum` (per-pair losses; for orpo each pair's chosen
@@ -121,7 +131,12 @@ def dpo_loss(
         )
     if (reference == "on_the_fly") != (ref_params is not None):
         raise ValueError("pass ref_params exactly when reference='on_the_fly'")
+    if sft_weight < 0 or (sft_weight and loss_type == "orpo"):
+        raise ValueError(
+            f"sft_weight={sft_weight}: use a weight >= 0, and 0 with orpo (its loss has the term)"
+        )
     normalised = loss_type in LENGTH_NORMALISED
+    domains = tuple(domains)
 
     def loss_fn(params, batch, rng):
         del rng
@@ -157,11 +172,22 @@ def dpo_loss(
             **lengths,
         )
         losses_B = out["losses"]
+        chosen_nll_B = -chosen_B / jnp.maximum(len_c_B, 1.0)
         if loss_type == "orpo":
-            losses_B = losses_B - chosen_B / jnp.maximum(len_c_B, 1.0)
+            losses_B = losses_B + chosen_nll_B
+        elif sft_weight:
+            losses_B = losses_B + sft_weight * chosen_nll_B
         # Filler rows (no response tokens) are not pairs: their losses stay out of the sums.
         total = lambda x: jnp.sum(jnp.where(valid_B, x, 0.0))
+        per_domain = {}
+        for d, name in enumerate(domains):
+            in_domain_B = valid_B & (batch["domain_ids"] == d)
+            per_domain[f"accuracy/{name}_sum"] = jnp.sum(
+                jnp.where(in_domain_B, out["rewards/accuracies"], 0.0)
+            )
+            per_domain[f"accuracy/{name}_count"] = jnp.sum(in_domain_B.astype(jnp.float32))
         return {
+            **per_domain,
             "loss_sum": total(losses_B),
             "num_tokens": jnp.sum(valid_B.astype(jnp.float32)),
             "chosen_reward_sum": total(out["rewards/chosen"]),

@@ -66,7 +66,15 @@ class _Preemption:
 
 
 def _host_metrics(metrics) -> dict[str, float]:
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+    """Device metrics as floats; a group's metric ("accuracy/math") that is NaN because the
+    batch held none of the group is left out."""
+    host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    return {k: v for k, v in host.items() if not ("/" in k and np.isnan(v))}
+
+
+def _tokens(batch: dict) -> float:
+    """Real tokens in a host batch (every `*segment_ids` array: SFT rows, chosen + rejected)."""
+    return float(sum(np.sum(v > 0) for k, v in batch.items() if k.endswith("segment_ids")))
 
 
 def train_loop(
@@ -155,7 +163,7 @@ def train_loop(
 
         for step in range(start + 1, loop.steps + 1):
             host_batch = next(data)
-            tokens = float(np.sum(host_batch["segment_ids"] > 0)) * jax.process_count()
+            tokens = _tokens(host_batch) * jax.process_count()
             state, metrics = step_fn(state, shard_batch(host_batch, mesh))
             if pending is not None:
                 host = flush(pending)

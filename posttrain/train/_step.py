@@ -3,7 +3,9 @@
 Methods differ only in `loss_fn(params, batch, rng) -> sums`, which returns summed quantities
 including `loss_sum` (differentiated) and `num_tokens` (the normaliser: loss tokens for SFT,
 pairs for DPO...). Micro-batches and data-parallel shards add their sums; the step divides once
-by the global count, so accumulation and sharding never change the update.
+by the global count, so accumulation and sharding never change the update. Every other `X_sum`
+becomes the metric `X`: divided by `num_tokens`, or by `X_count` where the loss returns one (a
+group's mean, such as one domain's accuracy `accuracy/math_sum` / `accuracy/math_count`).
 """
 
 from __future__ import annotations
@@ -94,10 +96,16 @@ def train_step(
         "bad_steps": new_state.bad_steps,
     }
     for name, value in sums.items():
-        if name.endswith("_sum") and name != "loss_sum":
-            metrics[name[: -len("_sum")]] = value / denom
-        elif name != "loss_sum":
+        if name == "loss_sum" or name.endswith("_count"):
+            continue
+        if not name.endswith("_sum"):
             metrics[name] = value
+            continue
+        base = name[: -len("_sum")]
+        if (count := sums.get(f"{base}_count")) is None:
+            metrics[base] = value / denom
+        else:  # a group's mean (e.g. one domain's accuracy): NaN when the batch has none of it
+            metrics[base] = jnp.where(count > 0, value / jnp.maximum(count, 1.0), jnp.nan)
     if schedule is not None:
         metrics["learning_rate"] = schedule(state.step)
     return new_state, metrics

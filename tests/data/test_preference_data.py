@@ -78,8 +78,9 @@ def test_batch_arrays_are_padded_rows(tok):
     assert _text(tok, batch["rejected_targets"][2][batch["rejected_loss_mask"][2] > 0]) == (
         "-5<|im_end|>"
     )
-    assert data.stats["domains"] == ["", "chat", "math"]
-    np.testing.assert_array_equal(batch["domain_ids"], [2, 1, 0, 0])
+    assert data.domains == ("", "chat", "math")
+    assert data.stats["domains"] == {"": 1, "chat": 1, "math": 1}
+    np.testing.assert_array_equal(batch["domain_ids"], [2, 1, 0, -1])
     assert data.stats["read"] == data.stats["used"] == 3
 
 

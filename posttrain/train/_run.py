@@ -1,0 +1,302 @@
+"""What every method's driver shares: config -> mesh, tokenizer and model; the starting params
+(random init, HF weights or an earlier run's checkpoint); resume; the jitted step; the loop.
+
+A driver (SFT, DPO, reward model...) brings its data iterator, its loss and what it trains
+(`Trainable`); `train` does the rest the same way for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from posttrain.config import ConfigError, build
+from posttrain.data import load_tokenizer
+from posttrain.models import (
+    ModelConfig,
+    from_hf,
+    get_preset,
+    init_params,
+    load_hf_config,
+    param_shapes,
+    param_shardings,
+    param_specs,
+)
+from posttrain.parallel import axis_rules, make_mesh
+from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
+from posttrain.train._loop import train_loop
+from posttrain.train._optimizer import learning_rate_schedule, make_optimizer
+from posttrain.train._state import create_state, state_shardings
+from posttrain.train._step import LossFn, train_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Which model to start from: a preset (random init), an HF directory, or a run's checkpoint.
+
+    At most one of `hf_path` and `checkpoint` is set; with neither, `preset` is initialised.
+    """
+
+    preset: str = "tiny"  # posttrain.models preset name, used when neither path is set
+    hf_path: str = ""  # HF model directory: its config.json and weights
+    checkpoint: str = ""  # an earlier run's workdir (e.g. SFT): its latest checkpoint's params
+    attention: str = ""  # override ModelConfig.attention ("" keeps the model's)
+    remat: str = ""  # override ModelConfig.remat
+    compute_dtype: str = ""  # override ModelConfig.compute_dtype
+    param_dtype: str = ""  # override ModelConfig.param_dtype
+
+    def __post_init__(self):
+        if self.hf_path and self.checkpoint:
+            raise ConfigError(
+                f"model.hf_path={self.hf_path!r} and model.checkpoint={self.checkpoint!r} are both "
+                "set; start from one of them"
+            )
+
+    def overrides(self) -> dict:
+        names = ("attention", "remat", "compute_dtype", "param_dtype")
+        return {n: getattr(self, n) for n in names if getattr(self, n)}
+
+    def model_config(self) -> ModelConfig:
+        if self.hf_path:
+            return load_hf_config(self.hf_path, **self.overrides())
+        if self.checkpoint:
+            saved = checkpoint_json(self.checkpoint)
+            return dataclasses.replace(
+                build(ModelConfig, saved["model_config"]), **self.overrides()
+            )
+        return get_preset(self.preset, **self.overrides())
+
+
+def to_json(value) -> Any:
+    """A (nested) dataclass as plain JSON values."""
+    return json.loads(json.dumps(dataclasses.asdict(value), default=str))
+
+
+def checkpoint_json(workdir: str, step: int | None = None) -> dict:
+    """The JSON items (config, model_config, manifest...) saved with a run's checkpoint."""
+    checkpointer = Checkpointer(workdir, CheckpointConfig(async_save=False))
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(
+                f"no checkpoint under {checkpointer.directory}: is {workdir!r} the workdir of a "
+                "finished (or checkpointed) run?"
+            )
+        return {"step": step, **checkpointer.read_json(step)}
+    finally:
+        checkpointer.close()
+
+
+def restore_params(workdir: str, abstract_params, step: int | None = None):
+    """Only the params of a run's checkpoint (no optimizer state is read), onto the shardings
+    of `abstract_params` (a pytree of `jax.ShapeDtypeStruct` with `sharding`)."""
+    step = checkpoint_json(workdir, step)["step"]
+    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+    try:
+        item = {"params": abstract_params}
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=item,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                    partial_restore=True,
+                )
+            ),
+        )
+    except Exception as e:
+        raise ValueError(
+            f"could not read the params of {workdir} step {step} ({type(e).__name__}: "
+            f"{str(e)[:300]}); is it a checkpoint of the same model?"
+        ) from e
+    finally:
+        manager.close()
+    return restored.state["params"]
+
+
+def with_shardings(shapes, shardings):
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def start_params(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int):
+    """The transformer params a run starts from, sharded on `mesh`."""
+    if spec.hf_path:
+        return from_hf(spec.hf_path, mesh=mesh, **spec.overrides()).params
+    if spec.checkpoint:
+        abstract = with_shardings(param_shapes(model_config), param_shardings(model_config, mesh))
+        return restore_params(spec.checkpoint, abstract)
+    return init_params(model_config, jax.random.key(seed), mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """What a method trains: the params' shapes, shardings, weight-decay mask, and how to make
+    their starting values (called only when there is no checkpoint to resume)."""
+
+    shapes: Any
+    shardings: Any
+    decay_mask: Any
+    init: Callable[[], Any]
+
+
+def model_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int) -> Trainable:
+    """The transformer itself (SFT, DPO): weight decay on its matrices only."""
+    decay_mask = jax.tree.map(
+        lambda s: s.init == "normal",
+        param_specs(model_config),
+        is_leaf=lambda x: hasattr(x, "init"),
+    )
+    return Trainable(
+        shapes=param_shapes(model_config),
+        shardings=param_shardings(model_config, mesh),
+        decay_mask=decay_mask,
+        init=lambda: start_params(spec, model_config, mesh, seed),
+    )
+
+
+def check_batching(batch_size: int, micro_batches: int, mesh) -> None:
+    sizes = dict(mesh.shape)
+    data_parallel = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    if batch_size % micro_batches:
+        raise ConfigError(
+            f"data.batch_size={batch_size} is not divisible by train.micro_batches={micro_batches}"
+        )
+    if (batch_size // micro_batches) % data_parallel:
+        raise ConfigError(
+            f"each micro-batch has {batch_size // micro_batches} rows, not divisible by the "
+            f"data-parallel size {data_parallel} (mesh data x fsdp x expert); make "
+            f"data.batch_size a multiple of {data_parallel * micro_batches}"
+        )
+
+
+def setup(config, workdir: str):
+    """Checks and loads what every method needs: (mesh, tokenizer, model_config).
+
+    `config` has `mesh`, `data`, `train`, `tokenizer` and `model` (a `ModelSpec`). Writes
+    `config.json` into `workdir`. Everything that can be wrong is reported before any compile.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    mesh = make_mesh(config.mesh)
+    check_batching(config.data.batch_size, config.train.micro_batches, mesh)
+    tokenizer_dir = config.tokenizer or config.model.hf_path
+    if not tokenizer_dir:
+        raise ConfigError("tokenizer: set it to a tokenizer directory (or set model.hf_path)")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model_config = config.model.model_config()
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+            f"vocab_size is {model_config.vocab_size}"
+        )
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(to_json(config), f, indent=2)
+    return mesh, tokenizer, model_config
+
+
+def optimizer_and_abstract_state(config, trainable: Trainable):
+    """The run's optimizer and the shapes of its train state."""
+    optimizer = make_optimizer(config.optimizer, config.train.steps, trainable.decay_mask)
+    abstract = jax.eval_shape(
+        functools.partial(create_state, optimizer=optimizer, seed=config.train.seed),
+        trainable.shapes,
+    )
+    return optimizer, abstract
+
+
+def train(
+    config,
+    workdir: str,
+    *,
+    mesh,
+    trainable: Trainable,
+    data,
+    loss: Callable[..., LossFn],
+    loss_inputs: tuple = (),
+    loss_input_shardings: tuple = (),
+    evaluate: Callable | None = None,
+    extras: dict | None = None,
+    flops_per_token: float | None = None,
+    on_metrics=None,
+) -> dict:
+    """Resumes (or starts) the run in `workdir` and trains it to `config.train.steps`.
+
+    Args:
+      config: the method's config (`optimizer`, `train`, `checkpoint`, `mesh`, `data`).
+      workdir: the run directory.
+      mesh: the device mesh.
+      trainable: what is trained (shapes, shardings, decay mask, initial values).
+      data: this process's batch iterator, with get_state/set_state.
+      loss: `(*loss_inputs) -> loss_fn`, called inside the jitted step, so that inputs such as
+        a frozen reference model are traced arguments with their own shardings rather than
+        constants baked into the executable.
+      loss_inputs, loss_input_shardings: those inputs and their shardings.
+      evaluate: `state -> eval metrics` (its `eval_loss` ranks checkpoints for keep-best).
+      extras: JSON items saved with every checkpoint (config, model_config, manifest...).
+      flops_per_token: for the MFU estimate.
+      on_metrics: `(step, metrics)` callback.
+
+    Returns:
+      The loop summary plus `state` (the final train state) and `data` (the data stats).
+    """
+    with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
+        optimizer, abstract = optimizer_and_abstract_state(config, trainable)
+        schedule = learning_rate_schedule(config.optimizer, config.train.steps)
+        shardings = state_shardings(optimizer, abstract, trainable.shardings, mesh)
+        checkpointer = Checkpointer(workdir, config.checkpoint)
+        restored = checkpointer.restore(with_shardings(abstract, shardings))
+        if restored is not None:
+            step, state, data_state, _ = restored
+            if data_state is not None:
+                data.set_state(data_state)
+            log.info("resumed from step %d in %s", step, checkpointer.directory)
+        else:
+            state = jax.jit(
+                functools.partial(create_state, optimizer=optimizer, seed=config.train.seed),
+                out_shardings=shardings,
+            )(trainable.init())
+
+        def step(state, inputs, batch):
+            return train_step(
+                state,
+                batch,
+                loss_fn=loss(*inputs),
+                optimizer=optimizer,
+                schedule=schedule,
+                micro_batches=config.train.micro_batches,
+            )
+
+        jitted = jax.jit(
+            step,
+            in_shardings=(shardings, tuple(loss_input_shardings), None),
+            out_shardings=(shardings, None),
+            donate_argnums=0,
+        )
+        state, summary = train_loop(
+            state=state,
+            step_fn=lambda state, batch: jitted(state, tuple(loss_inputs), batch),
+            data=data,
+            mesh=mesh,
+            workdir=workdir,
+            loop=config.train,
+            checkpointer=checkpointer,
+            evaluate=evaluate,
+            checkpoint_json=extras,
+            flops_per_token=flops_per_token,
+            on_metrics=on_metrics,
+        )
+        checkpointer.close()
+    summary["data"] = dict(getattr(data, "stats", {}) or {})
+    summary["state"] = state
+    return summary
