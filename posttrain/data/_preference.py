@@ -336,15 +336,14 @@ class PreferenceData:
 
     def ordered_batches(self, num_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """Every kept pair once, in pair order, `rows` per batch (the last padded with filler
-        rows): the pass that precomputes reference log-probs. `num_batches` pads the pass with
-        empty batches up to that count (processes of a multi-host run must agree on it)."""
+        rows): the pass that precomputes reference log-probs, and evaluation. `num_batches` pads
+        the pass with empty batches up to that count."""
         n = len(self.pairs)
         count = -(-n // self.rows) if num_batches is None else num_batches
         if count * self.rows < n:
             raise ValueError(f"{count} batches of {self.rows} rows cannot hold {n} pairs")
         for b in range(count):
-            chunk = self.pairs[b * self.rows : (b + 1) * self.rows]
-            yield collate(chunk, self.max_len, self.rows)
+            yield self._collate(range(b * self.rows, min(n, (b + 1) * self.rows)))
 
     def fingerprint(self) -> str:
         """A hash of the pairs' tokens and masks (which reference log-probs belong to)."""

@@ -29,11 +29,21 @@ Reference log-probs come from one of:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
 
+from posttrain.config import ConfigError
+from posttrain.data import DataConfig, SourceConfig, make_preference_pipeline
 from posttrain.losses import (
     LENGTH_NORMALISED,
     LOSS_TYPES,
@@ -43,6 +53,22 @@ from posttrain.losses import (
     token_log_probs,
 )
 from posttrain.models import ModelConfig, forward
+from posttrain.parallel import MeshConfig, axis_rules
+from posttrain.train._checkpoint import CheckpointConfig
+from posttrain.train._loop import LoopConfig
+from posttrain.train._optimizer import OptimizerConfig
+from posttrain.train._run import (
+    ModelSpec,
+    each_batch,
+    local_rows,
+    model_trainable,
+    setup,
+    summed,
+    to_json,
+    train,
+)
+
+log = logging.getLogger(__name__)
 
 REFERENCES = ("on_the_fly", "precomputed", "none")
 
@@ -111,9 +137,9 @@ def dpo_loss(
     Returns:
       The loss function. Its sums: `loss_sum` (per-pair losses; for orpo each pair's chosen
       per-token NLL plus the odds-ratio term, as TRL's ORPO), `num_tokens` (real pairs),
-      `chosen_reward_sum`, `rejected_reward_sum`, `margin_sum`, `accuracy_sum`,
-      `chosen_logps_sum`, `rejected_logps_sum`; `train_step` divides each `*_sum` by the
-      number of pairs.
+      `rewards/chosen_sum`, `rewards/rejected_sum`, `rewards/margins_sum`, `accuracy_sum`,
+      `logps/chosen_sum`, `logps/rejected_sum` (TRL's metric names); `train_step` divides each
+      `*_sum` by the number of pairs.
 
     Raises:
       ValueError: an unknown loss_type or reference, a reference that does not fit the loss
@@ -190,12 +216,226 @@ def dpo_loss(
             **per_domain,
             "loss_sum": total(losses_B),
             "num_tokens": jnp.sum(valid_B.astype(jnp.float32)),
-            "chosen_reward_sum": total(out["rewards/chosen"]),
-            "rejected_reward_sum": total(out["rewards/rejected"]),
-            "margin_sum": total(out["rewards/margins"]),
+            "rewards/chosen_sum": total(out["rewards/chosen"]),
+            "rewards/rejected_sum": total(out["rewards/rejected"]),
+            "rewards/margins_sum": total(out["rewards/margins"]),
             "accuracy_sum": total(out["rewards/accuracies"]),
-            "chosen_logps_sum": total(out["logps/chosen"]),
-            "rejected_logps_sum": total(out["logps/rejected"]),
+            "logps/chosen_sum": total(out["logps/chosen"]),
+            "logps/rejected_sum": total(out["logps/rejected"]),
         }
 
     return loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceLossConfig:
+    """Which pairwise loss, and where its reference log-probs come from."""
+
+    # sigmoid (DPO) | ipo | hinge | robust | sppo_hard | nca_pair | simpo | orpo
+    type: str = "sigmoid"
+    beta: float = 0.1  # inverse temperature of the implicit reward
+    label_smoothing: float = 0.0  # cDPO / robust label noise
+    gamma: float = 0.0  # SimPO target reward margin
+    sft_weight: float = 0.0  # weight of the chosen responses' NLL (RPO); orpo has its own
+    # auto: "precomputed" for reference-based losses, "none" for simpo/orpo; or "on_the_fly"
+    reference: str = "auto"
+
+    def __post_init__(self):
+        if self.type not in LOSS_TYPES:
+            raise ConfigError(f"loss.type={self.type!r}: use one of {', '.join(LOSS_TYPES)}")
+        if self.reference not in ("auto", *REFERENCES):
+            raise ConfigError(
+                f"loss.reference={self.reference!r}: use auto, {', '.join(REFERENCES)}"
+            )
+        free = self.type in REFERENCE_FREE
+        if self.reference != "auto" and (self.reference == "none") != free:
+            want = "none (or auto)" if free else "precomputed, on_the_fly (or auto)"
+            raise ConfigError(f"loss.type={self.type!r} needs loss.reference={want}")
+        if self.beta <= 0:
+            raise ConfigError(f"loss.beta must be positive, got {self.beta}")
+
+    @property
+    def resolved_reference(self) -> str:
+        if self.reference != "auto":
+            return self.reference
+        return "none" if self.type in REFERENCE_FREE else "precomputed"
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    model: ModelSpec = ModelSpec()  # the policy's start; the reference is a frozen copy of it
+    tokenizer: str = ""  # tokenizer directory; default: model.hf_path
+    data: DataConfig = None  # preference sources; packing must be False (one pair per row)
+    eval_data: tuple[SourceConfig, ...] = ()  # held-out preference sources
+    loss: PreferenceLossConfig = PreferenceLossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: LoopConfig = LoopConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        if self.data is None:
+            raise ConfigError("data: set data.sources to at least one preference file")
+        if self.data.packing:
+            raise ConfigError("data.packing: preference pairs take one row each; set it False")
+
+
+def attach_reference(data, ref_params_fn, model_config, mesh, path: str, identity: dict) -> bool:
+    """Precomputes the reference log-probs of every pair of `data` once and attaches them.
+
+    They are stored in `path` (one file per process) with a key made of the pairs' tokens and
+    `identity` (the reference model), so a resumed run reads them back instead of recomputing;
+    `ref_params_fn()` loads the reference weights, only when they are needed.
+
+    Returns:
+      True if they were computed, False if read back from `path`.
+    """
+    key = hashlib.sha256(
+        json.dumps({"pairs": data.fingerprint(), "reference": identity}, sort_keys=True).encode()
+    ).hexdigest()
+    if os.path.exists(path):
+        with np.load(path) as saved:
+            if str(saved["key"]) == key:
+                data.set_reference(saved["chosen"], saved["rejected"])
+                return False
+        log.warning("%s belongs to other pairs or another reference; recomputing", path)
+    score = jax.jit(reference_logps, static_argnums=1)
+    ref_params = ref_params_fn()
+    chosen, rejected = [], []
+    batches = data.ordered_batches()
+    total = -(-len(data.pairs) // data.rows)
+    bar = tqdm(total=total, desc="reference log-probs", disable=jax.process_index() > 0)
+    for batch, real in each_batch(batches, mesh):
+        out = score(ref_params, model_config, batch)
+        if real:
+            chosen.append(local_rows(out["ref_chosen_logps"], mesh))
+            rejected.append(local_rows(out["ref_rejected_logps"], mesh))
+            bar.update(1)
+    bar.close()
+    n = len(data.pairs)
+    chosen, rejected = np.concatenate(chosen)[:n], np.concatenate(rejected)[:n]
+    data.set_reference(chosen, rejected)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.npz"
+    np.savez(tmp, key=np.asarray(key), chosen=chosen, rejected=rejected)
+    os.replace(tmp, path)
+    return True
+
+
+class _PreferenceEvaluator:
+    """Held-out pairs: mean loss, accuracy, margin and per-domain accuracy (a full pass)."""
+
+    def __init__(self, data, loss, mesh, shardings, ref_params, max_batches, domains):
+        self.data, self.mesh, self.max_batches = data, mesh, max_batches
+        self.domains, self.ref_params = domains, ref_params
+        ref_shardings = None if ref_params is None else shardings
+        self._step = jax.jit(
+            lambda params, ref, batch: loss(ref)(params, batch, None),
+            in_shardings=(shardings, ref_shardings, None),
+        )
+
+    def __call__(self, state) -> dict:
+        step = lambda params, batch: self._step(params, self.ref_params, batch)
+        batches = self.data.ordered_batches()
+        totals = summed(step, state.params, batches, self.mesh, self.max_batches)
+        n = max(totals.get("num_tokens", 0.0), 1.0)
+        metrics = {
+            "eval_loss": totals["loss_sum"] / n,
+            "eval_accuracy": totals["accuracy_sum"] / n,
+            "eval_rewards/margins": totals["rewards/margins_sum"] / n,
+            "eval_rewards/chosen": totals["rewards/chosen_sum"] / n,
+            "eval_rewards/rejected": totals["rewards/rejected_sum"] / n,
+            "eval_pairs": totals.get("num_tokens", 0.0),
+        }
+        for name in self.domains:
+            count = totals.get(f"accuracy/{name}_count", 0.0)
+            if count:
+                metrics[f"eval_accuracy/{name}"] = totals[f"accuracy/{name}_sum"] / count
+        return metrics
+
+
+def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
+    """Trains (or resumes) a DPO-family run in `workdir`; returns the loop summary.
+
+    The reference is the policy's starting weights (`config.model`), reloaded on resume. Its
+    log-probs are computed once per dataset and stored under `workdir/reference/`
+    ("precomputed", the default: no second model in memory while training), or computed in
+    every step ("on_the_fly"), or not needed (simpo, orpo).
+    """
+    mesh, tokenizer, model_config = setup(config, workdir)
+    data = make_preference_pipeline(config.data, tokenizer)
+    log.info("preference data: %s", {k: v for k, v in data.stats.items() if k != "errors"})
+    manifest = data.manifest()
+    with open(os.path.join(workdir, "manifest.json"), "w") as f:
+        json.dump({**manifest, "pairs": data.stats}, f, indent=2)
+    eval_data = None
+    if config.eval_data:
+        eval_config = dataclasses.replace(
+            config.data, sources=config.eval_data, shuffle=False, num_epochs=1
+        )
+        eval_data = make_preference_pipeline(eval_config, tokenizer, domains=data.domains)
+    lc = config.loss
+    reference = lc.resolved_reference
+
+    def loss(ref_params=None):
+        return dpo_loss(
+            model_config,
+            loss_type=lc.type,
+            beta=lc.beta,
+            label_smoothing=lc.label_smoothing,
+            gamma=lc.gamma,
+            reference=reference,
+            ref_params=ref_params,
+            sft_weight=lc.sft_weight,
+            domains=data.domains,
+        )
+
+    with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
+        trainable = model_trainable(config.model, model_config, mesh, config.train.seed)
+        ref_params = trainable.init() if reference == "on_the_fly" else None
+        if reference == "precomputed":
+            identity = {"model": to_json(config.model), "seed": config.train.seed}
+            process = f"process_{jax.process_index()}"
+            weights = functools.cache(trainable.init)  # loaded once, only if not stored yet
+            for name, d in (("train", data), ("eval", eval_data)):
+                if d is not None:
+                    path = os.path.join(workdir, "reference", f"{name}.{process}.npz")
+                    attach_reference(d, weights, model_config, mesh, path, identity)
+            weights.cache_clear()  # the weights are no longer needed
+        on_the_fly = reference == "on_the_fly"
+        evaluate = None
+        if eval_data is not None:
+            evaluate = _PreferenceEvaluator(
+                eval_data,
+                loss if on_the_fly else lambda _: loss(),
+                mesh,
+                trainable.shardings,
+                ref_params,
+                config.train.eval_batches,
+                data.domains,
+            )
+    summary = train(
+        config,
+        workdir,
+        mesh=mesh,
+        trainable=trainable,
+        data=data,
+        loss=loss,
+        loss_inputs=(ref_params,) if on_the_fly else (),
+        loss_input_shardings=(trainable.shardings,) if on_the_fly else (),
+        evaluate=evaluate,
+        extras={
+            "config": to_json(config),
+            "model_config": to_json(model_config),
+            "manifest": manifest,
+            "domains": list(data.domains),
+        },
+        # An on-the-fly reference adds one forward pass (a third of a training step's FLOPs).
+        flops_per_token=model_config.flops_per_token(config.data.max_len)
+        * (4 / 3 if on_the_fly else 1),
+        on_metrics=on_metrics,
+    )
+    summary["model_config"] = model_config
+    if eval_data is not None:
+        summary["eval_data"] = dict(eval_data.stats)
+    return summary

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
@@ -16,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from posttrain.config import ConfigError, build
 from posttrain.data import load_tokenizer
@@ -30,7 +33,7 @@ from posttrain.models import (
     param_shardings,
     param_specs,
 )
-from posttrain.parallel import axis_rules, make_mesh
+from posttrain.parallel import axis_rules, make_mesh, shard_batch
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._loop import train_loop
 from posttrain.train._optimizer import learning_rate_schedule, make_optimizer
@@ -300,3 +303,44 @@ def train(
     summary["data"] = dict(getattr(data, "stats", {}) or {})
     summary["state"] = state
     return summary
+
+
+def each_batch(batches, mesh, max_batches: int = 0):
+    """Sharded global batches of a finite stream, every process stepping together.
+
+    Processes' shards can end after different numbers of batches: each process then feeds
+    all-empty batches (no loss tokens, no pairs) until every process is done, so collective
+    steps never hang. Yields `(global batch, real)`, `real` False for this process's fillers.
+    """
+    empty = None
+    for i in itertools.count():
+        if max_batches and i >= max_batches:
+            return
+        batch = next(batches, None)
+        if jax.process_count() > 1:
+            done = multihost_utils.process_allgather(np.asarray(batch is None))
+            if np.all(done):
+                return
+        elif batch is None:
+            return
+        real = batch is not None
+        batch = batch if real else empty
+        empty = jax.tree.map(np.zeros_like, batch)
+        yield shard_batch(batch, mesh), real
+
+
+def summed(step, params, batches, mesh, max_batches: int = 0) -> dict[str, float]:
+    """`step(params, batch) -> sums`, added up over a finite stream on every process."""
+    totals: dict[str, float] = {}
+    for batch, _ in each_batch(batches, mesh, max_batches):
+        for k, v in jax.device_get(step(params, batch)).items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    return totals
+
+
+def local_rows(x: jax.Array, mesh) -> np.ndarray:
+    """This process's rows of a batch-sharded global array (those it fed with `shard_batch`)."""
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))
+    spec = jax.sharding.PartitionSpec(*x.sharding.spec)
+    return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec))

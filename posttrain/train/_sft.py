@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from posttrain.config import build
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
@@ -26,6 +23,7 @@ from posttrain.train._run import (
     model_trainable,
     restore_params,
     setup,
+    summed,
     to_json,
     train,
     with_shardings,
@@ -81,29 +79,8 @@ class _Evaluator:
         make_pipeline(self.data_config, tokenizer)  # fail at startup, not at the first eval
 
     def __call__(self, state) -> dict:
-        from posttrain.parallel import shard_batch
-
-        totals: dict[str, float] = {}
         batches = make_pipeline(self.data_config, self.tokenizer)
-        empty = None
-        for i in itertools.count():
-            if self.max_batches and i >= self.max_batches:
-                break
-            batch = next(batches, None)
-            if jax.process_count() > 1:
-                # Hosts' shards can end at different batch counts: every host takes part in
-                # each step (an empty batch once its own data is done) until all are done.
-                done = multihost_utils.process_allgather(np.asarray(batch is None))
-                if np.all(done):
-                    break
-            elif batch is None:
-                break
-            if batch is None:
-                batch = empty
-            empty = jax.tree.map(np.zeros_like, batch)
-            sums = jax.device_get(self._step(state.params, shard_batch(batch, self.mesh)))
-            for k, v in sums.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+        totals = summed(self._step, state.params, batches, self.mesh, self.max_batches)
         n = max(totals.get("num_tokens", 0.0), 1.0)
         return {
             "eval_loss": totals.get("nll_sum", 0.0) / n,

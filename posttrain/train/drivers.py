@@ -1,15 +1,19 @@
-"""Dispatch from a loaded config to the driver of its method (SFT now; DPO, RM, RL later)."""
+"""Dispatch from a loaded config to the driver of its method (`method`: sft, dpo)."""
 
 from __future__ import annotations
 
 from posttrain.config import build, to_plain
+from posttrain.train._dpo import DPOConfig, run_dpo
 from posttrain.train._sft import SFTConfig, run_sft
+
+DRIVERS = {"sft": (SFTConfig, run_sft), "dpo": (DPOConfig, run_dpo)}
 
 
 def run_from_config(config, workdir: str, **kwargs) -> dict:
     """Runs the method the config names (`method`, default "sft") in `workdir`."""
     values = dict(to_plain(config))
     method = values.pop("method", "sft")
-    if method != "sft":
-        raise ValueError(f"method {method!r} is not available yet; available: sft")
-    return run_sft(build(SFTConfig, values), workdir, **kwargs)
+    if method not in DRIVERS:
+        raise ValueError(f"method {method!r} is not available; available: {', '.join(DRIVERS)}")
+    cls, run = DRIVERS[method]
+    return run(build(cls, values), workdir, **kwargs)

@@ -60,7 +60,7 @@ def test_precomputed_reference_matches_on_the_fly(tok):
     batch = {**batch, **jax.jit(reference_logps, static_argnums=1)(ref, CONFIG, batch)}
     precomputed = dpo_loss(CONFIG, reference="precomputed")(policy, batch, None)
     assert float(on_the_fly["num_tokens"]) == 6
-    assert abs(float(on_the_fly["margin_sum"])) > 1e-3  # the models differ: a real comparison
+    assert abs(float(on_the_fly["rewards/margins_sum"])) > 1e-3  # the models differ
     for name, value in on_the_fly.items():
         np.testing.assert_allclose(precomputed[name], value, atol=1e-6, rtol=1e-6, err_msg=name)
 
@@ -85,7 +85,7 @@ def test_step_zero_is_log_2_and_no_accuracy(tok):
     assert float(sums["num_tokens"]) == 6
     assert float(sums["loss_sum"]) / 6 == pytest.approx(math.log(2), rel=1e-7)
     assert float(sums["accuracy_sum"]) == 0.0  # ties are not wins
-    assert float(sums["margin_sum"]) == 0.0 and float(sums["chosen_reward_sum"]) == 0.0
+    assert float(sums["rewards/margins_sum"]) == 0.0 and float(sums["rewards/chosen_sum"]) == 0.0
 
     # Inside the train step the policy pass is differentiated and the reference pass is not:
     # XLA may round them differently, by about an ulp of the summed log-probs.
@@ -96,9 +96,9 @@ def test_step_zero_is_log_2_and_no_accuracy(tok):
         state, batch
     )
     assert float(metrics["loss"]) == pytest.approx(math.log(2), abs=1e-6)
-    assert abs(float(metrics["margin"])) < 1e-6
+    assert abs(float(metrics["rewards/margins"])) < 1e-6
     assert float(metrics["num_tokens"]) == 6
-    assert float(metrics["chosen_logps"]) < 0 and float(metrics["grad_norm"]) > 0
+    assert float(metrics["logps/chosen"]) < 0 and float(metrics["grad_norm"]) > 0
 
 
 def test_filler_rows_do_not_count(tok):
@@ -170,3 +170,32 @@ def test_training_raises_held_out_preference_accuracy(tok):
     accuracy, loss = evaluate(state.params, ref, eval_batch)
     assert float(accuracy) >= 0.9, (float(accuracy), losses)
     assert float(loss) < math.log(2) and losses[-1] < losses[0]
+
+
+def test_sft_term_adds_the_chosen_per_token_nll(tok):
+    batch = _batch(tok, n=6, rows=8)
+    policy, ref = _params(0), _params(1)
+    plain = dpo_loss(CONFIG, ref_params=ref)(policy, batch, None)
+    weighted = dpo_loss(CONFIG, ref_params=ref, sft_weight=0.5)(policy, batch, None)
+    # Independently: the policy's summed chosen log-probs over each pair's response length.
+    logps = reference_logps(policy, CONFIG, batch)["ref_chosen_logps"][:6]
+    lengths = batch["chosen_loss_mask"][:6].sum(axis=1)
+    expected = 0.5 * float(jnp.sum(-logps / lengths))
+    assert float(weighted["loss_sum"] - plain["loss_sum"]) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ValueError, match="sft_weight"):
+        dpo_loss(CONFIG, loss_type="orpo", reference="none", sft_weight=0.1)
+
+
+def test_per_domain_accuracy_sums(tok):
+    records = _pairs(make_dataset(6, 0))
+    for i, r in enumerate(records):
+        r["domain"] = "a" if i % 3 else "b"
+        if i % 2:  # flipped pairs, so that the random policy wins some and loses some
+            r["chosen"], r["rejected"] = r["rejected"], r["chosen"]
+    data = preference_batches(records, tok, max_len=MAX_LEN, batch_size=8, num_epochs=1)
+    batch = jax.tree.map(jnp.asarray, next(data))
+    sums = dpo_loss(CONFIG, ref_params=_params(1), domains=data.domains)(_params(0), batch, None)
+    assert data.domains == ("a", "b")
+    assert float(sums["accuracy/a_count"]) == 4 and float(sums["accuracy/b_count"]) == 2
+    total = float(sums["accuracy/a_sum"] + sums["accuracy/b_sum"])
+    assert total == float(sums["accuracy_sum"]) and 0 < total < 6  # a real, mixed comparison
