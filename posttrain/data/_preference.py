@@ -6,7 +6,8 @@ response without special tokens, then EOS); a message-list prompt is rendered wi
 template and its generation prompt, and each response (a string, or a list of assistant
 messages) completes it, masked as `Tokenizer.encode_chat` masks assistant turns (content and
 end-of-turn token). Both sequences of a pair share the prompt's tokens; the loss mask covers the
-response tokens only. An optional string `domain` names the record's domain.
+response tokens only. An optional string `domain` names the record's domain, and an optional
+number `margin` says by how much chosen beats rejected (reward-model training, graded labels).
 
 `make_preference_pipeline` reads the sources of a `DataConfig` (the SFT sources' files, globs,
 weights and domains), sharded over processes, into a Grain graph whose position is saved with
@@ -20,6 +21,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,8 @@ def encode_pair(
       add_eos: append EOS to string responses of string prompts.
 
     Returns:
-      {"chosen": arrays, "rejected": arrays, "truncated": bool, "domain": str | None}, where
+      {"chosen": arrays, "rejected": arrays, "truncated": bool, "domain": str | None,
+      "margin": float (0 if the record has none)}, where
       arrays are `to_example`'s unpadded `tokens`, `targets`, `loss_mask` of one sequence; or
       None for a pair dropped as overlong.
 
@@ -89,6 +92,10 @@ def encode_pair(
         domain = record.get("domain")
         if domain is not None and not isinstance(domain, str):
             raise RecordError(f"'domain' must be a string, got {type(domain).__name__}")
+        margin = record.get("margin", 0.0)
+        number = isinstance(margin, int | float) and not isinstance(margin, bool)
+        if not number or not math.isfinite(margin):
+            raise RecordError(f"'margin' must be a finite number, got {margin!r}")
         prompt = record["prompt"]
         if not isinstance(prompt, str | list):
             raise RecordError(f"'prompt' must be a string or messages, got {type(prompt).__name__}")
@@ -117,7 +124,7 @@ def encode_pair(
     truncated = any(len(ids) > max_len for ids, _ in encoded.values())
     if truncated and overlong == "drop":
         return None
-    out = {"truncated": truncated, "domain": domain}
+    out = {"truncated": truncated, "domain": domain, "margin": float(margin)}
     for side, (ids, trained) in encoded.items():
         out[side] = to_example(ids[:max_len], trained[:max_len])
         if not out[side]["loss_mask"].any():
@@ -163,7 +170,8 @@ class PreferenceData:
     Iterating yields dicts of numpy arrays: `{side}_tokens`, `{side}_targets`,
     `{side}_positions`, `{side}_segment_ids` (int32) and `{side}_loss_mask` (float32), each
     `[rows, max_len]`, for side in chosen/rejected (segment id 1 on tokens, 0 on padding);
-    `domain_ids [rows]` (-1 on filler rows); and, once `set_reference` was called,
+    `domain_ids [rows]` (-1 on filler rows); `margins [rows]` (float32, the records' `margin`,
+    0 if absent); and, once `set_reference` was called,
     `ref_chosen_logps` / `ref_rejected_logps` `[rows]` float32.
 
     Attributes:
@@ -373,6 +381,8 @@ def collate(pairs: Sequence[Mapping[str, Any]], max_len: int, rows: int) -> dict
         batch.update({f"{side}_{name}": value for name, value in arrays.items()})
     batch["domain_ids"] = np.full(rows, -1, np.int32)
     batch["domain_ids"][: len(pairs)] = [p.get("domain_id", 0) for p in pairs]
+    batch["margins"] = np.zeros(rows, np.float32)
+    batch["margins"][: len(pairs)] = [p.get("margin", 0.0) for p in pairs]
     return batch
 
 

@@ -1,21 +1,33 @@
-"""Training: the state, the pure step, the shared loop, checkpoints, metrics, drivers, DPO loss."""
+"""Training: the state, the pure step, the shared loop, checkpoints, metrics, and the drivers of
+every method (SFT, DPO family, reward models)."""
 
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
-from posttrain.train._dpo import dpo_loss, reference_logps
+from posttrain.train._dpo import DPOConfig, PreferenceLossConfig, dpo_loss, reference_logps, run_dpo
 from posttrain.train._loop import LoopConfig, TrainingDiverged, train_loop
 from posttrain.train._metrics import MetricsWriter, read_metrics
 from posttrain.train._optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from posttrain.train._rm import (
+    RewardModel,
+    RewardModelConfig,
+    load_reward_model,
+    reward_model_loss,
+    run_reward_model,
+)
 from posttrain.train._sft import ModelSpec, SFTConfig, load_checkpoint_model, run_sft, sft_loss
 from posttrain.train._state import TrainState, create_state, state_shardings
 from posttrain.train._step import split_micro_batches, train_step
 
 __all__ = [
     "CheckpointConfig",
+    "DPOConfig",
     "Checkpointer",
     "LoopConfig",
     "MetricsWriter",
     "ModelSpec",
     "OptimizerConfig",
+    "PreferenceLossConfig",
+    "RewardModel",
+    "RewardModelConfig",
     "SFTConfig",
     "TrainState",
     "TrainingDiverged",
@@ -23,9 +35,13 @@ __all__ = [
     "dpo_loss",
     "learning_rate_schedule",
     "load_checkpoint_model",
+    "load_reward_model",
     "make_optimizer",
     "read_metrics",
     "reference_logps",
+    "reward_model_loss",
+    "run_dpo",
+    "run_reward_model",
     "run_sft",
     "sft_loss",
     "split_micro_batches",

@@ -87,6 +87,16 @@ def _logps(params: dict, model_config: ModelConfig, batch: dict) -> tuple[jax.Ar
     return logps_2B, jnp.sum(x["loss_mask"].astype(jnp.float32), axis=-1)
 
 
+def domain_accuracy_sums(accuracies_B, valid_B, domain_ids_B, domains: Sequence[str]) -> dict:
+    """`accuracy/<name>_sum` and `accuracy/<name>_count` per domain (see `train_step`)."""
+    sums = {}
+    for d, name in enumerate(domains):
+        in_domain_B = valid_B & (domain_ids_B == d)
+        sums[f"accuracy/{name}_sum"] = jnp.sum(jnp.where(in_domain_B, accuracies_B, 0.0))
+        sums[f"accuracy/{name}_count"] = jnp.sum(in_domain_B.astype(jnp.float32))
+    return sums
+
+
 def reference_logps(ref_params: dict, model_config: ModelConfig, batch: dict) -> dict:
     """The reference model's summed response log-probs, to store in the batch ("precomputed").
 
@@ -205,15 +215,9 @@ def dpo_loss(
             losses_B = losses_B + sft_weight * chosen_nll_B
         # Filler rows (no response tokens) are not pairs: their losses stay out of the sums.
         total = lambda x: jnp.sum(jnp.where(valid_B, x, 0.0))
-        per_domain = {}
-        for d, name in enumerate(domains):
-            in_domain_B = valid_B & (batch["domain_ids"] == d)
-            per_domain[f"accuracy/{name}_sum"] = jnp.sum(
-                jnp.where(in_domain_B, out["rewards/accuracies"], 0.0)
-            )
-            per_domain[f"accuracy/{name}_count"] = jnp.sum(in_domain_B.astype(jnp.float32))
+        accuracies_B = out["rewards/accuracies"]
         return {
-            **per_domain,
+            **domain_accuracy_sums(accuracies_B, valid_B, batch["domain_ids"], domains),
             "loss_sum": total(losses_B),
             "num_tokens": jnp.sum(valid_B.astype(jnp.float32)),
             "rewards/chosen_sum": total(out["rewards/chosen"]),
@@ -322,7 +326,24 @@ def attach_reference(data, ref_params_fn, model_config, mesh, path: str, identit
     return True
 
 
-class _PreferenceEvaluator:
+def preference_data(config, tokenizer, workdir: str):
+    """A preference run's (train data, eval data or None, manifest); bad pairs are counted (or
+    raised) here, and the counts written with the manifest to `workdir/manifest.json`."""
+    data = make_preference_pipeline(config.data, tokenizer)
+    log.info("preference data: %s", {k: v for k, v in data.stats.items() if k != "errors"})
+    manifest = data.manifest()
+    with open(os.path.join(workdir, "manifest.json"), "w") as f:
+        json.dump({**manifest, "pairs": data.stats}, f, indent=2)
+    eval_data = None
+    if config.eval_data:
+        eval_config = dataclasses.replace(
+            config.data, sources=config.eval_data, shuffle=False, num_epochs=1
+        )
+        eval_data = make_preference_pipeline(eval_config, tokenizer, domains=data.domains)
+    return data, eval_data, manifest
+
+
+class PreferenceEvaluator:
     """Held-out pairs: mean loss, accuracy, margin and per-domain accuracy (a full pass)."""
 
     def __init__(self, data, loss, mesh, shardings, ref_params, max_batches, domains):
@@ -363,17 +384,7 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
     every step ("on_the_fly"), or not needed (simpo, orpo).
     """
     mesh, tokenizer, model_config = setup(config, workdir)
-    data = make_preference_pipeline(config.data, tokenizer)
-    log.info("preference data: %s", {k: v for k, v in data.stats.items() if k != "errors"})
-    manifest = data.manifest()
-    with open(os.path.join(workdir, "manifest.json"), "w") as f:
-        json.dump({**manifest, "pairs": data.stats}, f, indent=2)
-    eval_data = None
-    if config.eval_data:
-        eval_config = dataclasses.replace(
-            config.data, sources=config.eval_data, shuffle=False, num_epochs=1
-        )
-        eval_data = make_preference_pipeline(eval_config, tokenizer, domains=data.domains)
+    data, eval_data, manifest = preference_data(config, tokenizer, workdir)
     lc = config.loss
     reference = lc.resolved_reference
 
@@ -405,7 +416,7 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
         on_the_fly = reference == "on_the_fly"
         evaluate = None
         if eval_data is not None:
-            evaluate = _PreferenceEvaluator(
+            evaluate = PreferenceEvaluator(
                 eval_data,
                 loss if on_the_fly else lambda _: loss(),
                 mesh,

@@ -154,17 +154,21 @@ class Trainable:
     init: Callable[[], Any]
 
 
-def model_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int) -> Trainable:
-    """The transformer itself (SFT, DPO): weight decay on its matrices only."""
-    decay_mask = jax.tree.map(
+def decay_mask(model_config: ModelConfig) -> dict:
+    """Weight decay on the transformer's matrices only (not norms, biases)."""
+    return jax.tree.map(
         lambda s: s.init == "normal",
         param_specs(model_config),
         is_leaf=lambda x: hasattr(x, "init"),
     )
+
+
+def model_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int) -> Trainable:
+    """The transformer itself (SFT, DPO)."""
     return Trainable(
         shapes=param_shapes(model_config),
         shardings=param_shardings(model_config, mesh),
-        decay_mask=decay_mask,
+        decay_mask=decay_mask(model_config),
         init=lambda: start_params(spec, model_config, mesh, seed),
     )
 

@@ -1,12 +1,17 @@
-"""Dispatch from a loaded config to the driver of its method (`method`: sft, dpo)."""
+"""Dispatch from a loaded config to the driver of its method (`method`: sft, dpo, rm)."""
 
 from __future__ import annotations
 
 from posttrain.config import build, to_plain
 from posttrain.train._dpo import DPOConfig, run_dpo
+from posttrain.train._rm import RewardModelConfig, run_reward_model
 from posttrain.train._sft import SFTConfig, run_sft
 
-DRIVERS = {"sft": (SFTConfig, run_sft), "dpo": (DPOConfig, run_dpo)}
+DRIVERS = {
+    "sft": (SFTConfig, run_sft),
+    "dpo": (DPOConfig, run_dpo),
+    "rm": (RewardModelConfig, run_reward_model),
+}
 
 
 def run_from_config(config, workdir: str, **kwargs) -> dict:

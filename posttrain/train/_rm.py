@@ -1,0 +1,326 @@
+"""Reward models: the transformer trunk with one scalar head per domain, trained on preference
+pairs with a Bradley-Terry loss; a saved run scores completions (`rm:<path>` reward terms) and is
+what a PPO critic can start from.
+
+The params are `{"trunk": the transformer without its LM head, "head": [D, H]}`; a sequence's
+reward under head h is `hidden(last token) @ head[:, h]` (the last real token of the row, as
+HF's `*ForSequenceClassification`). A pair of domain d is scored by head d only, so one trunk
+serves several domains whose preferences may disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posttrain.config import ConfigError, build
+from posttrain.data import DataConfig, SourceConfig, Tokenizer, load_tokenizer
+from posttrain.data._formats import RecordError, encode_record
+from posttrain.losses import bradley_terry_loss
+from posttrain.models import (
+    ModelConfig,
+    hidden_states,
+    param_shapes,
+    param_shardings,
+)
+from posttrain.parallel import MeshConfig, axis_rules, named_sharding
+from posttrain.train._checkpoint import CheckpointConfig
+from posttrain.train._dpo import (
+    PreferenceEvaluator,
+    _stacked,
+    domain_accuracy_sums,
+    preference_data,
+)
+from posttrain.train._loop import LoopConfig
+from posttrain.train._optimizer import OptimizerConfig
+from posttrain.train._run import (
+    ModelSpec,
+    Trainable,
+    checkpoint_json,
+    decay_mask,
+    restore_params,
+    setup,
+    start_params,
+    to_json,
+    train,
+    with_shardings,
+)
+
+
+def _trunk(tree: dict) -> dict:
+    """A transformer params-shaped tree without the LM head (a reward model does not use it)."""
+    return {k: v for k, v in tree.items() if k != "lm_head"}
+
+
+def reward_shapes(model_config: ModelConfig, num_heads: int) -> dict:
+    head = jax.ShapeDtypeStruct((model_config.embed_dim, num_heads), jnp.float32)
+    return {"trunk": _trunk(param_shapes(model_config)), "head": head}
+
+
+def reward_scores(
+    params: dict,
+    model_config: ModelConfig,
+    tokens_BL: jax.Array,
+    positions_BL: jax.Array,
+    segment_ids_BL: jax.Array,
+    head_ids_B: jax.Array,
+) -> jax.Array:
+    """`[B]` float32 rewards: each row's last real token's hidden state through its head.
+
+    Rows are right-padded, one sequence each (segment id > 0 on tokens); `head_ids_B` picks each
+    row's head (negative ids, filler rows, read head 0).
+    """
+    hidden_BLD = hidden_states(
+        params["trunk"], tokens_BL, model_config, positions_BL, segment_ids_BL
+    )
+    last_B = jnp.maximum(jnp.sum(segment_ids_BL > 0, axis=-1) - 1, 0)
+    last_BD = jnp.take_along_axis(hidden_BLD, last_B[:, None, None], axis=1)[:, 0]
+    scores_BH = jnp.dot(last_BD.astype(jnp.float32), params["head"].astype(jnp.float32))
+    return jnp.take_along_axis(scores_BH, jnp.maximum(head_ids_B, 0)[:, None], axis=1)[:, 0]
+
+
+def reward_model_loss(
+    model_config: ModelConfig,
+    *,
+    center_coefficient: float = 0.0,
+    use_margins: bool = True,
+    domains: Sequence[str] = (),
+):
+    """`(params, batch, rng) -> sums` of the Bradley-Terry loss, for `train_step`.
+
+    Chosen and rejected rows run in one forward pass; pair i is scored by head
+    `domain_ids[i]`. With `use_margins`, the batch's `margins` (records' `margin` field) shift
+    the comparison: `-log sigmoid(r_c - r_r - margin)`. Sums: `loss_sum`, `num_tokens` (pairs),
+    `accuracy_sum`, `rewards/chosen_sum`, `rewards/rejected_sum`, `rewards/margins_sum`, and
+    `accuracy/<domain>_sum` / `_count` per domain.
+    """
+
+    def loss_fn(params, batch, rng):
+        del rng
+        x = _stacked(batch)
+        heads_2B = jnp.concatenate([batch["domain_ids"], batch["domain_ids"]])
+        rewards_2B = reward_scores(
+            params, model_config, x["tokens"], x["positions"], x["segment_ids"], heads_2B
+        )
+        chosen_B, rejected_B = jnp.split(rewards_2B, 2)
+        lengths_c_B, lengths_r_B = jnp.split(jnp.sum(x["loss_mask"], axis=-1), 2)
+        valid_B = (lengths_c_B > 0) & (lengths_r_B > 0)
+        out = bradley_terry_loss(
+            chosen_B,
+            rejected_B,
+            margin_B=batch["margins"] if use_margins else None,
+            center_coefficient=center_coefficient,
+        )
+        total = lambda v: jnp.sum(jnp.where(valid_B, v, 0.0))
+        return {
+            **domain_accuracy_sums(out["accuracies"], valid_B, batch["domain_ids"], domains),
+            "loss_sum": total(out["losses"]),
+            "num_tokens": jnp.sum(valid_B.astype(jnp.float32)),
+            "accuracy_sum": total(out["accuracies"]),
+            "rewards/chosen_sum": total(out["rewards/chosen"]),
+            "rewards/rejected_sum": total(out["rewards/rejected"]),
+            "rewards/margins_sum": total(out["margins"]),
+        }
+
+    return loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardLossConfig:
+    center_coefficient: float = 0.0  # weight of (r_c + r_r)^2, keeping rewards centred on 0
+    use_margins: bool = True  # subtract the records' "margin" (graded preferences)
+
+    def __post_init__(self):
+        if not self.center_coefficient >= 0:
+            raise ConfigError(
+                f"loss.center_coefficient must be >= 0, got {self.center_coefficient}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelConfig:
+    model: ModelSpec = ModelSpec()  # the trunk's start (usually an SFT checkpoint)
+    tokenizer: str = ""  # tokenizer directory; default: model.hf_path
+    data: DataConfig = None  # preference sources; each domain gets its own head
+    eval_data: tuple[SourceConfig, ...] = ()  # held-out pairs (per-domain accuracy)
+    loss: RewardLossConfig = RewardLossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: LoopConfig = LoopConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        if self.data is None:
+            raise ConfigError("data: set data.sources to at least one preference file")
+        if self.data.packing:
+            raise ConfigError("data.packing: preference pairs take one row each; set it False")
+
+
+def reward_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int, heads: int):
+    """The reward model's params: trunk from `spec` (random, HF or a run), heads N(0, 1/(D+1))."""
+    D = model_config.embed_dim
+    head_sharding = named_sharding(("embed", None), (D, heads), mesh)
+
+    def init():
+        head = jax.random.normal(jax.random.key(seed + 1), (D, heads), jnp.float32) / np.sqrt(D + 1)
+        trunk = _trunk(start_params(spec, model_config, mesh, seed))
+        return {"trunk": trunk, "head": jax.device_put(head, head_sharding)}
+
+    return Trainable(
+        shapes=reward_shapes(model_config, heads),
+        shardings={"trunk": _trunk(param_shardings(model_config, mesh)), "head": head_sharding},
+        decay_mask={"trunk": _trunk(decay_mask(model_config)), "head": True},
+        init=init,
+    )
+
+
+def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None) -> dict:
+    """Trains (or resumes) a multi-domain reward model in `workdir`; returns the loop summary.
+
+    The heads are the training data's domains (a record's `domain`, else its source's), in
+    `data.domains` order; they are saved with every checkpoint, so `load_reward_model` (and
+    `rm:<workdir>` reward terms) know which head scores which domain.
+    """
+    mesh, tokenizer, model_config = setup(config, workdir)
+    data, eval_data, manifest = preference_data(config, tokenizer, workdir)
+    heads = data.domains
+
+    def loss(_=None):
+        return reward_model_loss(
+            model_config,
+            center_coefficient=config.loss.center_coefficient,
+            use_margins=config.loss.use_margins,
+            domains=heads,
+        )
+
+    with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
+        trainable = reward_trainable(
+            config.model, model_config, mesh, config.train.seed, len(heads)
+        )
+        evaluate = None
+        if eval_data is not None:
+            evaluate = PreferenceEvaluator(
+                eval_data, loss, mesh, trainable.shardings, None, config.train.eval_batches, heads
+            )
+    summary = train(
+        config,
+        workdir,
+        mesh=mesh,
+        trainable=trainable,
+        data=data,
+        loss=loss,
+        evaluate=evaluate,
+        extras={
+            "config": to_json(config),
+            "model_config": to_json(model_config),
+            "manifest": manifest,
+            "heads": list(heads),
+            "tokenizer": os.path.abspath(config.tokenizer or config.model.hf_path),
+        },
+        flops_per_token=model_config.flops_per_token(config.data.max_len),
+        on_metrics=on_metrics,
+    )
+    summary["model_config"] = model_config
+    summary["heads"] = heads
+    return summary
+
+
+_BUCKET = 16  # shortest padded length; lengths round up to powers of two (few compiles)
+_ROWS = 32  # sequences per scoring call
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModel:
+    """A trained reward model: `score(prompts, completions, heads) -> [N]` rewards.
+
+    Prompts and completions are encoded as in training (a message-list prompt through the chat
+    template, a string completion with EOS appended as the run's `data.add_eos` says), cut to
+    the run's `data.max_len`.
+    """
+
+    params: dict
+    model_config: ModelConfig
+    heads: tuple[str, ...]
+    tokenizer: Tokenizer
+    max_len: int
+    add_eos: bool = True
+
+    def encode(self, prompt, completion: str) -> list[int]:
+        try:
+            record = {"prompt": prompt, "completion": completion}
+            ids, _ = encode_record(
+                record, "prompt_completion", self.tokenizer, add_eos=self.add_eos
+            )
+        except RecordError as e:
+            raise ValueError(f"the reward model cannot score {record!r:.200}: {e}") from None
+        return ids[: self.max_len]
+
+    def score(
+        self, prompts: Sequence, completions: Sequence[str], heads: Sequence[str]
+    ) -> np.ndarray:
+        """Rewards `[N]` (float32) of each completion after its prompt, under the named heads."""
+        if not len(prompts) == len(completions) == len(heads):
+            raise ValueError(
+                f"{len(prompts)} prompts, {len(completions)} completions, {len(heads)} heads"
+            )
+        if unknown := sorted(set(heads) - set(self.heads)):
+            raise ValueError(f"reward model has no head {unknown}; its heads: {list(self.heads)}")
+        ids = [self.encode(p, c) for p, c in zip(prompts, completions, strict=True)]
+        head_ids = [self.heads.index(h) for h in heads]
+        out = np.zeros(len(ids), np.float32)
+        for start in range(0, len(ids), _ROWS):
+            chunk = ids[start : start + _ROWS]
+            length = max(_BUCKET, 1 << (max(map(len, chunk)) - 1).bit_length())
+            rows = 1 << (len(chunk) - 1).bit_length()
+            tokens = np.zeros((rows, length), np.int32)
+            segments = np.zeros((rows, length), np.int32)
+            for r, seq in enumerate(chunk):
+                tokens[r, : len(seq)] = seq
+                segments[r, : len(seq)] = 1
+            positions = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
+            heads_R = np.zeros(rows, np.int32)
+            heads_R[: len(chunk)] = head_ids[start : start + _ROWS]
+            scores = _score(self.params, self.model_config, tokens, positions, segments, heads_R)
+            out[start : start + len(chunk)] = np.asarray(scores)[: len(chunk)]
+        return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _score(params, model_config, tokens, positions, segments, heads):
+    return reward_scores(params, model_config, tokens, positions, segments, heads)
+
+
+def load_reward_model(path: str, step: int | None = None) -> RewardModel:
+    """The reward model of a `configs/rm.py` run's checkpoint (newest by default), on the
+    default device.
+
+    Raises:
+      FileNotFoundError: `path` has no checkpoint.
+      ValueError: the checkpoint is not a reward model's (no heads saved with it).
+    """
+    saved = checkpoint_json(path, step)
+    if "heads" not in saved:
+        raise ValueError(
+            f"{path} is not a reward-model run (its checkpoint saved no heads); train one with "
+            "`posttrain train --config=configs/rm.py:<preset>`"
+        )
+    model_config = build(ModelConfig, saved["model_config"])
+    heads = tuple(saved["heads"])
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = reward_shapes(model_config, len(heads))
+    abstract = with_shardings(shapes, jax.tree.map(lambda _: device, shapes))
+    data = saved["config"]["data"]
+    return RewardModel(
+        params=restore_params(path, abstract, saved["step"]),
+        model_config=model_config,
+        heads=heads,
+        tokenizer=load_tokenizer(saved["tokenizer"]),
+        max_len=int(data["max_len"]),
+        add_eos=bool(data["add_eos"]),
+    )
