@@ -58,6 +58,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.optimizer.schedule = "constant"
         c.optimizer.weight_decay = 0.0
         c.loss.beta = 0.1
+        # RPO: with the chosen answers' NLL added, DPO lifts held-out exact match (67% -> ~76%);
+        # plain DPO (sft_weight=0) pushes down both responses' likelihood on this tiny model
+        # and greedy exact match falls (to ~20%), though its preference accuracy rises.
+        c.loss.sft_weight = 1.0
         c.train.steps = 300
         c.train.log_every = 10
         c.train.eval_every = 100

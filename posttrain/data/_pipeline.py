@@ -91,6 +91,25 @@ class DataConfig:
                 raise ValueError(f"DataConfig: {message}")
 
 
+def process_share(
+    config: DataConfig, tokenizer, process_index: int | None, process_count: int | None
+) -> tuple[int, int, Tokenizer]:
+    """(process_index, process_count, Tokenizer) of a pipeline, checked: the index is in range
+    and the global batch divides over the processes."""
+    pi = jax.process_index() if process_index is None else process_index
+    pc = jax.process_count() if process_count is None else process_count
+    if not 0 <= pi < pc:
+        raise ValueError(f"process_index {pi} is not in [0, process_count={pc})")
+    if config.batch_size % pc:
+        raise ValueError(
+            f"batch_size {config.batch_size} does not divide over {pc} processes; "
+            f"use a multiple of {pc}"
+        )
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = load_tokenizer(tokenizer)
+    return pi, pc, tokenizer
+
+
 def make_pipeline(
     config: DataConfig,
     tokenizer: Tokenizer | str | Path,
@@ -114,17 +133,7 @@ def make_pipeline(
       ValueError: a source holds no records (or fewer than process_count), batch_size is not a
         multiple of process_count, or EOS is needed but the tokenizer has none.
     """
-    pi = jax.process_index() if process_index is None else process_index
-    pc = jax.process_count() if process_count is None else process_count
-    if not 0 <= pi < pc:
-        raise ValueError(f"process_index {pi} is not in [0, process_count={pc})")
-    if config.batch_size % pc:
-        raise ValueError(
-            f"batch_size {config.batch_size} does not divide over {pc} processes; "
-            f"use a multiple of {pc}"
-        )
-    if not isinstance(tokenizer, Tokenizer):
-        tokenizer = load_tokenizer(tokenizer)
+    pi, pc, tokenizer = process_share(config, tokenizer, process_index, process_count)
     if (
         config.add_eos
         and tokenizer.eos_id is None

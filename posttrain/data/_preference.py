@@ -27,14 +27,19 @@ from pathlib import Path
 from typing import Any
 
 import grain
-import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain.data._formats import RecordError, decode, encode_record, to_example
-from posttrain.data._pipeline import _RUNTIME_FIELDS, DataConfig, _seed, data_manifest
+from posttrain.data._pipeline import (
+    _RUNTIME_FIELDS,
+    DataConfig,
+    _seed,
+    data_manifest,
+    process_share,
+)
 from posttrain.data._sources import Records
-from posttrain.data._tokenizer import Tokenizer, load_tokenizer
+from posttrain.data._tokenizer import Tokenizer
 
 _log = logging.getLogger(__name__)
 SIDES = ("chosen", "rejected")
@@ -431,8 +436,6 @@ def make_preference_pipeline(
         usable pair on this process.
       FileNotFoundError: a missing source.
     """
-    pi = jax.process_index() if process_index is None else process_index
-    pc = jax.process_count() if process_count is None else process_count
     if config.packing:
         raise ValueError(
             "data.packing=True is not supported for preference pairs (one pair per row); set "
@@ -443,13 +446,7 @@ def make_preference_pipeline(
             f"preference sources {bad} set a format; preference records are always "
             f"{EXPECTED}: leave format='auto'"
         )
-    if config.batch_size % pc:
-        raise ValueError(
-            f"batch_size {config.batch_size} does not divide over {pc} processes; "
-            f"use a multiple of {pc}"
-        )
-    if not isinstance(tokenizer, Tokenizer):
-        tokenizer = load_tokenizer(tokenizer)
+    pi, pc, tokenizer = process_share(config, tokenizer, process_index, process_count)
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
     records = [Records(s.path) for s in config.sources]
     sources = [_Source(r, s.domain, s.weight) for s, r in zip(config.sources, records, strict=True)]

@@ -1,8 +1,11 @@
-"""`make demo`: supervised fine-tuning of a tiny model on the bundled arithmetic task, on CPU.
+"""`make demo`: post-training a tiny model on the bundled arithmetic task, on CPU.
 
-Stage 1 (SFT) trains the `tiny` transformer from scratch on two-digit addition and subtraction
-chats and reports greedy exact-match accuracy on held-out problems before and after. Later
-stages (DPO, RL) extend this file.
+Stage 1 (SFT) trains the `tiny` transformer from scratch on addition and subtraction chats and
+reports greedy exact-match accuracy on held-out problems before and after. Stage 2 (DPO) samples
+the SFT model's answers to training problems, pairs a right with a wrong one (the verifier
+labels them) and aligns the model on those pairs, reporting how often it prefers the right
+answer of held-out pairs, and its exact match, before and after. Later stages (RL) extend this
+file.
 """
 
 from __future__ import annotations
@@ -13,15 +16,27 @@ import shutil
 import time
 
 import jax
+import numpy as np
 
 from posttrain.config import build, load_config_file
-from posttrain.data import load_tokenizer
+from posttrain.data import load_tokenizer, preference_batches
+from posttrain.demo._task import DOMAIN, is_correct
 from posttrain.eval import greedy_exact_match
 from posttrain.models import Transformer
-from posttrain.train import SFTConfig, read_metrics, run_sft
+from posttrain.sampling import generate
+from posttrain.train import (
+    DPOConfig,
+    SFTConfig,
+    read_metrics,
+    reference_logps,
+    run_dpo,
+    run_sft,
+)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_CONFIG = os.path.join(_REPO, "configs", "sft.py")
+DPO_CONFIG = os.path.join(_REPO, "configs", "dpo.py")
+_PAIR_PROBLEMS = 2048  # training problems the SFT model answers to make DPO pairs
 
 
 def _records(path: str, limit: int | None = None) -> list[dict]:
@@ -56,27 +71,105 @@ def plot_loss(workdir: str, out_png: str) -> str:
     return out_png
 
 
-def run_demo(workdir: str = "runs/demo", *, overrides: dict | None = None) -> dict:
-    """Runs the demo's stages in `workdir` and prints a before/after table.
-
-    Args:
-      workdir: output directory (checkpoints, metrics, loss curve).
-      overrides: dotted config keys to change, e.g. `{"train.steps": 50}` (tests).
-
-    Returns:
-      `{"accuracy_before", "accuracy_after", "eval_problems", "loss_curve", ...}`.
-    """
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    config_dict = load_config_file(f"{SFT_CONFIG}:tiny")
+def _apply(config_dict, overrides: dict | None):
     for key, value in (overrides or {}).items():
         node = config_dict
         *parents, leaf = key.split(".")
         for name in parents:
             node = node[name]
         node[leaf] = value
+    return config_dict
+
+
+def preference_pairs(
+    model: Transformer,
+    tokenizer,
+    records: list[dict],
+    *,
+    samples: int = 4,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> list[dict]:
+    """On-policy preference pairs: `samples` answers of `model` to each problem, labelled by the
+    verifier; a problem with a right and a wrong answer gives {"prompt", "chosen": right,
+    "rejected": wrong}. Problems the model always (or never) solves give none."""
+    prompts = [
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+        for r in records
+    ]
+    completions = generate(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=8,
+        temperature=temperature,
+        n=samples,
+        seed=seed,
+    )
+    pairs = []
+    for record, options in zip(records, completions, strict=True):
+        texts = list(dict.fromkeys(c.text.strip() for c in options))
+        right = [t for t in texts if is_correct(t, record)]
+        wrong = [t for t in texts if t and not is_correct(t, record)]
+        if right and wrong:
+            pairs.append(
+                {
+                    "prompt": record["prompt"],
+                    "chosen": right[0],
+                    "rejected": wrong[0],
+                    "domain": DOMAIN,
+                }
+            )
+    return pairs
+
+
+def _write_jsonl(path: str, rows: list[dict]) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def prefers_chosen(model: Transformer, tokenizer, pairs: list[dict]) -> float:
+    """Share of pairs whose chosen response the model finds likelier than the rejected one
+    (summed log-probs; no reference): ~50% for a model with no preference."""
+    data = preference_batches(
+        pairs, tokenizer, max_len=64, batch_size=64, shuffle=False, num_epochs=1
+    )
+    score = jax.jit(reference_logps, static_argnums=1)
+    wins = []
+    for batch in data:
+        n = int(np.sum(batch["chosen_segment_ids"].any(axis=1)))
+        logps = score(model.params, model.config, batch)
+        wins.extend(np.asarray(logps["ref_chosen_logps"] > logps["ref_rejected_logps"])[:n])
+    return float(np.mean(wins))
+
+
+def run_demo(
+    workdir: str = "runs/demo",
+    *,
+    overrides: dict | None = None,
+    dpo_overrides: dict | None = None,
+) -> dict:
+    """Runs the demo's stages in `workdir` and prints a before/after table.
+
+    Stage 1 (SFT) trains the tiny model from scratch; stage 2 (DPO) samples its answers to
+    training problems, pairs right with wrong ones by the verifier, and trains on those pairs
+    from the SFT checkpoint (configs/dpo.py:tiny).
+
+    Args:
+      workdir: output directory (checkpoints, metrics, pairs, loss curve).
+      overrides: dotted keys of the SFT config to change, e.g. `{"train.steps": 50}`.
+      dpo_overrides: the same for the DPO config.
+
+    Returns:
+      `{"accuracy_before", "accuracy_after", "accuracy_dpo", "preference_before",
+      "preference_after", "eval_problems", "loss_curve", ...}`.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    config_dict = _apply(load_config_file(f"{SFT_CONFIG}:tiny"), overrides)
     config = build(SFTConfig, {k: v for k, v in config_dict.items() if k != "method"})
     tokenizer = load_tokenizer(config.tokenizer)
     held_out = _records(config.eval_data[0].path)
@@ -94,29 +187,83 @@ def run_demo(workdir: str = "runs/demo", *, overrides: dict | None = None) -> di
     )
     start = time.perf_counter()
     sft_dir = os.path.join(workdir, "sft")
-    if os.path.exists(sft_dir):  # a demo always starts from scratch (it would resume otherwise)
-        console.print(f"removing the previous demo run in {sft_dir}")
-        shutil.rmtree(sft_dir)
+    dpo_dir = os.path.join(workdir, "dpo")
+    for stale in (sft_dir, dpo_dir):  # a demo always starts from scratch (it would resume)
+        if os.path.exists(stale):
+            console.print(f"removing the previous demo run in {stale}")
+            shutil.rmtree(stale)
     summary = run_sft(config, sft_dir)
     seconds = time.perf_counter() - start
     trained = Transformer(jax.device_get(summary["state"].params), summary["model_config"])
     after = float(greedy_exact_match(trained, tokenizer, held_out).mean())
     curve = plot_loss(sft_dir, os.path.join(workdir, "sft_loss.png"))
 
-    table = Table(title="held-out exact match (greedy)")
-    for column in ("stage", "accuracy", "problems", "train time"):
+    # Stage 2: pairs of the SFT model's own right and wrong answers, labelled by the verifier.
+    start = time.perf_counter()
+    dpo_dict = _apply(load_config_file(f"{DPO_CONFIG}:tiny"), dpo_overrides)
+    train_problems = _records(config.data.sources[0].path, _PAIR_PROBLEMS)
+    files = {
+        "train": _write_jsonl(
+            os.path.join(workdir, "preferences_train.jsonl"),
+            preference_pairs(trained, tokenizer, train_problems, seed=1),
+        ),
+        "eval": _write_jsonl(
+            os.path.join(workdir, "preferences_eval.jsonl"),
+            preference_pairs(trained, tokenizer, held_out, seed=2),
+        ),
+    }
+    dpo_dict.model.checkpoint = sft_dir
+    dpo_dict.data.sources = [{**dpo_dict.data.sources[0], "path": files["train"]}]
+    dpo_dict.eval_data = [{**dpo_dict.eval_data[0], "path": files["eval"]}]
+    dpo_config = build(DPOConfig, {k: v for k, v in dpo_dict.items() if k != "method"})
+    eval_pairs = _records(files["eval"])
+    console.print(
+        f"stage 2 · DPO: {sum(1 for _ in open(files['train']))} pairs of the SFT model's right "
+        f"and wrong answers (from {len(train_problems)} problems x 4 samples), "
+        f"{dpo_config.train.steps} steps of {dpo_config.data.batch_size} pairs"
+    )
+    preference_before = prefers_chosen(trained, tokenizer, eval_pairs)
+    dpo_summary = run_dpo(dpo_config, dpo_dir)
+    dpo_seconds = time.perf_counter() - start
+    aligned = Transformer(jax.device_get(dpo_summary["state"].params), dpo_summary["model_config"])
+    accuracy_dpo = float(greedy_exact_match(aligned, tokenizer, held_out).mean())
+    preference_after = prefers_chosen(aligned, tokenizer, eval_pairs)
+
+    table = Table(
+        title=f"held-out problems ({len(held_out)}) and held-out pairs ({len(eval_pairs)})"
+    )
+    for column in ("stage", "exact match (greedy)", "prefers right answer", "train time"):
         table.add_column(column)
-    table.add_row("untrained", f"{100 * before:.1f}%", str(len(held_out)), "-")
-    table.add_row("after SFT", f"{100 * after:.1f}%", str(len(held_out)), f"{seconds:.0f}s")
+    table.add_row("untrained", f"{100 * before:.1f}%", "-", "-")
+    table.add_row(
+        "after SFT", f"{100 * after:.1f}%", f"{100 * preference_before:.1f}%", f"{seconds:.0f}s"
+    )
+    table.add_row(
+        "after DPO",
+        f"{100 * accuracy_dpo:.1f}%",
+        f"{100 * preference_after:.1f}%",
+        f"{dpo_seconds:.0f}s",
+    )
     console.print(table)
+    console.print(
+        "prefers right answer: held-out pairs (the SFT model's right and wrong answers to "
+        "held-out problems) whose right answer the model finds likelier"
+    )
     console.print(f"loss curve: {curve}")
     result = {
         "accuracy_before": before,
         "accuracy_after": after,
+        "accuracy_dpo": accuracy_dpo,
+        "preference_before": preference_before,
+        "preference_after": preference_after,
+        "dpo_eval": dpo_summary.get("eval", {}),
         "eval_problems": len(held_out),
+        "eval_pairs": len(eval_pairs),
         "sft_seconds": seconds,
+        "dpo_seconds": dpo_seconds,
         "loss_curve": curve,
         "sft_workdir": sft_dir,
+        "dpo_workdir": dpo_dir,
     }
     with open(os.path.join(workdir, "demo_results.json"), "w") as f:
         json.dump(result, f, indent=2)

@@ -266,12 +266,13 @@ class PreferenceLossConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOConfig:
-    model: ModelSpec = ModelSpec()  # the policy's start; the reference is a frozen copy of it
+class PreferenceRunConfig:
+    """What DPO and reward-model runs share (each adds its own `loss`)."""
+
+    model: ModelSpec = ModelSpec()  # where training starts (usually an SFT run's checkpoint)
     tokenizer: str = ""  # tokenizer directory; default: model.hf_path
     data: DataConfig = None  # preference sources; packing must be False (one pair per row)
     eval_data: tuple[SourceConfig, ...] = ()  # held-out preference sources
-    loss: PreferenceLossConfig = PreferenceLossConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: LoopConfig = LoopConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -282,6 +283,13 @@ class DPOConfig:
             raise ConfigError("data: set data.sources to at least one preference file")
         if self.data.packing:
             raise ConfigError("data.packing: preference pairs take one row each; set it False")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig(PreferenceRunConfig):
+    """A DPO-family run; the reference is a frozen copy of the policy's start (`model`)."""
+
+    loss: PreferenceLossConfig = PreferenceLossConfig()
 
 
 def attach_reference(data, ref_params_fn, model_config, mesh, path: str, identity: dict) -> bool:

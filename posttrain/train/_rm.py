@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.config import ConfigError, build
-from posttrain.data import DataConfig, SourceConfig, Tokenizer, load_tokenizer
+from posttrain.data import Tokenizer, load_tokenizer
 from posttrain.data._formats import RecordError, encode_record
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import (
@@ -29,16 +29,14 @@ from posttrain.models import (
     param_shapes,
     param_shardings,
 )
-from posttrain.parallel import MeshConfig, axis_rules, named_sharding
-from posttrain.train._checkpoint import CheckpointConfig
+from posttrain.parallel import axis_rules, named_sharding
 from posttrain.train._dpo import (
     PreferenceEvaluator,
+    PreferenceRunConfig,
     _stacked,
     domain_accuracy_sums,
     preference_data,
 )
-from posttrain.train._loop import LoopConfig
-from posttrain.train._optimizer import OptimizerConfig
 from posttrain.train._run import (
     ModelSpec,
     Trainable,
@@ -144,22 +142,10 @@ class RewardLossConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardModelConfig:
-    model: ModelSpec = ModelSpec()  # the trunk's start (usually an SFT checkpoint)
-    tokenizer: str = ""  # tokenizer directory; default: model.hf_path
-    data: DataConfig = None  # preference sources; each domain gets its own head
-    eval_data: tuple[SourceConfig, ...] = ()  # held-out pairs (per-domain accuracy)
-    loss: RewardLossConfig = RewardLossConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    train: LoopConfig = LoopConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    mesh: MeshConfig = MeshConfig()
+class RewardModelConfig(PreferenceRunConfig):
+    """A reward-model run: the trunk starts from `model`; each data domain gets a head."""
 
-    def __post_init__(self):
-        if self.data is None:
-            raise ConfigError("data: set data.sources to at least one preference file")
-        if self.data.packing:
-            raise ConfigError("data.packing: preference pairs take one row each; set it False")
+    loss: RewardLossConfig = RewardLossConfig()
 
 
 def reward_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int, heads: int):
