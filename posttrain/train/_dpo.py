@@ -59,6 +59,7 @@ from posttrain.train._loop import LoopConfig
 from posttrain.train._optimizer import OptimizerConfig
 from posttrain.train._run import (
     ModelSpec,
+    checkpoint_json,
     each_batch,
     local_rows,
     model_trainable,
@@ -414,6 +415,8 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
         ref_params = trainable.init() if reference == "on_the_fly" else None
         if reference == "precomputed":
             identity = {"model": to_json(config.model), "seed": config.train.seed}
+            if config.model.checkpoint:  # that run may have saved newer params since
+                identity["step"] = checkpoint_json(config.model.checkpoint)["step"]
             process = f"process_{jax.process_index()}"
             weights = functools.cache(trainable.init)  # loaded once, only if not stored yet
             for name, d in (("train", data), ("eval", eval_data)):

@@ -59,6 +59,7 @@ def _config(pair_files, **overrides):
     }
     values = {
         "model.checkpoint": "",  # the tiny preset from random init
+        "loss.sft_weight": 0.0,  # plain DPO
         "tokenizer": str(ASSETS_DIR / "tokenizer"),
         "data.sources": [source],
         "eval_data": [{**source, "path": str(pair_files / "eval.jsonl")}],
