@@ -8,15 +8,43 @@ from posttrain.losses._preference import (
     sequence_logps,
 )
 from posttrain.losses._reward import bradley_terry_loss
+from posttrain.losses._rl import (
+    ADVANTAGE_MODES,
+    AGGREGATIONS,
+    KL_KINDS,
+    RATIO_LEVELS,
+    adaptive_kl_update,
+    aggregate,
+    entropy_from_logits,
+    gae,
+    group_advantages,
+    kl_estimate,
+    policy_loss,
+    value_loss,
+    whiten,
+)
 from posttrain.losses._sft import cross_entropy_sums, token_log_probs
 
 __all__ = [
+    "ADVANTAGE_MODES",
+    "AGGREGATIONS",
+    "KL_KINDS",
     "LENGTH_NORMALISED",
     "LOSS_TYPES",
+    "RATIO_LEVELS",
     "REFERENCE_FREE",
+    "adaptive_kl_update",
+    "aggregate",
     "bradley_terry_loss",
     "cross_entropy_sums",
+    "entropy_from_logits",
+    "gae",
+    "group_advantages",
+    "kl_estimate",
+    "policy_loss",
     "preference_loss",
     "sequence_logps",
     "token_log_probs",
+    "value_loss",
+    "whiten",
 ]
