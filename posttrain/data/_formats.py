@@ -122,13 +122,32 @@ def _messages(record, tokenizer):
     return _chat(tokenizer, tokenizer.encode_chat, messages, tools=tools)
 
 
+def encode_prompt(record: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
+    """The ids a model continues from: a string `prompt` as the tokenizer encodes text, a list of
+    messages through the chat template with its generation prompt (and the record's `tools`).
+
+    Raises:
+      RecordError: `prompt` is missing or neither a string nor messages, or the template fails.
+    """
+    prompt = _field(record, "prompt", (str, list), "a string or a list of messages")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return _chat(
+        tokenizer,
+        tokenizer.apply_chat_template,
+        prompt,
+        add_generation_prompt=True,
+        tools=record.get("tools"),
+    )
+
+
 def _prompt_completion(record, tokenizer, add_eos):
     prompt = _field(record, "prompt", (str, list), "a string or a list of messages")
     completion = _field(record, "completion", (str, list), "a string or a list of messages")
     if isinstance(prompt, str):
         if not isinstance(completion, str):
             raise RecordError("'completion' must be a string when 'prompt' is a string")
-        prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = encode_prompt(record, tokenizer)
         completion_ids = tokenizer.encode(completion, add_special_tokens=False)
         completion_ids += _eos(tokenizer, completion_ids, add_eos)
         ids = prompt_ids + completion_ids
@@ -136,9 +155,7 @@ def _prompt_completion(record, tokenizer, add_eos):
     if isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
     tools = record.get("tools")
-    prompt_ids = _chat(
-        tokenizer, tokenizer.apply_chat_template, prompt, add_generation_prompt=True, tools=tools
-    )
+    prompt_ids = encode_prompt(record, tokenizer)
     ids, assistant = _chat(tokenizer, tokenizer.encode_chat, prompt + completion, tools=tools)
     # Assistant turns inside the prompt (few-shot examples) are context, not targets.
     return ids, [a and i >= len(prompt_ids) for i, a in enumerate(assistant)]

@@ -271,6 +271,32 @@ def _seed(seed: int, *salt: int) -> int:
     return int(np.random.SeedSequence([seed, *salt]).generate_state(1)[0])
 
 
+def index_mixture(
+    members: list[list[int]],
+    weights: list[float],
+    *,
+    seed: int,
+    shuffle: bool,
+    num_epochs: int | None,
+) -> grain.IterDataset:
+    """A Grain stream of item indices from several sources (`members[i]`: source i's items).
+
+    num_epochs=None repeats every source forever, each reshuffled per epoch with its own seed,
+    mixed by `weights`; n concatenates the sources, shuffles and makes n passes. Its iterator
+    state is a small dict (the position), saved with checkpoints.
+    """
+    parts = [grain.MapDataset.source(m) for m in members]
+    if num_epochs is None:
+        if shuffle:
+            parts = [p.shuffle(seed=_seed(seed, i)) for i, p in enumerate(parts)]
+        parts = [p.repeat() for p in parts]
+        ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+    else:
+        ds = parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)
+        ds = (ds.shuffle(seed=_seed(seed)) if shuffle else ds).repeat(num_epochs)
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
+
+
 def _sha256_file(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 

@@ -26,7 +26,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import grain
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -34,8 +33,8 @@ from posttrain.data._formats import RecordError, decode, encode_record, to_examp
 from posttrain.data._pipeline import (
     _RUNTIME_FIELDS,
     DataConfig,
-    _seed,
     data_manifest,
+    index_mixture,
     process_share,
 )
 from posttrain.data._sources import Records
@@ -289,19 +288,14 @@ class PreferenceData:
                 }
             )
         )
-        parts = [grain.MapDataset.source(m) for m in members]
-        if num_epochs is None:
-            if shuffle:
-                parts = [p.shuffle(seed=_seed(seed, i)) for i, p in enumerate(parts)]
-            parts = [p.repeat() for p in parts]
-            weights = [s.weight for s in sources]
-            ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
-        else:
-            ds = parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)
-            ds = (ds.shuffle(seed=_seed(seed)) if shuffle else ds).repeat(num_epochs)
-        self._dataset = ds.to_iter_dataset(grain.ReadOptions(num_threads=0)).batch(
-            rows, batch_fn=self._collate
+        indices = index_mixture(
+            members,
+            [s.weight for s in sources],
+            seed=seed,
+            shuffle=shuffle,
+            num_epochs=num_epochs,
         )
+        self._dataset = indices.batch(rows, batch_fn=self._collate)
         self._iterator = self._dataset.__iter__()
 
     def _collate(self, indices: Sequence[int]) -> dict[str, np.ndarray]:

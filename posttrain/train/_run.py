@@ -188,15 +188,16 @@ def check_batching(batch_size: int, micro_batches: int, mesh) -> None:
         )
 
 
-def setup(config, workdir: str):
+def setup(config, workdir: str, rows: int | None = None):
     """Checks and loads what every method needs: (mesh, tokenizer, model_config).
 
-    `config` has `mesh`, `data`, `train`, `tokenizer` and `model` (a `ModelSpec`). Writes
-    `config.json` into `workdir`. Everything that can be wrong is reported before any compile.
+    `config` has `mesh`, `data`, `train`, `tokenizer` and `model` (a `ModelSpec`); `rows` is
+    the rows of one optimizer update (default `data.batch_size`). Writes `config.json` into
+    `workdir`. Everything that can be wrong is reported before any compile.
     """
     os.makedirs(workdir, exist_ok=True)
     mesh = make_mesh(config.mesh)
-    check_batching(config.data.batch_size, config.train.micro_batches, mesh)
+    check_batching(rows or config.data.batch_size, config.train.micro_batches, mesh)
     tokenizer_dir = config.tokenizer or config.model.hf_path
     if not tokenizer_dir:
         raise ConfigError("tokenizer: set it to a tokenizer directory (or set model.hf_path)")
@@ -212,9 +213,11 @@ def setup(config, workdir: str):
     return mesh, tokenizer, model_config
 
 
-def optimizer_and_abstract_state(config, trainable: Trainable):
-    """The run's optimizer and the shapes of its train state."""
-    optimizer = make_optimizer(config.optimizer, config.train.steps, trainable.decay_mask)
+def optimizer_and_abstract_state(config, trainable: Trainable, updates: int | None = None):
+    """The run's optimizer (its schedule spans `updates`, default `train.steps`) and the
+    shapes of its train state."""
+    updates = updates or config.train.steps
+    optimizer = make_optimizer(config.optimizer, updates, trainable.decay_mask)
     abstract = jax.eval_shape(
         functools.partial(create_state, optimizer=optimizer, seed=config.train.seed),
         trainable.shapes,

@@ -1,4 +1,4 @@
-"""Dispatch from a loaded config to the driver of its method (`method`: sft, dpo, rm)."""
+"""Dispatch from a loaded config to the driver of its method (`method`: sft, dpo, rm, grpo)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,21 @@ DRIVERS = {
 }
 
 
+def _driver(method: str):
+    if method == "grpo":  # imported here: posttrain.rl imports posttrain.train
+        from posttrain.rl import RLConfig, run_rl
+
+        return RLConfig, run_rl
+    if method not in DRIVERS:
+        raise ValueError(
+            f"method {method!r} is not available; available: {', '.join([*DRIVERS, 'grpo'])}"
+        )
+    return DRIVERS[method]
+
+
 def run_from_config(config, workdir: str, **kwargs) -> dict:
     """Runs the method the config names (`method`, default "sft") in `workdir`."""
     values = dict(to_plain(config))
     method = values.pop("method", "sft")
-    if method not in DRIVERS:
-        raise ValueError(f"method {method!r} is not available; available: {', '.join(DRIVERS)}")
-    cls, run = DRIVERS[method]
+    cls, run = _driver(method)
     return run(build(cls, values), workdir, **kwargs)

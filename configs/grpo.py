@@ -1,0 +1,141 @@
+"""RL with verifiable rewards: GRPO and its family (Dr.GRPO, DAPO, GSPO, RLOO).
+
+    make demo                                                    # writes runs/demo/{sft,dpo}
+    posttrain train --config=configs/grpo.py:tiny --workdir=runs/grpo_tiny     # CPU
+
+Presets:
+  tiny          GRPO on the demo's arithmetic problems from the demo's DPO model (runs/demo/dpo);
+                the verifier is the reward (domain "arithmetic").
+  dapo_tiny     DAPO: asymmetric clip (0.2, 0.28), token-mean loss, dynamic sampling, overlong
+                shaping, truncated completions masked, no KL.
+  drgrpo_tiny   Dr.GRPO: no std scaling, sequence sums normalised by a constant length.
+  gspo_tiny     GSPO: sequence-level importance ratio.
+  rloo_tiny     RLOO: leave-one-out baseline.
+  qwen3_8b_v5p  GRPO for Qwen3 8B on a v5p-64 slice (set model.hf_path / checkpoint, data).
+Every field of configs/sft.py applies (model, data, optimizer, train, checkpoint, mesh);
+`data.batch_size` is prompts per RL step, `train.steps` RL steps. Prompt records:
+{"prompt": str or messages, "domain": ..., plus the fields the domain's reward reads}.
+"""
+
+import os
+
+import ml_collections
+
+from posttrain.config import load_config_file
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_DEMO = os.path.join(_HERE, "..", "posttrain", "demo", "assets")
+
+# Algorithm presets: overrides of the GRPO defaults below.
+VARIANTS = {
+    "grpo": {},
+    "dapo": {
+        "loss.clip_high": 0.28,
+        "loss.aggregation": "token-mean",
+        "loss.mask_truncated": True,
+        "rollout.dynamic_sampling": True,
+        "kl.coef": 0.0,
+    },
+    "drgrpo": {"algorithm.advantage": "drgrpo", "loss.aggregation": "seq-mean-token-sum-norm"},
+    "gspo": {"loss.ratio": "sequence", "loss.clip_low": 3e-4, "loss.clip_high": 4e-4},
+    "rloo": {"algorithm.advantage": "rloo"},
+}
+
+
+def _set(c, dotted: str, value):
+    node = c
+    *parents, leaf = dotted.split(".")
+    for name in parents:
+        node = node[name]
+    node[leaf] = value
+
+
+def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+    variant, _, size = preset.rpartition("_") if preset.endswith("_tiny") else ("grpo", "", preset)
+    if size not in ("tiny", "qwen3_8b_v5p") or variant not in VARIANTS:
+        names = [f"{v}_tiny" for v in VARIANTS if v != "grpo"]
+        raise ValueError(f"unknown grpo preset {preset!r}: tiny, {', '.join(names)}, qwen3_8b_v5p")
+    base = "tiny" if size == "tiny" else "llama3_8b_v5p"
+    c = load_config_file(os.path.join(_HERE, "sft.py") + ":" + base)
+    c.method = "grpo"
+    del c["z_loss"]
+    c.data.packing = False
+    c.data.on_error = "skip"
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.num_generations = 8  # completions per prompt (group size)
+    c.rollout.max_prompt_len = 512  # longer prompts are skipped (counted)
+    c.rollout.max_new_tokens = 1024  # completion budget
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0
+    c.rollout.dynamic_sampling = False  # drop groups whose rewards are all equal, refill (DAPO)
+    c.rollout.max_refills = 4  # extra prompt batches per step for refilling
+    c.rollout.overlong_buffer = 0  # DAPO soft over-length penalty ramp, tokens (0: off)
+
+    c.algorithm = ml_collections.ConfigDict()
+    c.algorithm.advantage = "grpo"  # grpo | drgrpo | rloo | none
+    c.algorithm.unbiased_std = True  # GRPO group std with Bessel's correction (TRL)
+    c.algorithm.std_eps = 1e-4
+    c.algorithm.epochs = 1  # passes over each rollout batch
+    c.algorithm.minibatches = 1  # optimizer updates per pass
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.clip_low = 0.2  # ratio >= 1 - clip_low
+    c.loss.clip_high = 0.2  # ratio <= 1 + clip_high
+    c.loss.dual_clip = 0.0  # > 1 caps negative-advantage token losses (0: off)
+    c.loss.ratio = "token"  # token | sequence (GSPO)
+    c.loss.aggregation = "seq-mean-token-mean"  # | token-mean | seq-mean-token-sum-norm
+    c.loss.mask_truncated = False  # no loss on completions cut at max_new_tokens
+    c.loss.kl_estimator = "k3"  # k1 | k2 | k3
+    c.loss.entropy_coef = 0.0  # entropy bonus (always logged)
+    c.loss.tis_cap = 0.0  # truncated importance-sampling cap (0: off)
+
+    c.kl = ml_collections.ConfigDict()
+    c.kl.coef = 0.0  # KL(policy || reference) weight; 0 (and no target): no reference model
+    c.kl.target = 0.0  # > 0: adaptive coefficient toward this per-token KL
+    c.kl.horizon = 1000
+    c.kl.domain_scale = {}  # {domain: multiplier of the coefficient}
+
+    c.rewards = ml_collections.ConfigDict()
+    c.rewards.domains = {}  # {domain: ["module:function" | "rm:<path>", ...]}; {}: built-ins
+    c.rewards.workers = 2  # verifier processes
+    c.rewards.timeout_s = 10.0
+    c.rewards.pass_threshold = 1.0  # reward >= this counts as a pass
+
+    c.optimizer.learning_rate = 1e-6
+    c.optimizer.warmup_steps = 10
+    c.optimizer.schedule = "constant"
+    c.optimizer.weight_decay = 0.0
+
+    if size == "tiny":
+        c.model.checkpoint = os.path.join("runs", "demo", "dpo")
+        c.data.sources = [
+            {"path": os.path.join(_DEMO, "train.jsonl"), "weight": 1.0,
+             "domain": "arithmetic", "format": "auto"}
+        ]  # fmt: skip
+        c.eval_data = [{**c.data.sources[0], "path": os.path.join(_DEMO, "eval.jsonl")}]
+        c.data.batch_size = 16
+        c.rollout.max_prompt_len = 32
+        c.rollout.max_new_tokens = 8
+        c.optimizer.learning_rate = 2e-4
+        c.train.steps = 100
+        c.train.log_every = 1
+        c.train.eval_every = 50
+        c.checkpoint.every = 50
+    else:
+        c.model.preset = "qwen3_8b"
+        c.data.sources = [
+            {"path": "prompts.jsonl", "weight": 1.0, "domain": "math", "format": "auto"}
+        ]
+        c.eval_data = []
+        c.data.batch_size = 64
+        c.rollout.num_generations = 16
+        c.rollout.max_new_tokens = 4096
+        c.algorithm.minibatches = 4
+        c.train.micro_batches = 4
+        c.train.steps = 500
+        c.kl.coef = 0.001
+    for key, value in VARIANTS[variant].items():
+        _set(c, key, value)
+    return c

@@ -1,0 +1,145 @@
+"""The RL policy loss as a `loss_fn(params, batch, rng) -> sums` for the shared train step.
+
+The batch is a `rollout_batch` plus what the trainer computed before the update:
+`old_logps` (the trainer's log-probs of the sampled tokens under the weights that sampled
+them), `ref_logps` (the frozen reference's, when KL is used), `advantages [B]` and
+`kl_coefs [B]` (per row, so that per-domain and adaptive coefficients are data, not
+recompiles). `loss_sum / num_tokens` is the aggregation mode's numerator and normaliser, added
+over micro-batches and data-parallel shards before the one division, so splitting the batch
+never changes the loss or its gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.losses import (
+    AGGREGATIONS,
+    KL_KINDS,
+    RATIO_LEVELS,
+    aggregate,
+    entropy_from_logits,
+    kl_estimate,
+    policy_loss,
+    token_log_probs,
+)
+from posttrain.models import ModelConfig, forward
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """The clipped policy-gradient loss (GRPO, Dr.GRPO, DAPO, GSPO, RLOO are settings of it)."""
+
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # ... and above at 1 + clip_high (DAPO: 0.28)
+    dual_clip: float = 0.0  # > 1: cap the loss of negative-advantage tokens at -c A (0: off)
+    ratio: str = "token"  # token (GRPO/PPO) | sequence (GSPO)
+    aggregation: str = (
+        "seq-mean-token-mean"  # token-mean (DAPO) | seq-mean-token-sum-norm (Dr.GRPO)
+    )
+    mask_truncated: bool = False  # DAPO: no loss on completions cut at max_new_tokens
+    kl_estimator: str = "k3"  # k1 | k2 | k3, against the frozen reference
+    entropy_coef: float = 0.0  # entropy bonus (the entropy is always logged)
+    tis_cap: float = 0.0  # > 0: truncated importance weight min(p_old / p_sampler, cap)
+
+    def __post_init__(self):
+        from posttrain.config import ConfigError
+
+        if self.ratio not in RATIO_LEVELS:
+            raise ConfigError(f"loss.ratio={self.ratio!r}: use one of {RATIO_LEVELS}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"loss.aggregation={self.aggregation!r}: use one of {AGGREGATIONS}")
+        if self.kl_estimator not in KL_KINDS:
+            raise ConfigError(f"loss.kl_estimator={self.kl_estimator!r}: use one of {KL_KINDS}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ConfigError("loss.clip_low must be in [0, 1) and loss.clip_high >= 0")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError(f"loss.dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
+
+
+def sequence_log_probs(params, model_config: ModelConfig, batch: dict) -> jax.Array:
+    """The log-prob `[B, L]` of every target token (old-policy and reference passes)."""
+    logits = forward(
+        params, batch["tokens"], model_config, batch["positions"], batch["segment_ids"]
+    )
+    return token_log_probs(logits, batch["targets"])
+
+
+def rl_loss(
+    model_config: ModelConfig,
+    config: PolicyLossConfig,
+    *,
+    max_new_tokens: int,
+    use_reference: bool,
+    domains: Sequence[str] = (),
+):
+    """`(params, batch, rng) -> sums` of the policy loss (plus KL and entropy terms).
+
+    Sums: `loss_sum` / `num_tokens` (the aggregation's numerator / normaliser), and token means
+    as `X_sum` / `X_count`: `kl`, `entropy`, `clip_fraction`, `ratio`, `approx_kl_old`,
+    `logp_gap` (|trainer old log-prob - sampler log-prob|) and `kl/<domain>`.
+    """
+
+    def loss_fn(params, batch, rng):
+        del rng
+        logits = forward(
+            params, batch["tokens"], model_config, batch["positions"], batch["segment_ids"]
+        )
+        logp = token_log_probs(logits, batch["targets"])
+        mask = batch["loss_mask"]
+        if config.mask_truncated:
+            mask = mask * (1.0 - batch["truncated"])[:, None]
+        out = policy_loss(
+            logp,
+            batch["old_logps"],
+            batch["advantages"],
+            mask,
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            dual_clip=config.dual_clip or None,
+            ratio=config.ratio,
+            rollout_logp_BL=batch["sampler_logps"] if config.tis_cap else None,
+            tis_cap=config.tis_cap or None,
+        )
+        per_token = out["losses"]
+        entropy = entropy_from_logits(logits)
+        if config.entropy_coef:
+            per_token = per_token - config.entropy_coef * entropy
+        else:
+            entropy = jax.lax.stop_gradient(entropy)
+        sums = {}
+        if use_reference:
+            kl = kl_estimate(logp, batch["ref_logps"], config.kl_estimator, mask)
+            per_token = per_token + batch["kl_coefs"][:, None] * kl
+            sums.update(_token_mean("kl", jax.lax.stop_gradient(kl), mask))
+            for d, name in enumerate(domains):
+                in_domain = mask * (batch["domain_ids"] == d)[:, None]
+                sums.update(_token_mean(f"kl/{name}", jax.lax.stop_gradient(kl), in_domain))
+        numerator, normaliser = aggregate(
+            per_token, mask, config.aggregation, max_len=max_new_tokens
+        )
+        gap = jnp.abs(batch["old_logps"] - batch["sampler_logps"])
+        return {
+            "loss_sum": numerator,
+            "num_tokens": normaliser,
+            **sums,
+            **_token_mean("entropy", entropy, mask),
+            **_token_mean("clip_fraction", out["clipped"], mask),
+            **_token_mean("ratio", out["ratio"], mask),
+            **_token_mean("approx_kl_old", out["approx_kl"], mask),
+            **_token_mean("logp_gap", gap, batch["loss_mask"]),
+        }
+
+    return loss_fn
+
+
+def _token_mean(name: str, values_BL: jax.Array, mask_BL: jax.Array) -> dict[str, jax.Array]:
+    """`{name}_sum` / `{name}_count` over the masked tokens (`train_step` divides them)."""
+    return {
+        f"{name}_sum": jnp.sum(jnp.where(mask_BL > 0, values_BL, 0.0)),
+        f"{name}_count": jnp.sum(mask_BL),
+    }

@@ -1,0 +1,152 @@
+"""RL prompts: records with a `prompt` (and verifier fields) -> this process's prompt batches.
+
+A record is `{"prompt": str or messages, "domain": str, ...}` plus whatever its domain's reward
+functions read (`answer`, `tests`, `schema`...). Each process encodes its share of every source
+(`records[pi::pc]`) once at startup, counting records it cannot use; a Grain graph then draws
+prompts (sources mixed by weight, reshuffled every epoch) and its position is saved with every
+checkpoint, so a resumed run sees the same prompts in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import numpy as np
+
+from posttrain.data import DataConfig, Tokenizer
+from posttrain.data._formats import RecordError, decode, encode_prompt
+from posttrain.data._pipeline import _RUNTIME_FIELDS, index_mixture, process_share
+from posttrain.data._sources import Records
+
+_log = logging.getLogger(__name__)
+_KEPT_ERRORS = 10
+
+
+class PromptData:
+    """This process's stream of RL prompt batches; each batch is a list of `rows` prompts.
+
+    A prompt is `{"record": the decoded record, "prompt_ids": list[int], "domain": str,
+    "domain_id": int}`; the record's own "domain" wins over its source's.
+
+    Attributes:
+      domains: the domain names, in order of first appearance (sources, then records).
+      rows: prompts per batch on this process (`data.batch_size // process_count`).
+      stats: read, used, malformed (no usable prompt), overlong (prompt over max_prompt_len),
+        per-domain prompt counts and the first error messages.
+    """
+
+    def __init__(
+        self,
+        config: DataConfig,
+        tokenizer: Tokenizer,
+        *,
+        max_prompt_len: int,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        pi, pc, tokenizer = process_share(config, tokenizer, process_index, process_count)
+        self.rows = config.batch_size // pc
+        counts = dict.fromkeys(("read", "used", "malformed", "overlong"), 0)
+        errors: list[str] = []
+        self.prompts: list[dict[str, Any]] = []
+        members: list[list[int]] = []
+        records = [Records(s.path) for s in config.sources]
+        for source, recs in zip(config.sources, records, strict=True):
+            members.append([])
+            for i in range(pi, len(recs), pc):
+                raw, where = recs[i]
+                counts["read"] += 1
+                try:
+                    record = decode(raw)
+                    ids = encode_prompt(record, tokenizer)
+                    if not ids:
+                        raise RecordError("the prompt encodes to no token")
+                    domain = record.get("domain", source.domain)
+                    if not isinstance(domain, str) or not domain:
+                        raise RecordError(f"'domain' must be a non-empty string, got {domain!r}")
+                except RecordError as e:
+                    if config.on_error == "raise":
+                        raise RecordError(
+                            f"{where}: {e}. Fix the record, or set data.on_error='skip' to skip "
+                            "and count bad prompts."
+                        ) from None
+                    counts["malformed"] += 1
+                    if len(errors) < _KEPT_ERRORS:
+                        errors.append(f"{where}: {e}")
+                    continue
+                if len(ids) > max_prompt_len:
+                    counts["overlong"] += 1
+                    continue
+                counts["used"] += 1
+                members[-1].append(len(self.prompts))
+                self.prompts.append({"record": record, "prompt_ids": ids, "domain": domain})
+        if not all(members):
+            empty = [s.path for s, m in zip(config.sources, members, strict=True) if not m]
+            raise ValueError(
+                f"no usable prompt in source(s) {empty} on this process (counts {counts}; a "
+                f"prompt must fit rollout.max_prompt_len={max_prompt_len}); first errors: "
+                f"{errors[:3]}"
+            )
+        if skipped := {k: counts[k] for k in ("malformed", "overlong") if counts[k]}:
+            _log.warning("left out %s of %d prompt records", skipped, counts["read"])
+        named = [s.domain for s in config.sources]
+        found = [p["domain"] for p in self.prompts]
+        self.domains = tuple(dict.fromkeys([*named, *found]))
+        per_domain = dict.fromkeys(self.domains, 0)
+        for p in self.prompts:
+            p["domain_id"] = self.domains.index(p["domain"])
+            per_domain[p["domain"]] += 1
+        self.stats = {**counts, "domains": per_domain, "errors": errors}
+        fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
+        self._identity = json.loads(
+            json.dumps(
+                {
+                    "config": fields,
+                    "max_prompt_len": max_prompt_len,
+                    "process": [pi, pc],
+                    "records": [len(r) for r in records],
+                    "prompts": len(self.prompts),
+                }
+            )
+        )
+        indices = index_mixture(
+            members,
+            [s.weight for s in config.sources],
+            seed=config.seed,
+            shuffle=config.shuffle,
+            num_epochs=config.num_epochs,
+        )
+        self._iterator = indices.batch(
+            self.rows, batch_fn=lambda idx: [self.prompts[i] for i in idx]
+        ).__iter__()
+
+    def __iter__(self) -> PromptData:
+        return self
+
+    def __next__(self) -> list[dict[str, Any]]:
+        return next(self._iterator)
+
+    def get_state(self) -> dict[str, Any]:
+        """The position (JSON-serialisable), saved with every checkpoint."""
+        return {"pipeline": self._identity, "iterator": self._iterator.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Resumes at a `get_state()` position.
+
+        Raises:
+          ValueError: the state was saved with other prompts, config or processes.
+        """
+        if state.get("pipeline") != self._identity:
+            raise ValueError(
+                "the prompt data state was saved by a different pipeline (saved "
+                f"{state.get('pipeline')}, now {self._identity}); resume with the same data "
+                "config, process layout and data files, or start afresh"
+            )
+        self._iterator.set_state(state["iterator"])
+
+    def lengths(self) -> np.ndarray:
+        """Prompt lengths in tokens (for sizing buffers)."""
+        return np.asarray([len(p["prompt_ids"]) for p in self.prompts])

@@ -1,0 +1,506 @@
+"""The RL loop (GRPO family): prompts -> rollouts -> rewards -> advantages -> policy updates.
+
+One RL step:
+  1. draws `data.batch_size` prompts and samples `rollout.num_generations` completions of each
+     with the current weights (co-located: the sampler reads the train state's params);
+  2. scores them with the reward registry (verifiers in a killable worker pool, `rm:` reward
+     models in this process) and, with dynamic sampling (DAPO), drops groups whose rewards are
+     all equal and draws more prompts to refill;
+  3. computes the trainer's own log-probs of the sampled tokens (old policy) and the frozen
+     reference's, logs the sampler/trainer gap, and the group advantages;
+  4. runs `algorithm.epochs` x `algorithm.minibatches` optimizer updates with the shared
+     `train_step` and the clipped policy loss.
+Checkpoints hold the train state, the prompt stream's position and the KL controller; the
+reference is the starting weights, reloaded from `model.*` on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from posttrain.config import ConfigError
+from posttrain.data import DataConfig, SourceConfig
+from posttrain.losses import ADVANTAGE_MODES, adaptive_kl_update, group_advantages
+from posttrain.models import Transformer
+from posttrain.parallel import MeshConfig, axis_rules, shard_batch
+from posttrain.rewards import RewardPool, RewardRegistry, default_registry, overlong_penalty
+from posttrain.rl._loss import PolicyLossConfig, rl_loss, sequence_log_probs
+from posttrain.rl._prompts import PromptData
+from posttrain.rl._rollout import rollout_batch, split_rows
+from posttrain.sampling import generate
+from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
+from posttrain.train._loop import LoopConfig, _Preemption
+from posttrain.train._metrics import MetricsWriter
+from posttrain.train._optimizer import OptimizerConfig, learning_rate_schedule
+from posttrain.train._run import (
+    ModelSpec,
+    model_trainable,
+    optimizer_and_abstract_state,
+    setup,
+    to_json,
+    with_shardings,
+)
+from posttrain.train._state import create_state, state_shardings
+from posttrain.train._step import train_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    num_generations: int = 8  # completions per prompt (the group size G)
+    max_prompt_len: int = 512  # longer prompts are left out (counted)
+    max_new_tokens: int = 512  # completion budget; cut completions count as truncated
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, draw prompts to refill
+    max_refills: int = 4  # extra prompt batches one step may draw to refill
+    overlong_buffer: int = 0  # DAPO soft over-length penalty ramp in tokens (0: off)
+
+    def __post_init__(self):
+        if self.num_generations < 1 or self.max_new_tokens < 1 or self.max_prompt_len < 1:
+            raise ConfigError("rollout: num_generations, max_new_tokens, max_prompt_len >= 1")
+        if self.overlong_buffer < 0 or self.overlong_buffer > self.max_new_tokens:
+            raise ConfigError("rollout.overlong_buffer must be in [0, max_new_tokens]")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage: str = "grpo"  # grpo | drgrpo (no std scaling) | rloo (leave-one-out) | none
+    unbiased_std: bool = True  # GRPO's group std (torch.std default, as TRL)
+    std_eps: float = 1e-4  # added to the group std
+    epochs: int = 1  # passes over each rollout batch (PPO epochs)
+    minibatches: int = 1  # optimizer updates per pass
+
+    def __post_init__(self):
+        if self.advantage not in ADVANTAGE_MODES:
+            raise ConfigError(f"algorithm.advantage: use one of {ADVANTAGE_MODES}")
+        if self.epochs < 1 or self.minibatches < 1:
+            raise ConfigError("algorithm.epochs and algorithm.minibatches must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class KLConfig:
+    coef: float = 0.0  # KL penalty weight in the loss (0 with no target: no reference model)
+    target: float = 0.0  # > 0: adapt coef toward this mean per-token KL (Ziegler et al.)
+    horizon: int = 1000  # the adaptive controller's horizon, in RL steps
+    domain_scale: dict = dataclasses.field(default_factory=dict)  # {domain: coef multiplier}
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef > 0 or self.target > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardsConfig:
+    # {domain: [reward reference, ...]} ("module:function" or "rm:<path>[#head]"), each
+    # weight 1; empty: the built-in registry (math, code, format, tool_call, arithmetic).
+    domains: dict = dataclasses.field(default_factory=dict)
+    workers: int = 2  # verifier processes
+    timeout_s: float = 10.0  # per completion
+    pass_threshold: float = 1.0  # a completion "passes" with reward >= this (pass-rate metric)
+
+    def registry(self) -> RewardRegistry:
+        if not self.domains:
+            return default_registry()
+        registry = RewardRegistry()
+        for domain, refs in self.domains.items():
+            for ref in [refs] if isinstance(refs, str) else refs:
+                registry.register(domain, ref)
+        return registry
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    model: ModelSpec = ModelSpec()  # the policy's start (and the frozen reference)
+    tokenizer: str = ""  # tokenizer directory; default: model.hf_path
+    data: DataConfig = None  # prompt sources; batch_size = prompts per RL step
+    eval_data: tuple[SourceConfig, ...] = ()  # held-out prompts: greedy reward and pass rate
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    loss: PolicyLossConfig = PolicyLossConfig()
+    kl: KLConfig = KLConfig()
+    rewards: RewardsConfig = RewardsConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: LoopConfig = LoopConfig()  # steps = RL steps
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        if self.data is None:
+            raise ConfigError("data: set data.sources to at least one prompt file")
+        rows = self.data.batch_size * self.rollout.num_generations
+        if rows % self.algorithm.minibatches:
+            raise ConfigError(
+                f"{rows} rollouts per step (data.batch_size x rollout.num_generations) do not "
+                f"split into algorithm.minibatches={self.algorithm.minibatches}"
+            )
+
+    @property
+    def rows(self) -> int:
+        return self.data.batch_size * self.rollout.num_generations
+
+    @property
+    def updates(self) -> int:
+        return self.train.steps * self.algorithm.epochs * self.algorithm.minibatches
+
+
+def _group_stats(rewards: np.ndarray, lengths: np.ndarray, domains, domain_ids, threshold):
+    """Per-domain host metrics of a step's rollouts (rows of real groups)."""
+    out = {}
+    for d, name in enumerate(domains):
+        rows = domain_ids == d
+        if rows.any():
+            out[f"reward/{name}"] = float(rewards[rows].mean())
+            out[f"pass_rate/{name}"] = float((rewards[rows] >= threshold).mean())
+            out[f"response_length/{name}"] = float(lengths[rows].mean())
+    return out
+
+
+class _Rollouts:
+    """Sampling and scoring of prompt batches with the current weights."""
+
+    def __init__(self, config: RLConfig, tokenizer, model_config, pool, domains):
+        self.config, self.tokenizer, self.model_config = config, tokenizer, model_config
+        self.pool, self.domains = pool, domains
+        self.max_len = config.rollout.max_prompt_len + config.rollout.max_new_tokens
+
+    def sample(self, params, prompts, seed: int, *, greedy: bool = False):
+        r = self.config.rollout
+        model = Transformer(params, self.model_config)
+        completions = generate(
+            model,
+            self.tokenizer,
+            [p["prompt_ids"] for p in prompts],
+            max_new_tokens=r.max_new_tokens,
+            temperature=0.0 if greedy else r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            n=1 if greedy else r.num_generations,
+            seed=seed,
+        )
+        records = [p["record"] for p in prompts for _ in completions[0]]
+        texts = [c.text for group in completions for c in group]
+        domains = [p["domain"] for p in prompts for _ in completions[0]]
+        results = self.pool.score(records, texts, domains)
+        rewards = np.asarray([res.score for res in results], np.float32)
+        rewards = rewards.reshape(len(prompts), len(completions[0]))
+        if r.overlong_buffer and not greedy:
+            lengths = np.asarray([[len(c.token_ids) for c in g] for g in completions])
+            rewards = rewards + overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer)
+        return completions, rewards
+
+
+def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
+    """Trains (or resumes) a GRPO-family run in `workdir`; returns a summary.
+
+    Returns:
+      {"final_step", "stopped", "train" (last metrics), "eval" (last eval), "state",
+      "model_config", "data" (prompt stats)}.
+    """
+    if jax.process_count() > 1:
+        raise ConfigError("RL runs on one host for now; multi-host RL is issue #9's")
+    c = config
+    mesh, tokenizer, model_config = setup(c, workdir, rows=c.rows // c.algorithm.minibatches)
+    prompts = PromptData(c.data, tokenizer, max_prompt_len=c.rollout.max_prompt_len)
+    eval_prompts = None
+    if c.eval_data:
+        eval_config = dataclasses.replace(c.data, sources=c.eval_data, shuffle=False)
+        eval_prompts = PromptData(eval_config, tokenizer, max_prompt_len=c.rollout.max_prompt_len)
+    registry = c.rewards.registry()
+    domains = prompts.domains
+    registry.check(set(domains) | set(eval_prompts.domains if eval_prompts else ()))
+    max_len = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+    if max_len > model_config.max_seq_len:
+        raise ConfigError(
+            f"rollout.max_prompt_len + rollout.max_new_tokens = {max_len} exceeds the model's "
+            f"max_seq_len={model_config.max_seq_len}"
+        )
+    with open(os.path.join(workdir, "prompts.json"), "w") as f:
+        json.dump(prompts.stats, f, indent=2)
+
+    with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
+        trainable = model_trainable(c.model, model_config, mesh, c.train.seed)
+        optimizer, abstract = optimizer_and_abstract_state(c, trainable, c.updates)
+        shardings = state_shardings(optimizer, abstract, trainable.shardings, mesh)
+        checkpointer = Checkpointer(workdir, c.checkpoint)
+        restored = checkpointer.restore(with_shardings(abstract, shardings))
+        kl_coef = c.kl.coef
+        if restored is not None:
+            start, state, data_state, extras = restored
+            prompts.set_state(data_state)
+            kl_coef = float(extras.get("rl", {}).get("kl_coef", kl_coef))
+            log.info("resumed RL from step %d in %s", start, checkpointer.directory)
+        else:
+            start = 0
+            state = jax.jit(
+                functools.partial(create_state, optimizer=optimizer, seed=c.train.seed),
+                out_shardings=shardings,
+            )(trainable.init())
+        ref_params = trainable.init() if c.kl.enabled else None
+        schedule = learning_rate_schedule(c.optimizer, c.updates)
+        loss = rl_loss(
+            model_config,
+            c.loss,
+            max_new_tokens=c.rollout.max_new_tokens,
+            use_reference=c.kl.enabled,
+            domains=domains,
+        )
+        step_fn = jax.jit(
+            functools.partial(
+                train_step,
+                loss_fn=loss,
+                optimizer=optimizer,
+                schedule=schedule,
+                micro_batches=c.train.micro_batches,
+            ),
+            in_shardings=(shardings, None),
+            out_shardings=(shardings, None),
+            donate_argnums=0,
+        )
+        score = jax.jit(sequence_log_probs, static_argnums=1)
+        with RewardPool(registry, workers=c.rewards.workers, timeout_s=c.rewards.timeout_s) as pool:
+            rollouts = _Rollouts(c, tokenizer, model_config, pool, domains)
+            summary = _loop(
+                c,
+                workdir,
+                start=start,
+                state=state,
+                kl_coef=kl_coef,
+                prompts=prompts,
+                eval_prompts=eval_prompts,
+                rollouts=rollouts,
+                step_fn=step_fn,
+                score=score,
+                ref_params=ref_params,
+                mesh=mesh,
+                checkpointer=checkpointer,
+                extras={"config": to_json(c), "model_config": to_json(model_config)},
+                on_metrics=on_metrics,
+            )
+        checkpointer.close()
+    summary["model_config"] = model_config
+    summary["data"] = prompts.stats
+    return summary
+
+
+def _draw(c: RLConfig, prompts, rollouts: _Rollouts, params, step: int):
+    """This step's prompt groups with their completions and rewards (refilled when dynamic
+    sampling drops groups with no learning signal) and the counts behind it."""
+    groups = c.data.batch_size
+    kept, completions, rewards = [], [], []
+    drawn = dropped = 0
+    for attempt in range(1 + (c.rollout.max_refills if c.rollout.dynamic_sampling else 0)):
+        batch = next(prompts)
+        drawn += len(batch)
+        seed = int(np.random.SeedSequence([c.train.seed, step, attempt]).generate_state(1)[0])
+        comps, rews = rollouts.sample(params, batch, seed)
+        for p, g, r in zip(batch, comps, rews, strict=True):
+            if c.rollout.dynamic_sampling and np.all(r == r[0]):
+                dropped += 1
+                continue
+            if len(kept) < groups:
+                kept.append(p)
+                completions.append(g)
+                rewards.append(r)
+        if len(kept) >= groups:
+            break
+    all_rewards = np.asarray(rewards, np.float32).reshape(len(kept), -1)
+    return kept, completions, all_rewards, {"prompts_drawn": drawn, "groups_dropped": dropped}
+
+
+def _loop(
+    c: RLConfig,
+    workdir,
+    *,
+    start,
+    state,
+    kl_coef,
+    prompts,
+    eval_prompts,
+    rollouts,
+    step_fn,
+    score,
+    ref_params,
+    mesh,
+    checkpointer,
+    extras,
+    on_metrics,
+):
+    writer = MetricsWriter(workdir, resume_step=start)
+    domains = prompts.domains
+    G = c.rollout.num_generations
+    summary: dict = {"start_step": start, "stopped": "completed"}
+    saved = start if checkpointer.latest_step() == start else None
+
+    def save(step, metrics=None, force=False):
+        nonlocal saved
+        checkpointer.save(
+            step,
+            state,
+            data_state=prompts.get_state(),
+            extra={**extras, "rl": {"kl_coef": kl_coef}},
+            metrics=metrics,
+            force=force,
+        )
+        saved = step
+
+    def evaluate(step):
+        if eval_prompts is None:
+            return None
+        metrics = _evaluate(c, eval_prompts, rollouts, state.params)
+        writer.write(step, metrics, split="eval")
+        summary["eval"] = metrics
+        return metrics
+
+    bar = tqdm(total=c.train.steps, initial=start, desc="rl", disable=not c.train.progress)
+    step = start
+    with _Preemption() as preemption:
+        for step in range(start + 1, c.train.steps + 1):
+            t0 = time.perf_counter()
+            kept, completions, rewards, counts = _draw(c, prompts, rollouts, state.params, step)
+            t1 = time.perf_counter()
+            batch = rollout_batch(
+                kept,
+                completions,
+                rewards,
+                groups=c.data.batch_size,
+                max_len=rollouts.max_len,
+                pad_id=rollouts.tokenizer.pad_id or 0,
+            )
+            # Advantages within each prompt's group (fillers: all-zero groups, advantage 0).
+            batch["advantages"] = np.asarray(
+                group_advantages(
+                    batch["rewards"],
+                    G,
+                    mode=c.algorithm.advantage,
+                    unbiased_std=c.algorithm.unbiased_std,
+                    std_eps=c.algorithm.std_eps,
+                ),
+                np.float32,
+            )
+            scale = np.asarray([c.kl.domain_scale.get(d, 1.0) for d in domains] + [0.0])
+            batch["kl_coefs"] = (kl_coef * scale[batch["domain_ids"]]).astype(np.float32)
+            device_batch = shard_batch(batch, mesh)
+            batch["old_logps"] = np.asarray(
+                score(state.params, rollouts.model_config, device_batch)
+            )
+            if ref_params is not None:
+                batch["ref_logps"] = np.asarray(
+                    score(ref_params, rollouts.model_config, device_batch)
+                )
+            t2 = time.perf_counter()
+            updates = []
+            for _ in range(c.algorithm.epochs):
+                for minibatch in split_rows(batch, c.algorithm.minibatches):
+                    state, metrics = step_fn(state, shard_batch(minibatch, mesh))
+                    updates.append(metrics)
+            host = {k: float(v) for k, v in jax.device_get(updates[0]).items()}
+            last = {k: float(v) for k, v in jax.device_get(updates[-1]).items()}
+            t3 = time.perf_counter()
+            real = batch["domain_ids"] >= 0
+            mask = batch["loss_mask"] > 0
+            metrics = {
+                # The first update's loss-side metrics: the policy that sampled (on-policy).
+                # Token means over no token (every completion masked) are NaN: left out.
+                **{k: v for k, v in host.items() if not np.isnan(v) or k == "loss"},
+                "loss_last_update": last["loss"],
+                "grad_norm": last["grad_norm"],
+                "reward": float(batch["rewards"][real].mean()),
+                "reward_std": float(batch["rewards"][real].std()),
+                "pass_rate": float((batch["rewards"][real] >= c.rewards.pass_threshold).mean()),
+                "response_length": float(batch["lengths"][real].mean()),
+                "truncated": float(batch["truncated"][real].mean()),
+                "logp_gap_max": float(
+                    np.abs(batch["old_logps"] - batch["sampler_logps"])[mask].max(initial=0.0)
+                ),
+                "groups": float(len(kept)),
+                **counts,
+                **_group_stats(
+                    batch["rewards"][real],
+                    batch["lengths"][real],
+                    domains,
+                    batch["domain_ids"][real],
+                    c.rewards.pass_threshold,
+                ),
+                "kl_coef": kl_coef,
+                "generate_s": t1 - t0,
+                "score_s": t2 - t1,
+                "train_s": t3 - t2,
+                "step_s": t3 - t0,
+            }
+            if c.kl.target > 0 and "kl" in metrics:
+                kl_coef = float(
+                    adaptive_kl_update(
+                        kl_coef, metrics["kl"], target=c.kl.target, horizon=c.kl.horizon, n_steps=1
+                    )
+                )
+            summary["train"] = metrics
+            if step % c.train.log_every == 0 or step == c.train.steps:
+                writer.write(step, metrics)
+            if on_metrics is not None:
+                on_metrics(step, metrics)
+            bar.update(1)
+            bar.set_postfix(
+                {"reward": f"{metrics['reward']:.3f}", "kl": f"{metrics.get('kl', 0.0):.4f}"},
+                refresh=False,
+            )
+            eval_metrics = None
+            if c.train.eval_every and step % c.train.eval_every == 0 and step != c.train.steps:
+                eval_metrics = evaluate(step)
+            if step % checkpointer.every == 0 and step != c.train.steps:
+                save(step, eval_metrics)
+            if preemption.requested or checkpointer.manager.reached_preemption(step):
+                if saved != step:
+                    save(step, force=True)
+                summary["stopped"] = "preempted"
+                break
+        if summary["stopped"] == "completed":
+            eval_metrics = evaluate(step)
+            if saved != step:
+                save(step, eval_metrics, force=True)
+        checkpointer.wait()
+    bar.close()
+    writer.close()
+    summary["final_step"] = step
+    summary["state"] = state
+    return summary
+
+
+def _evaluate(c: RLConfig, eval_prompts: PromptData, rollouts: _Rollouts, params) -> dict:
+    """Greedy completions of every held-out prompt: mean reward and pass rate (overall and per
+    domain); `eval_loss` is minus the reward, so keep-best keeps the best-rewarded checkpoint."""
+    rewards, domain_ids = [], []
+    prompts = eval_prompts.prompts
+    if c.train.eval_batches:
+        prompts = prompts[: c.train.eval_batches * eval_prompts.rows]
+    for i in range(0, len(prompts), 64):
+        chunk = prompts[i : i + 64]
+        _, r = rollouts.sample(params, chunk, 0, greedy=True)
+        rewards.extend(r[:, 0])
+        domain_ids.extend(p["domain_id"] for p in chunk)
+    rewards, domain_ids = np.asarray(rewards), np.asarray(domain_ids)
+    out = {
+        "eval_reward": float(rewards.mean()),
+        "eval_pass_rate": float((rewards >= c.rewards.pass_threshold).mean()),
+        "eval_prompts": float(len(rewards)),
+    }
+    for d, name in enumerate(eval_prompts.domains):
+        rows = domain_ids == d
+        if rows.any():
+            out[f"eval_reward/{name}"] = float(rewards[rows].mean())
+            out[f"eval_pass_rate/{name}"] = float(
+                (rewards[rows] >= c.rewards.pass_threshold).mean()
+            )
+    out["eval_loss"] = -out["eval_reward"]
+    return out

@@ -1,0 +1,56 @@
+"""A toy verifiable task for RL tests: the demo problems as prompts (domain "arithmetic"), scored
+by a dense reward instead of the verifier (the share of the completion's characters that are
+digits), which a random tiny model can climb."""
+
+import os
+
+from posttrain.config import load_config_file
+from posttrain.demo import ASSETS_DIR
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def digit_share(record, completion: str):
+    """Reward in [0, 1]: the share of the completion's characters that are digits."""
+    text = completion.strip()
+    return (sum(ch.isdigit() for ch in text) / len(text) if text else 0.0), {}
+
+
+def toy_config(preset: str = "tiny", **overrides):
+    """configs/grpo.py:<preset> shrunk to seconds: a random tiny model, the digit reward."""
+    config = load_config_file(os.path.join(REPO, "configs", "grpo.py") + ":" + preset)
+    values = {
+        "model.checkpoint": "",
+        "tokenizer": str(ASSETS_DIR / "tokenizer"),
+        "data.sources": [
+            {
+                "path": str(ASSETS_DIR / "train.jsonl"),
+                "weight": 1.0,
+                "domain": "arithmetic",
+                "format": "auto",
+            }
+        ],  # fmt: skip
+        "eval_data": [],
+        "data.batch_size": 8,
+        "rollout.num_generations": 8,
+        "rollout.max_new_tokens": 6,
+        "rewards.domains": {"arithmetic": ["tests.rl.toy:digit_share"]},
+        "rewards.workers": 1,
+        "rewards.pass_threshold": 0.5,
+        "optimizer.learning_rate": 3e-3,
+        "optimizer.warmup_steps": 0,
+        "train.steps": 20,
+        "train.log_every": 1,
+        "train.eval_every": 0,
+        "train.progress": False,
+        "checkpoint.every": 100,
+        "mesh.ici": {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1},
+        **{k.replace("__", "."): v for k, v in overrides.items()},
+    }
+    for key, value in values.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config
