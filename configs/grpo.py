@@ -92,6 +92,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.loss.tis_cap = 0.0  # truncated importance-sampling cap (0: off)
 
     c.kl = ml_collections.ConfigDict()
+    c.kl.mode = "loss"  # loss: a per-token loss term | reward: a per-token reward penalty
     c.kl.coef = 0.0  # KL(policy || reference) weight; 0 (and no target): no reference model
     c.kl.target = 0.0  # > 0: adaptive coefficient toward this per-token KL
     c.kl.horizon = 1000

@@ -4,8 +4,8 @@ Stage 1 (SFT) trains the `tiny` transformer from scratch on addition and subtrac
 reports greedy exact-match accuracy on held-out problems before and after. Stage 2 (DPO) samples
 the SFT model's answers to training problems, pairs a right with a wrong one (the verifier
 labels them) and aligns the model on those pairs, reporting how often it prefers the right
-answer of held-out pairs, and its exact match, before and after. Later stages (RL) extend this
-file.
+answer of held-out pairs, and its exact match, before and after. Stage 3 (GRPO) continues with
+reinforcement learning, the verifier as the reward, and plots the reward curve.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from posttrain.data import load_tokenizer, preference_batches
 from posttrain.demo._task import DOMAIN, is_correct
 from posttrain.eval import greedy_exact_match
 from posttrain.models import Transformer
+from posttrain.rl import RLConfig, run_rl
 from posttrain.sampling import generate
 from posttrain.train import (
     DPOConfig,
@@ -36,6 +37,7 @@ from posttrain.train import (
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_CONFIG = os.path.join(_REPO, "configs", "sft.py")
 DPO_CONFIG = os.path.join(_REPO, "configs", "dpo.py")
+GRPO_CONFIG = os.path.join(_REPO, "configs", "grpo.py")
 _PAIR_PROBLEMS = 2048  # training problems the SFT model answers to make DPO pairs
 
 
@@ -65,6 +67,39 @@ def plot_loss(workdir: str, out_png: str) -> str:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("SFT on the arithmetic task")
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def plot_rewards(workdir: str, out_png: str) -> str:
+    """RL reward per step (and its moving average, and held-out greedy reward), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, evals = read_metrics(workdir, "train"), read_metrics(workdir, "eval")
+    steps = np.asarray([r["step"] for r in train])
+    rewards = np.asarray([r["reward"] for r in train])
+    window = max(1, len(rewards) // 20)
+    smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(steps, rewards, alpha=0.3, label="train reward (sampled)")
+    ax.plot(steps[window - 1 :], smooth, label=f"moving average ({window} steps)")
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_reward"] for r in evals],
+            "o-",
+            label="held-out reward (greedy)",
+        )
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward (verifier)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("GRPO on the arithmetic task")
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
@@ -149,21 +184,24 @@ def run_demo(
     *,
     overrides: dict | None = None,
     dpo_overrides: dict | None = None,
+    rl_overrides: dict | None = None,
 ) -> dict:
     """Runs the demo's stages in `workdir` and prints a before/after table.
 
     Stage 1 (SFT) trains the tiny model from scratch; stage 2 (DPO) samples its answers to
     training problems, pairs right with wrong ones by the verifier, and trains on those pairs
-    from the SFT checkpoint (configs/dpo.py:tiny).
+    from the SFT checkpoint (configs/dpo.py:tiny); stage 3 (GRPO) continues from the DPO
+    checkpoint with the verifier as the reward (configs/grpo.py:tiny).
 
     Args:
       workdir: output directory (checkpoints, metrics, pairs, loss curve).
       overrides: dotted keys of the SFT config to change, e.g. `{"train.steps": 50}`.
-      dpo_overrides: the same for the DPO config.
+      dpo_overrides, rl_overrides: the same for the DPO and GRPO configs.
 
     Returns:
-      `{"accuracy_before", "accuracy_after", "accuracy_dpo", "preference_before",
-      "preference_after", "eval_problems", "loss_curve", ...}`.
+      `{"accuracy_before", "accuracy_after", "accuracy_dpo", "accuracy_rl",
+      "preference_before", "preference_after", "eval_problems", "loss_curve", "reward_curve",
+      ...}`.
     """
     from rich.console import Console
     from rich.table import Table
@@ -188,7 +226,8 @@ def run_demo(
     start = time.perf_counter()
     sft_dir = os.path.join(workdir, "sft")
     dpo_dir = os.path.join(workdir, "dpo")
-    for stale in (sft_dir, dpo_dir):  # a demo always starts from scratch (it would resume)
+    rl_dir = os.path.join(workdir, "grpo")
+    for stale in (sft_dir, dpo_dir, rl_dir):  # a demo always starts from scratch (it would resume)
         if os.path.exists(stale):
             console.print(f"removing the previous demo run in {stale}")
             shutil.rmtree(stale)
@@ -229,6 +268,21 @@ def run_demo(
     accuracy_dpo = float(greedy_exact_match(aligned, tokenizer, held_out).mean())
     preference_after = prefers_chosen(aligned, tokenizer, eval_pairs)
 
+    # Stage 3: GRPO from the DPO checkpoint, the verifier as the reward.
+    start = time.perf_counter()
+    rl_dict = _apply(load_config_file(f"{GRPO_CONFIG}:tiny"), rl_overrides)
+    rl_dict.model.checkpoint = dpo_dir
+    rl_config = build(RLConfig, {k: v for k, v in rl_dict.items() if k != "method"})
+    console.print(
+        f"stage 3 · GRPO: {rl_config.train.steps} steps of {rl_config.data.batch_size} training "
+        f"problems x {rl_config.rollout.num_generations} samples, reward = the verifier"
+    )
+    rl_summary = run_rl(rl_config, rl_dir)
+    rl_seconds = time.perf_counter() - start
+    policy = Transformer(jax.device_get(rl_summary["state"].params), rl_summary["model_config"])
+    accuracy_rl = float(greedy_exact_match(policy, tokenizer, held_out).mean())
+    reward_curve = plot_rewards(rl_dir, os.path.join(workdir, "rl_reward.png"))
+
     table = Table(
         title=f"held-out problems ({len(held_out)}) and held-out pairs ({len(eval_pairs)})"
     )
@@ -244,16 +298,18 @@ def run_demo(
         f"{100 * preference_after:.1f}%",
         f"{dpo_seconds:.0f}s",
     )
+    table.add_row("after GRPO", f"{100 * accuracy_rl:.1f}%", "-", f"{rl_seconds:.0f}s")
     console.print(table)
     console.print(
         "prefers right answer: held-out pairs (the SFT model's right and wrong answers to "
         "held-out problems) whose right answer the model finds likelier"
     )
-    console.print(f"loss curve: {curve}")
+    console.print(f"loss curve: {curve}; reward curve: {reward_curve}")
     result = {
         "accuracy_before": before,
         "accuracy_after": after,
         "accuracy_dpo": accuracy_dpo,
+        "accuracy_rl": accuracy_rl,
         "preference_before": preference_before,
         "preference_after": preference_after,
         "dpo_eval": dpo_summary.get("eval", {}),
@@ -261,9 +317,13 @@ def run_demo(
         "eval_pairs": len(eval_pairs),
         "sft_seconds": seconds,
         "dpo_seconds": dpo_seconds,
+        "rl_seconds": rl_seconds,
+        "rl_eval": rl_summary.get("eval", {}),
+        "reward_curve": reward_curve,
         "loss_curve": curve,
         "sft_workdir": sft_dir,
         "dpo_workdir": dpo_dir,
+        "rl_workdir": rl_dir,
     }
     with open(os.path.join(workdir, "demo_results.json"), "w") as f:
         json.dump(result, f, indent=2)

@@ -26,6 +26,7 @@ from posttrain.losses import (
     kl_estimate,
     policy_loss,
     token_log_probs,
+    value_loss,
 )
 from posttrain.models import ModelConfig, forward
 
@@ -69,25 +70,43 @@ def sequence_log_probs(params, model_config: ModelConfig, batch: dict) -> jax.Ar
     return token_log_probs(logits, batch["targets"])
 
 
+@dataclasses.dataclass(frozen=True)
+class CriticLoss:
+    """PPO's value term: the critic's config, its loss weight and value clip (0: off)."""
+
+    model_config: ModelConfig
+    coef: float = 0.5
+    clip: float = 0.2
+
+
 def rl_loss(
     model_config: ModelConfig,
     config: PolicyLossConfig,
     *,
     max_new_tokens: int,
     use_reference: bool,
+    kl_in_loss: bool = True,
     domains: Sequence[str] = (),
+    critic: CriticLoss | None = None,
 ):
-    """`(params, batch, rng) -> sums` of the policy loss (plus KL and entropy terms).
+    """`(params, batch, rng) -> sums` of the policy loss (plus KL, entropy and value terms).
+
+    Without a critic, `params` is the policy's and `batch["advantages"]` is `[B]` (one per
+    sequence, GRPO family). With one (PPO), `params` is `{"policy", "value"}`, the advantages
+    are per token `[B, L]` (GAE) and the batch carries `returns` and `old_values`; the value loss
+    is aggregated like the policy loss (same normaliser), times `critic.coef`.
 
     Sums: `loss_sum` / `num_tokens` (the aggregation's numerator / normaliser), and token means
     as `X_sum` / `X_count`: `kl`, `entropy`, `clip_fraction`, `ratio`, `approx_kl_old`,
-    `logp_gap` (|trainer old log-prob - sampler log-prob|) and `kl/<domain>`.
+    `logp_gap` (|trainer old log-prob - sampler log-prob|), `kl/<domain>`, and with a critic
+    `value_loss`, `value_clip_fraction`, `value`.
     """
 
     def loss_fn(params, batch, rng):
         del rng
+        policy = params["policy"] if critic else params
         logits = forward(
-            params, batch["tokens"], model_config, batch["positions"], batch["segment_ids"]
+            policy, batch["tokens"], model_config, batch["positions"], batch["segment_ids"]
         )
         logp = token_log_probs(logits, batch["targets"])
         mask = batch["loss_mask"]
@@ -114,11 +133,30 @@ def rl_loss(
         sums = {}
         if use_reference:
             kl = kl_estimate(logp, batch["ref_logps"], config.kl_estimator, mask)
-            per_token = per_token + batch["kl_coefs"][:, None] * kl
+            if kl_in_loss:
+                per_token = per_token + batch["kl_coefs"][:, None] * kl
             sums.update(_token_mean("kl", jax.lax.stop_gradient(kl), mask))
             for d, name in enumerate(domains):
                 in_domain = mask * (batch["domain_ids"] == d)[:, None]
                 sums.update(_token_mean(f"kl/{name}", jax.lax.stop_gradient(kl), in_domain))
+        if critic is not None:
+            from posttrain.rl._critic import token_values
+
+            values = token_values(params["value"], critic.model_config, batch)
+            out_v = value_loss(
+                values, batch["old_values"], batch["returns"], mask, clip=critic.clip or None
+            )
+            per_token = per_token + critic.coef * out_v["losses"]
+            value_num, _ = aggregate(
+                out_v["losses"], mask, config.aggregation, max_len=max_new_tokens
+            )
+            sums.update(
+                {
+                    "value_loss_sum": value_num,
+                    **_token_mean("value_clip_fraction", out_v["clipped"], mask),
+                    **_token_mean("value", jax.lax.stop_gradient(values), mask),
+                }
+            )
         numerator, normaliser = aggregate(
             per_token, mask, config.aggregation, max_len=max_new_tokens
         )

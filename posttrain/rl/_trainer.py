@@ -29,11 +29,19 @@ from tqdm.auto import tqdm
 
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig
-from posttrain.losses import ADVANTAGE_MODES, adaptive_kl_update, group_advantages
+from posttrain.losses import (
+    ADVANTAGE_MODES,
+    adaptive_kl_update,
+    gae,
+    group_advantages,
+    kl_estimate,
+    whiten,
+)
 from posttrain.models import Transformer
 from posttrain.parallel import MeshConfig, axis_rules, shard_batch
 from posttrain.rewards import RewardPool, RewardRegistry, default_registry, overlong_penalty
-from posttrain.rl._loss import PolicyLossConfig, rl_loss, sequence_log_probs
+from posttrain.rl._critic import token_values, value_trainable
+from posttrain.rl._loss import CriticLoss, PolicyLossConfig, rl_loss, sequence_log_probs
 from posttrain.rl._prompts import PromptData
 from posttrain.rl._rollout import rollout_batch, split_rows
 from posttrain.sampling import generate
@@ -43,6 +51,7 @@ from posttrain.train._metrics import MetricsWriter
 from posttrain.train._optimizer import OptimizerConfig, learning_rate_schedule
 from posttrain.train._run import (
     ModelSpec,
+    Trainable,
     model_trainable,
     optimizer_and_abstract_state,
     setup,
@@ -76,25 +85,43 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    advantage: str = "grpo"  # grpo | drgrpo (no std scaling) | rloo (leave-one-out) | none
+    # grpo | drgrpo (no std scaling) | rloo (leave-one-out) | none | gae (PPO, with a critic)
+    advantage: str = "grpo"
     unbiased_std: bool = True  # GRPO's group std (torch.std default, as TRL)
     std_eps: float = 1e-4  # added to the group std
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    whiten_advantages: bool = True  # GAE: whiten advantages over the batch's tokens
     epochs: int = 1  # passes over each rollout batch (PPO epochs)
     minibatches: int = 1  # optimizer updates per pass
 
     def __post_init__(self):
-        if self.advantage not in ADVANTAGE_MODES:
-            raise ConfigError(f"algorithm.advantage: use one of {ADVANTAGE_MODES}")
+        if self.advantage not in (*ADVANTAGE_MODES, "gae"):
+            raise ConfigError(f"algorithm.advantage: use one of {(*ADVANTAGE_MODES, 'gae')}")
         if self.epochs < 1 or self.minibatches < 1:
             raise ConfigError("algorithm.epochs and algorithm.minibatches must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """PPO's value model (used when algorithm.advantage is "gae")."""
+
+    init: str = "policy"  # policy (its starting trunk, zero head) | rm:<reward model run>[#head]
+    coef: float = 0.5  # value-loss weight
+    clip: float = 0.2  # value clip around the rollout-time values (0: off)
+
+
+@dataclasses.dataclass(frozen=True)
 class KLConfig:
-    coef: float = 0.0  # KL penalty weight in the loss (0 with no target: no reference model)
+    mode: str = "loss"  # loss: a per-token loss term | reward: a per-token reward penalty (PPO)
+    coef: float = 0.0  # KL penalty weight (0 with no target: no reference model)
     target: float = 0.0  # > 0: adapt coef toward this mean per-token KL (Ziegler et al.)
     horizon: int = 1000  # the adaptive controller's horizon, in RL steps
     domain_scale: dict = dataclasses.field(default_factory=dict)  # {domain: coef multiplier}
+
+    def __post_init__(self):
+        if self.mode not in ("loss", "reward"):
+            raise ConfigError(f"kl.mode={self.mode!r}: use loss or reward")
 
     @property
     def enabled(self) -> bool:
@@ -128,6 +155,7 @@ class RLConfig:
     eval_data: tuple[SourceConfig, ...] = ()  # held-out prompts: greedy reward and pass rate
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    critic: CriticConfig = CriticConfig()
     loss: PolicyLossConfig = PolicyLossConfig()
     kl: KLConfig = KLConfig()
     rewards: RewardsConfig = RewardsConfig()
@@ -145,6 +173,10 @@ class RLConfig:
                 f"{rows} rollouts per step (data.batch_size x rollout.num_generations) do not "
                 f"split into algorithm.minibatches={self.algorithm.minibatches}"
             )
+
+    @property
+    def ppo(self) -> bool:
+        return self.algorithm.advantage == "gae"
 
     @property
     def rows(self) -> int:
@@ -230,7 +262,19 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         json.dump(prompts.stats, f, indent=2)
 
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
-        trainable = model_trainable(c.model, model_config, mesh, c.train.seed)
+        policy = model_trainable(c.model, model_config, mesh, c.train.seed)
+        trainable, critic = policy, None
+        if c.ppo:
+            value, value_config = value_trainable(
+                c.critic.init, c.model, model_config, mesh, c.train.seed
+            )
+            trainable = Trainable(
+                shapes={"policy": policy.shapes, "value": value.shapes},
+                shardings={"policy": policy.shardings, "value": value.shardings},
+                decay_mask={"policy": policy.decay_mask, "value": value.decay_mask},
+                init=lambda: {"policy": policy.init(), "value": value.init()},
+            )
+            critic = CriticLoss(value_config, coef=c.critic.coef, clip=c.critic.clip)
         optimizer, abstract = optimizer_and_abstract_state(c, trainable, c.updates)
         shardings = state_shardings(optimizer, abstract, trainable.shardings, mesh)
         checkpointer = Checkpointer(workdir, c.checkpoint)
@@ -247,14 +291,16 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 functools.partial(create_state, optimizer=optimizer, seed=c.train.seed),
                 out_shardings=shardings,
             )(trainable.init())
-        ref_params = trainable.init() if c.kl.enabled else None
+        ref_params = policy.init() if c.kl.enabled else None
         schedule = learning_rate_schedule(c.optimizer, c.updates)
         loss = rl_loss(
             model_config,
             c.loss,
             max_new_tokens=c.rollout.max_new_tokens,
             use_reference=c.kl.enabled,
+            kl_in_loss=c.kl.mode == "loss",
             domains=domains,
+            critic=critic,
         )
         step_fn = jax.jit(
             functools.partial(
@@ -268,7 +314,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             out_shardings=(shardings, None),
             donate_argnums=0,
         )
-        score = jax.jit(sequence_log_probs, static_argnums=1)
+        score = _Scorer(c, model_config, critic, ref_params, mesh, domains)
         with RewardPool(registry, workers=c.rewards.workers, timeout_s=c.rewards.timeout_s) as pool:
             rollouts = _Rollouts(c, tokenizer, model_config, pool, domains)
             summary = _loop(
@@ -282,7 +328,6 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 rollouts=rollouts,
                 step_fn=step_fn,
                 score=score,
-                ref_params=ref_params,
                 mesh=mesh,
                 checkpointer=checkpointer,
                 extras={"config": to_json(c), "model_config": to_json(model_config)},
@@ -292,6 +337,70 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     summary["model_config"] = model_config
     summary["data"] = prompts.stats
     return summary
+
+
+def _policy(c: RLConfig, params):
+    """The policy's params inside the trained params (PPO also trains a critic)."""
+    return params["policy"] if c.ppo else params
+
+
+class _Scorer:
+    """The trainer's passes over a rollout batch before its updates: the old policy's and the
+    reference's log-probs of the sampled tokens, the critic's values, the KL penalty when it
+    is a reward, and the advantages (group-relative, or GAE with the critic)."""
+
+    def __init__(self, c: RLConfig, model_config, critic, ref_params, mesh, domains):
+        self.c, self.model_config, self.critic = c, model_config, critic
+        self.ref_params, self.mesh = ref_params, mesh
+        self.scale = np.asarray([c.kl.domain_scale.get(d, 1.0) for d in domains] + [0.0])
+        self.logps = jax.jit(sequence_log_probs, static_argnums=1)
+        if critic is not None:
+            self.values = jax.jit(token_values, static_argnums=1)
+            a = c.algorithm
+            self.gae = jax.jit(functools.partial(gae, gamma=a.gamma, lam=a.lam))
+
+    def __call__(self, params, batch: dict, kl_coef: float) -> None:
+        """Adds `old_logps`, `ref_logps`, `kl_coefs`, `advantages` (and with a critic
+        `old_values`, `returns`) to the host batch."""
+        c = self.c
+        device_batch = shard_batch(batch, self.mesh)
+        policy = _policy(c, params)
+        batch["old_logps"] = np.asarray(self.logps(policy, self.model_config, device_batch))
+        batch["kl_coefs"] = (kl_coef * self.scale[batch["domain_ids"]]).astype(np.float32)
+        mask = batch["loss_mask"]
+        penalty = np.zeros_like(mask)
+        if self.ref_params is not None:
+            ref = self.logps(self.ref_params, self.model_config, device_batch)
+            batch["ref_logps"] = np.asarray(ref)
+            if c.kl.mode == "reward":
+                kl = kl_estimate(batch["old_logps"], ref, c.loss.kl_estimator, mask)
+                penalty = batch["kl_coefs"][:, None] * np.asarray(kl)
+        if self.critic is None:
+            # Within each prompt's group (fillers: all-zero groups, advantage 0).
+            rewards = batch["rewards"] - penalty.sum(axis=1)
+            batch["advantages"] = np.asarray(
+                group_advantages(
+                    rewards,
+                    c.rollout.num_generations,
+                    mode=c.algorithm.advantage,
+                    unbiased_std=c.algorithm.unbiased_std,
+                    std_eps=c.algorithm.std_eps,
+                ),
+                np.float32,
+            )
+            return
+        values = np.asarray(self.values(params["value"], self.critic.model_config, device_batch))
+        # The outcome reward lands on each completion's last token, the KL penalty on every one.
+        token_rewards = -penalty
+        rows = np.flatnonzero(mask.any(axis=1))
+        last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1] > 0, axis=1)
+        token_rewards[rows, last[rows]] += batch["rewards"][rows]
+        advantages, returns = self.gae(token_rewards, values, mask)
+        if c.algorithm.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        batch["advantages"] = np.asarray(advantages, np.float32)
+        batch["returns"] = np.asarray(returns, np.float32)
+        batch["old_values"] = (values * mask).astype(np.float32)
 
 
 def _draw(c: RLConfig, prompts, rollouts: _Rollouts, params, step: int):
@@ -331,7 +440,6 @@ def _loop(
     rollouts,
     step_fn,
     score,
-    ref_params,
     mesh,
     checkpointer,
     extras,
@@ -339,7 +447,6 @@ def _loop(
 ):
     writer = MetricsWriter(workdir, resume_step=start)
     domains = prompts.domains
-    G = c.rollout.num_generations
     summary: dict = {"start_step": start, "stopped": "completed"}
     saved = start if checkpointer.latest_step() == start else None
 
@@ -358,7 +465,7 @@ def _loop(
     def evaluate(step):
         if eval_prompts is None:
             return None
-        metrics = _evaluate(c, eval_prompts, rollouts, state.params)
+        metrics = _evaluate(c, eval_prompts, rollouts, _policy(c, state.params))
         writer.write(step, metrics, split="eval")
         summary["eval"] = metrics
         return metrics
@@ -368,7 +475,8 @@ def _loop(
     with _Preemption() as preemption:
         for step in range(start + 1, c.train.steps + 1):
             t0 = time.perf_counter()
-            kept, completions, rewards, counts = _draw(c, prompts, rollouts, state.params, step)
+            params = _policy(c, state.params)
+            kept, completions, rewards, counts = _draw(c, prompts, rollouts, params, step)
             t1 = time.perf_counter()
             batch = rollout_batch(
                 kept,
@@ -378,27 +486,7 @@ def _loop(
                 max_len=rollouts.max_len,
                 pad_id=rollouts.tokenizer.pad_id or 0,
             )
-            # Advantages within each prompt's group (fillers: all-zero groups, advantage 0).
-            batch["advantages"] = np.asarray(
-                group_advantages(
-                    batch["rewards"],
-                    G,
-                    mode=c.algorithm.advantage,
-                    unbiased_std=c.algorithm.unbiased_std,
-                    std_eps=c.algorithm.std_eps,
-                ),
-                np.float32,
-            )
-            scale = np.asarray([c.kl.domain_scale.get(d, 1.0) for d in domains] + [0.0])
-            batch["kl_coefs"] = (kl_coef * scale[batch["domain_ids"]]).astype(np.float32)
-            device_batch = shard_batch(batch, mesh)
-            batch["old_logps"] = np.asarray(
-                score(state.params, rollouts.model_config, device_batch)
-            )
-            if ref_params is not None:
-                batch["ref_logps"] = np.asarray(
-                    score(ref_params, rollouts.model_config, device_batch)
-                )
+            score(state.params, batch, kl_coef)
             t2 = time.perf_counter()
             updates = []
             for _ in range(c.algorithm.epochs):

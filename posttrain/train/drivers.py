@@ -1,4 +1,5 @@
-"""Dispatch from a loaded config to the driver of its method (`method`: sft, dpo, rm, grpo)."""
+"""Dispatch from a loaded config to the driver of its method (`method`: sft, dpo, rm, grpo,
+ppo)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ DRIVERS = {
 
 
 def _driver(method: str):
-    if method == "grpo":  # imported here: posttrain.rl imports posttrain.train
+    if method in ("grpo", "ppo"):  # imported here: posttrain.rl imports posttrain.train
         from posttrain.rl import RLConfig, run_rl
 
         return RLConfig, run_rl
     if method not in DRIVERS:
         raise ValueError(
-            f"method {method!r} is not available; available: {', '.join([*DRIVERS, 'grpo'])}"
+            f"method {method!r} is not available; available: {', '.join([*DRIVERS, 'grpo', 'ppo'])}"
         )
     return DRIVERS[method]
 

@@ -41,6 +41,20 @@ def test_reward_rises_on_the_toy_task(preset, tmp_path):
         assert any(r["groups_dropped"] > 0 for r in rows) or all(r["groups"] == 8 for r in rows)
 
 
+def test_ppo_with_a_critic_raises_the_reward(tmp_path):
+    config = toy_config("tiny", "ppo.py", train__steps=25, data__batch_size=16)
+    run_from_config(config, str(tmp_path))
+    rows = read_metrics(str(tmp_path))
+    first, last = (
+        np.mean([r["reward"] for r in rows[:5]]),
+        np.mean([r["reward"] for r in rows[-5:]]),
+    )
+    assert last > first + 0.2, (first, last)
+    assert rows[0]["value"] == 0.0  # the critic's head starts at zero
+    assert all(np.isfinite(r["value_loss"]) for r in rows) and rows[-1]["value"] != 0.0
+    assert rows[-1]["kl"] > 0  # the KL penalty (in the reward) is measured every step
+
+
 def test_kl_to_the_reference_is_logged_and_adapted(tmp_path):
     config = toy_config(train__steps=6, kl__coef=0.05, kl__target=0.001, kl__horizon=10)
     run_from_config(config, str(tmp_path))

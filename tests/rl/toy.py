@@ -16,9 +16,9 @@ def digit_share(record, completion: str):
     return (sum(ch.isdigit() for ch in text) / len(text) if text else 0.0), {}
 
 
-def toy_config(preset: str = "tiny", **overrides):
-    """configs/grpo.py:<preset> shrunk to seconds: a random tiny model, the digit reward."""
-    config = load_config_file(os.path.join(REPO, "configs", "grpo.py") + ":" + preset)
+def toy_config(preset: str = "tiny", file: str = "grpo.py", **overrides):
+    """configs/<file>:<preset> shrunk to seconds: a random tiny model, the digit reward."""
+    config = load_config_file(os.path.join(REPO, "configs", file) + ":" + preset)
     values = {
         "model.checkpoint": "",
         "tokenizer": str(ASSETS_DIR / "tokenizer"),
