@@ -1,10 +1,10 @@
 """RL with verifiable rewards: GRPO and its family (Dr.GRPO, DAPO, GSPO, RLOO).
 
-    make demo                                                    # writes runs/demo/{sft,dpo}
+    make demo                                                    # writes runs/demo/sft
     posttrain train --config=configs/grpo.py:tiny --workdir=runs/grpo_tiny     # CPU
 
 Presets:
-  tiny          GRPO on the demo's arithmetic problems from the demo's DPO model (runs/demo/dpo);
+  tiny          GRPO on the demo's arithmetic problems from the demo's SFT model (runs/demo/sft);
                 the verifier is the reward (domain "arithmetic").
   dapo_tiny     DAPO: asymmetric clip (0.2, 0.28), token-mean loss, dynamic sampling, overlong
                 shaping, truncated completions masked, no KL.
@@ -104,22 +104,30 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rewards.timeout_s = 10.0
     c.rewards.pass_threshold = 1.0  # reward >= this counts as a pass
 
+    # Offline phase before online RL: rejection-sampling fine-tuning (0 steps: off).
+    c.rft = ml_collections.ConfigDict()
+    c.rft.steps = 0  # SFT steps on the policy's own verified-correct completions
+    c.rft.prompts = 1024  # training prompts sampled
+    c.rft.samples = 8  # completions per prompt
+    c.rft.batch_size = 32  # SFT rows per step
+    c.rft.learning_rate = 1e-5
+
     c.optimizer.learning_rate = 1e-6
     c.optimizer.warmup_steps = 10
     c.optimizer.schedule = "constant"
     c.optimizer.weight_decay = 0.0
 
     if size == "tiny":
-        c.model.checkpoint = os.path.join("runs", "demo", "dpo")
+        c.model.checkpoint = os.path.join("runs", "demo", "sft")
         c.data.sources = [
             {"path": os.path.join(_DEMO, "train.jsonl"), "weight": 1.0,
              "domain": "arithmetic", "format": "auto"}
         ]  # fmt: skip
         c.eval_data = [{**c.data.sources[0], "path": os.path.join(_DEMO, "eval.jsonl")}]
-        c.data.batch_size = 16
+        c.data.batch_size = 32
         c.rollout.max_prompt_len = 32
         c.rollout.max_new_tokens = 8
-        c.optimizer.learning_rate = 2e-4
+        c.optimizer.learning_rate = 2e-5
         c.train.steps = 100
         c.train.log_every = 1
         c.train.eval_every = 50

@@ -1,10 +1,10 @@
 """PPO with a critic: GAE over response tokens, clipped value loss, KL as a reward penalty.
 
-    make demo                                                    # writes runs/demo/{sft,dpo}
+    make demo                                                    # writes runs/demo/sft
     posttrain train --config=configs/ppo.py:tiny --workdir=runs/ppo_tiny      # CPU
 
 Presets:
-  tiny          PPO on the demo's arithmetic problems from the demo's DPO model, the critic
+  tiny          PPO on the demo's arithmetic problems from the demo's SFT model, the critic
                 started from the policy (or set critic.init=rm:<reward model run>).
   qwen3_8b_v5p  PPO for Qwen3 8B on a v5p-64 slice (set model.hf_path / checkpoint, data).
 Every field of configs/grpo.py applies; PPO is `algorithm.advantage=gae` plus `critic`.

@@ -148,6 +148,18 @@ class RewardsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RFTConfig:
+    """Rejection-sampling fine-tuning before online RL (0 steps: off): sample `samples`
+    completions of `prompts` training prompts, keep those whose reward passes, SFT on them."""
+
+    steps: int = 0  # SFT steps on the kept completions (0: no RFT stage)
+    prompts: int = 1024  # training prompts sampled
+    samples: int = 8  # completions per prompt
+    batch_size: int = 32  # SFT rows per step
+    learning_rate: float = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
     model: ModelSpec = ModelSpec()  # the policy's start (and the frozen reference)
     tokenizer: str = ""  # tokenizer directory; default: model.hf_path
@@ -159,6 +171,7 @@ class RLConfig:
     loss: PolicyLossConfig = PolicyLossConfig()
     kl: KLConfig = KLConfig()
     rewards: RewardsConfig = RewardsConfig()
+    rft: RFTConfig = RFTConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: LoopConfig = LoopConfig()  # steps = RL steps
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -245,6 +258,8 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     c = config
     mesh, tokenizer, model_config = setup(c, workdir, rows=c.rows // c.algorithm.minibatches)
     prompts = PromptData(c.data, tokenizer, max_prompt_len=c.rollout.max_prompt_len)
+    if c.rft.steps:
+        c = _rejection_sampling(c, workdir, prompts, tokenizer, model_config, mesh)
     eval_prompts = None
     if c.eval_data:
         eval_config = dataclasses.replace(c.data, sources=c.eval_data, shuffle=False)
@@ -337,6 +352,74 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     summary["model_config"] = model_config
     summary["data"] = prompts.stats
     return summary
+
+
+def _rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, mesh) -> RLConfig:
+    """The offline stage: RFT data from the starting policy, an SFT run on it in
+    `<workdir>/rft`, and the RL config continuing from that run's checkpoint. A finished stage
+    (its checkpoint exists) is reused, so a resumed run does not repeat it."""
+    from posttrain.train._sft import SFTConfig, run_sft
+
+    rft_dir = os.path.join(workdir, "rft")
+    data_path = os.path.join(rft_dir, "data.jsonl")
+    done = os.path.isdir(os.path.join(rft_dir, "checkpoints")) and os.listdir(
+        os.path.join(rft_dir, "checkpoints")
+    )
+    if not done:
+        os.makedirs(rft_dir, exist_ok=True)
+        with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
+            params = model_trainable(c.model, model_config, mesh, c.train.seed).init()
+        sampling = dataclasses.replace(
+            c, rollout=dataclasses.replace(c.rollout, num_generations=c.rft.samples)
+        )
+        chosen = prompts.prompts[: c.rft.prompts]
+        registry = c.rewards.registry()
+        kept, scored = [], 0
+        with RewardPool(registry, workers=c.rewards.workers, timeout_s=c.rewards.timeout_s) as pool:
+            rollouts = _Rollouts(sampling, tokenizer, model_config, pool, prompts.domains)
+            for i in tqdm(
+                range(0, len(chosen), 64), desc="rft samples", disable=not c.train.progress
+            ):
+                batch = chosen[i : i + 64]
+                completions, rewards = rollouts.sample(params, batch, seed=c.train.seed + i)
+                for p, group, r in zip(batch, completions, rewards, strict=True):
+                    texts = {
+                        g.text
+                        for g, ok in zip(group, r >= c.rewards.pass_threshold, strict=True)
+                        if ok and g.finish_reason == "stop"
+                    }
+                    kept.extend(
+                        {"prompt": p["record"]["prompt"], "completion": t} for t in sorted(texts)
+                    )
+                    scored += len(group)
+        if not kept:
+            raise ValueError(
+                f"rejection sampling kept no completion of {scored}: none both ended (EOS within "
+                f"rollout.max_new_tokens) and reached rewards.pass_threshold="
+                f"{c.rewards.pass_threshold}; lower the threshold, raise rft.samples or "
+                "max_new_tokens, or set rft.steps=0"
+            )
+        with open(data_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        log.info("rejection sampling kept %d of %d completions", len(kept), scored)
+        sft = SFTConfig(
+            model=c.model,
+            tokenizer=c.tokenizer,
+            data=DataConfig(
+                sources=(SourceConfig(data_path, format="prompt_completion"),),
+                max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens,
+                batch_size=c.rft.batch_size,
+                seed=c.data.seed,
+            ),
+            optimizer=dataclasses.replace(
+                c.optimizer, learning_rate=c.rft.learning_rate, warmup_steps=0
+            ),
+            train=dataclasses.replace(c.train, steps=c.rft.steps, eval_every=0),
+            checkpoint=dataclasses.replace(c.checkpoint, every=c.rft.steps, keep_best=0),
+            mesh=c.mesh,
+        )
+        run_sft(sft, rft_dir)
+    return dataclasses.replace(c, model=ModelSpec(checkpoint=rft_dir, **c.model.overrides()))
 
 
 def _policy(c: RLConfig, params):

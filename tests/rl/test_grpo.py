@@ -7,10 +7,11 @@ import signal
 import numpy as np
 import pytest
 
+from posttrain.config import load_config_file
 from posttrain.train import read_metrics
 from posttrain.train.drivers import run_from_config
 
-from .toy import toy_config
+from .toy import REPO, digit_share, toy_config
 
 
 def _rewards(workdir):
@@ -91,3 +92,32 @@ def test_resume_continues_exactly(tmp_path):
         np.testing.assert_allclose([r[key] for r in b], [r[key] for r in a], rtol=1e-5, err_msg=key)
     saved = json.loads((tmp_path / "resumed" / "prompts.json").read_text())
     assert saved["used"] > 0
+
+
+def test_rejection_sampling_stage_runs_before_rl(tmp_path):
+    # A briefly supervised model, so that completions end (random ones never emit EOS).
+    sft = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny")
+    sft.eval_data = []
+    sft.train.steps, sft.train.progress, sft.data.max_len = 40, False, 64
+    sft.mesh.ici = {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+    run_from_config(sft, str(tmp_path / "sft"))
+    overrides = {
+        "model__checkpoint": str(tmp_path / "sft"),
+        "train__steps": 2,
+        "rft__steps": 6,
+        "rft__prompts": 32,
+        "rft__samples": 4,
+        "rft__batch_size": 8,
+        "rft__learning_rate": 1e-4,
+        "rewards__pass_threshold": 0.5,
+    }
+    summary = run_from_config(toy_config(**overrides), str(tmp_path / "rl"))
+    kept = [json.loads(line) for line in open(tmp_path / "rl" / "rft" / "data.jsonl")]
+    assert kept and all(digit_share(None, r["completion"])[0] >= 0.5 for r in kept)
+    assert read_metrics(str(tmp_path / "rl" / "rft"))[-1]["step"] == 6  # the SFT stage ran
+    assert summary["final_step"] == 2
+    # A resumed run reuses the finished stage instead of sampling again.
+    before = (tmp_path / "rl" / "rft" / "data.jsonl").stat().st_mtime_ns
+    resumed = run_from_config(toy_config(**{**overrides, "train__steps": 3}), str(tmp_path / "rl"))
+    assert resumed["final_step"] == 3
+    assert (tmp_path / "rl" / "rft" / "data.jsonl").stat().st_mtime_ns == before
