@@ -72,6 +72,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.dynamic_sampling = False  # drop groups whose rewards are all equal, refill (DAPO)
     c.rollout.max_refills = 4  # extra prompt batches per step for refilling
     c.rollout.overlong_buffer = 0  # DAPO soft over-length penalty ramp, tokens (0: off)
+    c.rollout.sampler_devices = 0  # > 0: sample on the last N devices, train on the rest
+    c.rollout.max_staleness = 0  # decoupled: rollouts may use weights this many steps old
 
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.advantage = "grpo"  # grpo | drgrpo | rloo | none

@@ -16,11 +16,15 @@ reference is the starting weights, reloaded from `model.*` on resume.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
+import queue
+import threading
 import time
 
 import jax
@@ -37,8 +41,8 @@ from posttrain.losses import (
     kl_estimate,
     whiten,
 )
-from posttrain.models import Transformer
-from posttrain.parallel import MeshConfig, axis_rules, shard_batch
+from posttrain.models import Transformer, param_shardings
+from posttrain.parallel import MeshConfig, axis_rules, make_mesh, shard_batch
 from posttrain.rewards import RewardPool, RewardRegistry, default_registry, overlong_penalty
 from posttrain.rl._critic import token_values, value_trainable
 from posttrain.rl._loss import CriticLoss, PolicyLossConfig, rl_loss, sequence_log_probs
@@ -75,12 +79,20 @@ class RolloutConfig:
     dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, draw prompts to refill
     max_refills: int = 4  # extra prompt batches one step may draw to refill
     overlong_buffer: int = 0  # DAPO soft over-length penalty ramp in tokens (0: off)
+    # Decoupled rollouts: > 0 puts the sampler on the last N devices (the rest train), with
+    # its own copy of the weights, sent after every step; 0 samples on the training devices.
+    sampler_devices: int = 0
+    max_staleness: int = 0  # decoupled: rollouts may come from weights this many steps old
 
     def __post_init__(self):
         if self.num_generations < 1 or self.max_new_tokens < 1 or self.max_prompt_len < 1:
             raise ConfigError("rollout: num_generations, max_new_tokens, max_prompt_len >= 1")
         if self.overlong_buffer < 0 or self.overlong_buffer > self.max_new_tokens:
             raise ConfigError("rollout.overlong_buffer must be in [0, max_new_tokens]")
+        if self.sampler_devices < 0 or self.max_staleness < 0:
+            raise ConfigError("rollout.sampler_devices and rollout.max_staleness must be >= 0")
+        if self.max_staleness and not self.sampler_devices:
+            raise ConfigError("rollout.max_staleness needs decoupled rollouts (sampler_devices)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +268,16 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     if jax.process_count() > 1:
         raise ConfigError("RL runs on one host for now; multi-host RL is issue #9's")
     c = config
-    mesh, tokenizer, model_config = setup(c, workdir, rows=c.rows // c.algorithm.minibatches)
+    devices, sampler_devices = jax.devices(), None
+    if c.rollout.sampler_devices:
+        n = c.rollout.sampler_devices
+        if n >= len(devices):
+            raise ConfigError(
+                f"rollout.sampler_devices={n} leaves no device to train on (of {len(devices)})"
+            )
+        devices, sampler_devices = devices[:-n], devices[-n:]
+    rows = c.rows // c.algorithm.minibatches
+    mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
     prompts = PromptData(c.data, tokenizer, max_prompt_len=c.rollout.max_prompt_len)
     if c.rft.steps:
         c = _rejection_sampling(c, workdir, prompts, tokenizer, model_config, mesh)
@@ -330,8 +351,22 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             donate_argnums=0,
         )
         score = _Scorer(c, model_config, critic, ref_params, mesh, domains)
-        with RewardPool(registry, workers=c.rewards.workers, timeout_s=c.rewards.timeout_s) as pool:
-            rollouts = _Rollouts(c, tokenizer, model_config, pool, domains)
+        with contextlib.ExitStack() as stack:
+            pools = [
+                stack.enter_context(
+                    RewardPool(registry, workers=c.rewards.workers, timeout_s=c.rewards.timeout_s)
+                )
+                for _ in range(2 if sampler_devices else 1)
+            ]
+            rollouts = _Rollouts(c, tokenizer, model_config, pools[0], domains)
+            producer = None
+            if sampler_devices:
+                # The sampler scores in its own thread: evaluation gets the other pool.
+                sampler_mesh = make_mesh(MeshConfig(), sampler_devices)
+                shardings = param_shardings(model_config, sampler_mesh)
+                producer = _Producer(c, prompts, rollouts, shardings, start)
+                rollouts = _Rollouts(c, tokenizer, model_config, pools[1], domains)
+                stack.callback(producer.close)
             summary = _loop(
                 c,
                 workdir,
@@ -341,6 +376,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 prompts=prompts,
                 eval_prompts=eval_prompts,
                 rollouts=rollouts,
+                producer=producer,
                 step_fn=step_fn,
                 score=score,
                 mesh=mesh,
@@ -420,6 +456,76 @@ def _rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, 
         )
         run_sft(sft, rft_dir)
     return dataclasses.replace(c, model=ModelSpec(checkpoint=rft_dir, **c.model.overrides()))
+
+
+class _Producer:
+    """Decoupled rollouts: a thread samples and scores batches on the sampler's devices with the
+    newest weights it was sent, at most `rollout.max_staleness` steps ahead of the trainer.
+
+    Batch i (for RL step i) needs weights of version >= i - 1 - max_staleness (version v: the
+    weights after v RL steps); with 0 it waits for the step before, which is on-policy.
+    """
+
+    def __init__(self, c: RLConfig, prompts, rollouts: _Rollouts, shardings, start: int):
+        self.c, self.prompts, self.rollouts, self.shardings = c, prompts, rollouts, shardings
+        self.ready: queue.Queue = queue.Queue()
+        self.cond = threading.Condition()
+        self.weights, self.version, self.stopped = None, -1, False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(start + 1,), daemon=True)
+        self.started = False
+
+    def publish(self, params, version: int) -> None:
+        """Sends the trainer's policy weights (after `version` RL steps) to the sampler's
+        devices, resharding them onto its mesh."""
+        weights = jax.device_put(params, self.shardings)
+        with self.cond:
+            self.weights, self.version = weights, version
+            self.cond.notify_all()
+
+    def get(self, step: int):
+        """The rollouts for `step`: (prompts, completions, rewards, counts, prompt state)."""
+        item = self.ready.get()
+        if item is None:
+            raise RuntimeError("the rollout thread failed") from self.error
+        i, version, kept, completions, rewards, counts, state = item
+        staleness = step - 1 - version
+        if i != step or staleness > self.c.rollout.max_staleness:
+            raise RuntimeError(f"rollout {i} (weights v{version}) for step {step}: out of bounds")
+        counts = {**counts, "rollout_version": float(version), "staleness": float(staleness)}
+        return kept, completions, rewards, counts, state
+
+    def _run(self, first: int) -> None:
+        try:
+            for i in itertools.count(first):
+                with self.cond:
+                    self.cond.wait_for(
+                        lambda: self.stopped or self.version >= i - 1 - self.c.rollout.max_staleness  # noqa: B023
+                    )
+                    if self.stopped:
+                        return
+                    weights, version = self.weights, self.version
+                kept, completions, rewards, counts = _draw(
+                    self.c, self.prompts, self.rollouts, weights, i
+                )
+                state = self.prompts.get_state()
+                self.ready.put((i, version, kept, completions, rewards, counts, state))
+        except BaseException as e:  # reported to the trainer by get()
+            self.error = e
+            self.ready.put(None)
+
+    def start(self, params, version: int) -> None:
+        self.publish(params, version)
+        if not self.started:
+            self.started = True
+            self.thread.start()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        if self.started:
+            self.thread.join(timeout=300)
 
 
 def _policy(c: RLConfig, params):
@@ -521,6 +627,7 @@ def _loop(
     prompts,
     eval_prompts,
     rollouts,
+    producer,
     step_fn,
     score,
     mesh,
@@ -533,12 +640,14 @@ def _loop(
     summary: dict = {"start_step": start, "stopped": "completed"}
     saved = start if checkpointer.latest_step() == start else None
 
+    prompt_state = None  # decoupled: the prompt position after the last batch trained on
+
     def save(step, metrics=None, force=False):
         nonlocal saved
         checkpointer.save(
             step,
             state,
-            data_state=prompts.get_state(),
+            data_state=prompt_state or prompts.get_state(),
             extra={**extras, "rl": {"kl_coef": kl_coef}},
             metrics=metrics,
             force=force,
@@ -553,13 +662,21 @@ def _loop(
         summary["eval"] = metrics
         return metrics
 
+    if start == 0:
+        evaluate(0)  # the starting policy's held-out reward: the curve's first point
+    if producer is not None:
+        producer.start(_policy(c, state.params), start)
     bar = tqdm(total=c.train.steps, initial=start, desc="rl", disable=not c.train.progress)
     step = start
     with _Preemption() as preemption:
         for step in range(start + 1, c.train.steps + 1):
             t0 = time.perf_counter()
-            params = _policy(c, state.params)
-            kept, completions, rewards, counts = _draw(c, prompts, rollouts, params, step)
+            if producer is None:
+                params = _policy(c, state.params)
+                kept, completions, rewards, counts = _draw(c, prompts, rollouts, params, step)
+                prompt_state = None
+            else:
+                kept, completions, rewards, counts, prompt_state = producer.get(step)
             t1 = time.perf_counter()
             batch = rollout_batch(
                 kept,
@@ -576,6 +693,8 @@ def _loop(
                 for minibatch in split_rows(batch, c.algorithm.minibatches):
                     state, metrics = step_fn(state, shard_batch(minibatch, mesh))
                     updates.append(metrics)
+            if producer is not None:
+                producer.publish(_policy(c, state.params), step)
             host = {k: float(v) for k, v in jax.device_get(updates[0]).items()}
             last = {k: float(v) for k, v in jax.device_get(updates[-1]).items()}
             t3 = time.perf_counter()
@@ -596,7 +715,7 @@ def _loop(
                     np.abs(batch["old_logps"] - batch["sampler_logps"])[mask].max(initial=0.0)
                 ),
                 "groups": float(len(kept)),
-                **counts,
+                **counts,  # with decoupled rollouts: rollout_version and staleness
                 **_group_stats(
                     batch["rewards"][real],
                     batch["lengths"][real],

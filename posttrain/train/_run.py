@@ -188,15 +188,16 @@ def check_batching(batch_size: int, micro_batches: int, mesh) -> None:
         )
 
 
-def setup(config, workdir: str, rows: int | None = None):
+def setup(config, workdir: str, rows: int | None = None, devices=None):
     """Checks and loads what every method needs: (mesh, tokenizer, model_config).
 
     `config` has `mesh`, `data`, `train`, `tokenizer` and `model` (a `ModelSpec`); `rows` is
-    the rows of one optimizer update (default `data.batch_size`). Writes `config.json` into
+    the rows of one optimizer update (default `data.batch_size`); `devices` those the run
+    trains on (default all). Writes `config.json` into
     `workdir`. Everything that can be wrong is reported before any compile.
     """
     os.makedirs(workdir, exist_ok=True)
-    mesh = make_mesh(config.mesh)
+    mesh = make_mesh(config.mesh, devices)
     check_batching(rows or config.data.batch_size, config.train.micro_batches, mesh)
     tokenizer_dir = config.tokenizer or config.model.hf_path
     if not tokenizer_dir:

@@ -121,3 +121,24 @@ def test_rejection_sampling_stage_runs_before_rl(tmp_path):
     resumed = run_from_config(toy_config(**{**overrides, "train__steps": 3}), str(tmp_path / "rl"))
     assert resumed["final_step"] == 3
     assert (tmp_path / "rl" / "rft" / "data.jsonl").stat().st_mtime_ns == before
+
+
+def test_decoupled_rollouts_with_bounded_staleness(tmp_path, devices):
+    """4 devices sample while 4 train; every batch is at most one step stale."""
+    overrides = {"train__steps": 25, "loss__tis_cap": 2.0}
+    on_policy = run_from_config(toy_config(**overrides), str(tmp_path / "colocated"))
+    decoupled = run_from_config(
+        toy_config(**overrides, rollout__sampler_devices=4, rollout__max_staleness=1),
+        str(tmp_path / "decoupled"),
+    )
+    rows = read_metrics(str(tmp_path / "decoupled"))
+    assert [r["step"] for r in rows] == list(range(1, 26))
+    staleness = [r["staleness"] for r in rows]
+    assert all(0 <= s <= 1 for s in staleness), staleness
+    assert all(r["step"] - 1 - r["rollout_version"] == r["staleness"] for r in rows)
+    assert decoupled["state"].params["embed"].sharding.device_set == set(devices[:4])
+    rewards = [r["reward"] for r in rows]
+    baseline = [r["reward"] for r in read_metrics(str(tmp_path / "colocated"))]
+    assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.2
+    assert np.mean(rewards[-5:]) > np.mean(baseline[-5:]) - 0.15, (rewards, baseline)
+    assert on_policy["final_step"] == decoupled["final_step"] == 25

@@ -1,0 +1,80 @@
+"""RL steps per second on the tiny config, and where the time goes (generate / score / train).
+
+Runs `configs/grpo.py:tiny` (or `--preset`, e.g. dapo_tiny) for `--steps` RL steps on the
+bundled arithmetic prompts with the demo verifier as the reward, starting from `--checkpoint`
+(default: a random tiny model), and reports the mean step time after `--warmup` steps (compiles
+excluded) split into rollout generation, reward scoring + the trainer's log-prob passes, and
+the optimizer updates.
+
+    python benchmarks/rl_throughput.py --steps=40 --warmup=5
+    python benchmarks/rl_throughput.py --checkpoint=runs/demo/sft
+
+Reported in docs/benchmarks.md; raw numbers in benchmarks/results/rl_throughput_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+
+import jax
+import numpy as np
+
+from posttrain.config import load_config_file
+from posttrain.demo import ASSETS_DIR
+from posttrain.train.drivers import run_from_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--checkpoint", default="", help="start from this run (default: random)")
+    parser.add_argument(
+        "--out", default=os.path.join(REPO, "benchmarks/results/rl_throughput_cpu.json")
+    )
+    args = parser.parse_args()
+
+    config = load_config_file(os.path.join(REPO, "configs", "grpo.py") + ":" + args.preset)
+    config.model.checkpoint = args.checkpoint
+    config.tokenizer = str(ASSETS_DIR / "tokenizer")
+    config.eval_data = []
+    config.train.steps, config.train.progress, config.train.eval_every = args.steps, False, 0
+    config.checkpoint.every = 10 * args.steps
+    config.mesh.ici = {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        run_from_config(config, workdir, on_metrics=lambda step, m: rows.append(m))
+    timed = rows[args.warmup :]
+    parts = {k: float(np.mean([r[k] for r in timed])) for k in ("generate_s", "score_s", "train_s")}
+    step_s = float(np.mean([r["step_s"] for r in timed]))
+    result = {
+        "preset": args.preset,
+        "checkpoint": args.checkpoint or "random init",
+        "prompts_per_step": config.data.batch_size,
+        "samples_per_prompt": config.rollout.num_generations,
+        "max_new_tokens": config.rollout.max_new_tokens,
+        "steps_timed": len(timed),
+        "step_s": step_s,
+        "steps_per_s": 1.0 / step_s,
+        "rollouts_per_s": config.data.batch_size * config.rollout.num_generations / step_s,
+        **parts,
+        "share": {k: v / step_s for k, v in parts.items()},
+        "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
+        "cpu": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+    }
+    print(json.dumps(result, indent=2))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
