@@ -3,8 +3,8 @@
 Runs `configs/grpo.py:tiny` (or `--preset`, e.g. dapo_tiny) for `--steps` RL steps on the
 bundled arithmetic prompts with the demo verifier as the reward, starting from `--checkpoint`
 (default: a random tiny model), and reports the mean step time after `--warmup` steps (compiles
-excluded) split into rollout generation, reward scoring + the trainer's log-prob passes, and
-the optimizer updates.
+excluded) split into rollout generation, reward scoring (the verifier in worker processes), the
+trainer's log-prob passes and advantages, and the optimizer updates.
 
     python benchmarks/rl_throughput.py --steps=40 --warmup=5
     python benchmarks/rl_throughput.py --checkpoint=runs/demo/sft
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--checkpoint", default="", help="start from this run (default: random)")
+    parser.add_argument("--label", default="", help="what to call the checkpoint in the results")
     parser.add_argument(
         "--out", default=os.path.join(REPO, "benchmarks/results/rl_throughput_cpu.json")
     )
@@ -52,11 +53,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         run_from_config(config, workdir, on_metrics=lambda step, m: rows.append(m))
     timed = rows[args.warmup :]
-    parts = {k: float(np.mean([r[k] for r in timed])) for k in ("generate_s", "score_s", "train_s")}
+    names = ("generate_s", "reward_s", "prepare_s", "train_s")
+    parts = {k: float(np.mean([r[k] for r in timed])) for k in names}
     step_s = float(np.mean([r["step_s"] for r in timed]))
     result = {
         "preset": args.preset,
-        "checkpoint": args.checkpoint or "random init",
+        "checkpoint": args.label or args.checkpoint or "random init",
         "prompts_per_step": config.data.batch_size,
         "samples_per_prompt": config.rollout.num_generations,
         "max_new_tokens": config.rollout.max_new_tokens,

@@ -232,8 +232,11 @@ class _Rollouts:
         self.pool, self.domains = pool, domains
         self.max_len = config.rollout.max_prompt_len + config.rollout.max_new_tokens
 
-    def sample(self, params, prompts, seed: int, *, greedy: bool = False):
+    def sample(self, params, prompts, seed: int, *, greedy: bool = False, timings=None):
+        """(completions per prompt, rewards `[prompts, n]`); adds the seconds spent to
+        `timings["generate_s"]` and `timings["reward_s"]` when given."""
         r = self.config.rollout
+        start = time.perf_counter()
         model = Transformer(params, self.model_config)
         completions = generate(
             model,
@@ -246,6 +249,7 @@ class _Rollouts:
             n=1 if greedy else r.num_generations,
             seed=seed,
         )
+        generated = time.perf_counter()
         records = [p["record"] for p in prompts for _ in completions[0]]
         texts = [c.text for group in completions for c in group]
         domains = [p["domain"] for p in prompts for _ in completions[0]]
@@ -255,6 +259,9 @@ class _Rollouts:
         if r.overlong_buffer and not greedy:
             lengths = np.asarray([[len(c.token_ids) for c in g] for g in completions])
             rewards = rewards + overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer)
+        if timings is not None:
+            timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
+            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
         return completions, rewards
 
 
@@ -598,11 +605,12 @@ def _draw(c: RLConfig, prompts, rollouts: _Rollouts, params, step: int):
     groups = c.data.batch_size
     kept, completions, rewards = [], [], []
     drawn = dropped = 0
+    timings: dict[str, float] = {}
     for attempt in range(1 + (c.rollout.max_refills if c.rollout.dynamic_sampling else 0)):
         batch = next(prompts)
         drawn += len(batch)
         seed = int(np.random.SeedSequence([c.train.seed, step, attempt]).generate_state(1)[0])
-        comps, rews = rollouts.sample(params, batch, seed)
+        comps, rews = rollouts.sample(params, batch, seed, timings=timings)
         for p, g, r in zip(batch, comps, rews, strict=True):
             if c.rollout.dynamic_sampling and np.all(r == r[0]):
                 dropped += 1
@@ -614,7 +622,8 @@ def _draw(c: RLConfig, prompts, rollouts: _Rollouts, params, step: int):
         if len(kept) >= groups:
             break
     all_rewards = np.asarray(rewards, np.float32).reshape(len(kept), -1)
-    return kept, completions, all_rewards, {"prompts_drawn": drawn, "groups_dropped": dropped}
+    counts = {"prompts_drawn": drawn, "groups_dropped": dropped, **timings}
+    return kept, completions, all_rewards, counts
 
 
 def _loop(
@@ -724,8 +733,10 @@ def _loop(
                     c.rewards.pass_threshold,
                 ),
                 "kl_coef": kl_coef,
-                "generate_s": t1 - t0,
-                "score_s": t2 - t1,
+                # generate_s and reward_s come with the rollouts (counts); with decoupled
+                # rollouts they overlap training, and wait_s is what the trainer waited.
+                "wait_s": t1 - t0,
+                "prepare_s": t2 - t1,  # the trainer's log-prob / value passes, advantages
                 "train_s": t3 - t2,
                 "step_s": t3 - t0,
             }
