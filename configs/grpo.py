@@ -114,6 +114,20 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rft.batch_size = 32  # SFT rows per step
     c.rft.learning_rate = 1e-5
 
+    # Domains: static source weights, or weights that follow each domain's learning signal.
+    c.domains = ml_collections.ConfigDict()
+    c.domains.adaptive = False
+    c.domains.smoothing = 0.9  # exponential average of the share of groups whose rewards differ
+    c.domains.floor = 0.1  # every domain keeps a little weight, so its signal stays measured
+
+    # Difficulty filtering before RL (0 samples: off): keep prompts the start policy sometimes,
+    # but not always, solves.
+    c.difficulty = ml_collections.ConfigDict()
+    c.difficulty.samples = 0  # completions per prompt for the pass-rate estimate
+    c.difficulty.prompts = 0  # estimate the first N prompts (0: all); the rest are kept
+    c.difficulty.min_pass_rate = 0.0  # dropped at or below (too hard)
+    c.difficulty.max_pass_rate = 1.0  # dropped at or above (too easy)
+
     c.optimizer.learning_rate = 1e-6
     c.optimizer.warmup_steps = 10
     c.optimizer.schedule = "constant"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,16 @@ from posttrain.data._sources import Records
 
 _log = logging.getLogger(__name__)
 _KEPT_ERRORS = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveDomains:
+    """Domain weights that follow the learning signal: weight_d = base_d x (floor + signal_d),
+    signal_d an exponential average (`smoothing`) of the share of domain d's groups whose
+    rewards still differ. base_d comes from the sources' weights."""
+
+    smoothing: float = 0.9
+    floor: float = 0.1  # keeps every domain sampled a little, so its signal is still measured
 
 
 class PromptData:
@@ -44,6 +55,7 @@ class PromptData:
         tokenizer: Tokenizer,
         *,
         max_prompt_len: int,
+        adaptive: AdaptiveDomains | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
     ):
@@ -101,37 +113,102 @@ class PromptData:
             per_domain[p["domain"]] += 1
         self.stats = {**counts, "domains": per_domain, "errors": errors}
         fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
-        self._identity = json.loads(
-            json.dumps(
-                {
-                    "config": fields,
-                    "max_prompt_len": max_prompt_len,
-                    "process": [pi, pc],
-                    "records": [len(r) for r in records],
-                    "prompts": len(self.prompts),
-                }
+        self._identity = {
+            "config": fields,
+            "max_prompt_len": max_prompt_len,
+            "process": [pi, pc],
+            "records": [len(r) for r in records],
+            "adaptive": adaptive and dataclasses.asdict(adaptive),
+        }
+        self._config, self._members, self.adaptive = config, members, adaptive
+        self._lock = threading.Lock()
+        self._build()
+
+    def _build(self) -> None:
+        """The index streams over the kept prompts (again after `keep`)."""
+        c, members = self._config, self._members
+        self._identity["prompts"] = sum(map(len, members))
+        self._identity = json.loads(json.dumps(self._identity))
+        if self.adaptive is None:
+            indices = index_mixture(
+                members,
+                [s.weight for s in c.sources],
+                seed=c.seed,
+                shuffle=c.shuffle,
+                num_epochs=c.num_epochs,
             )
-        )
-        indices = index_mixture(
-            members,
-            [s.weight for s in config.sources],
-            seed=config.seed,
-            shuffle=config.shuffle,
-            num_epochs=config.num_epochs,
-        )
-        self._iterator = indices.batch(
-            self.rows, batch_fn=lambda idx: [self.prompts[i] for i in idx]
-        ).__iter__()
+            self._iterator = indices.batch(
+                self.rows, batch_fn=lambda idx: [self.prompts[i] for i in idx]
+            ).__iter__()
+            return
+        if c.num_epochs is not None:
+            raise ValueError("adaptive domain weights need data.num_epochs=None (repeat forever)")
+        # One endless stream per domain; each prompt's domain drawn by the current weights.
+        by_domain = [[i for m in members for i in m if self.prompts[i]["domain_id"] == d]
+                     for d in range(len(self.domains))]  # fmt: skip
+        self._streams = {
+            d: index_mixture([m], [1.0], seed=c.seed + 7919 * (d + 1), shuffle=c.shuffle,
+                             num_epochs=None).__iter__()
+            for d, m in enumerate(by_domain) if m
+        }  # fmt: skip
+        base = np.zeros(len(self.domains))
+        total = sum(map(len, members))
+        for source, m in zip(c.sources, members, strict=True):
+            for i in m:
+                base[self.prompts[i]["domain_id"]] += source.weight / len(m)
+        self._base = base / max(base.sum(), 1e-12) if total else base
+        self._signal = np.ones(len(self.domains))  # optimistic start: every domain learnable
+        self._rng = np.random.default_rng(c.seed)
+
+    @property
+    def domain_weights(self) -> dict[str, float]:
+        """The current sampling weight of each domain (adaptive mode)."""
+        if self.adaptive is None:
+            return {}
+        w = self._base * (self.adaptive.floor + self._signal)
+        w = w / w.sum()
+        return dict(zip(self.domains, w.tolist(), strict=True))
+
+    def update_signal(self, signal: dict[str, float]) -> None:
+        """Adaptive mode: folds this step's learning signal per domain (e.g. the share of its
+        groups whose rewards differ) into the running estimate that sets the weights."""
+        if self.adaptive is None:
+            return
+        with self._lock:
+            for name, value in signal.items():
+                d = self.domains.index(name)
+                a = self.adaptive.smoothing
+                self._signal[d] = a * self._signal[d] + (1 - a) * value
 
     def __iter__(self) -> PromptData:
         return self
 
     def __next__(self) -> list[dict[str, Any]]:
-        return next(self._iterator)
+        if self.adaptive is None:
+            return next(self._iterator)
+        with self._lock:
+            names = list(self.domain_weights)
+            w = np.asarray([self.domain_weights[n] for n in names])
+            live = [d for d in range(len(names)) if d in self._streams]
+            p = w[live] / w[live].sum()
+            picks = self._rng.choice(live, size=self.rows, p=p)
+            return [self.prompts[next(self._streams[int(d)])] for d in picks]
 
     def get_state(self) -> dict[str, Any]:
         """The position (JSON-serialisable), saved with every checkpoint."""
-        return {"pipeline": self._identity, "iterator": self._iterator.get_state()}
+        if self.adaptive is None:
+            return {"pipeline": self._identity, "iterator": self._iterator.get_state()}
+        with self._lock:
+            return json.loads(
+                json.dumps(
+                    {
+                        "pipeline": self._identity,
+                        "streams": {str(d): it.get_state() for d, it in self._streams.items()},
+                        "rng": self._rng.bit_generator.state,
+                        "signal": self._signal.tolist(),
+                    }
+                )
+            )
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resumes at a `get_state()` position.
@@ -145,7 +222,30 @@ class PromptData:
                 f"{state.get('pipeline')}, now {self._identity}); resume with the same data "
                 "config, process layout and data files, or start afresh"
             )
-        self._iterator.set_state(state["iterator"])
+        if self.adaptive is None:
+            self._iterator.set_state(state["iterator"])
+            return
+        for d, it in self._streams.items():
+            it.set_state(state["streams"][str(d)])
+        self._rng.bit_generator.state = state["rng"]
+        self._signal = np.asarray(state["signal"], np.float64)
+
+    def keep(self, indices) -> None:
+        """Keeps only these prompts (indices into `prompts`), e.g. after difficulty filtering.
+
+        Raises:
+          ValueError: a source would have no prompt left.
+        """
+        keep = set(indices)
+        members = [[i for i in m if i in keep] for m in self._members]
+        if not all(members):
+            raise ValueError(
+                "difficulty filtering left a data source with no prompt; widen "
+                "difficulty.min_pass_rate / max_pass_rate or add prompts"
+            )
+        self._members = members
+        self._identity["kept"] = sum(map(len, members))
+        self._build()
 
     def lengths(self) -> np.ndarray:
         """Prompt lengths in tokens (for sizing buffers)."""

@@ -43,10 +43,16 @@ from posttrain.losses import (
 )
 from posttrain.models import Transformer, param_shardings
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh, shard_batch
-from posttrain.rewards import RewardPool, RewardRegistry, default_registry, overlong_penalty
+from posttrain.rewards import (
+    RewardPool,
+    RewardRegistry,
+    default_registry,
+    overlong_penalty,
+    pass_rate,
+)
 from posttrain.rl._critic import token_values, value_trainable
 from posttrain.rl._loss import CriticLoss, PolicyLossConfig, rl_loss, sequence_log_probs
-from posttrain.rl._prompts import PromptData
+from posttrain.rl._prompts import AdaptiveDomains, PromptData
 from posttrain.rl._rollout import rollout_batch, split_rows
 from posttrain.sampling import generate
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
@@ -160,6 +166,30 @@ class RewardsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DomainsConfig:
+    """How prompts are drawn across domains."""
+
+    adaptive: bool = False  # False: the sources' static weights; True: follow learning signal
+    smoothing: float = 0.9  # adaptive: exponential average of each domain's signal
+    floor: float = 0.1  # adaptive: every domain keeps at least this share of its base weight
+
+    def __post_init__(self):
+        if not (0 <= self.smoothing < 1 and self.floor > 0):
+            raise ConfigError("domains.smoothing must be in [0, 1) and domains.floor > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DifficultyConfig:
+    """Difficulty filtering before RL (0 samples: off): the starting policy answers each prompt
+    `samples` times; prompts whose pass rate is not strictly between the bounds are dropped."""
+
+    samples: int = 0  # completions per prompt to estimate pass rates (0: no filtering)
+    prompts: int = 0  # only the first N prompts are estimated (0: all); the rest are kept
+    min_pass_rate: float = 0.0  # at or below: too hard (no signal)
+    max_pass_rate: float = 1.0  # at or above: too easy (no signal)
+
+
+@dataclasses.dataclass(frozen=True)
 class RFTConfig:
     """Rejection-sampling fine-tuning before online RL (0 steps: off): sample `samples`
     completions of `prompts` training prompts, keep those whose reward passes, SFT on them."""
@@ -184,6 +214,8 @@ class RLConfig:
     kl: KLConfig = KLConfig()
     rewards: RewardsConfig = RewardsConfig()
     rft: RFTConfig = RFTConfig()
+    domains: DomainsConfig = DomainsConfig()
+    difficulty: DifficultyConfig = DifficultyConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: LoopConfig = LoopConfig()  # steps = RL steps
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -285,9 +317,16 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         devices, sampler_devices = devices[:-n], devices[-n:]
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
-    prompts = PromptData(c.data, tokenizer, max_prompt_len=c.rollout.max_prompt_len)
+    adaptive = None
+    if c.domains.adaptive:
+        adaptive = AdaptiveDomains(smoothing=c.domains.smoothing, floor=c.domains.floor)
+    prompts = PromptData(
+        c.data, tokenizer, max_prompt_len=c.rollout.max_prompt_len, adaptive=adaptive
+    )
     if c.rft.steps:
         c = _rejection_sampling(c, workdir, prompts, tokenizer, model_config, mesh)
+    if c.difficulty.samples:
+        _filter_by_difficulty(c, workdir, prompts, tokenizer, model_config, mesh)
     eval_prompts = None
     if c.eval_data:
         eval_config = dataclasses.replace(c.data, sources=c.eval_data, shuffle=False)
@@ -395,6 +434,55 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     summary["model_config"] = model_config
     summary["data"] = prompts.stats
     return summary
+
+
+def _filter_by_difficulty(c: RLConfig, workdir, prompts, tokenizer, model_config, mesh) -> None:
+    """Drops the prompts the starting policy always or never solves (pass rate outside
+    (min_pass_rate, max_pass_rate) over `difficulty.samples` samples); the estimates are
+    stored in `<workdir>/difficulty.json` and reused on resume."""
+    d = c.difficulty
+    path = os.path.join(workdir, "difficulty.json")
+    count = len(prompts.prompts) if not d.prompts else min(d.prompts, len(prompts.prompts))
+    key = {"samples": d.samples, "prompts": count, "model": to_json(c.model)}
+    saved = None
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("key") != json.loads(json.dumps(key)):
+            saved = None
+    if saved is None:
+        with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
+            params = model_trainable(c.model, model_config, mesh, c.train.seed).init()
+        sampling = dataclasses.replace(
+            c, rollout=dataclasses.replace(c.rollout, num_generations=d.samples)
+        )
+        scores = {}
+        with RewardPool(
+            c.rewards.registry(), workers=c.rewards.workers, timeout_s=c.rewards.timeout_s
+        ) as pool:
+            rollouts = _Rollouts(sampling, tokenizer, model_config, pool, prompts.domains)
+            bar = tqdm(total=count, desc="difficulty", disable=not c.train.progress)
+            for i in range(0, count, 64):
+                batch = prompts.prompts[i : min(i + 64, count)]
+                _, rewards = rollouts.sample(params, batch, seed=c.train.seed + 104729 + i)
+                scores.update({i + j: r.tolist() for j, r in enumerate(rewards)})
+                bar.update(len(batch))
+            bar.close()
+        rates = pass_rate(scores, threshold=c.rewards.pass_threshold)
+        saved = {"key": key, "pass_rates": {str(k): v for k, v in rates.items()}}
+        with open(path, "w") as f:
+            json.dump(saved, f)
+    rates = {int(k): v for k, v in saved["pass_rates"].items()}
+    kept = [i for i in range(len(prompts.prompts)) if i not in rates]
+    kept += [i for i, r in rates.items() if d.min_pass_rate < r < d.max_pass_rate]
+    prompts.stats["difficulty"] = {
+        "estimated": len(rates),
+        "too_hard": sum(r <= d.min_pass_rate for r in rates.values()),
+        "too_easy": sum(r >= d.max_pass_rate for r in rates.values()),
+        "kept": len(kept),
+    }
+    log.info("difficulty filtering: %s", prompts.stats["difficulty"])
+    prompts.keep(kept)
 
 
 def _rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, mesh) -> RLConfig:
@@ -740,6 +828,14 @@ def _loop(
                 "train_s": t3 - t2,
                 "step_s": t3 - t0,
             }
+            if c.domains.adaptive:
+                # A group carries learning signal when its rewards differ.
+                signal: dict[str, list[float]] = {}
+                for p, group in zip(kept, rewards, strict=True):
+                    signal.setdefault(p["domain"], []).append(float(np.ptp(group) > 0))
+                prompts.update_signal({d: float(np.mean(v)) for d, v in signal.items()})
+                weights = prompts.domain_weights
+                metrics.update({f"domain_weight/{d}": w for d, w in weights.items()})
             if c.kl.target > 0 and "kl" in metrics:
                 kl_coef = float(
                     adaptive_kl_update(

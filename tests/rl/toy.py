@@ -54,3 +54,25 @@ def toy_config(preset: str = "tiny", file: str = "grpo.py", **overrides):
             node = node[name]
         node[leaf] = value
     return config
+
+
+def always_one(record, completion: str):
+    """A domain every completion solves: its groups carry no learning signal."""
+    return 1.0, {}
+
+
+def two_domain_prompts(path, n: int = 256) -> str:
+    """Demo problems split into a "digits" domain (`digit_share`) and a "solved" one
+    (`always_one`), written as a prompt file."""
+    import json
+
+    with open(ASSETS_DIR / "train.jsonl") as f:
+        records = [json.loads(line) for _, line in zip(range(n), f, strict=False)]
+    with open(path, "w") as f:
+        for i, r in enumerate(records):
+            r["domain"] = "digits" if i % 2 else "solved"
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+TWO_DOMAIN_REWARDS = {"digits": ["tests.rl.toy:digit_share"], "solved": ["tests.rl.toy:always_one"]}
