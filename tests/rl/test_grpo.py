@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from posttrain.config import load_config_file
+from posttrain.demo import ASSETS_DIR
 from posttrain.train import read_metrics
 from posttrain.train.drivers import run_from_config
 
@@ -142,3 +143,25 @@ def test_decoupled_rollouts_with_bounded_staleness(tmp_path, devices):
     assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.2
     assert np.mean(rewards[-5:]) > np.mean(baseline[-5:]) - 0.15, (rewards, baseline)
     assert on_policy["final_step"] == decoupled["final_step"] == 25
+
+
+def test_ppo_critic_can_start_from_a_reward_model(tmp_path):
+    records = [json.loads(line) for line in open(ASSETS_DIR / "train.jsonl")][:64]
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for r in records:
+            pair = {"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["answer"] + "1"}
+            f.write(json.dumps(pair) + "\n")
+    rm = load_config_file(os.path.join(REPO, "configs", "rm.py") + ":tiny")
+    source = {"path": str(tmp_path / "pairs.jsonl"), "weight": 1.0, "domain": "arithmetic",
+              "format": "auto"}  # fmt: skip
+    rm.model.checkpoint, rm.tokenizer = "", str(ASSETS_DIR / "tokenizer")
+    rm.data.sources, rm.eval_data, rm.data.batch_size, rm.data.max_len = [source], [], 16, 32
+    rm.train.steps, rm.train.progress, rm.checkpoint.every = 2, False, 2
+    rm.mesh.ici = {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+    run_from_config(rm, str(tmp_path / "rm"))
+    config = toy_config(
+        "tiny", "ppo.py", train__steps=2, data__batch_size=16, critic__init=f"rm:{tmp_path / 'rm'}"
+    )
+    run_from_config(config, str(tmp_path / "ppo"))
+    rows = read_metrics(str(tmp_path / "ppo"))
+    assert rows[0]["value"] != 0.0 and np.isfinite(rows[0]["value_loss"])  # not a zero head
