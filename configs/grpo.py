@@ -21,7 +21,7 @@ import os
 
 import ml_collections
 
-from posttrain.config import load_config_file
+from posttrain.config import load_config_file, override
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _DEMO = os.path.join(_HERE, "..", "posttrain", "demo", "assets")
@@ -40,14 +40,6 @@ VARIANTS = {
     "gspo": {"loss.ratio": "sequence", "loss.clip_low": 3e-4, "loss.clip_high": 4e-4},
     "rloo": {"algorithm.advantage": "rloo"},
 }
-
-
-def _set(c, dotted: str, value):
-    node = c
-    *parents, leaf = dotted.split(".")
-    for name in parents:
-        node = node[name]
-    node[leaf] = value
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
@@ -161,6 +153,4 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.micro_batches = 4
         c.train.steps = 500
         c.kl.coef = 0.001
-    for key, value in VARIANTS[variant].items():
-        _set(c, key, value)
-    return c
+    return override(c, VARIANTS[variant])

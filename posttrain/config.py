@@ -35,6 +35,18 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     return module.get_config(preset) if preset else module.get_config()
 
 
+def override(config, values: Mapping[str, typing.Any] | None):
+    """Sets dotted keys (`{"train.steps": 50, "mesh.ici.data": -1}`) in a ConfigDict or dict,
+    as `--config.train.steps=50` does on the command line; returns `config`."""
+    for key, value in (values or {}).items():
+        node = config
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config
+
+
 def to_plain(value):
     if isinstance(value, ml_collections.ConfigDict):
         return {k: to_plain(v) for k, v in value.items()}

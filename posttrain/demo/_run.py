@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from posttrain.config import build, load_config_file
+from posttrain.config import build, load_config_file, override
 from posttrain.data import load_tokenizer, preference_batches
 from posttrain.demo._task import DOMAIN, is_correct
 from posttrain.eval import greedy_exact_match
@@ -105,16 +105,6 @@ def plot_rewards(workdir: str, out_png: str) -> str:
     fig.savefig(out_png)
     plt.close(fig)
     return out_png
-
-
-def _apply(config_dict, overrides: dict | None):
-    for key, value in (overrides or {}).items():
-        node = config_dict
-        *parents, leaf = key.split(".")
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
-    return config_dict
 
 
 def preference_pairs(
@@ -208,7 +198,7 @@ def run_demo(
     from rich.table import Table
 
     console = Console()
-    config_dict = _apply(load_config_file(f"{SFT_CONFIG}:tiny"), overrides)
+    config_dict = override(load_config_file(f"{SFT_CONFIG}:tiny"), overrides)
     config = build(SFTConfig, {k: v for k, v in config_dict.items() if k != "method"})
     tokenizer = load_tokenizer(config.tokenizer)
     held_out = _records(config.eval_data[0].path)
@@ -240,7 +230,7 @@ def run_demo(
 
     # Stage 2: pairs of the SFT model's own right and wrong answers, labelled by the verifier.
     start = time.perf_counter()
-    dpo_dict = _apply(load_config_file(f"{DPO_CONFIG}:tiny"), dpo_overrides)
+    dpo_dict = override(load_config_file(f"{DPO_CONFIG}:tiny"), dpo_overrides)
     train_problems = _records(config.data.sources[0].path, _PAIR_PROBLEMS)
     files = {
         "train": _write_jsonl(
@@ -271,7 +261,7 @@ def run_demo(
 
     # Stage 3: GRPO from the SFT checkpoint (stage 1), the verifier as the reward.
     start = time.perf_counter()
-    rl_dict = _apply(load_config_file(f"{GRPO_CONFIG}:tiny"), rl_overrides)
+    rl_dict = override(load_config_file(f"{GRPO_CONFIG}:tiny"), rl_overrides)
     rl_dict.model.checkpoint = sft_dir
     rl_config = build(RLConfig, {k: v for k, v in rl_dict.items() if k != "method"})
     console.print(

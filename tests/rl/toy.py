@@ -4,7 +4,7 @@ digits), which a random tiny model can climb."""
 
 import os
 
-from posttrain.config import load_config_file
+from posttrain.config import load_config_file, override
 from posttrain.demo import ASSETS_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,13 +47,7 @@ def toy_config(preset: str = "tiny", file: str = "grpo.py", **overrides):
         "mesh.ici": {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1},
         **{k.replace("__", "."): v for k, v in overrides.items()},
     }
-    for key, value in values.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
-    return config
+    return override(config, values)
 
 
 def always_one(record, completion: str):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from posttrain.config import load_config_file
+from posttrain.config import load_config_file, override
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,13 +31,7 @@ def small_config(**overrides):
     config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny")
     config.eval_data = []
     values = {**SMALL, **{k.replace("__", "."): v for k, v in overrides.items()}}
-    for key, value in values.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
-    return config
+    return override(config, values)
 
 
 _RUNNER = """

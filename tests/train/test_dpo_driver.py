@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from posttrain.config import ConfigError, load_config_file
+from posttrain.config import ConfigError, load_config_file, override
 from posttrain.data import PairError
 from posttrain.demo import ASSETS_DIR, make_dataset
 from posttrain.train import read_metrics
@@ -76,13 +76,7 @@ def _config(pair_files, **overrides):
         "mesh.ici.data": -1,
         **overrides,
     }
-    for key, value in values.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
-    return config
+    return override(config, values)
 
 
 def test_dpo_run_reports_bad_pairs_and_learns(pair_files, tmp_path):
