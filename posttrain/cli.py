@@ -16,7 +16,9 @@ commands:
              [--max-new-tokens=N] | --prompts-file=FILE [--out=JSONL])
   eval       evaluate a checkpoint
   export     write a checkpoint as a Hugging Face directory (--workdir=DIR --out=HF_DIR)
-  compile    AOT-compile a train step for a TPU topology and report memory
+  compile    AOT-compile the train step for a TPU slice and report memory, FLOPs and fit
+             (--config=configs/<method>.py:preset --topology=v5p-1024 [--num-slices=N]
+             [--find-smallest])
   sweep      run a grid or random search over config keys
   demo       the end-to-end demo on a bundled tiny model and task (--workdir=DIR)
 """
@@ -24,9 +26,34 @@ commands:
 # Commands whose drivers have not landed yet, with the issue that brings each one.
 _PENDING = {
     "eval": "the evaluation harness (issue #10)",
-    "compile": "AOT compilation (issue #8)",
     "sweep": "sweeps (issue #10)",
 }
+
+
+def _normalize(argv: list[str]) -> list[str]:
+    """Accepts --max-new-tokens as well as absl's --max_new_tokens."""
+    return [argv[0]] + [
+        a.split("=", 1)[0].replace("-", "_").replace("__", "--", 1)
+        + ("=" + a.split("=", 1)[1] if "=" in a else "")
+        if a.startswith("--")
+        else a
+        for a in argv[1:]
+    ]
+
+
+def _config_flag(fv, argv: list[str]) -> None:
+    """`--config=configs/<method>.py[:preset]` with `--config.a.b=value` overrides, read from
+    `argv` (not sys.argv, so `main([...])` from Python overrides the same way)."""
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "configs/<method>.py[:preset]",
+        flag_values=fv,
+        lock_config=True,
+        sys_argv=_normalize(argv),
+    )
 
 
 def _parse(argv: list[str], define) -> object:
@@ -35,28 +62,23 @@ def _parse(argv: list[str], define) -> object:
 
     values = flags.FlagValues()
     define(flags, values)
-    # Accept --max-new-tokens as well as absl's --max_new_tokens.
-    argv = [argv[0]] + [
-        a.split("=", 1)[0].replace("-", "_").replace("__", "--", 1)
-        + ("=" + a.split("=", 1)[1] if "=" in a else "")
-        if a.startswith("--")
-        else a
-        for a in argv[1:]
-    ]
+    argv = _normalize(argv)
     try:
         values(argv)
     except flags.Error as e:
         raise SystemExit(f"{argv[0]}: {e}") from None
+    except (KeyError, AttributeError) as e:  # a --config.a.b override naming no config key
+        overrides = [a for a in argv if a.startswith("--config.")]
+        raise SystemExit(
+            f"{argv[0]}: {overrides} names a key the config does not have ({e}); see the "
+            "config file for its keys"
+        ) from None
     return values
 
 
 def _train(argv: list[str]) -> int:
-    from ml_collections import config_flags
-
     def define(flags, fv):
-        config_flags.DEFINE_config_file(
-            "config", None, "configs/<method>.py[:preset]", flag_values=fv, lock_config=True
-        )
+        _config_flag(fv, argv)
         flags.DEFINE_string(
             "workdir", None, "output directory (checkpoints, metrics)", flag_values=fv
         )
@@ -131,6 +153,36 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _compile(argv: list[str]) -> int:
+    def define(flags, fv):
+        _config_flag(fv, argv)
+        flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-1024, v6e-256", flag_values=fv)
+        flags.DEFINE_integer("num_slices", 1, "slices joined over DCN", flag_values=fv)
+        flags.DEFINE_bool(
+            "find_smallest", False, "also search the smallest slice it fits on", flag_values=fv
+        )
+
+    fv = _parse(argv, define)
+    if fv.config is None or not fv.topology:
+        raise SystemExit(
+            "posttrain compile: --config=configs/<method>.py:preset and --topology=v5p-1024 "
+            "are required"
+        )
+    from posttrain.aot import compile_plan, smallest_fit, suggestion
+
+    report = compile_plan(fv.config, fv.topology, num_slices=fv.num_slices)
+    print("\n".join(report.lines()))
+    if fv.find_smallest:
+        generation = fv.topology.split("-")[0]
+        name, _ = smallest_fit(fv.config, generation)
+        print(f"smallest {generation} slice it fits on: {name or 'none up to 8192 chips'}")
+    if report.fits:
+        print("fits")
+        return 0
+    print(f"does not fit: {suggestion(report)}")
+    return 1
+
+
 def _demo(argv: list[str]) -> int:
     def define(flags, fv):
         flags.DEFINE_string("workdir", "runs/demo", "where the demo writes", flag_values=fv)
@@ -142,7 +194,13 @@ def _demo(argv: list[str]) -> int:
     return 0
 
 
-_COMMANDS = {"train": _train, "export": _export, "generate": _generate, "demo": _demo}
+_COMMANDS = {
+    "train": _train,
+    "export": _export,
+    "generate": _generate,
+    "compile": _compile,
+    "demo": _demo,
+}
 
 
 def _skip_absent_tpu() -> None:

@@ -1,0 +1,469 @@
+"""Ahead-of-time compilation of a run's train step for a TPU slice, from a CPU host.
+
+    posttrain compile --config=configs/sft.py:llama3_8b_v5p --topology=v5p-64
+    report = compile_plan(load_config_file("configs/sft.py:llama3_8b_v5p"), "v5p-64")
+
+The real step of the configured method (SFT, DPO or GRPO/PPO) is lowered with abstract params,
+optimizer state and batch (nothing is allocated) onto the devices of
+`jax.experimental.topologies` for that slice and compiled by libtpu (the `tpu` extra). The
+report gives XLA's per-device memory (arguments, outputs, temporaries), what the method keeps
+resident beside the step (a frozen reference, the rollout KV cache), the model's and the
+compiled FLOPs, and a roofline step time and MFU from the chip's peak. A plan "fits" when the
+per-device total stays under 95% of the chip's HBM (the rest is left to the runtime).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import jaxprs_in_params
+
+from posttrain.config import ConfigError, build, to_plain
+
+GiB = 1024**3
+FIT_FRACTION = 0.95  # of HBM; the rest is the runtime's (programs, buffers, fragmentation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """A TPU generation: its HBM, dense bf16 peak, memory bandwidth and slice geometry."""
+
+    name: str
+    hbm_bytes: float
+    peak_flops: float
+    hbm_bandwidth: float  # bytes/s
+    dims: int  # torus dimensions of a slice (3 for v4/v5p, 2 for v5e/v6e)
+    cores_per_chip: int  # the slice name counts TensorCores (v4/v5p: 2 per chip)
+
+
+CHIPS = {
+    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2.765e12, 3, 2),
+    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 0.819e12, 2, 1),
+    "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1.64e12, 2, 1),
+    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1.2e12, 3, 2),
+}
+
+
+def parse_topology(name: str) -> tuple[str, int, str]:
+    """`"v5p-1024"` -> ("v5p", 512 chips, "v5p:8x8x8"), the name libtpu's topologies take."""
+    match = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name.strip().lower())
+    if not match:
+        raise ConfigError(
+            f"--topology={name!r}: use <generation>-<size> with generation v4, v5p, v5e or v6e, "
+            "e.g. v5p-1024 (512 chips), v6e-256, v5e-8"
+        )
+    generation, size = match.group(1), int(match.group(2))
+    chip = CHIPS[generation]
+    chips = size // chip.cores_per_chip
+    if chips < 1 or chips & (chips - 1) or size % chip.cores_per_chip:
+        raise ConfigError(f"--topology={name!r}: the slice size must give a power-of-two chips")
+    # The most cube-like power-of-two shape: 8 chips 2x2x2 (v5p) or 2x4 (v5e), 4 chips 2x2x1.
+    shape = [1] * chip.dims
+    for i in range(int(math.log2(chips))):
+        shape[i % chip.dims] *= 2
+    shape = sorted(shape) if chip.dims == 2 else sorted(shape, reverse=True)
+    if chip.dims == 3 and shape[-1] > 1:
+        shape = sorted(shape)
+    return generation, chips, f"{generation}:" + "x".join(map(str, shape))
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What `compile_plan` measured; all memory figures are bytes per device."""
+
+    topology: str
+    chips: int
+    chip: Chip
+    method: str
+    arguments: float
+    outputs: float
+    temporaries: float
+    aliased: float
+    resident: dict  # what the method keeps beside the step: {name: bytes}
+    model_flops: float  # per step, all chips (6 N tokens + attention, per the model)
+    compiled_flops: float  # per step, all chips: the program's matmuls (scan/remat aware)
+    xla_flops: float  # XLA's cost analysis x chips (counts each loop body once)
+    expected_ratio: float  # compiled / model FLOPs the remat policy explains
+    bytes_accessed: float  # per device per step
+    compile_seconds: float
+
+    @property
+    def total(self) -> float:
+        """Per-device peak: the step's buffers (donated inputs reused) plus resident extras."""
+        return (
+            self.arguments + self.outputs + self.temporaries - self.aliased
+            + sum(self.resident.values())
+        )  # fmt: skip
+
+    @property
+    def capacity(self) -> float:
+        return self.chip.hbm_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= FIT_FRACTION * self.capacity
+
+    @property
+    def step_seconds(self) -> float:
+        """Roofline: the larger of compute time and HBM traffic time on one chip."""
+        return max(
+            self.compiled_flops / self.chips / self.chip.peak_flops,
+            self.bytes_accessed / self.chip.hbm_bandwidth,
+        )
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.chips * self.chip.peak_flops * self.step_seconds)
+
+    def lines(self) -> list[str]:
+        gib = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
+        out = [
+            f"{self.method} train step on {self.topology} ({self.chips} x {self.chip.name}, "
+            f"{self.capacity / GiB:.0f} GiB HBM each), compiled in {self.compile_seconds:.0f} s",
+            f"  arguments     {gib(self.arguments)}  (params, optimizer state, batch)",
+            f"  outputs       {gib(self.outputs)}  (aliased with donated inputs: "
+            f"{self.aliased / GiB:.2f} GiB)",
+            f"  temporaries   {gib(self.temporaries)}",
+        ]
+        out += [f"  {name:<13} {gib(size)}" for name, size in self.resident.items()]
+        out += [
+            f"  total         {gib(self.total)}  of {self.capacity / GiB:.0f} GiB "
+            f"({100 * self.total / self.capacity:.0f}%)",
+            f"  model FLOPs / step     {self.model_flops:.3e}",
+            f"  compiled FLOPs / step  {self.compiled_flops:.3e}  "
+            f"(x{self.compiled_flops / self.model_flops:.2f} of the model's; the remat policy "
+            f"explains x{self.expected_ratio:.2f})",
+            f"  XLA cost analysis      {self.xla_flops:.3e}  (loop bodies counted once)",
+            f"  roofline step time     {self.step_seconds:.3f} s, MFU {100 * self.mfu:.0f}%",
+        ]
+        return out
+
+
+def _method_parts(config) -> tuple[str, object]:
+    """(method, built config) of a loaded ConfigDict."""
+    from posttrain.train.drivers import _driver
+
+    values = dict(to_plain(config))
+    method = values.pop("method", "sft")
+    cls, _ = _driver(method)
+    return method, build(cls, values)
+
+
+def _abstract_batch(method: str, c, model_config, mesh):
+    """Abstract, sharded batch of one optimizer update, and the tokens it trains on."""
+    from posttrain.parallel import named_sharding
+
+    if method in ("grpo", "ppo"):
+        rows = c.rows // c.algorithm.minibatches
+        length = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+        ints = ("tokens", "targets", "positions", "segment_ids")
+        floats = ("loss_mask", "sampler_logps", "old_logps", "ref_logps", "returns", "old_values")
+        per_row = {"rewards": jnp.float32, "truncated": jnp.float32, "kl_coefs": jnp.float32,
+                   "lengths": jnp.float32, "domain_ids": jnp.int32}  # fmt: skip
+        shapes = {k: ((rows, length), jnp.int32) for k in ints}
+        shapes |= {k: ((rows, length), jnp.float32) for k in floats}
+        shapes |= {k: ((rows,), t) for k, t in per_row.items()}
+        shapes["advantages"] = ((rows, length) if c.ppo else (rows,), jnp.float32)
+        tokens = rows * length
+    elif method in ("dpo", "rm"):
+        rows, length = c.data.batch_size, c.data.max_len
+        shapes = {}
+        for side in ("chosen", "rejected"):
+            for k in ("tokens", "targets", "positions", "segment_ids"):
+                shapes[f"{side}_{k}"] = ((rows, length), jnp.int32)
+            shapes[f"{side}_loss_mask"] = ((rows, length), jnp.float32)
+        shapes |= {"domain_ids": ((rows,), jnp.int32), "margins": ((rows,), jnp.float32)}
+        shapes |= {k: ((rows,), jnp.float32) for k in ("ref_chosen_logps", "ref_rejected_logps")}
+        tokens = 2 * rows * length
+    else:
+        rows, length = c.data.batch_size, c.data.max_len
+        shapes = {k: ((rows, length), jnp.int32) for k in ("tokens", "targets", "positions",
+                                                             "segment_ids")}  # fmt: skip
+        shapes["loss_mask"] = ((rows, length), jnp.float32)
+        tokens = rows * length
+    batch = {
+        k: jax.ShapeDtypeStruct(
+            shape,
+            dtype,
+            sharding=named_sharding(("act_batch", "act_length")[: len(shape)], shape, mesh),
+        )  # fmt: skip
+        for k, (shape, dtype) in shapes.items()
+    }
+    return batch, tokens, length
+
+
+def _loss(method: str, c, model_config):
+    """The method's loss_fn as its driver builds it (DPO: precomputed reference)."""
+    if method == "sft":
+        from posttrain.train._sft import sft_loss
+
+        return sft_loss(model_config, c.z_loss)
+    if method == "dpo":
+        from posttrain.train._dpo import dpo_loss
+
+        reference = c.loss.resolved_reference
+        return dpo_loss(
+            model_config,
+            loss_type=c.loss.type,
+            beta=c.loss.beta,
+            reference="precomputed" if reference == "on_the_fly" else reference,
+            sft_weight=c.loss.sft_weight,
+        )
+    if method == "rm":
+        from posttrain.train._rm import reward_model_loss
+
+        return reward_model_loss(model_config)
+    from posttrain.rl._loss import CriticLoss, rl_loss
+
+    return rl_loss(
+        model_config,
+        c.loss,
+        max_new_tokens=c.rollout.max_new_tokens,
+        use_reference=c.kl.enabled,
+        kl_in_loss=c.kl.mode == "loss",
+        critic=CriticLoss(model_config) if c.ppo else None,
+    )
+
+
+def _trainable_shapes(method: str, c, model_config, mesh):
+    """(abstract params, their shardings, decay mask) of what the method trains."""
+    from posttrain.models import param_shapes, param_shardings
+    from posttrain.train._rm import _trunk, reward_shapes
+    from posttrain.train._run import decay_mask
+
+    shapes, shardings = param_shapes(model_config), param_shardings(model_config, mesh)
+    mask = decay_mask(model_config)
+    head = named_head_sharding(mesh, model_config)
+    if method == "rm":
+        value = reward_shapes(model_config, 1)
+        return (
+            value,
+            {"trunk": _trunk(shardings), "head": head},
+            {"trunk": _trunk(mask), "head": True},
+        )
+    if method in ("grpo", "ppo") and c.ppo:
+        value = reward_shapes(model_config, 1)
+        value_sh = {"trunk": _trunk(shardings), "head": head}
+        value_mask = {"trunk": _trunk(mask), "head": True}
+        return (
+            {"policy": shapes, "value": value},
+            {"policy": shardings, "value": value_sh},
+            {"policy": mask, "value": value_mask},
+        )
+    return shapes, shardings, mask
+
+
+def named_head_sharding(mesh, model_config):
+    from posttrain.parallel import named_sharding
+
+    return named_sharding(("embed", None), (model_config.embed_dim, 1), mesh)
+
+
+def _remat_ratio(m, length: int) -> float:
+    """Training FLOPs with the remat policy over those without: `full` recomputes each layer's
+    forward in the backward pass (its 2 of 6 N go to 8 N); the LM head and the attention kernel
+    are not recomputed. Other policies save the matmuls (ratio 1)."""
+    if m.remat != "full":
+        return 1.0
+    total = m.flops_per_token(length)
+    head = 6 * m.embed_dim * m.vocab_size
+    attention = total - m.flops_per_token(0)
+    layers = total - head - attention
+    return (layers * 4 / 3 + head + attention) / total
+
+
+def matmul_flops(jaxpr) -> float:
+    """FLOPs of every matrix multiply the program executes: `dot_general`s, with scan bodies
+    counted `length` times and rematerialised forwards counted again where the backward pass
+    recomputes them (XLA's cost analysis counts each loop body once). Fused kernels (Pallas)
+    are not matmuls here; their attention FLOPs are added from the model's formula."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+            a, b = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            contract = math.prod(a[i] for i in lc)
+            batch = math.prod(a[i] for i in lb)
+            total += 2.0 * math.prod(a) * math.prod(b) / (contract * batch)
+            continue
+        subs = list(jaxprs_in_params(eqn.params))
+        counts = [matmul_flops(getattr(j, "jaxpr", j)) for j in subs]
+        if not counts:
+            continue
+        if name == "scan":
+            total += eqn.params["length"] * sum(counts)
+        elif name == "cond":
+            total += max(counts)
+        elif name == "shard_map":
+            total += sum(counts) * math.prod(eqn.params["mesh"].shape.values())
+        else:
+            total += sum(counts)
+    return total
+
+
+def _bytes_per_device(shapes, shardings) -> float:
+    total = 0.0
+    for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True):
+        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            continue  # the PRNG key: a few bytes
+        total += math.prod(sh.shard_shape(s.shape)) * jnp.dtype(s.dtype).itemsize
+    return total
+
+
+def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport:
+    """Compiles the configured method's train step for `topology` and measures it.
+
+    Args:
+      config: a loaded config (`load_config_file("configs/<method>.py:<preset>")`).
+      topology: e.g. "v5p-1024" (512 chips), "v6e-256", "v5e-8".
+      num_slices: slices joined over DCN (the config's `mesh.dcn` spans them).
+
+    Raises:
+      ConfigError: an unknown topology, or a mesh that does not fit its devices.
+      ImportError: libtpu is not installed (install the `tpu` extra).
+    """
+    import time
+
+    from jax.experimental import topologies
+
+    from posttrain.parallel import axis_rules, make_mesh
+    from posttrain.train._run import Trainable, optimizer_and_abstract_state, with_shardings
+    from posttrain.train._state import state_shardings
+    from posttrain.train._step import train_step
+
+    try:
+        import libtpu  # noqa: F401
+    except ImportError as e:
+        raise ImportError("posttrain compile needs libtpu: pip install 'posttrain[tpu]'") from e
+    method, c = _method_parts(config)
+    generation, chips, name = parse_topology(topology)
+    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=name, **kwargs).devices
+    model_config = c.model.model_config()
+    mesh = make_mesh(c.mesh, devices)
+    updates = c.updates if method in ("grpo", "ppo") else c.train.steps
+    with axis_rules(c.mesh.axis_rules):
+        # Outside the TPU mesh context: optax builds the state's tree on the host.
+        shapes, shardings, mask = _trainable_shapes(method, c, model_config, mesh)
+        trainable = Trainable(shapes, shardings, mask, init=None)
+        optimizer, abstract = optimizer_and_abstract_state(c, trainable, updates)
+        state_sh = state_shardings(optimizer, abstract, shardings, mesh)
+        batch, tokens, length = _abstract_batch(method, c, model_config, mesh)
+    with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
+        step = jax.jit(
+            functools.partial(
+                train_step,
+                loss_fn=_loss(method, c, model_config),
+                optimizer=optimizer,
+                micro_batches=c.train.micro_batches,
+            ),
+            out_shardings=(state_sh, None),
+            donate_argnums=0,
+        )
+        start = time.perf_counter()
+        lowered = step.lower(with_shardings(abstract, state_sh), batch)
+        state_bytes = _bytes_per_device(abstract, state_sh)
+        batch_bytes = _bytes_per_device(batch, jax.tree.map(lambda x: x.sharding, batch))
+        try:
+            compiled = lowered.compile()
+            memory = compiled.memory_analysis()
+            sizes = (
+                memory.argument_size_in_bytes,
+                memory.output_size_in_bytes,
+                memory.temp_size_in_bytes,
+                memory.alias_size_in_bytes,
+            )
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list | tuple) else cost
+            kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+        except jax.errors.JaxRuntimeError as e:
+            # XLA refuses a program whose buffers exceed HBM; it says how much they need.
+            found = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", str(e))
+            if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+                raise
+            temporaries = float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024
+            sizes = (state_bytes + batch_bytes, state_bytes, temporaries, state_bytes)
+            cost, kernels = {}, 0
+        seconds = time.perf_counter() - start
+        program = matmul_flops(
+            jax.make_jaxpr(step)(with_shardings(abstract, state_sh), batch).jaxpr
+        )
+        resident = _resident(method, c, model_config, mesh, shardings)
+    model_flops = model_config.flops_per_token(length) * tokens
+    attention = model_flops - model_config.flops_per_token(0) * tokens
+    # A fused attention kernel's FLOPs are not matmuls in the program: add the formula's.
+    program_flops = program + (attention if kernels else 0.0)
+    return CompileReport(
+        topology=topology if num_slices == 1 else f"{num_slices} x {topology}",
+        chips=len(devices),
+        chip=CHIPS[generation],
+        method=method,
+        arguments=float(sizes[0]),
+        outputs=float(sizes[1]),
+        temporaries=float(sizes[2]),
+        aliased=float(sizes[3]),
+        resident=resident,
+        model_flops=model_flops,
+        compiled_flops=program_flops,
+        xla_flops=float(cost.get("flops", 0.0)) * len(devices),
+        expected_ratio=_remat_ratio(model_config, length),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        compile_seconds=seconds,
+    )
+
+
+def _resident(method: str, c, model_config, mesh, shardings) -> dict:
+    """Bytes per device the method holds beside the step: GRPO's frozen reference and the
+    rollout KV cache (co-located sampler); DPO's reference when computed on the fly."""
+    from posttrain.models import param_shapes
+
+    out = {}
+    policy = shardings["policy"] if method in ("grpo", "ppo") and c.ppo else shardings
+    reference = (method in ("grpo", "ppo") and c.kl.enabled) or (
+        method == "dpo" and c.loss.resolved_reference == "on_the_fly"
+    )
+    if reference:
+        out["reference"] = _bytes_per_device(param_shapes(model_config), policy)
+    if method in ("grpo", "ppo") and not c.rollout.sampler_devices:
+        m = model_config
+        rows = c.rows
+        length = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+        sizes = dict(mesh.shape)
+        batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        heads_split = min(sizes["tensor"], m.num_kv_heads)
+        itemsize = jnp.dtype(m.compute_dtype).itemsize
+        cache = 2 * m.num_layers * rows * length * m.num_kv_heads * m.head_dim * itemsize
+        out["KV cache"] = cache / (min(batch_split, rows) * heads_split)
+    return out
+
+
+def smallest_fit(config, generation: str, *, start_chips: int = 4, max_chips: int = 8192):
+    """The smallest slice of `generation` (doubling from `start_chips`) the plan fits on, with
+    its report, or (None, last report). The config's mesh must adapt (an axis of -1)."""
+    chip = CHIPS[generation]
+    chips, report = start_chips, None
+    while chips <= max_chips:
+        try:
+            report = compile_plan(config, f"{generation}-{chips * chip.cores_per_chip}")
+        except (ValueError, ConfigError):
+            report = None  # the mesh does not divide this slice: try the next size
+        if report is not None and report.fits:
+            return f"{generation}-{chips * chip.cores_per_chip}", report
+        chips *= 2
+    return None, report
+
+
+def suggestion(report: CompileReport) -> str:
+    """What to change when a plan does not fit."""
+    return (
+        f"needs {report.total / GiB:.1f} GiB per chip but {FIT_FRACTION:.0%} of "
+        f"{report.capacity / GiB:.0f} GiB is available: shard more (mesh.ici.fsdp=-1 over all "
+        "chips, or more tensor), set model.remat=full, lower data.batch_size per micro-batch "
+        "(raise train.micro_batches), use bfloat16 params (model.param_dtype), or a larger slice"
+    )

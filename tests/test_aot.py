@@ -1,0 +1,85 @@
+"""`posttrain compile`: TPU slices from a CPU host, memory and FLOPs reports, fit verdicts."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from posttrain import cli
+from posttrain.aot import compile_plan, matmul_flops, parse_topology
+from posttrain.config import ConfigError, load_config_file, override
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("libtpu")
+
+
+def test_topology_names_map_to_chips_and_shapes():
+    assert parse_topology("v5p-1024") == ("v5p", 512, "v5p:8x8x8")
+    assert parse_topology("v5p-8") == ("v5p", 4, "v5p:2x2x1")
+    assert parse_topology("v6e-256") == ("v6e", 256, "v6e:16x16")
+    assert parse_topology("v5e-8") == ("v5e", 8, "v5e:2x4")
+    for bad in ("v5p-1000", "tpu-8", "v7x-8"):
+        with pytest.raises(ConfigError, match="topology"):
+            parse_topology(bad)
+
+
+def test_matmul_flops_count_scans_and_recompute():
+    def f(x, w):
+        def body(h, _):
+            return jnp.tanh(h @ w @ w.T), None
+
+        return jax.lax.scan(jax.checkpoint(body), x, None, length=3)[0].sum()
+
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+    forward = 3 * 2 * (2 * 8 * 16 * 32)  # 3 steps of two [8,16]x[16,32]-sized matmuls
+    assert matmul_flops(jax.make_jaxpr(f)(x, w).jaxpr) == forward
+    # Gradients for x and w: the forward, its recomputation in the backward pass (remat), and
+    # two matmuls for each forward one.
+    grads = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w)
+    assert matmul_flops(grads.jaxpr) == 4 * forward
+
+
+def test_cli_compiles_the_tiny_sft_step_for_a_v5e_slice(capsys):
+    code = cli.main(["compile", "--config=configs/sft.py:tiny", "--topology=v5e-8"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.strip().splitlines()[-1] == "fits"
+    assert "8 x TPU v5e, 16 GiB HBM each" in out and "temporaries" in out
+
+
+def test_an_oversized_plan_does_not_fit(capsys):
+    code = cli.main(
+        [
+            "compile",
+            "--config=configs/sft.py:tiny",
+            "--topology=v5e-8",
+            "--config.data.batch_size=16384",
+            "--config.data.max_len=8192",
+            "--config.model.remat=none",
+        ]
+    )
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    assert code == 1 and last.startswith("does not fit: needs") and "remat" in last
+
+
+@pytest.mark.slow
+def test_llama3_8b_sft_fits_v5p_64_with_flops_as_the_model_says():
+    config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":llama3_8b_v5p")
+    report = compile_plan(config, "v5p-64")
+    assert report.fits and report.total < report.capacity
+    ratio = report.compiled_flops / (report.model_flops * report.expected_ratio)
+    assert abs(ratio - 1) < 0.10, report.lines()  # no recompute beyond the remat policy
+    no_remat = compile_plan(override(config, {"model.remat": "dots", "train.micro_batches": 8}),
+                            "v5p-64")  # fmt: skip
+    assert abs(no_remat.compiled_flops / no_remat.model_flops - 1) < 0.10, no_remat.lines()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["grpo.py:qwen3_8b_v5p", "dpo.py:llama3_8b_v5p"])
+def test_real_size_preference_and_rl_steps_compile_for_v5p(spec):
+    config = load_config_file(os.path.join(REPO, "configs", spec))
+    report = compile_plan(config, "v5p-64")
+    assert report.fits, report.lines()
+    if spec.startswith("grpo"):
+        assert set(report.resident) == {"reference", "KV cache"}  # policy + reference + cache
