@@ -368,6 +368,7 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
         )
         start = time.perf_counter()
         lowered = step.lower(with_shardings(abstract, state_sh), batch)
+        kernels = lowered.as_text().count("tpu_custom_call")  # Pallas kernels (splash)
         state_bytes = _bytes_per_device(abstract, state_sh)
         batch_bytes = _bytes_per_device(batch, jax.tree.map(lambda x: x.sharding, batch))
         try:
@@ -381,7 +382,6 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
             )
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list | tuple) else cost
-            kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"')
         except jax.errors.JaxRuntimeError as e:
             # XLA refuses a program whose buffers exceed HBM; it says how much they need.
             found = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", str(e))
@@ -389,7 +389,7 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
                 raise
             temporaries = float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024
             sizes = (state_bytes + batch_bytes, state_bytes, temporaries, state_bytes)
-            cost, kernels = {}, 0
+            cost = {}
         seconds = time.perf_counter() - start
         program = matmul_flops(
             jax.make_jaxpr(step)(with_shardings(abstract, state_sh), batch).jaxpr

@@ -212,7 +212,10 @@ def _ragged_swiglu(x_RD, group_sizes_E, gate_EDF, up_EDF, down_EFD):
 
 
 def _dropless_local(x_MD, experts_MK, weights_MK, gate, up, down):
-    """All experts on this device: sort the M*K assignments by expert, ragged matmuls, unsort."""
+    """All experts on this device: sort the M*K assignments by expert, ragged matmuls, unsort.
+
+    An expert id of E (padding) sorts last, outside every ragged group, and comes out zero.
+    """
     M, K = experts_MK.shape
     E = gate.shape[0]
     flat_A = experts_MK.reshape(-1)
@@ -245,7 +248,8 @@ def _dropless_ep(x_MD, experts_MK, weights_MK, gate, up, down, *, axes, ep, capa
     dest_A = expert_A // E_loc
     send_counts = jnp.bincount(dest_A, length=ep)
     pos_A = jnp.arange(M * K) - (jnp.cumsum(send_counts) - send_counts)[dest_A]
-    keep_A = pos_A < capacity
+    real_A = dest_A < ep  # padding rows carry expert id E
+    keep_A = (pos_A < capacity) & real_A
     slot_A = jnp.where(keep_A, dest_A * capacity + pos_A, ep * capacity)  # out of range: dropped
     x_send = (
         jnp.zeros((ep * capacity, D), x_MD.dtype).at[slot_A].set(x_MD[order_A // K], mode="drop")
@@ -266,11 +270,14 @@ def _dropless_ep(x_MD, experts_MK, weights_MK, gate, up, down, *, axes, ep, capa
     out_back = exchange(jnp.zeros_like(out_sorted).at[order_R].set(out_sorted))
     out_A = jnp.where(keep_A[:, None], out_back.at[slot_A].get(mode="fill", fill_value=0), 0)
     out_MKD = jnp.zeros_like(out_A).at[order_A].set(out_A).reshape(M, K, D)
-    dropped = jnp.sum(~keep_A).astype(jnp.float32)
+    dropped = jnp.sum(real_A & ~keep_A).astype(jnp.float32)
     return _combine(out_MKD, weights_MK), dropped
 
 
-def _flat_axes(entry) -> tuple[str, ...]:
+def _mesh_axes(logical, shape, mesh, dim: int) -> tuple[str, ...]:
+    """The mesh axes that dimension `dim` of a `logical`-named array is split over."""
+    spec = tuple(logical_to_spec(logical, shape, mesh))
+    entry = spec[dim] if dim < len(spec) else None
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
@@ -279,34 +286,33 @@ def _dropless_sharded(x_MD, experts_MK, weights_MK, experts, config, mesh):
     M = x_MD.shape[0]
     E, K = config.num_experts, config.top_k
     sizes = dict(mesh.shape)
-    ep_axes = _flat_axes((tuple(logical_to_spec(("experts",), None, mesh)) + (None,))[0])
+    ep_axes = _mesh_axes(("experts",), None, mesh, 0)
     ep = math.prod(sizes[a] for a in ep_axes)
     if E % ep:
         raise ValueError(
             f"num_experts={E} must be a multiple of the {ep} devices on mesh axes {ep_axes} that "
             "shard the experts; change the mesh's expert axis or the `experts` rule"
         )
-    batch, length = (tuple(logical_to_spec(("act_batch", "act_length"), None, mesh)) + (None,) * 2)[
-        :2
-    ]
-    token_axes = tuple(dict.fromkeys(_flat_axes(batch) + _flat_axes(length) + ep_axes))
+    tokens = ("act_batch", "act_length")
+    batch_axes = _mesh_axes(tokens, None, mesh, 0) + _mesh_axes(tokens, None, mesh, 1)
+    # Tokens split over every batch-like axis and the expert axes (so each expert-parallel rank
+    # sends different tokens); x_MD is B-major, so (batch axes, length axes) keeps its layout.
+    token_axes = tuple(dict.fromkeys(batch_axes + ep_axes))
     token_shards = math.prod(sizes[a] for a in token_axes)
-    if M % token_shards:
-        raise ValueError(
-            f"MoE layer: {M} tokens (batch x length) do not split over the {token_shards} devices "
-            f"of mesh axes {token_axes}; make batch x length a multiple of {token_shards}"
-        )
-    f_axes = _flat_axes(
-        (tuple(logical_to_spec((None, None, "mlp"), experts["gate"].shape, mesh)) + (None,) * 3)[2]
-    )
-    if set(f_axes) & set(token_axes + ep_axes):  # tokens split there: the expert F can't be
+    pad = -M % token_shards  # decoding steps may hold fewer tokens than devices
+    if pad:  # padding rows choose the out-of-range expert E: no slot, no output
+        x_MD = jnp.pad(x_MD, ((0, pad), (0, 0)))
+        experts_MK = jnp.pad(experts_MK, ((0, pad), (0, 0)), constant_values=E)
+        weights_MK = jnp.pad(weights_MK, ((0, pad), (0, 0)))
+    f_axes = _mesh_axes((None, None, "mlp"), experts["gate"].shape, mesh, 2)
+    if set(f_axes) & set(token_axes):  # F may only split where every rank holds the same tokens
         f_axes = ()
     ep_spec = ep_axes or None
     f_spec = f_axes or None
     w_in = jax.sharding.PartitionSpec(ep_spec, None, f_spec)
     w_out = jax.sharding.PartitionSpec(ep_spec, f_spec, None)
     tok = jax.sharding.PartitionSpec(token_axes or None)
-    m = M // token_shards
+    m = (M + pad) // token_shards
     worst = m * min(K, E // ep)
     if config.ep_capacity_factor is None or ep == 1:
         capacity = worst
@@ -334,7 +340,7 @@ def _dropless_sharded(x_MD, experts_MK, weights_MK, experts, config, mesh):
         in_specs=(tok, tok, tok, w_in, w_in, w_out),
         out_specs=(tok, jax.sharding.PartitionSpec()),
     )(x_MD, experts_MK, weights_MK, experts["gate"], experts["up"], experts["down"])
-    return y_MD, dropped / (M * K)
+    return y_MD[:M], dropped / (M * K)
 
 
 def _capacity(x_MD, experts_MK, weights_MK, experts, config):

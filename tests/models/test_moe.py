@@ -130,10 +130,10 @@ def test_routing_bias_changes_selection_not_weights():
     config = dataclasses.replace(BASE, use_routing_bias=True)
     params, x = _params(config), _x()
     params["routing_bias"] = jnp.zeros(8).at[3].set(10.0)  # expert 3 always chosen
-    _, aux = moe_forward(params, x, config)
+    y, aux = jax.jit(lambda p, x: moe_forward(p, x, config))(params, x)
     assert int(aux["expert_counts"][3]) == 16
     expected, _, _ = _reference(params, x, config)
-    np.testing.assert_allclose(np.asarray(moe_forward(params, x, config)[0]), expected, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5)
 
 
 def test_capacity_with_room_for_everything_equals_dropless():
@@ -205,7 +205,9 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize(
-    "ici", [{"expert": 4, "fsdp": 2}, {"expert": 8}], ids=["expert4_fsdp2", "expert8"]
+    "ici",
+    [{"expert": 4, "fsdp": 2}, {"expert": 8}, {"expert": 2, "fsdp": 2, "tensor": 2}],
+    ids=["expert4_fsdp2", "expert8", "expert2_fsdp2_tensor2"],
 )
 def test_expert_parallel_matches_one_device(devices, ici):
     config = dataclasses.replace(DEEPSEEK, aux_loss_coef=0.01, router_z_loss_coef=0.001)
@@ -245,18 +247,26 @@ def test_expert_parallel_buffer_overflow_is_counted(devices):
     mesh = make_mesh(MeshConfig.from_dict({"expert": 8}), devices)
     y, aux = jax.jit(lambda p, x: moe_forward(p, x, config, mesh=mesh))(params, x)
 
-    # Device d holds tokens 8d..8d+7 and its one expert-d buffer has ceil(0.5 * 8 * 2 / 8) = 1
-    # slot per destination: each device keeps only its first assignment to each expert.
-    def keep_fn(chosen):
-        return np.concatenate([_capacity_keep(1)(c.ravel()[:, None]) for c in np.split(chosen, 8)])
+    # Device d holds tokens 8d..8d+7 and expert d; a buffer has ceil(0.5 * 8 * 2 / 8) = 1 slot
+    # per destination, so each device keeps only its first assignment to each expert.
+    def keep_fn(chosen_MK):
+        per_device = [_capacity_keep(1)(c.reshape(-1, 1)) for c in np.split(chosen_MK, 8)]
+        return np.concatenate(per_device).reshape(chosen_MK.shape)
 
-    def keep_fn_MK(chosen):
-        return keep_fn(chosen).reshape(chosen.shape)
-
-    expected, _, keep = _reference(params, x, config, keep_fn_MK)
+    expected, _, keep = _reference(params, x, config, keep_fn)
     np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5)
     np.testing.assert_allclose(float(aux["dropped_fraction"]), 1 - keep.mean(), rtol=1e-6)
     assert 0 < keep.mean() < 1
+
+
+def test_expert_parallel_pads_fewer_tokens_than_devices(devices):
+    config = dataclasses.replace(BASE, num_shared_experts=1)
+    params, x = _params(config), _x(B=1, L=3)  # a decoding step: 3 tokens on 8 devices
+    mesh = make_mesh(MeshConfig.from_dict({"expert": 8}), devices)
+    y, aux = jax.jit(lambda p, x: moe_forward(p, x, config, mesh=mesh))(params, x)
+    expected, _, _ = _reference(params, x, config)
+    np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5)
+    assert float(aux["dropped_fraction"]) == 0.0
 
 
 def test_param_specs_and_errors(devices):
