@@ -5,6 +5,7 @@
 Presets:
   tiny           a 0.17M-parameter model trained from scratch on the bundled arithmetic task (CPU).
   llama3_8b_v5p  Llama 3.1 8B full fine-tune on a v5p-64 slice (set model.hf_path, data).
+  llama3_70b_v5p Llama 3.3 70B full fine-tune on a v5p-256 slice (set model.hf_path, data).
   qwen3_32b_v5p  Qwen3 32B full fine-tune on a v5p-256 slice (set model.hf_path, data).
 Override any field: --config.optimizer.learning_rate=1e-5 --config.data.batch_size=64
 """
@@ -108,6 +109,16 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.micro_batches = 2
         c.optimizer.learning_rate = 1e-5
         c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 1}
+    elif preset == "llama3_70b_v5p":
+        # 70B on v5p-256 (128 chips): FSDP over all chips, full remat, bf16 compute;
+        # `posttrain compile --topology=v5p-256` reports the fit.
+        c.model.preset = "llama3_70b"
+        c.model.remat = "full"
+        c.data.max_len = 4096
+        c.data.batch_size = 256
+        c.train.micro_batches = 2  # 128 rows per micro-batch: one per chip
+        c.optimizer.learning_rate = 5e-6
+        c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 1}
     elif preset == "qwen3_32b_v5p":
         # 32B on v5p-256 (128 chips): FSDP x tensor=4 inside the slice.
         c.model.preset = "qwen3_32b"
@@ -118,5 +129,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.optimizer.learning_rate = 5e-6
         c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 4}
     else:
-        raise ValueError(f"unknown sft preset {preset!r}: tiny, llama3_8b_v5p, qwen3_32b_v5p")
+        raise ValueError(
+            f"unknown sft preset {preset!r}: tiny, llama3_8b_v5p, llama3_70b_v5p, qwen3_32b_v5p"
+        )
     return c

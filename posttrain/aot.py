@@ -333,7 +333,12 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
     from jax.experimental import topologies
 
     from posttrain.parallel import axis_rules, make_mesh
-    from posttrain.train._run import Trainable, optimizer_and_abstract_state, with_shardings
+    from posttrain.train._run import (
+        Trainable,
+        check_batching,
+        optimizer_and_abstract_state,
+        with_shardings,
+    )
     from posttrain.train._state import state_shardings
     from posttrain.train._step import train_step
 
@@ -347,6 +352,8 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
     devices = topologies.get_topology_desc(platform="tpu", topology_name=name, **kwargs).devices
     model_config = c.model.model_config()
     mesh = make_mesh(c.mesh, devices)
+    rows = c.rows // c.algorithm.minibatches if method in ("grpo", "ppo") else c.data.batch_size
+    check_batching(rows, c.train.micro_batches, mesh)  # as a run would, before compiling
     updates = c.updates if method in ("grpo", "ppo") else c.train.steps
     with axis_rules(c.mesh.axis_rules):
         # Outside the TPU mesh context: optax builds the state's tree on the host.

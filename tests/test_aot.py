@@ -70,16 +70,29 @@ def test_llama3_8b_sft_fits_v5p_64_with_flops_as_the_model_says():
     assert report.fits and report.total < report.capacity
     ratio = report.compiled_flops / (report.model_flops * report.expected_ratio)
     assert abs(ratio - 1) < 0.10, report.lines()  # no recompute beyond the remat policy
-    no_remat = compile_plan(override(config, {"model.remat": "dots", "train.micro_batches": 8}),
+    no_remat = compile_plan(override(config, {"model.remat": "dots", "train.micro_batches": 4}),
                             "v5p-64")  # fmt: skip
     assert abs(no_remat.compiled_flops / no_remat.model_flops - 1) < 0.10, no_remat.lines()
 
 
+def test_a_batch_the_slice_cannot_split_is_refused_before_compiling():
+    config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny")
+    with pytest.raises(ConfigError, match="data-parallel size 8"):
+        compile_plan(override(config, {"data.batch_size": 4}), "v5e-8")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["grpo.py:qwen3_8b_v5p", "dpo.py:llama3_8b_v5p"])
-def test_real_size_preference_and_rl_steps_compile_for_v5p(spec):
+@pytest.mark.parametrize(
+    "spec, topology",
+    [
+        ("grpo.py:qwen3_8b_v5p", "v5p-64"),
+        ("dpo.py:llama3_8b_v5p", "v5p-64"),
+        ("sft.py:llama3_70b_v5p", "v5p-256"),
+    ],
+)
+def test_real_size_presets_compile_and_fit_their_slice(spec, topology):
     config = load_config_file(os.path.join(REPO, "configs", spec))
-    report = compile_plan(config, "v5p-64")
+    report = compile_plan(config, topology)
     assert report.fits, report.lines()
     if spec.startswith("grpo"):
         assert set(report.resident) == {"reference", "KV cache"}  # policy + reference + cache
