@@ -1,10 +1,9 @@
 """Data: tokenizers, chat templates, SFT sources, formats, mixtures, packing; preference pairs."""
 
 from posttrain.data._pipeline import DataConfig, SFTData, make_pipeline
-from posttrain.data._preference import (
-    PairError,
+from posttrain.data._preference import PairError, encode_pair
+from posttrain.data._preference_data import (
     PreferenceData,
-    encode_pair,
     make_preference_pipeline,
     preference_batches,
 )

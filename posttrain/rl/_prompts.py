@@ -187,9 +187,8 @@ class PromptData:
         if self.adaptive is None:
             return next(self._iterator)
         with self._lock:
-            names = list(self.domain_weights)
-            w = np.asarray([self.domain_weights[n] for n in names])
-            live = [d for d in range(len(names)) if d in self._streams]
+            w = np.asarray(list(self.domain_weights.values()))
+            live = [d for d in range(len(w)) if d in self._streams]
             p = w[live] / w[live].sum()
             picks = self._rng.choice(live, size=self.rows, p=p)
             return [self.prompts[next(self._streams[int(d)])] for d in picks]

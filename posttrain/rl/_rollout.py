@@ -1,4 +1,5 @@
-"""Rollouts -> fixed-shape training arrays.
+"""Rollouts: sampling and scoring prompt groups (`Rollouts`, `draw_groups`, the decoupled
+`RolloutProducer`) and turning them into fixed-shape training arrays (`rollout_batch`).
 
 Each prompt has `G` sampled completions; its group occupies `G` consecutive rows. A row holds
 `prompt + completion` (right-padded to `max_len`), with the loss mask on the positions whose
@@ -9,12 +10,22 @@ fillers: no tokens, no loss, domain id -1.
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
-from posttrain.sampling import Completion
+from posttrain.models import Transformer
+from posttrain.rewards import (
+    overlong_penalty,
+)
+from posttrain.rl._config import RLConfig
+from posttrain.sampling import Completion, generate
 
 
 def rollout_batch(
@@ -83,3 +94,141 @@ def rollout_batch(
 def split_rows(batch: dict[str, np.ndarray], parts: int) -> list[dict[str, np.ndarray]]:
     """`parts` mini-batches of the rows (every parts-th row, so each mixes many groups)."""
     return [{k: v[i::parts] for k, v in batch.items()} for i in range(parts)]
+
+
+class Rollouts:
+    """Sampling and scoring of prompt batches with the current weights."""
+
+    def __init__(self, config: RLConfig, tokenizer, model_config, pool, domains):
+        self.config, self.tokenizer, self.model_config = config, tokenizer, model_config
+        self.pool, self.domains = pool, domains
+        self.max_len = config.rollout.max_prompt_len + config.rollout.max_new_tokens
+
+    def sample(self, params, prompts, seed: int, *, greedy: bool = False, timings=None):
+        """(completions per prompt, rewards `[prompts, n]`); adds the seconds spent to
+        `timings["generate_s"]` and `timings["reward_s"]` when given."""
+        r = self.config.rollout
+        start = time.perf_counter()
+        model = Transformer(params, self.model_config)
+        completions = generate(
+            model,
+            self.tokenizer,
+            [p["prompt_ids"] for p in prompts],
+            max_new_tokens=r.max_new_tokens,
+            temperature=0.0 if greedy else r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            n=1 if greedy else r.num_generations,
+            seed=seed,
+        )
+        generated = time.perf_counter()
+        records = [p["record"] for p in prompts for _ in completions[0]]
+        texts = [c.text for group in completions for c in group]
+        domains = [p["domain"] for p in prompts for _ in completions[0]]
+        results = self.pool.score(records, texts, domains)
+        rewards = np.asarray([res.score for res in results], np.float32)
+        rewards = rewards.reshape(len(prompts), len(completions[0]))
+        if r.overlong_buffer and not greedy:
+            lengths = np.asarray([[len(c.token_ids) for c in g] for g in completions])
+            rewards = rewards + overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer)
+        if timings is not None:
+            timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
+            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
+        return completions, rewards
+
+
+def draw_groups(c: RLConfig, prompts, rollouts: Rollouts, params, step: int):
+    """This step's prompt groups with their completions and rewards (refilled when dynamic
+    sampling drops groups with no learning signal) and the counts behind it."""
+    groups = c.data.batch_size
+    kept, completions, rewards = [], [], []
+    drawn = dropped = 0
+    timings: dict[str, float] = {}
+    for attempt in range(1 + (c.rollout.max_refills if c.rollout.dynamic_sampling else 0)):
+        batch = next(prompts)
+        drawn += len(batch)
+        seed = int(np.random.SeedSequence([c.train.seed, step, attempt]).generate_state(1)[0])
+        comps, rews = rollouts.sample(params, batch, seed, timings=timings)
+        for p, g, r in zip(batch, comps, rews, strict=True):
+            if c.rollout.dynamic_sampling and np.all(r == r[0]):
+                dropped += 1
+                continue
+            if len(kept) < groups:
+                kept.append(p)
+                completions.append(g)
+                rewards.append(r)
+        if len(kept) >= groups:
+            break
+    all_rewards = np.asarray(rewards, np.float32).reshape(len(kept), -1)
+    counts = {"prompts_drawn": drawn, "groups_dropped": dropped, **timings}
+    return kept, completions, all_rewards, counts
+
+
+class RolloutProducer:
+    """Decoupled rollouts: a thread samples and scores batches on the sampler's devices with the
+    newest weights it was sent, at most `rollout.max_staleness` steps ahead of the trainer.
+
+    Batch i (for RL step i) needs weights of version >= i - 1 - max_staleness (version v: the
+    weights after v RL steps); with 0 it waits for the step before, which is on-policy.
+    """
+
+    def __init__(self, c: RLConfig, prompts, rollouts: Rollouts, shardings, start: int):
+        self.c, self.prompts, self.rollouts, self.shardings = c, prompts, rollouts, shardings
+        self.ready: queue.Queue = queue.Queue()
+        self.cond = threading.Condition()
+        self.weights, self.version, self.stopped = None, -1, False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(start + 1,), daemon=True)
+        self.started = False
+
+    def publish(self, params, version: int) -> None:
+        """Sends the trainer's policy weights (after `version` RL steps) to the sampler's
+        devices, resharding them onto its mesh."""
+        weights = jax.device_put(params, self.shardings)
+        with self.cond:
+            self.weights, self.version = weights, version
+            self.cond.notify_all()
+
+    def get(self, step: int):
+        """The rollouts for `step`: (prompts, completions, rewards, counts, prompt state)."""
+        item = self.ready.get()
+        if item is None:
+            raise RuntimeError("the rollout thread failed") from self.error
+        i, version, kept, completions, rewards, counts, state = item
+        staleness = step - 1 - version
+        if i != step or staleness > self.c.rollout.max_staleness:
+            raise RuntimeError(f"rollout {i} (weights v{version}) for step {step}: out of bounds")
+        counts = {**counts, "rollout_version": float(version), "staleness": float(staleness)}
+        return kept, completions, rewards, counts, state
+
+    def _run(self, first: int) -> None:
+        try:
+            for i in itertools.count(first):
+                with self.cond:
+                    self.cond.wait_for(
+                        lambda: self.stopped or self.version >= i - 1 - self.c.rollout.max_staleness  # noqa: B023
+                    )
+                    if self.stopped:
+                        return
+                    weights, version = self.weights, self.version
+                kept, completions, rewards, counts = draw_groups(
+                    self.c, self.prompts, self.rollouts, weights, i
+                )
+                state = self.prompts.get_state()
+                self.ready.put((i, version, kept, completions, rewards, counts, state))
+        except BaseException as e:  # reported to the trainer by get()
+            self.error = e
+            self.ready.put(None)
+
+    def start(self, params, version: int) -> None:
+        self.publish(params, version)
+        if not self.started:
+            self.started = True
+            self.thread.start()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        if self.started:
+            self.thread.join(timeout=300)

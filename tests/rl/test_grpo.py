@@ -40,7 +40,11 @@ def test_reward_rises_on_the_toy_task(preset, tmp_path):
     ):
         assert key in rows[-1]
     if preset == "dapo_tiny":
-        assert any(r["groups_dropped"] > 0 for r in rows) or all(r["groups"] == 8 for r in rows)
+        # Dynamic sampling dropped all-equal groups (early, most rewards are 0) and drew more
+        # prompts to refill the batch.
+        dropped = [r for r in rows if r["groups_dropped"] > 0]
+        assert dropped and all(r["prompts_drawn"] > 8 for r in dropped)
+        assert sum(r["groups"] == 8 for r in dropped) >= len(dropped) // 2
 
 
 def test_ppo_with_a_critic_raises_the_reward(tmp_path):

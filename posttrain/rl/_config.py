@@ -1,0 +1,192 @@
+"""The RL run's configuration: rollouts, algorithm, critic, KL, rewards, domains, offline
+stages, and the whole run (`RLConfig`, what `configs/grpo.py` and `configs/ppo.py` build)."""
+
+import dataclasses
+
+from posttrain.config import ConfigError
+from posttrain.data import DataConfig, SourceConfig
+from posttrain.losses import (
+    ADVANTAGE_MODES,
+)
+from posttrain.parallel import MeshConfig
+from posttrain.rewards import (
+    RewardRegistry,
+    default_registry,
+)
+from posttrain.rl._loss import PolicyLossConfig
+from posttrain.train._checkpoint import CheckpointConfig
+from posttrain.train._loop import LoopConfig
+from posttrain.train._optimizer import OptimizerConfig
+from posttrain.train._run import (
+    ModelSpec,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    num_generations: int = 8  # completions per prompt (the group size G)
+    max_prompt_len: int = 512  # longer prompts are left out (counted)
+    max_new_tokens: int = 512  # completion budget; cut completions count as truncated
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, draw prompts to refill
+    max_refills: int = 4  # extra prompt batches one step may draw to refill
+    overlong_buffer: int = 0  # DAPO soft over-length penalty ramp in tokens (0: off)
+    # Decoupled rollouts: > 0 puts the sampler on the last N devices (the rest train), with
+    # its own copy of the weights, sent after every step; 0 samples on the training devices.
+    sampler_devices: int = 0
+    max_staleness: int = 0  # decoupled: rollouts may come from weights this many steps old
+
+    def __post_init__(self):
+        if self.num_generations < 1 or self.max_new_tokens < 1 or self.max_prompt_len < 1:
+            raise ConfigError("rollout: num_generations, max_new_tokens, max_prompt_len >= 1")
+        if self.overlong_buffer < 0 or self.overlong_buffer > self.max_new_tokens:
+            raise ConfigError("rollout.overlong_buffer must be in [0, max_new_tokens]")
+        if self.sampler_devices < 0 or self.max_staleness < 0:
+            raise ConfigError("rollout.sampler_devices and rollout.max_staleness must be >= 0")
+        if self.max_staleness and not self.sampler_devices:
+            raise ConfigError("rollout.max_staleness needs decoupled rollouts (sampler_devices)")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    # grpo | drgrpo (no std scaling) | rloo (leave-one-out) | none | gae (PPO, with a critic)
+    advantage: str = "grpo"
+    unbiased_std: bool = True  # GRPO's group std (torch.std default, as TRL)
+    std_eps: float = 1e-4  # added to the group std
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    whiten_advantages: bool = True  # GAE: whiten advantages over the batch's tokens
+    epochs: int = 1  # passes over each rollout batch (PPO epochs)
+    minibatches: int = 1  # optimizer updates per pass
+
+    def __post_init__(self):
+        if self.advantage not in (*ADVANTAGE_MODES, "gae"):
+            raise ConfigError(f"algorithm.advantage: use one of {(*ADVANTAGE_MODES, 'gae')}")
+        if self.epochs < 1 or self.minibatches < 1:
+            raise ConfigError("algorithm.epochs and algorithm.minibatches must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """PPO's value model (used when algorithm.advantage is "gae")."""
+
+    init: str = "policy"  # policy (its starting trunk, zero head) | rm:<reward model run>[#head]
+    coef: float = 0.5  # value-loss weight
+    clip: float = 0.2  # value clip around the rollout-time values (0: off)
+
+
+@dataclasses.dataclass(frozen=True)
+class KLConfig:
+    mode: str = "loss"  # loss: a per-token loss term | reward: a per-token reward penalty (PPO)
+    coef: float = 0.0  # KL penalty weight (0 with no target: no reference model)
+    target: float = 0.0  # > 0: adapt coef toward this mean per-token KL (Ziegler et al.)
+    horizon: int = 1000  # the adaptive controller's horizon, in RL steps
+    domain_scale: dict = dataclasses.field(default_factory=dict)  # {domain: coef multiplier}
+
+    def __post_init__(self):
+        if self.mode not in ("loss", "reward"):
+            raise ConfigError(f"kl.mode={self.mode!r}: use loss or reward")
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef > 0 or self.target > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardsConfig:
+    # {domain: [reward reference, ...]} ("module:function" or "rm:<path>[#head]"), each
+    # weight 1; empty: the built-in registry (math, code, format, tool_call, arithmetic).
+    domains: dict = dataclasses.field(default_factory=dict)
+    workers: int = 2  # verifier processes
+    timeout_s: float = 10.0  # per completion
+    pass_threshold: float = 1.0  # a completion "passes" with reward >= this (pass-rate metric)
+
+    def registry(self) -> RewardRegistry:
+        if not self.domains:
+            return default_registry()
+        registry = RewardRegistry()
+        for domain, refs in self.domains.items():
+            for ref in [refs] if isinstance(refs, str) else refs:
+                registry.register(domain, ref)
+        return registry
+
+
+@dataclasses.dataclass(frozen=True)
+class DomainsConfig:
+    """How prompts are drawn across domains."""
+
+    adaptive: bool = False  # False: the sources' static weights; True: follow learning signal
+    smoothing: float = 0.9  # adaptive: exponential average of each domain's signal
+    floor: float = 0.1  # adaptive: every domain keeps at least this share of its base weight
+
+    def __post_init__(self):
+        if not (0 <= self.smoothing < 1 and self.floor > 0):
+            raise ConfigError("domains.smoothing must be in [0, 1) and domains.floor > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DifficultyConfig:
+    """Difficulty filtering before RL (0 samples: off): the starting policy answers each prompt
+    `samples` times; prompts whose pass rate is not strictly between the bounds are dropped."""
+
+    samples: int = 0  # completions per prompt to estimate pass rates (0: no filtering)
+    prompts: int = 0  # only the first N prompts are estimated (0: all); the rest are kept
+    min_pass_rate: float = 0.0  # at or below: too hard (no signal)
+    max_pass_rate: float = 1.0  # at or above: too easy (no signal)
+
+
+@dataclasses.dataclass(frozen=True)
+class RFTConfig:
+    """Rejection-sampling fine-tuning before online RL (0 steps: off): sample `samples`
+    completions of `prompts` training prompts, keep those whose reward passes, SFT on them."""
+
+    steps: int = 0  # SFT steps on the kept completions (0: no RFT stage)
+    prompts: int = 1024  # training prompts sampled
+    samples: int = 8  # completions per prompt
+    batch_size: int = 32  # SFT rows per step
+    learning_rate: float = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    model: ModelSpec = ModelSpec()  # the policy's start (and the frozen reference)
+    tokenizer: str = ""  # tokenizer directory; default: model.hf_path
+    data: DataConfig = None  # prompt sources; batch_size = prompts per RL step
+    eval_data: tuple[SourceConfig, ...] = ()  # held-out prompts: greedy reward and pass rate
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    critic: CriticConfig = CriticConfig()
+    loss: PolicyLossConfig = PolicyLossConfig()
+    kl: KLConfig = KLConfig()
+    rewards: RewardsConfig = RewardsConfig()
+    rft: RFTConfig = RFTConfig()
+    domains: DomainsConfig = DomainsConfig()
+    difficulty: DifficultyConfig = DifficultyConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: LoopConfig = LoopConfig()  # steps = RL steps
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        if self.data is None:
+            raise ConfigError("data: set data.sources to at least one prompt file")
+        rows = self.data.batch_size * self.rollout.num_generations
+        if rows % self.algorithm.minibatches:
+            raise ConfigError(
+                f"{rows} rollouts per step (data.batch_size x rollout.num_generations) do not "
+                f"split into algorithm.minibatches={self.algorithm.minibatches}"
+            )
+
+    @property
+    def ppo(self) -> bool:
+        return self.algorithm.advantage == "gae"
+
+    @property
+    def rows(self) -> int:
+        return self.data.batch_size * self.rollout.num_generations
+
+    @property
+    def updates(self) -> int:
+        return self.train.steps * self.algorithm.epochs * self.algorithm.minibatches

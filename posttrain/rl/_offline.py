@@ -1,0 +1,145 @@
+"""Offline stages before online RL, both from the starting policy's samples: difficulty
+filtering of the prompts and rejection-sampling fine-tuning (RFT)."""
+
+import dataclasses
+import json
+import logging
+import os
+
+import jax
+from tqdm.auto import tqdm
+
+from posttrain.data import DataConfig, SourceConfig
+from posttrain.parallel import axis_rules
+from posttrain.rewards import (
+    RewardPool,
+    pass_rate,
+)
+from posttrain.rl._config import RLConfig
+from posttrain.rl._rollout import Rollouts
+from posttrain.train._run import (
+    ModelSpec,
+    model_trainable,
+    to_json,
+)
+
+log = logging.getLogger(__name__)
+_CHUNK = 64  # prompts per sampling call
+
+
+def _sample(c: RLConfig, prompts, chosen, samples: int, tokenizer, model_config, mesh, desc):
+    """The starting policy's `samples` completions of each `chosen` prompt, scored: yields
+    (prompt batch, completions, rewards `[batch, samples]`) for batches of 64 prompts."""
+    with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
+        params = model_trainable(c.model, model_config, mesh, c.train.seed).init()
+    sampling = dataclasses.replace(
+        c, rollout=dataclasses.replace(c.rollout, num_generations=samples)
+    )
+    registry = c.rewards.registry()
+    with RewardPool(registry, workers=c.rewards.workers, timeout_s=c.rewards.timeout_s) as pool:
+        rollouts = Rollouts(sampling, tokenizer, model_config, pool, prompts.domains)
+        bar = tqdm(total=len(chosen), desc=desc, disable=not c.train.progress)
+        for i in range(0, len(chosen), _CHUNK):
+            batch = chosen[i : i + _CHUNK]
+            completions, rewards = rollouts.sample(params, batch, seed=c.train.seed + i)
+            bar.update(len(batch))
+            yield batch, completions, rewards
+        bar.close()
+
+
+def filter_by_difficulty(c: RLConfig, workdir, prompts, tokenizer, model_config, mesh) -> None:
+    """Drops the prompts the starting policy always or never solves (pass rate outside
+    (min_pass_rate, max_pass_rate) over `difficulty.samples` samples); the estimates are
+    stored in `<workdir>/difficulty.json` and reused on resume."""
+    d = c.difficulty
+    path = os.path.join(workdir, "difficulty.json")
+    count = len(prompts.prompts) if not d.prompts else min(d.prompts, len(prompts.prompts))
+    key = {"samples": d.samples, "prompts": count, "model": to_json(c.model)}
+    saved = None
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("key") != json.loads(json.dumps(key)):
+            saved = None
+    if saved is None:
+        scores = {}
+        chosen = prompts.prompts[:count]
+        sampled = _sample(
+            c, prompts, chosen, d.samples, tokenizer, model_config, mesh, "difficulty"
+        )
+        for _, _, rewards in sampled:
+            scores.update({len(scores) + j: r.tolist() for j, r in enumerate(rewards)})
+        rates = pass_rate(scores, threshold=c.rewards.pass_threshold)
+        saved = {"key": key, "pass_rates": {str(k): v for k, v in rates.items()}}
+        with open(path, "w") as f:
+            json.dump(saved, f)
+    rates = {int(k): v for k, v in saved["pass_rates"].items()}
+    kept = [i for i in range(len(prompts.prompts)) if i not in rates]
+    kept += [i for i, r in rates.items() if d.min_pass_rate < r < d.max_pass_rate]
+    prompts.stats["difficulty"] = {
+        "estimated": len(rates),
+        "too_hard": sum(r <= d.min_pass_rate for r in rates.values()),
+        "too_easy": sum(r >= d.max_pass_rate for r in rates.values()),
+        "kept": len(kept),
+    }
+    log.info("difficulty filtering: %s", prompts.stats["difficulty"])
+    prompts.keep(kept)
+
+
+def rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, mesh) -> RLConfig:
+    """The offline stage: RFT data from the starting policy, an SFT run on it in
+    `<workdir>/rft`, and the RL config continuing from that run's checkpoint. A finished stage
+    (its checkpoint exists) is reused, so a resumed run does not repeat it."""
+    from posttrain.train._sft import SFTConfig, run_sft
+
+    rft_dir = os.path.join(workdir, "rft")
+    data_path = os.path.join(rft_dir, "data.jsonl")
+    done = os.path.isdir(os.path.join(rft_dir, "checkpoints")) and os.listdir(
+        os.path.join(rft_dir, "checkpoints")
+    )
+    if not done:
+        os.makedirs(rft_dir, exist_ok=True)
+        chosen = prompts.prompts[: c.rft.prompts]
+        kept, scored = [], 0
+        sampled = _sample(
+            c, prompts, chosen, c.rft.samples, tokenizer, model_config, mesh, "rft samples"
+        )
+        for batch, completions, rewards in sampled:
+            for p, group, r in zip(batch, completions, rewards, strict=True):
+                texts = {
+                    g.text
+                    for g, ok in zip(group, r >= c.rewards.pass_threshold, strict=True)
+                    if ok and g.finish_reason == "stop"
+                }
+                kept.extend(
+                    {"prompt": p["record"]["prompt"], "completion": t} for t in sorted(texts)
+                )
+                scored += len(group)
+        if not kept:
+            raise ValueError(
+                f"rejection sampling kept no completion of {scored}: none both ended (EOS within "
+                f"rollout.max_new_tokens) and reached rewards.pass_threshold="
+                f"{c.rewards.pass_threshold}; lower the threshold, raise rft.samples or "
+                "max_new_tokens, or set rft.steps=0"
+            )
+        with open(data_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        log.info("rejection sampling kept %d of %d completions", len(kept), scored)
+        sft = SFTConfig(
+            model=c.model,
+            tokenizer=c.tokenizer,
+            data=DataConfig(
+                sources=(SourceConfig(data_path, format="prompt_completion"),),
+                max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens,
+                batch_size=c.rft.batch_size,
+                seed=c.data.seed,
+            ),
+            optimizer=dataclasses.replace(
+                c.optimizer, learning_rate=c.rft.learning_rate, warmup_steps=0
+            ),
+            train=dataclasses.replace(c.train, steps=c.rft.steps, eval_every=0),
+            checkpoint=dataclasses.replace(c.checkpoint, every=c.rft.steps, keep_best=0),
+            mesh=c.mesh,
+        )
+        run_sft(sft, rft_dir)
+    return dataclasses.replace(c, model=ModelSpec(checkpoint=rft_dir, **c.model.overrides()))
