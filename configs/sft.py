@@ -7,6 +7,9 @@ Presets:
   llama3_8b_v5p  Llama 3.1 8B full fine-tune on a v5p-64 slice (set model.hf_path, data).
   llama3_70b_v5p Llama 3.3 70B full fine-tune on a v5p-256 slice (set model.hf_path, data).
   qwen3_32b_v5p  Qwen3 32B full fine-tune on a v5p-256 slice (set model.hf_path, data).
+  kimi_k2_1t            Kimi K2 (1T MoE, MLA) on v5p-1024 (512 chips).
+  deepseek_v3_671b      DeepSeek-V3 (671B MoE, MLA) on v5p-512.
+  qwen3_235b_a22b       Qwen3-235B-A22B (MoE) on v5p-256.
 Override any field: --config.optimizer.learning_rate=1e-5 --config.data.batch_size=64
 """
 
@@ -35,6 +38,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model.remat = ""  # "" keeps the model's; none | full | dots | dots_no_batch
     c.model.compute_dtype = ""  # "" keeps the model's; float32 | bfloat16
     c.model.param_dtype = ""  # "" keeps the model's; float32 | bfloat16
+    c.model.ep_capacity_factor = 0.0  # MoE: expert-parallel buffers over the balanced share (0: the
+    # model's, worst-case buffers that never drop)
+    c.model.routing_bias_rate = 0.0  # MoE: aux-loss-free balancing step (0: bias frozen)
+    c.model.aux_loss_coef = 0.0  # MoE: load-balancing loss weight (0 keeps the model's)
     c.tokenizer = ""  # tokenizer directory; "" uses model.hf_path
 
     # Data: sources are mixed by weight; rows are packed to max_len.
@@ -128,8 +135,34 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.micro_batches = 4
         c.optimizer.learning_rate = 5e-6
         c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 4}
+    elif preset in MOE_PLANS:
+        # Sparse MoE: experts split over `expert` (all-to-all dispatch), every other weight
+        # over fsdp x expert, one row per chip per micro-batch, full remat, bf16 compute.
+        # `posttrain compile --config=configs/sft.py:<preset> --topology=<slice>` checks the fit.
+        plan = MOE_PLANS[preset]
+        c.model.preset = plan["model"]
+        c.model.remat = "full"
+        c.model.ep_capacity_factor = 2.0  # buffers for 2x the balanced load; overflow counted
+        c.data.max_len = 4096
+        c.data.batch_size = plan["chips"] * plan["micro_batches"]
+        c.train.micro_batches = plan["micro_batches"]
+        c.optimizer.learning_rate = 2e-6
+        c.mesh.ici = {"data": 1, "fsdp": -1, "expert": plan["expert"], "sequence": 1, "tensor": 1}
+        c.mesh.rules = [["embed", ["fsdp", "expert"]]]
     else:
-        raise ValueError(
-            f"unknown sft preset {preset!r}: tiny, llama3_8b_v5p, llama3_70b_v5p, qwen3_32b_v5p"
-        )
+        names = ["tiny", "llama3_8b_v5p", "llama3_70b_v5p", "qwen3_32b_v5p", *MOE_PLANS]
+        raise ValueError(f"unknown sft preset {preset!r}: {', '.join(names)}")
     return c
+
+
+# The MoE presets' slices: chips, expert-parallel ways (a divisor of the experts) and
+# micro-batches per step.
+MOE_PLANS = {
+    "kimi_k2_1t": dict(model="kimi_k2_1t", chips=512, expert=64, micro_batches=2),  # v5p-1024
+    "deepseek_v3_671b": dict(
+        model="deepseek_v3_671b", chips=256, expert=64, micro_batches=4
+    ),  # v5p-512
+    "qwen3_235b_a22b": dict(
+        model="qwen3_235b_a22b", chips=128, expert=32, micro_batches=4
+    ),  # v5p-256
+}

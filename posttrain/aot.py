@@ -292,6 +292,13 @@ def matmul_flops(jaxpr) -> float:
             batch = math.prod(a[i] for i in lb)
             total += 2.0 * math.prod(a) * math.prod(b) / (contract * batch)
             continue
+        if name == "ragged_dot_general":  # MoE experts: each row meets one group's matrix
+            numbers = eqn.params["ragged_dot_dimension_numbers"]
+            (_, rc), (_, rb) = numbers.dot_dimension_numbers
+            a, b = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            shared = math.prod(b[i] for i in (*rc, *rb, *numbers.rhs_group_dimensions))
+            total += 2.0 * math.prod(a) * math.prod(b) / shared
+            continue
         subs = list(jaxprs_in_params(eqn.params))
         counts = [matmul_flops(getattr(j, "jaxpr", j)) for j in subs]
         if not counts:
@@ -443,9 +450,10 @@ def _resident(method: str, c, model_config, mesh, shardings) -> dict:
         length = c.rollout.max_prompt_len + c.rollout.max_new_tokens
         sizes = dict(mesh.shape)
         batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-        heads_split = min(sizes["tensor"], m.num_kv_heads)
+        heads, k_dim, v_dim = m.cache_dims()  # MLA: one latent per token
+        heads_split = min(sizes["tensor"], heads)
         itemsize = jnp.dtype(m.compute_dtype).itemsize
-        cache = 2 * m.num_layers * rows * length * m.num_kv_heads * m.head_dim * itemsize
+        cache = m.num_layers * rows * length * heads * (k_dim + v_dim) * itemsize
         out["KV cache"] = cache / (min(batch_split, rows) * heads_split)
     return out
 

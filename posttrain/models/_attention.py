@@ -52,11 +52,13 @@ def attention(
     window: int = 0,
     impl: str = "xla",
     self_attention: bool = False,
+    scale: float | None = None,
 ):
     """Scaled dot-product attention of queries over keys, causal by position.
 
     Args:
-      q_BLNH, k_BSKH, v_BSKH: queries, keys and values; N must be a multiple of K (GQA).
+      q_BLNH, k_BSKH, v_BSKH: queries, keys and values; N must be a multiple of K (GQA). The
+        values' head dim may differ from the queries' and keys' (MLA).
       q_positions_BL, kv_positions_BS: token positions; a query sees keys at positions <= its own.
       q_segment_ids_BL, kv_segment_ids_BS: packed-document ids; attention stays inside a document.
       window: if > 0, a query sees only keys with `q_pos - kv_pos < window` (sliding window).
@@ -64,22 +66,27 @@ def attention(
       self_attention: queries and keys are the same tokens, with positions increasing along
         each document (training rows, packed or padded). The XLA path then skips key blocks
         that lie after each query block (all masked), as the fused kernels do.
+      scale: multiplies the scores; default `1/sqrt(H)`.
 
     Returns:
-      The attended values, `[B, L, N, H]` in the dtype of `q_BLNH`.
+      The attended values, `[B, L, N, Hv]` in the dtype of `q_BLNH`.
     """
+    H, Hv = q_BLNH.shape[-1], v_BSKH.shape[-1]
+    scale = H**-0.5 if scale is None else scale
     if impl == "xla":
         args = (q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window)
         if self_attention:
-            return _xla_causal_blocks(q_BLNH, k_BSKH, v_BSKH, *args)
-        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, *args)
-    if impl == "cudnn":
-        return _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window)
-    if impl == "splash":
-        return _splash_attention(
-            q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window
-        )
-    raise ValueError(f"unknown attention implementation {impl!r}")
+            return _xla_causal_blocks(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale)
+        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale)
+    if impl not in ("cudnn", "splash"):
+        raise ValueError(f"unknown attention implementation {impl!r}")
+    if Hv < H:  # the fused kernels want one head dim: pad the values, drop the padding after
+        v_BSKH = jnp.pad(v_BSKH, ((0, 0), (0, 0), (0, 0), (0, H - Hv)))
+    elif Hv > H:
+        raise ValueError(f"value head dim {Hv} above the query/key head dim {H} (use xla)")
+    fused = _cudnn_attention if impl == "cudnn" else _splash_attention
+    out = fused(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window, scale)
+    return out[..., :Hv]
 
 
 def attention_mask(
@@ -93,36 +100,38 @@ def attention_mask(
     return mask
 
 
-def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window):
+def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, *, scale):
     # Batched 3-D matmuls with (batch x kv-head) leading and an additive mask: XLA:CPU runs
     # these far faster than 5-D einsums with a select, and the additive mask needs nothing
     # saved for the backward pass. Each kv head serves its G query heads as G*L rows.
     B, L, N, H = q_BLNH.shape
-    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    S, K, Hv = k_BSKH.shape[1], k_BSKH.shape[2], v_BSKH.shape[3]
     G = N // K
     q_XRH = q_BLNH.reshape(B, L, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B * K, G * L, H)
     k_XSH = k_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H)
-    v_XSH = v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H)
+    v_XSH = v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, Hv)
     scores_XRS = jax.lax.dot_general(
         q_XRH, k_XSH, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
-    ) * (H**-0.5)
+    ) * scale
     mask_BLS = attention_mask(q_pos, kv_pos, q_seg, kv_seg, window)
     bias_B11LS = jnp.where(mask_BLS, 0.0, _MASKED)[:, None, None]
     scores_BKGLS = scores_XRS.reshape(B, K, G, L, S) + bias_B11LS
     probs_XRS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKH.dtype).reshape(B * K, G * L, S)
     out_XRH = jax.lax.dot_general(probs_XRS, v_XSH, (((2,), (1,)), ((0,), (0,))))
-    return out_XRH.reshape(B, K, G, L, H).transpose(0, 3, 1, 2, 4).reshape(B, L, N, H)
+    return out_XRH.reshape(B, K, G, L, Hv).transpose(0, 3, 1, 2, 4).reshape(B, L, N, Hv)
 
 
 def _xla_causal_blocks(
-    q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block: int = 32
+    q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, *, scale, block: int = 32
 ):
     """Self-attention by query blocks, each over only the keys it can see: keys after the
     block are causally masked, keys before `start - window` fall outside the window. Saves
     about half the score memory and FLOPs at long lengths."""
     L = q_BLNH.shape[1]
     if L <= block:
-        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window)
+        return _xla_attention(
+            q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, scale=scale
+        )
     outs = []
     for start in range(0, L, block):
         stop = min(start + block, L)
@@ -137,12 +146,13 @@ def _xla_causal_blocks(
                 q_seg[:, start:stop],
                 kv_seg[:, lo:stop],
                 window,
+                scale=scale,
             )
         )
     return jnp.concatenate(outs, axis=1)
 
 
-def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
+def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window, scale):
     segment_mask_B1LS = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
         q_BLNH,
@@ -151,11 +161,12 @@ def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
         mask=segment_mask_B1LS,
         is_causal=True,
         local_window_size=(window - 1, 0) if window else None,
+        scale=scale,
         implementation="cudnn",
     )
 
 
-def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
+def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window, scale):
     L, S = q_BLNH.shape[1], k_BSKH.shape[1]
     if L % 128 or S % 128:
         raise ValueError(
@@ -163,7 +174,7 @@ def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
             f"got {L} and {S}; pad the batch or set model.attention='xla'"
         )
     mesh = jax.sharding.get_abstract_mesh()
-    local = functools.partial(_splash_local, window=window)
+    local = functools.partial(_splash_local, window=window, scale=scale)
     if mesh.empty:
         return local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg)
     # Pallas kernels see one device's block: batch and heads stay sharded, length is gathered.
@@ -182,7 +193,7 @@ def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window):
     )(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg)
 
 
-def _splash_local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, *, window):
+def _splash_local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, *, window, scale):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -194,7 +205,7 @@ def _splash_local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, *, window):
     S = k_BSKH.shape[1]
     base = masks.LocalMask((L, S), (window - 1, 0), 0) if window else masks.CausalMask((L, S))
     kernel = splash.make_splash_mha(masks.MultiHeadMask([base] * N), head_shards=1, q_seq_shards=1)
-    q_BNLH = (q_BLNH * H**-0.5).astype(q_BLNH.dtype).transpose(0, 2, 1, 3)
+    q_BNLH = (q_BLNH * scale).astype(q_BLNH.dtype).transpose(0, 2, 1, 3)
     k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
     segments = splash.SegmentIds(q=q_seg, kv=kv_seg)
     out_BNLH = jax.vmap(kernel)(q_BNLH, k_BKSH, v_BKSH, segment_ids=segments)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +21,116 @@ class RopeScaling:
     factor: float = 1.0  # context extension factor
     low_freq_factor: float = 1.0  # llama3: wavelengths above orig/low are fully scaled
     high_freq_factor: float = 4.0  # llama3: wavelengths below orig/high are kept
-    original_max_position_embeddings: int = 8192  # llama3: pre-extension context
+    original_max_position_embeddings: int = 8192  # llama3, yarn: pre-extension context
+    # yarn (DeepSeek-V3, Kimi K2), HF's names and defaults. Dimensions that turn more than
+    # `beta_fast` times over the original context keep their frequency, those that turn fewer
+    # than `beta_slow` times are divided by `factor`, a linear ramp in between.
+    beta_fast: float = 32.0  # yarn: rotations where interpolation starts
+    beta_slow: float = 1.0  # yarn: rotations where interpolation is complete
+    mscale: float | None = None  # yarn: with mscale_all_dim, cos/sin get m(mscale)/m(all_dim)
+    mscale_all_dim: float | None = None  # yarn: see mscale (DeepSeek-V3 also scales softmax)
+    truncate: bool = True  # yarn: round the ramp's ends out to whole dimensions
+    attention_factor: float | None = None  # yarn: cos/sin multiplier; None = from factor, mscale
+
+    def __post_init__(self):
+        if self.rope_type != "yarn":
+            return
+        for field in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+            if getattr(self, field) <= 0:
+                raise ValueError(
+                    f"Invalid rope_scaling: yarn needs {field} > 0, got {getattr(self, field)}"
+                )
+
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+DISPATCH_MODES = ("dropless", "capacity")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward layer (the routed experts plus any shared experts)."""
+
+    num_experts: int  # E, routed experts
+    top_k: int  # K, experts per token
+    expert_mlp_dim: int  # F, SwiGLU hidden width of one expert
+    num_shared_experts: int = 0  # always-on experts: one dense SwiGLU of width F * this
+    score_func: str = "softmax"  # router scores: "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalise the K selected scores to sum to 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed output (DeepSeek-V3: 2.5)
+    n_group: int = 1  # expert groups for group-limited routing (1 = off)
+    topk_group: int = 1  # groups kept per token, ranked by the sum of their top-2 scores
+    # DeepSeek-V3 `e_score_correction_bias`: added to the scores to choose experts, never to
+    # their weights; no gradient reaches it, move it with `update_routing_bias`.
+    use_routing_bias: bool = False
+    dispatch: str = "dropless"  # one of DISPATCH_MODES
+    capacity_factor: float = 1.25  # "capacity": slots per expert over the balanced share M*K/E
+    # Expert parallelism: slots per destination device over the balanced share m*K/ep (m local
+    # tokens); overflow is dropped and counted. None sizes buffers for the worst case,
+    # m * min(K, E/ep), so nothing is ever dropped, at ep times the balanced expert work.
+    ep_capacity_factor: float | None = None
+    # Training moves the routing bias by this much per step towards balance (DeepSeek-V3's
+    # gamma, 0.001 in pre-training); 0 keeps it as loaded. Never touched by the optimizer.
+    routing_bias_rate: float = 0.0
+    aux_loss_coef: float = 0.0  # weight of the load-balancing loss in aux["loss"]
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss in aux["loss"]
+
+    def __post_init__(self):
+        def fail(msg):
+            raise ValueError(f"Invalid MoE config: {msg}")
+
+        for field in ("num_experts", "top_k", "expert_mlp_dim", "n_group", "topk_group"):
+            if getattr(self, field) <= 0:
+                fail(f"{field} must be positive, got {getattr(self, field)}")
+        if self.num_shared_experts < 0:
+            fail(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        if self.top_k > self.num_experts:
+            fail(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.score_func not in SCORE_FUNCS:
+            fail(f"score_func={self.score_func!r}; choose one of {SCORE_FUNCS}")
+        if self.dispatch not in DISPATCH_MODES:
+            fail(f"dispatch={self.dispatch!r}; choose one of {DISPATCH_MODES}")
+        if self.capacity_factor <= 0:
+            fail(f"capacity_factor must be positive, got {self.capacity_factor}")
+        if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
+            fail(f"ep_capacity_factor must be positive or None, got {self.ep_capacity_factor}")
+        if self.routing_bias_rate < 0 or (self.routing_bias_rate and not self.use_routing_bias):
+            fail("routing_bias_rate must be >= 0, and needs use_routing_bias=True")
+        if self.num_experts % self.n_group:
+            fail(f"num_experts={self.num_experts} must be a multiple of n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            fail(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            fail(
+                f"top_k={self.top_k} exceeds the {self.topk_group} kept group(s) of "
+                f"{self.num_experts // self.n_group} experts; raise topk_group or lower top_k"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values come from one
+    low-rank latent per token (the only thing a KV cache stores), queries optionally from
+    another; each head's query/key is a `nope` part plus a `rope` part, and the rope part of
+    the key is one vector shared by all heads."""
+
+    kv_lora_rank: int  # width of the key/value latent
+    qk_nope_head_dim: int  # per-head query/key dims without position
+    qk_rope_head_dim: int  # per-head query dims with RoPE; the key's is shared by all heads
+    v_head_dim: int  # per-head value dims
+    q_lora_rank: int | None = None  # width of the query latent; None: a direct projection
+
+    def __post_init__(self):
+        for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"Invalid MLA config: {field} must be positive")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError("Invalid MLA config: qk_rope_head_dim must be even (RoPE pairs)")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError("Invalid MLA config: q_lora_rank must be positive or None")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +155,12 @@ class ModelConfig:
     # Which layers use `sliding_window`; None means every layer (Mistral). Qwen-style
     # mixes list the indices of the sliding layers.
     sliding_window_layers: tuple[int, ...] | None = None
+    # Mixture of experts: layers first_k_dense.. replace their SwiGLU by routed experts.
+    moe: MoEConfig | None = None
+    first_k_dense: int = 0  # with moe: leading layers that keep the dense SwiGLU (mlp_dim)
+    # Multi-head latent attention instead of q/k/v projections (num_kv_heads = num_heads and
+    # head_dim = qk_nope_head_dim + qk_rope_head_dim are then implied; set them so).
+    mla: MLAConfig | None = None
     tie_embeddings: bool = False  # lm_head shares the input embedding
     param_dtype: str = "float32"  # storage dtype of the weights
     compute_dtype: str = "float32"  # matmul/activation dtype; "bfloat16" for speed
@@ -91,6 +206,21 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window <= 0:
             fail(f"sliding_window must be positive or None, got {self.sliding_window}")
+        if self.first_k_dense and self.moe is None:
+            fail("first_k_dense is only meaningful with moe; set model.moe or first_k_dense=0")
+        if not 0 <= self.first_k_dense < self.num_layers:
+            fail(f"first_k_dense={self.first_k_dense} must be in 0..{self.num_layers - 1}")
+        if self.mla is not None:
+            if self.num_kv_heads != self.num_heads or self.head_dim != self.mla.qk_head_dim:
+                fail(
+                    f"with mla, num_kv_heads must equal num_heads ({self.num_heads}) and "
+                    f"head_dim must be qk_nope_head_dim + qk_rope_head_dim "
+                    f"({self.mla.qk_head_dim})"
+                )
+            if self.qkv_bias or self.o_bias or self.qk_norm:
+                fail("mla has no qkv_bias, o_bias or qk_norm; turn them off")
+            if self.sliding_window is not None:
+                fail("mla with sliding windows is not supported")
         if self.sliding_window_layers is not None:
             bad = [i for i in self.sliding_window_layers if not 0 <= i < self.num_layers]
             if bad:
@@ -113,14 +243,50 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense if self.moe else 0
+
+    def cache_dims(self) -> tuple[int, int, int]:
+        """(heads, key dims, value dims) of one cached token per layer. MLA caches its latent
+        plus the shared rope key as one "head", and no separate value (it is the latent)."""
+        if self.mla:
+            return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6 x matmul params + causal attention."""
-        per_layer = self.embed_dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_layer += (
-            self.num_heads * self.head_dim * self.embed_dim + 3 * self.embed_dim * self.mlp_dim
-        )
-        matmul_params = self.num_layers * per_layer + self.embed_dim * self.vocab_size
-        attention = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len  # QK^T, AV
+        """Training FLOPs per token (forward + backward): 6 x active matmul params + causal
+        attention. For MoE only the experts a token is routed to (plus shared ones) count."""
+        D, N = self.embed_dim, self.num_heads
+        if self.mla:
+            m = self.mla
+            q = D * N * m.qk_head_dim
+            if m.q_lora_rank:
+                q = D * m.q_lora_rank + m.q_lora_rank * N * m.qk_head_dim
+            kv = D * (m.kv_lora_rank + m.qk_rope_head_dim)
+            kv += m.kv_lora_rank * N * (m.qk_nope_head_dim + m.v_head_dim)
+            attn = q + kv + N * m.v_head_dim * D
+        else:
+            attn = D * (N + 2 * self.num_kv_heads) * self.head_dim + N * self.head_dim * D
+        dense_mlp = 3 * D * self.mlp_dim
+        mlp = self.num_layers * dense_mlp
+        if self.moe:
+            e = self.moe
+            active = (e.top_k + e.num_shared_experts) * 3 * D * e.expert_mlp_dim
+            routed = self.num_moe_layers * (active + D * e.num_experts)  # + the router
+            mlp = self.first_k_dense * dense_mlp + routed
+        matmul_params = self.num_layers * attn + mlp + D * self.vocab_size
+        # Causal QK^T and AV: half of 2*L*N*(qk + v) multiply-adds per token, x3 with backward.
+        attention = 3 * self.num_layers * N * (self.head_dim + self.v_head_dim) * seq_len
         return 6 * matmul_params + attention
 
     def num_params(self) -> int:

@@ -19,72 +19,14 @@ Dispatch:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-from posttrain.models._transformer import ParamSpec, dense
+from posttrain.models._config import MoEConfig
+from posttrain.models._ops import ParamSpec, dense
 from posttrain.parallel import constrain, logical_to_spec
-
-SCORE_FUNCS = ("softmax", "sigmoid")
-DISPATCH_MODES = ("dropless", "capacity")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """A mixture-of-experts feed-forward layer (the routed experts plus any shared experts)."""
-
-    num_experts: int  # E, routed experts
-    top_k: int  # K, experts per token
-    expert_mlp_dim: int  # F, SwiGLU hidden width of one expert
-    num_shared_experts: int = 0  # always-on experts: one dense SwiGLU of width F * this
-    score_func: str = "softmax"  # router scores: "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
-    norm_topk_prob: bool = True  # renormalise the K selected scores to sum to 1
-    routed_scaling_factor: float = 1.0  # multiplies the routed output (DeepSeek-V3: 2.5)
-    n_group: int = 1  # expert groups for group-limited routing (1 = off)
-    topk_group: int = 1  # groups kept per token, ranked by the sum of their top-2 scores
-    # DeepSeek-V3 `e_score_correction_bias`: added to the scores to choose experts, never to
-    # their weights; no gradient reaches it, move it with `update_routing_bias`.
-    use_routing_bias: bool = False
-    dispatch: str = "dropless"  # one of DISPATCH_MODES
-    capacity_factor: float = 1.25  # "capacity": slots per expert over the balanced share M*K/E
-    # Expert parallelism: slots per destination device over the balanced share m*K/ep (m local
-    # tokens); overflow is dropped and counted. None sizes buffers for the worst case,
-    # m * min(K, E/ep), so nothing is ever dropped, at ep times the balanced expert work.
-    ep_capacity_factor: float | None = None
-    aux_loss_coef: float = 0.0  # weight of the load-balancing loss in aux["loss"]
-    router_z_loss_coef: float = 0.0  # weight of the router z-loss in aux["loss"]
-
-    def __post_init__(self):
-        def fail(msg):
-            raise ValueError(f"Invalid MoE config: {msg}")
-
-        for field in ("num_experts", "top_k", "expert_mlp_dim", "n_group", "topk_group"):
-            if getattr(self, field) <= 0:
-                fail(f"{field} must be positive, got {getattr(self, field)}")
-        if self.num_shared_experts < 0:
-            fail(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
-        if self.top_k > self.num_experts:
-            fail(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        if self.score_func not in SCORE_FUNCS:
-            fail(f"score_func={self.score_func!r}; choose one of {SCORE_FUNCS}")
-        if self.dispatch not in DISPATCH_MODES:
-            fail(f"dispatch={self.dispatch!r}; choose one of {DISPATCH_MODES}")
-        if self.capacity_factor <= 0:
-            fail(f"capacity_factor must be positive, got {self.capacity_factor}")
-        if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
-            fail(f"ep_capacity_factor must be positive or None, got {self.ep_capacity_factor}")
-        if self.num_experts % self.n_group:
-            fail(f"num_experts={self.num_experts} must be a multiple of n_group={self.n_group}")
-        if self.topk_group > self.n_group:
-            fail(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
-        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
-            fail(
-                f"top_k={self.top_k} exceeds the {self.topk_group} kept group(s) of "
-                f"{self.num_experts // self.n_group} experts; raise topk_group or lower top_k"
-            )
 
 
 def moe_param_specs(config: MoEConfig, embed_dim: int, num_layers: int | None = None) -> dict:

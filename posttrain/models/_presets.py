@@ -3,7 +3,7 @@ and tiny ones for tests and the demo."""
 
 from __future__ import annotations
 
-from posttrain.models._config import ModelConfig, RopeScaling
+from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 
 _LLAMA31_ROPE = RopeScaling(
     rope_type="llama3",
@@ -88,6 +88,106 @@ PRESETS: dict[str, ModelConfig] = {
         compute_dtype="bfloat16",
         name="mistral_7b",
     ),
+    # Sparse MoE. DeepSeek-V3 and Kimi K2: MLA, sigmoid routing with a selection bias, one
+    # shared expert, dense first layer(s), YaRN RoPE. Qwen3-235B-A22B: GQA, softmax top-8.
+    "deepseek_v3_671b": ModelConfig(
+        vocab_size=129_280,
+        embed_dim=7168,
+        num_layers=61,
+        num_heads=128,
+        num_kv_heads=128,
+        head_dim=192,
+        mlp_dim=18_432,
+        max_seq_len=163_840,
+        rope_theta=10_000.0,
+        rope_scaling=RopeScaling(
+            rope_type="yarn",
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        norm_eps=1e-6,
+        mla=MLAConfig(
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            q_lora_rank=1536,
+        ),
+        moe=MoEConfig(
+            num_experts=256,
+            top_k=8,
+            expert_mlp_dim=2048,
+            num_shared_experts=1,
+            score_func="sigmoid",
+            routed_scaling_factor=2.5,
+            n_group=8,
+            topk_group=4,
+            use_routing_bias=True,
+        ),
+        first_k_dense=3,
+        compute_dtype="bfloat16",
+        name="deepseek_v3_671b",
+    ),
+    "kimi_k2_1t": ModelConfig(
+        vocab_size=163_840,
+        embed_dim=7168,
+        num_layers=61,
+        num_heads=64,
+        num_kv_heads=64,
+        head_dim=192,
+        mlp_dim=18_432,
+        max_seq_len=131_072,
+        rope_theta=50_000.0,
+        rope_scaling=RopeScaling(
+            rope_type="yarn",
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            beta_fast=1.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        norm_eps=1e-6,
+        mla=MLAConfig(
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            q_lora_rank=1536,
+        ),
+        moe=MoEConfig(
+            num_experts=384,
+            top_k=8,
+            expert_mlp_dim=2048,
+            num_shared_experts=1,
+            score_func="sigmoid",
+            routed_scaling_factor=2.827,
+            use_routing_bias=True,
+        ),
+        first_k_dense=1,
+        compute_dtype="bfloat16",
+        name="kimi_k2_1t",
+    ),
+    "qwen3_235b_a22b": ModelConfig(
+        vocab_size=151_936,
+        embed_dim=4096,
+        num_layers=94,
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        mlp_dim=12_288,
+        max_seq_len=40_960,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
+        moe=MoEConfig(num_experts=128, top_k=8, expert_mlp_dim=1536),
+        compute_dtype="bfloat16",
+        name="qwen3_235b_a22b",
+    ),
     # Tiny models for tests, notebooks and the CPU demo.
     "tiny": ModelConfig(
         vocab_size=512,
@@ -100,6 +200,47 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=512,
         norm_eps=1e-6,
         name="tiny",
+    ),
+    # Tiny MoE models: Qwen3-MoE-like, and DeepSeek-V3-like (MLA, groups, shared expert,
+    # one dense layer, routing bias).
+    "tiny_moe": ModelConfig(
+        vocab_size=512,
+        embed_dim=64,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=16,
+        mlp_dim=128,
+        max_seq_len=512,
+        qk_norm=True,
+        moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=32),
+        name="tiny_moe",
+    ),
+    "tiny_mla_moe": ModelConfig(
+        vocab_size=512,
+        embed_dim=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=24,
+        mlp_dim=128,
+        max_seq_len=512,
+        mla=MLAConfig(
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=32
+        ),
+        moe=MoEConfig(
+            num_experts=8,
+            top_k=2,
+            expert_mlp_dim=32,
+            num_shared_experts=1,
+            score_func="sigmoid",
+            routed_scaling_factor=2.5,
+            n_group=2,
+            topk_group=1,
+            use_routing_bias=True,
+        ),
+        first_k_dense=1,
+        name="tiny_mla_moe",
     ),
     # The demo's model: small enough to train from scratch on 2 CPU cores in minutes.
     "demo": ModelConfig(
@@ -123,6 +264,16 @@ PUBLISHED_PARAMS = {
     "qwen3_8b": 8.19e9,
     "qwen3_32b": 32.8e9,
     "mistral_7b": 7.25e9,
+    "deepseek_v3_671b": 671e9,  # without the multi-token-prediction layer
+    "kimi_k2_1t": 1.03e12,  # the model card says "1T"; its config.json shapes give 1.026T
+    "qwen3_235b_a22b": 235e9,
+}
+
+# Parameters a token passes through (published "activated" counts) for the MoE presets.
+PUBLISHED_ACTIVE_PARAMS = {
+    "deepseek_v3_671b": 37e9,
+    "kimi_k2_1t": 32e9,
+    "qwen3_235b_a22b": 22e9,
 }
 
 

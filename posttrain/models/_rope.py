@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF's rotate-half convention) with linear and llama3 scaling."""
+"""Rotary position embeddings (HF's rotate-half layout) with linear, llama3 and yarn scaling."""
 
 from __future__ import annotations
 
@@ -11,16 +11,55 @@ import numpy as np
 from posttrain.models._config import ModelConfig
 
 
+def _rope_dim(config: ModelConfig) -> int:
+    # MLA models rotate only part of each head; `rope_dim` is that part where it exists.
+    return getattr(config, "rope_dim", config.head_dim)
+
+
+def _powers(theta: float, dim: int) -> np.ndarray:
+    """theta ** (2i / dim) in float32, as HF's `base ** (arange(0, dim, 2) / dim)`."""
+    # Rounded from float64, which torch's float32 pow nearly always equals; numpy's float32 pow
+    # is an ulp off for a fifth of them, enough to move cos/sin by up to 1e-3 at position 1e4.
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / dim
+    return (float(theta) ** exponents.astype(np.float64)).astype(np.float32)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """HF `_compute_yarn_parameters`' frequencies, op for op in float32."""
+    scaling, dim, base = config.rope_scaling, _rope_dim(config), config.rope_theta
+    old_len = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations):  # the dimension that turns `rotations` times over old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1 where the frequency is kept (extrapolated), 0 where divided by factor
+    pos_freqs = _powers(base, dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (scaling.factor * pos_freqs)
+    return (interpolated * (1 - keep) + extrapolated * keep).astype(np.float32)
+
+
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """The H/2 rotation frequencies, scaled as `config.rope_scaling` asks (float32, like HF)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    inv_freq = inv_freq.astype(np.float32)
+    """The rope_dim/2 rotation frequencies, scaled as `config.rope_scaling` asks; float32 as HF."""
+    dim = _rope_dim(config)
+    inv_freq = (1.0 / _powers(config.rope_theta, dim)).astype(np.float32)
     scaling = config.rope_scaling
     if scaling is None or scaling.rope_type == "default":
         return inv_freq
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inverse_frequencies(config)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -35,11 +74,30 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rope_attention_factor(config: ModelConfig) -> float:
+    """HF's `attention_factor`: what cos and sin are multiplied by (1.0 except for yarn)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    if scaling.mscale and scaling.mscale_all_dim:  # HF tests truthiness: 0 means unset
+        return _yarn_mscale(scaling.factor, scaling.mscale) / _yarn_mscale(
+            scaling.factor, scaling.mscale_all_dim
+        )
+    return _yarn_mscale(scaling.factor)
+
+
 def rope_angles(positions_BL: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of every position's angles, `[B, L, H/2]` float32."""
+    """cos and sin of every position's angles, `[B, L, rope_dim/2]` float32.
+
+    Both are multiplied by `rope_attention_factor(config)`, as HF's rotary embedding does, so
+    yarn's attention temperature reaches q.k through the rotation of both.
+    """
     inv_freq = jnp.asarray(inverse_frequencies(config))
     angles = positions_BL.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+    factor = rope_attention_factor(config)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def apply_rope(x_BLNH: jax.Array, cos_BLh: jax.Array, sin_BLh: jax.Array) -> jax.Array:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -18,31 +17,17 @@ import numpy as np
 
 from posttrain.models._attention import attention, resolve_impl
 from posttrain.models._config import ModelConfig
+from posttrain.models._mla import mla_attention, mla_param_specs
+from posttrain.models._moe import moe_forward, moe_param_specs
+from posttrain.models._ops import ParamSpec, dense, rms_norm
 from posttrain.models._rope import apply_rope, rope_angles
 from posttrain.parallel import constrain, tree_shardings
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    """One weight: its shape, the logical name of each dimension and how to initialise it."""
-
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    init: str = "normal"  # "normal" (std 0.02), "ones" or "zeros"
-
-
-def param_specs(config: ModelConfig) -> dict:
-    """The table of every parameter; layer weights carry a leading `layers` dimension T."""
-    c = config
-    T, D, N, K, H, F, V = (
-        c.num_layers,
-        c.embed_dim,
-        c.num_heads,
-        c.num_kv_heads,
-        c.head_dim,
-        c.mlp_dim,
-        c.vocab_size,
-    )
+def _attention_specs(c: ModelConfig, T: int) -> dict:
+    if c.mla is not None:
+        return mla_param_specs(c, T)
+    D, N, K, H = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
     attn = {
         "q": ParamSpec((T, D, N, H), ("layers", "embed", "heads", "head_dim")),
         "k": ParamSpec((T, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
@@ -58,20 +43,43 @@ def param_specs(config: ModelConfig) -> dict:
     if c.qk_norm:
         attn["q_norm"] = ParamSpec((T, H), ("layers", "head_dim"), "ones")
         attn["k_norm"] = ParamSpec((T, H), ("layers", "head_dim"), "ones")
+    return attn
+
+
+def _block_specs(c: ModelConfig, T: int, moe: bool) -> dict:
+    """T stacked pre-norm blocks: attention, then a dense SwiGLU (`mlp`) or experts (`moe`)."""
+    D, F = c.embed_dim, c.mlp_dim
+    block = {
+        "attn_norm": ParamSpec((T, D), ("layers", "embed"), "ones"),
+        "attn": _attention_specs(c, T),
+        "mlp_norm": ParamSpec((T, D), ("layers", "embed"), "ones"),
+    }
+    if moe:
+        block["moe"] = moe_param_specs(c.moe, D, T)
+    else:
+        block["mlp"] = {
+            "gate": ParamSpec((T, D, F), ("layers", "embed", "mlp")),
+            "up": ParamSpec((T, D, F), ("layers", "embed", "mlp")),
+            "down": ParamSpec((T, F, D), ("layers", "mlp", "embed")),
+        }
+    return block
+
+
+def param_specs(config: ModelConfig) -> dict:
+    """The table of every parameter; layer weights carry a leading `layers` dimension T.
+
+    `layers` stacks every layer of a dense model. With MoE it stacks the expert layers, and
+    `dense_layers` the first `first_k_dense` ones (a separate scan: their shapes differ).
+    """
+    c = config
+    D, V = c.embed_dim, c.vocab_size
     specs = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
-        "layers": {
-            "attn_norm": ParamSpec((T, D), ("layers", "embed"), "ones"),
-            "attn": attn,
-            "mlp_norm": ParamSpec((T, D), ("layers", "embed"), "ones"),
-            "mlp": {
-                "gate": ParamSpec((T, D, F), ("layers", "embed", "mlp")),
-                "up": ParamSpec((T, D, F), ("layers", "embed", "mlp")),
-                "down": ParamSpec((T, F, D), ("layers", "mlp", "embed")),
-            },
-        },
+        "layers": _block_specs(c, c.num_layers - c.first_k_dense, moe=c.moe is not None),
         "final_norm": ParamSpec((D,), ("embed",), "ones"),
     }
+    if c.first_k_dense:
+        specs["dense_layers"] = _block_specs(c, c.first_k_dense, moe=False)
     if not c.tie_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"))
     return specs
@@ -131,30 +139,6 @@ def init_params(config: ModelConfig, rng: jax.Array, mesh=None) -> dict:
     return jax.jit(init, out_shardings=shardings)(rng)
 
 
-def dense(x, w, contract: int = 1, preferred_element_type=None):
-    """`x[..., *in] @ w[*in, *out]` over the last `contract` dims of x, as one 2-D matmul.
-
-    Same result as the einsum, but XLA:CPU runs flat matmuls several times faster than
-    multi-dimensional einsums (their gradients need transposing copies); on TPU and GPU
-    the reshapes are free.
-    """
-    lead, inner = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
-    out = w.shape[contract:]
-    y = jnp.dot(
-        x.reshape(-1, math.prod(inner)),
-        w.reshape(math.prod(inner), -1),
-        preferred_element_type=preferred_element_type,
-    )
-    return y.reshape(*lead, *out)
-
-
-def rms_norm(x, scale, eps: float):
-    """HF-exact RMSNorm: normalise in float32, cast back, then scale."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return scale.astype(x.dtype) * normed.astype(x.dtype)
-
-
 _REMAT_POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing, recompute the whole layer
     "dots": jax.checkpoint_policies.checkpoint_dots,
@@ -173,7 +157,8 @@ class KVCache:
 
     A forward pass with a cache writes its L tokens' keys, values, positions and segment ids at
     slots `index .. index+L-1` of every row and attends over all S slots (masked by position and
-    segment id, so slots never written, with segment id -1, are never seen).
+    segment id, so slots never written, with segment id -1, are never seen). MLA models store
+    their latent as one key "head" and no values (`ModelConfig.cache_dims`).
     """
 
     k_TBSKH: jax.Array
@@ -185,22 +170,23 @@ class KVCache:
     @classmethod
     def init(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
         """An empty cache of `length` slots per row, in the compute dtype."""
-        shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+        heads, k_dim, v_dim = config.cache_dims()
+        shape = (config.num_layers, batch, length, heads)
         return cls(
-            k_TBSKH=jnp.zeros(shape, config.dtype),
-            v_TBSKH=jnp.zeros(shape, config.dtype),
+            k_TBSKH=jnp.zeros((*shape, k_dim), config.dtype),
+            v_TBSKH=jnp.zeros((*shape, v_dim), config.dtype),
             positions_BS=jnp.zeros((batch, length), jnp.int32),
             segment_ids_BS=jnp.full((batch, length), -1, jnp.int32),
             index=jnp.zeros((), jnp.int32),
         )
 
 
-def _layer(
-    x_BLD,
-    p,
+def _attention(
+    h_BLD,
+    a,
     window_index,
-    k_cache_BSKH=None,
-    v_cache_BSKH=None,
+    k_cache_BSKH,
+    v_cache_BSKH,
     *,
     config: ModelConfig,
     impl: str,
@@ -213,14 +199,8 @@ def _layer(
     kv_segment_ids_BS=None,
     cache_index=None,
 ):
-    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
-
-    With a cache (`k_cache_BSKH` ...), the new keys and values are written at `cache_index` and
-    the queries attend over the whole cache; the updated (k, v) cache is the second output.
-    """
+    """Grouped-query self-attention of normed `h_BLD`: `(out_BLD, (k, v) cache or None)`."""
     dt = config.dtype
-    a = p["attn"]
-    h_BLD = rms_norm(x_BLD, p["attn_norm"], config.norm_eps)
     q_BLNH = dense(h_BLD, a["q"].astype(dt))
     k_BLKH = dense(h_BLD, a["k"].astype(dt))
     v_BLKH = dense(h_BLD, a["v"].astype(dt))
@@ -265,15 +245,87 @@ def _layer(
     attn_BLD = dense(o_BLNH, a["o"].astype(dt), contract=2)
     if config.o_bias:
         attn_BLD += a["o_bias"].astype(dt)
+    return attn_BLD, new_cache
+
+
+def _layer(
+    x_BLD,
+    p,
+    window_index,
+    k_cache_BSKH=None,
+    v_cache_BSKH=None,
+    *,
+    config: ModelConfig,
+    impl: str,
+    windows: tuple[int, ...],
+    cos,
+    sin,
+    positions_BL,
+    segment_ids_BL,
+    kv_positions_BS=None,
+    kv_segment_ids_BS=None,
+    cache_index=None,
+):
+    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (or the experts).
+
+    Returns `(x, (cache, aux))`: with a cache (`k_cache_BSKH` ...) the new keys and values are
+    written at `cache_index`, the queries attend over the whole cache and the updated (k, v)
+    cache comes back; `aux` holds the MoE layer's losses and counts (empty for a dense block).
+    """
+    dt = config.dtype
+    h_BLD = rms_norm(x_BLD, p["attn_norm"], config.norm_eps)
+    context = dict(
+        config=config,
+        impl=impl,
+        cos=cos,
+        sin=sin,
+        positions_BL=positions_BL,
+        segment_ids_BL=segment_ids_BL,
+        kv_positions_BS=kv_positions_BS,
+        kv_segment_ids_BS=kv_segment_ids_BS,
+        cache_index=cache_index,
+    )
+    if config.mla is not None:
+        attn_BLD, k_cache = mla_attention(h_BLD, p["attn"], cache_BS1C=k_cache_BSKH, **context)
+        new_cache = None if k_cache is None else (k_cache, v_cache_BSKH)
+    else:
+        attn_BLD, new_cache = _attention(
+            h_BLD, p["attn"], window_index, k_cache_BSKH, v_cache_BSKH, windows=windows, **context
+        )
     x_BLD = constrain(x_BLD + attn_BLD, ("act_batch", "act_length", "act_embed"))
 
-    m = p["mlp"]
     h_BLD = rms_norm(x_BLD, p["mlp_norm"], config.norm_eps)
-    gate_BLF = dense(h_BLD, m["gate"].astype(dt))
-    up_BLF = dense(h_BLD, m["up"].astype(dt))
-    act_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_length", "act_mlp"))
-    x_BLD = x_BLD + dense(act_BLF, m["down"].astype(dt))
-    return constrain(x_BLD, ("act_batch", "act_length", "act_embed")), new_cache
+    aux = {}
+    if "moe" in p:
+        y_BLD, aux = moe_forward(p["moe"], h_BLD, config.moe, token_mask_BL=segment_ids_BL != 0)
+    else:
+        m = p["mlp"]
+        gate_BLF = dense(h_BLD, m["gate"].astype(dt))
+        up_BLF = dense(h_BLD, m["up"].astype(dt))
+        act_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_length", "act_mlp"))
+        y_BLD = dense(act_BLF, m["down"].astype(dt))
+    x_BLD = constrain(x_BLD + y_BLD, ("act_batch", "act_length", "act_embed"))
+    return x_BLD, (new_cache, aux)
+
+
+def _stacks(params: dict, config: ModelConfig) -> list[tuple[dict, slice]]:
+    """The scanned stacks in order, each with the slice of layers (and cache) it covers."""
+    k = config.first_k_dense
+    stacks = [(params["layers"], slice(k, config.num_layers))]
+    if k:
+        stacks.insert(0, (params["dense_layers"], slice(0, k)))
+    return stacks
+
+
+def moe_aux(aux_T: dict) -> dict:
+    """The per-layer MoE outputs of a forward pass, reduced over layers: `loss` (to add to the
+    objective), `aux_loss`, `z_loss`, `dropped_fraction` (layer means) and `expert_counts`
+    `[T, E]` (real tokens routed to each expert of each MoE layer). Empty for dense models."""
+    if not aux_T:
+        return {}
+    out = {k: jnp.mean(aux_T[k]) for k in ("loss", "aux_loss", "z_loss", "dropped_fraction")}
+    out["expert_counts"] = aux_T["expert_counts"]
+    return out
 
 
 def hidden_states(
@@ -283,11 +335,14 @@ def hidden_states(
     positions_BL: jax.Array | None = None,
     segment_ids_BL: jax.Array | None = None,
     cache: KVCache | None = None,
+    *,
+    return_aux: bool = False,
 ):
     """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read).
 
     With a `cache`, returns `(hidden, cache)`: the tokens' keys and values are written at
-    `cache.index` and attention runs over the cache (see `KVCache`).
+    `cache.index` and attention runs over the cache (see `KVCache`). Else, with `return_aux`,
+    returns `(hidden, aux)` with the MoE layers' losses and counts (see `moe_aux`).
     """
     B, L = tokens_BL.shape
     if positions_BL is None:
@@ -304,10 +359,8 @@ def hidden_states(
 
     windows = tuple(sorted(set(config.layer_windows)))
     window_index_T = jnp.asarray([windows.index(w) for w in config.layer_windows], jnp.int32)
-    xs = (params["layers"], window_index_T)
     cache_kwargs = {}
     if cache is not None:
-        xs += (cache.k_TBSKH, cache.v_TBSKH)
         write = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=cache.index)
         cache_kwargs = dict(
             kv_positions_BS=write(cache.positions_BS, positions_BL.astype(jnp.int32), axis=1),
@@ -327,13 +380,21 @@ def hidden_states(
     )
     if config.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
-    x_BLD, kv = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
+    caches, aux_T = [], {}
+    for stack, layers in _stacks(params, config):
+        xs = (stack, window_index_T[layers])
+        if cache is not None:
+            xs += (cache.k_TBSKH[layers], cache.v_TBSKH[layers])
+        x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
+        caches.append(kv)
+        aux_T = aux or aux_T
     hidden_BLD = rms_norm(x_BLD, params["final_norm"], config.norm_eps)
     if cache is None:
-        return hidden_BLD
+        return (hidden_BLD, moe_aux(aux_T)) if return_aux else hidden_BLD
+    join = (lambda *a: jnp.concatenate(a)) if len(caches) > 1 else (lambda a: a)
     cache = KVCache(
-        k_TBSKH=kv[0],
-        v_TBSKH=kv[1],
+        k_TBSKH=join(*(kv[0] for kv in caches)),
+        v_TBSKH=join(*(kv[1] for kv in caches)),
         positions_BS=cache_kwargs["kv_positions_BS"],
         segment_ids_BS=cache_kwargs["kv_segment_ids_BS"],
         index=cache.index + L,
@@ -356,8 +417,11 @@ def forward(
     positions_BL: jax.Array | None = None,
     segment_ids_BL: jax.Array | None = None,
     cache: KVCache | None = None,
+    *,
+    return_aux: bool = False,
 ):
-    """Logits `[B, L, V]` (float32) for int32 tokens `[B, L]`; `(logits, cache)` with a cache.
+    """Logits `[B, L, V]` (float32) for int32 tokens `[B, L]`; `(logits, cache)` with a cache,
+    `(logits, aux)` with `return_aux` (the MoE losses and counts, see `moe_aux`).
 
     Args:
       params: the params pytree (`init_params`, `from_hf`).
@@ -366,12 +430,16 @@ def forward(
       positions_BL: RoPE positions; default `0..L-1` in every row. Packed rows restart at 0 for
         each document.
       segment_ids_BL: packed-document ids; tokens attend only within their document. Default:
-        one document per row. Padding may use any id of its own (0 by convention).
+        one document per row. Padding may use any id of its own (0 by convention; MoE layers
+        leave id 0 out of their balance losses and counts).
       cache: a `KVCache` to write these tokens into and attend over (incremental decoding);
         the updated cache is returned with the logits.
+      return_aux: also return the MoE auxiliary outputs (no cache).
     """
-    out = hidden_states(params, tokens_BL, config, positions_BL, segment_ids_BL, cache)
-    if cache is None:
+    out = hidden_states(
+        params, tokens_BL, config, positions_BL, segment_ids_BL, cache, return_aux=return_aux
+    )
+    if cache is None and not return_aux:
         return lm_logits(params, out, config)
     return lm_logits(params, out[0], config), out[1]
 

@@ -26,6 +26,8 @@ DEFAULT_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("experts", "expert"),
+    ("q_lora", "fsdp"),  # MLA latents: where `embed` is not in the same weight
+    ("kv_lora", "fsdp"),
     ("layers", None),
     # Activations. Every data-like axis splits the batch; `sequence` splits the length.
     ("act_batch", ("data", "fsdp", "expert")),

@@ -29,6 +29,7 @@ from posttrain.losses import (
     value_loss,
 )
 from posttrain.models import ModelConfig, forward
+from posttrain.train._step import add_moe_aux
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +106,13 @@ def rl_loss(
     def loss_fn(params, batch, rng):
         del rng
         policy = params["policy"] if critic else params
-        logits = forward(
-            policy, batch["tokens"], model_config, batch["positions"], batch["segment_ids"]
+        logits, aux = forward(
+            policy,
+            batch["tokens"],
+            model_config,
+            batch["positions"],
+            batch["segment_ids"],
+            return_aux=True,
         )
         logp = token_log_probs(logits, batch["targets"])
         mask = batch["loss_mask"]
@@ -161,7 +167,7 @@ def rl_loss(
             per_token, mask, config.aggregation, max_len=max_new_tokens
         )
         gap = jnp.abs(batch["old_logps"] - batch["sampler_logps"])
-        return {
+        sums = {
             "loss_sum": numerator,
             "num_tokens": normaliser,
             **sums,
@@ -171,6 +177,7 @@ def rl_loss(
             **_token_mean("approx_kl_old", out["approx_kl"], mask),
             **_token_mean("logp_gap", gap, batch["loss_mask"]),
         }
+        return add_moe_aux(sums, aux)
 
     return loss_fn
 

@@ -171,6 +171,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 optimizer=optimizer,
                 schedule=schedule,
                 micro_batches=c.train.micro_batches,
+                post_update=trainable.post_update,
             ),
             in_shardings=(shardings, None),
             out_shardings=(shardings, None),

@@ -68,6 +68,7 @@ from posttrain.train._run import (
     to_json,
     train,
 )
+from posttrain.train._step import add_moe_aux
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,15 @@ def _stacked(batch: dict) -> dict:
     return {n: jnp.concatenate([batch[f"chosen_{n}"], batch[f"rejected_{n}"]]) for n in names}
 
 
-def _logps(params: dict, model_config: ModelConfig, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """Summed response log-probs `[2B]` and response lengths `[2B]` of the stacked pairs."""
+def _logps(params: dict, model_config: ModelConfig, batch: dict):
+    """Summed response log-probs `[2B]`, response lengths `[2B]` and the MoE aux outputs of
+    the stacked pairs."""
     x = _stacked(batch)
-    logits_2BLV = forward(params, x["tokens"], model_config, x["positions"], x["segment_ids"])
+    logits_2BLV, aux = forward(
+        params, x["tokens"], model_config, x["positions"], x["segment_ids"], return_aux=True
+    )
     logps_2B = sequence_logps(token_log_probs(logits_2BLV, x["targets"]), x["loss_mask"])
-    return logps_2B, jnp.sum(x["loss_mask"].astype(jnp.float32), axis=-1)
+    return logps_2B, jnp.sum(x["loss_mask"].astype(jnp.float32), axis=-1), aux
 
 
 def domain_accuracy_sums(accuracies_B, valid_B, domain_ids_B, domains: Sequence[str]) -> dict:
@@ -111,7 +115,7 @@ def reference_logps(ref_params: dict, model_config: ModelConfig, batch: dict) ->
       {"ref_chosen_logps": `[B]`, "ref_rejected_logps": `[B]`} (float32, gradients stopped);
       jittable.
     """
-    logps_2B, _ = _logps(jax.lax.stop_gradient(ref_params), model_config, batch)
+    logps_2B, _, _ = _logps(jax.lax.stop_gradient(ref_params), model_config, batch)
     chosen_B, rejected_B = jnp.split(jax.lax.stop_gradient(logps_2B), 2)
     return {"ref_chosen_logps": chosen_B, "ref_rejected_logps": rejected_B}
 
@@ -177,7 +181,7 @@ def dpo_loss(
 
     def loss_fn(params, batch, rng):
         del rng
-        logps_2B, lengths_2B = _logps(params, model_config, batch)
+        logps_2B, lengths_2B, aux = _logps(params, model_config, batch)
         chosen_B, rejected_B = jnp.split(logps_2B, 2)
         len_c_B, len_r_B = jnp.split(lengths_2B, 2)
         valid_B = (len_c_B > 0) & (len_r_B > 0)
@@ -217,7 +221,7 @@ def dpo_loss(
         # Filler rows (no response tokens) are not pairs: their losses stay out of the sums.
         total = lambda x: jnp.sum(jnp.where(valid_B, x, 0.0))
         accuracies_B = out["rewards/accuracies"]
-        return {
+        sums = {
             **domain_accuracy_sums(accuracies_B, valid_B, batch["domain_ids"], domains),
             "loss_sum": total(losses_B),
             "num_tokens": jnp.sum(valid_B.astype(jnp.float32)),
@@ -228,6 +232,7 @@ def dpo_loss(
             "logps/chosen_sum": total(out["logps/chosen"]),
             "logps/rejected_sum": total(out["logps/rejected"]),
         }
+        return add_moe_aux(sums, aux)
 
     return loss_fn
 

@@ -33,12 +33,13 @@ from posttrain.models import (
     param_shardings,
     param_specs,
 )
+from posttrain.models._moe import update_routing_bias
 from posttrain.parallel import axis_rules, make_mesh, shard_batch
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._loop import train_loop
 from posttrain.train._optimizer import learning_rate_schedule, make_optimizer
 from posttrain.train._state import create_state, state_shardings
-from posttrain.train._step import LossFn, train_step
+from posttrain.train._step import EXPERT_COUNTS, LossFn, PostUpdate, train_step
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,11 @@ class ModelSpec:
     remat: str = ""  # override ModelConfig.remat
     compute_dtype: str = ""  # override ModelConfig.compute_dtype
     param_dtype: str = ""  # override ModelConfig.param_dtype
+    # MoE run settings (0 keeps the model's): expert-parallel buffer size over the balanced
+    # share (MoEConfig.ep_capacity_factor), routing-bias step, load-balancing loss weight.
+    ep_capacity_factor: float = 0.0
+    routing_bias_rate: float = 0.0
+    aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.hf_path and self.checkpoint:
@@ -71,13 +77,19 @@ class ModelSpec:
 
     def model_config(self) -> ModelConfig:
         if self.hf_path:
-            return load_hf_config(self.hf_path, **self.overrides())
-        if self.checkpoint:
+            config = load_hf_config(self.hf_path, **self.overrides())
+        elif self.checkpoint:
             saved = checkpoint_json(self.checkpoint)
-            return dataclasses.replace(
+            config = dataclasses.replace(
                 build(ModelConfig, saved["model_config"]), **self.overrides()
             )
-        return get_preset(self.preset, **self.overrides())
+        else:
+            config = get_preset(self.preset, **self.overrides())
+        names = ("ep_capacity_factor", "routing_bias_rate", "aux_loss_coef")
+        moe = {n: getattr(self, n) for n in names if getattr(self, n)}
+        if moe and config.moe is None:
+            raise ConfigError(f"model.{next(iter(moe))} is set but {config.name} has no MoE layers")
+        return config.replace(moe=dataclasses.replace(config.moe, **moe)) if moe else config
 
 
 def to_json(value) -> Any:
@@ -152,6 +164,23 @@ class Trainable:
     shardings: Any
     decay_mask: Any
     init: Callable[[], Any]
+    post_update: PostUpdate | None = None  # see `train_step`
+
+
+def routing_bias_update(model_config: ModelConfig) -> PostUpdate | None:
+    """DeepSeek-V3's aux-loss-free balancing after each step (`MoEConfig.routing_bias_rate`),
+    from the step's expert counts; None when the model has no bias to move."""
+    rate = model_config.moe.routing_bias_rate if model_config.moe else 0.0
+    if not rate:
+        return None
+
+    def update(params, sums):
+        layers = params["layers"]
+        moe = dict(layers["moe"])
+        moe["routing_bias"] = update_routing_bias(moe["routing_bias"], sums[EXPERT_COUNTS], rate)
+        return {**params, "layers": {**layers, "moe": moe}}
+
+    return update
 
 
 def decay_mask(model_config: ModelConfig) -> dict:
@@ -170,6 +199,7 @@ def model_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int)
         shardings=param_shardings(model_config, mesh),
         decay_mask=decay_mask(model_config),
         init=lambda: start_params(spec, model_config, mesh, seed),
+        post_update=routing_bias_update(model_config),
     )
 
 
@@ -286,6 +316,7 @@ def train(
                 optimizer=optimizer,
                 schedule=schedule,
                 micro_batches=config.train.micro_batches,
+                post_update=trainable.post_update,
             )
 
         jitted = jax.jit(
@@ -342,7 +373,8 @@ def summed(step, params, batches, mesh, max_batches: int = 0) -> dict[str, float
     totals: dict[str, float] = {}
     for batch, _ in each_batch(batches, mesh, max_batches):
         for k, v in jax.device_get(step(params, batch)).items():
-            totals[k] = totals.get(k, 0.0) + float(v)
+            if np.ndim(v) == 0:  # (not the MoE expert counts)
+                totals[k] = totals.get(k, 0.0) + float(v)
     return totals
 
 

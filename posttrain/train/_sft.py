@@ -28,6 +28,7 @@ from posttrain.train._run import (
     train,
     with_shardings,
 )
+from posttrain.train._step import add_moe_aux
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,16 @@ def sft_loss(model_config: ModelConfig, z_loss: float):
 
     def loss_fn(params, batch, rng):
         del rng
-        logits = forward(
-            params, batch["tokens"], model_config, batch["positions"], batch["segment_ids"]
+        logits, aux = forward(
+            params,
+            batch["tokens"],
+            model_config,
+            batch["positions"],
+            batch["segment_ids"],
+            return_aux=True,
         )
-        return cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
+        sums = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
+        return add_moe_aux(sums, aux)
 
     return loss_fn
 

@@ -20,6 +20,36 @@ from posttrain.parallel import constrain
 from posttrain.train._state import TrainState
 
 LossFn = Callable[[dict, dict, jax.Array], dict[str, jax.Array]]
+PostUpdate = Callable[[dict, dict], dict]
+
+EXPERT_COUNTS = "moe/expert_counts"
+
+
+def add_moe_aux(sums: dict, aux: dict) -> dict:
+    """A loss function's sums plus the MoE auxiliary loss and its metrics (see
+    `posttrain.models.moe_aux`); unchanged for a dense model (empty `aux`).
+
+    The auxiliary loss is a mean over the micro-batch's tokens, so it enters `loss_sum` times
+    the micro-batch's normaliser and averages like the loss. The expert counts `[T, E]` become
+    `moe/load_max|min` (an expert's tokens over the layer's mean, extremes over layers) and
+    `moe/tokens/<e>` (tokens routed to expert e, summed over layers) in `train_step`.
+    """
+    if not aux:
+        return sums
+    n = sums["num_tokens"]
+    sums = dict(sums, loss_sum=sums["loss_sum"] + aux["loss"] * n)
+    for name in ("aux_loss", "z_loss", "dropped_fraction"):
+        sums[f"moe/{name}_sum"] = jax.lax.stop_gradient(aux[name]) * n
+    sums[EXPERT_COUNTS] = aux["expert_counts"].astype(jnp.float32)
+    return sums
+
+
+def _expert_metrics(counts_TE: jax.Array) -> dict:
+    load_TE = counts_TE / jnp.maximum(jnp.mean(counts_TE, axis=-1, keepdims=True), 1e-9)
+    metrics = {"moe/load_max": jnp.max(load_TE), "moe/load_min": jnp.min(load_TE)}
+    for e, tokens in enumerate(jnp.sum(counts_TE, axis=0)):
+        metrics[f"moe/tokens/{e}"] = tokens
+    return metrics
 
 
 def split_micro_batches(batch: dict, num: int) -> dict:
@@ -42,12 +72,14 @@ def train_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule | None = None,
     micro_batches: int = 1,
+    post_update: PostUpdate | None = None,
 ) -> tuple[TrainState, dict]:
     """One optimizer update from `batch` (the global batch, sharded over the data axes).
 
     Non-finite loss or gradients skip the update (params and optimizer state unchanged) and
     count it in `bad_steps` (consecutive) and `skipped_steps` (total); the loop decides when
-    to stop.
+    to stop. `post_update(params, sums) -> params` changes the updated params outside the
+    optimizer (the MoE routing bias).
     """
     rng, step_rng = jax.random.split(state.rng)
     micro = split_micro_batches(batch, micro_batches)
@@ -78,6 +110,8 @@ def train_step(
 
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
+    if post_update is not None:
+        new_params = post_update(new_params, sums)
     keep = lambda new, old: jnp.where(finite, new, old)
     new_state = state.replace(
         step=state.step + 1,
@@ -95,8 +129,10 @@ def train_step(
         "skipped_steps": new_state.skipped_steps,
         "bad_steps": new_state.bad_steps,
     }
+    if EXPERT_COUNTS in sums:
+        metrics.update(_expert_metrics(sums[EXPERT_COUNTS]))
     for name, value in sums.items():
-        if name == "loss_sum" or name.endswith("_count"):
+        if name in ("loss_sum", EXPERT_COUNTS) or name.endswith("_count"):
             continue
         if not name.endswith("_sum"):
             metrics[name] = value
