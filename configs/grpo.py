@@ -10,6 +10,7 @@ Presets:
                 shaping, truncated completions masked, no KL.
   drgrpo_tiny   Dr.GRPO: no std scaling, sequence sums normalised by a constant length.
   gspo_tiny     GSPO: sequence-level importance ratio.
+  kimi_k2_1t    Kimi K2 (1T MoE) GRPO on v5p-1024: policy, reference and KV cache.
   rloo_tiny     RLOO: leave-one-out baseline.
   qwen3_8b_v5p  GRPO for Qwen3 8B on a v5p-64 slice (set model.hf_path / checkpoint, data).
 Every field of configs/sft.py applies (model, data, optimizer, train, checkpoint, mesh);
@@ -44,10 +45,12 @@ VARIANTS = {
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     variant, _, size = preset.rpartition("_") if preset.endswith("_tiny") else ("grpo", "", preset)
-    if size not in ("tiny", "qwen3_8b_v5p") or variant not in VARIANTS:
+    if size not in ("tiny", "qwen3_8b_v5p", "kimi_k2_1t") or variant not in VARIANTS:
         names = [f"{v}_tiny" for v in VARIANTS if v != "grpo"]
-        raise ValueError(f"unknown grpo preset {preset!r}: tiny, {', '.join(names)}, qwen3_8b_v5p")
-    base = "tiny" if size == "tiny" else "llama3_8b_v5p"
+        raise ValueError(
+            f"unknown grpo preset {preset!r}: tiny, {', '.join(names)}, qwen3_8b_v5p, kimi_k2_1t"
+        )
+    base = {"tiny": "tiny", "kimi_k2_1t": "kimi_k2_1t"}.get(size, "llama3_8b_v5p")
     c = load_config_file(os.path.join(_HERE, "sft.py") + ":" + base)
     c.method = "grpo"
     del c["z_loss"]
@@ -140,6 +143,22 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.log_every = 1
         c.train.eval_every = 50
         c.checkpoint.every = 50
+    elif size == "kimi_k2_1t":
+        # Kimi K2 on the SFT plan's v5p-1024 slice (expert=64 x fsdp=8): the policy's train
+        # state, its frozen reference and the co-located sampler's KV cache (MLA: one latent
+        # per token) side by side. 128 prompts x 16 samples, 4 updates of 512 rows (one per chip).
+        c.data.sources = [
+            {"path": "prompts.jsonl", "weight": 1.0, "domain": "math", "format": "auto"}
+        ]
+        c.eval_data = []
+        c.data.batch_size = 128
+        c.rollout.num_generations = 16
+        c.rollout.max_prompt_len = 1024
+        c.rollout.max_new_tokens = 4096
+        c.algorithm.minibatches = 4
+        c.train.micro_batches = 1
+        c.train.steps = 200
+        c.kl.coef = 0.001
     else:
         c.model.preset = "qwen3_8b"
         c.data.sources = [

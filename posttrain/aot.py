@@ -91,6 +91,7 @@ class CompileReport:
     expected_ratio: float  # compiled / model FLOPs the remat policy explains
     bytes_accessed: float  # per device per step
     compile_seconds: float
+    compiled: bool = True  # False: the arguments alone exceed HBM, XLA was not asked
 
     @property
     def total(self) -> float:
@@ -124,7 +125,12 @@ class CompileReport:
         gib = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
         out = [
             f"{self.method} train step on {self.topology} ({self.chips} x {self.chip.name}, "
-            f"{self.capacity / GiB:.0f} GiB HBM each), compiled in {self.compile_seconds:.0f} s",
+            f"{self.capacity / GiB:.0f} GiB HBM each), "
+            + (
+                f"compiled in {self.compile_seconds:.0f} s"
+                if self.compiled
+                else "not compiled: params, optimizer state and batch alone exceed HBM"
+            ),
             f"  arguments     {gib(self.arguments)}  (params, optimizer state, batch)",
             f"  outputs       {gib(self.outputs)}  (aliased with donated inputs: "
             f"{self.aliased / GiB:.2f} GiB)",
@@ -136,8 +142,8 @@ class CompileReport:
             f"({100 * self.total / self.capacity:.0f}%)",
             f"  model FLOPs / step     {self.model_flops:.3e}",
             f"  compiled FLOPs / step  {self.compiled_flops:.3e}  "
-            f"(x{self.compiled_flops / self.model_flops:.2f} of the model's; the remat policy "
-            f"explains x{self.expected_ratio:.2f})",
+            f"(x{self.compiled_flops / self.model_flops:.2f} of the model's; remat and expert "
+            f"buffers explain x{self.expected_ratio:.2f})",
             f"  XLA cost analysis      {self.xla_flops:.3e}  (loop bodies counted once)",
             f"  roofline step time     {self.step_seconds:.3f} s, MFU {100 * self.mfu:.0f}%",
         ]
@@ -264,17 +270,36 @@ def named_head_sharding(mesh, model_config):
     return named_sharding(("embed", None), (model_config.embed_dim, 1), mesh)
 
 
-def _remat_ratio(m, length: int) -> float:
-    """Training FLOPs with the remat policy over those without: `full` recomputes each layer's
-    forward in the backward pass (its 2 of 6 N go to 8 N); the LM head and the attention kernel
-    are not recomputed. Other policies save the matmuls (ratio 1)."""
-    if m.remat != "full":
-        return 1.0
+def _expected_ratio(m, length: int, expert_buffer: float) -> float:
+    """Training FLOPs of the program over the model's that the plan explains: `full` remat
+    recomputes each layer's forward in the backward pass (its 2 of 6 N go to 8 N; the LM head
+    and the attention kernel are not recomputed; other policies save the matmuls), and
+    expert-parallel buffers sized for `expert_buffer` x the balanced load run that many rows
+    through the routed experts."""
     total = m.flops_per_token(length)
     head = 6 * m.embed_dim * m.vocab_size
     attention = total - m.flops_per_token(0)
     layers = total - head - attention
-    return (layers * 4 / 3 + head + attention) / total
+    if m.moe:
+        routed = 6 * m.num_moe_layers * m.moe.top_k * 3 * m.embed_dim * m.moe.expert_mlp_dim
+        layers += routed * (expert_buffer - 1)
+    recompute = 4 / 3 if m.remat == "full" else 1.0
+    return (layers * recompute + head + attention) / total
+
+
+def _expert_buffer(m, mesh) -> float:
+    """Rows the routed experts process over the balanced M*K (expert parallelism pads its
+    all-to-all buffers: `ep_capacity_factor`, or the worst case `min(K, E/ep) * ep / K`)."""
+    from posttrain.models._moe import _mesh_axes
+
+    if m.moe is None or m.moe.dispatch != "dropless":
+        return 1.0
+    ep = math.prod(dict(mesh.shape)[a] for a in _mesh_axes(("experts",), None, mesh, 0))
+    if ep == 1:
+        return 1.0
+    if m.moe.ep_capacity_factor is not None:
+        return m.moe.ep_capacity_factor
+    return min(m.moe.top_k, m.moe.num_experts // ep) * ep / m.moe.top_k
 
 
 def matmul_flops(jaxpr) -> float:
@@ -321,6 +346,10 @@ def _bytes_per_device(shapes, shardings) -> float:
             continue  # the PRNG key: a few bytes
         total += math.prod(sh.shard_shape(s.shape)) * jnp.dtype(s.dtype).itemsize
     return total
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport:
@@ -385,7 +414,10 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
         kernels = lowered.as_text().count("tpu_custom_call")  # Pallas kernels (splash)
         state_bytes = _bytes_per_device(abstract, state_sh)
         batch_bytes = _bytes_per_device(batch, jax.tree.map(lambda x: x.sharding, batch))
+        chip, compiled_ok = CHIPS[generation], True
         try:
+            if state_bytes + batch_bytes > FIT_FRACTION * chip.hbm_bytes:
+                raise _TooLarge  # no compile needed to know (a quick smallest-slice search)
             compiled = lowered.compile()
             memory = compiled.memory_analysis()
             sizes = (
@@ -396,6 +428,9 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
             )
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list | tuple) else cost
+        except _TooLarge:
+            sizes = (state_bytes + batch_bytes, state_bytes, 0.0, state_bytes)
+            cost, compiled_ok = {}, False
         except jax.errors.JaxRuntimeError as e:
             # XLA refuses a program whose buffers exceed HBM; it says how much they need.
             found = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", str(e))
@@ -409,6 +444,8 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
             jax.make_jaxpr(step)(with_shardings(abstract, state_sh), batch).jaxpr
         )
         resident = _resident(method, c, model_config, mesh, shardings)
+        with axis_rules(c.mesh.axis_rules):
+            expert_buffer = _expert_buffer(model_config, mesh)
     model_flops = model_config.flops_per_token(length) * tokens
     attention = model_flops - model_config.flops_per_token(0) * tokens
     # A fused attention kernel's FLOPs are not matmuls in the program: add the formula's.
@@ -416,7 +453,7 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
     return CompileReport(
         topology=topology if num_slices == 1 else f"{num_slices} x {topology}",
         chips=len(devices),
-        chip=CHIPS[generation],
+        chip=chip,
         method=method,
         arguments=float(sizes[0]),
         outputs=float(sizes[1]),
@@ -426,9 +463,10 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
         model_flops=model_flops,
         compiled_flops=program_flops,
         xla_flops=float(cost.get("flops", 0.0)) * len(devices),
-        expected_ratio=_remat_ratio(model_config, length),
+        expected_ratio=_expected_ratio(model_config, length, expert_buffer),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         compile_seconds=seconds,
+        compiled=compiled_ok,
     )
 
 

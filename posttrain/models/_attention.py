@@ -110,9 +110,12 @@ def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window,
     q_XRH = q_BLNH.reshape(B, L, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B * K, G * L, H)
     k_XSH = k_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H)
     v_XSH = v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, Hv)
-    scores_XRS = jax.lax.dot_general(
-        q_XRH, k_XSH, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
-    ) * scale
+    scores_XRS = (
+        jax.lax.dot_general(
+            q_XRH, k_XSH, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
+        )
+        * scale
+    )
     mask_BLS = attention_mask(q_pos, kv_pos, q_seg, kv_seg, window)
     bias_B11LS = jnp.where(mask_BLS, 0.0, _MASKED)[:, None, None]
     scores_BKGLS = scores_XRS.reshape(B, K, G, L, S) + bias_B11LS

@@ -6,10 +6,11 @@ a mesh never assembles a full replica of a weight on one device.
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -21,111 +22,18 @@ from posttrain.models._config import ModelConfig
 from posttrain.models._hf_config import (
     HFFormatError,
     config_to_hf,
+    export_layout,
     hf_model_type,
-    load_hf_config,
+    load_hf_config_and_layout,
     read_json,
 )
+from posttrain.models._hf_table import HFTensor, weight_table
 from posttrain.models._transformer import Transformer, param_shardings, param_specs
+
+log = logging.getLogger(__name__)
 
 # Tensors HF checkpoints may carry that the model recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-# ----------------------------------------------------------------------------- weight table
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    """How one of our params maps to HF tensors (one per layer when `per_layer`)."""
-
-    path: tuple[str, ...]
-    hf_name: str  # "{i}" stands for the layer index
-    hf_shape: tuple[int, ...]
-    to_ours: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.hf_name
-
-
-def _weight_table(config: ModelConfig) -> list[_Tensor]:
-    D, N, K, H, F, V = (
-        config.embed_dim,
-        config.num_heads,
-        config.num_kv_heads,
-        config.head_dim,
-        config.mlp_dim,
-        config.vocab_size,
-    )
-    same = lambda w: w
-    t = lambda w: w.T
-    layer = "model.layers.{i}."
-
-    def proj_in(n):  # HF [n*H, D] <-> ours [D, n, H]
-        return (
-            lambda w: w.reshape(n, H, D).transpose(2, 0, 1),
-            lambda w: w.transpose(1, 2, 0).reshape(n * H, D),
-        )
-
-    def bias(n):  # HF [n*H] <-> ours [n, H]
-        return (lambda w: w.reshape(n, H), lambda w: w.reshape(n * H))
-
-    table = [
-        _Tensor(("embed",), "model.embed_tokens.weight", (V, D), same, same),
-        _Tensor(("final_norm",), "model.norm.weight", (D,), same, same),
-        _Tensor(("layers", "attn_norm"), layer + "input_layernorm.weight", (D,), same, same),
-        _Tensor(
-            ("layers", "mlp_norm"), layer + "post_attention_layernorm.weight", (D,), same, same
-        ),
-        _Tensor(
-            ("layers", "attn", "q"), layer + "self_attn.q_proj.weight", (N * H, D), *proj_in(N)
-        ),
-        _Tensor(
-            ("layers", "attn", "k"), layer + "self_attn.k_proj.weight", (K * H, D), *proj_in(K)
-        ),
-        _Tensor(
-            ("layers", "attn", "v"), layer + "self_attn.v_proj.weight", (K * H, D), *proj_in(K)
-        ),
-        _Tensor(
-            ("layers", "attn", "o"),
-            layer + "self_attn.o_proj.weight",
-            (D, N * H),
-            lambda w: w.reshape(D, N, H).transpose(1, 2, 0),
-            lambda w: w.transpose(2, 0, 1).reshape(D, N * H),
-        ),
-        _Tensor(("layers", "mlp", "gate"), layer + "mlp.gate_proj.weight", (F, D), t, t),
-        _Tensor(("layers", "mlp", "up"), layer + "mlp.up_proj.weight", (F, D), t, t),
-        _Tensor(("layers", "mlp", "down"), layer + "mlp.down_proj.weight", (D, F), t, t),
-    ]
-    if config.qkv_bias:
-        table += [
-            _Tensor(
-                ("layers", "attn", "q_bias"), layer + "self_attn.q_proj.bias", (N * H,), *bias(N)
-            ),
-            _Tensor(
-                ("layers", "attn", "k_bias"), layer + "self_attn.k_proj.bias", (K * H,), *bias(K)
-            ),
-            _Tensor(
-                ("layers", "attn", "v_bias"), layer + "self_attn.v_proj.bias", (K * H,), *bias(K)
-            ),
-        ]
-    if config.o_bias:
-        table.append(
-            _Tensor(("layers", "attn", "o_bias"), layer + "self_attn.o_proj.bias", (D,), same, same)
-        )
-    if config.qk_norm:
-        table += [
-            _Tensor(
-                ("layers", "attn", "q_norm"), layer + "self_attn.q_norm.weight", (H,), same, same
-            ),
-            _Tensor(
-                ("layers", "attn", "k_norm"), layer + "self_attn.k_norm.weight", (H,), same, same
-            ),
-        ]
-    if not config.tie_embeddings:
-        table.append(_Tensor(("lm_head",), "lm_head.weight", (V, D), t, t))
-    return table
 
 
 def _get(tree: dict, path: tuple[str, ...]):
@@ -204,31 +112,30 @@ class _SafetensorsDir:
         return self._handle(self.file_of[name]).get_tensor(name)
 
 
-def _load_param(entry: _Tensor, files: _SafetensorsDir, shape, dtype, sharding) -> jax.Array:
-    """Fills each addressable device's shard from HF tensors, one layer tensor at a time."""
+def _load_param(entry: HFTensor, files: _SafetensorsDir, shape, dtype, sharding) -> jax.Array:
+    """Fills each addressable device's shard from HF tensors, one HF tensor at a time.
+
+    An HF tensor (one layer, or one expert of one layer) is read only if some addressable shard
+    holds part of it, and then once for all the shards that do.
+    """
     index_map = sharding.addressable_devices_indices_map(shape)
     buffers: dict[tuple, np.ndarray] = {}  # one host buffer per distinct shard
     for index in index_map.values():
         key = _index_key(index, shape)
         if key not in buffers:
-            buffers[key] = np.empty(
-                [
-                    len(range(*s.indices(n)))
-                    for s, n in zip(_full_index(index, shape), shape, strict=True)
-                ],
-                dtype,
-            )
-    if entry.per_layer:
-        for layer in range(shape[0]):
-            value = entry.to_ours(files.read(entry.hf_name.format(i=layer))).astype(dtype)
-            for key, buf in buffers.items():
-                t_slice = slice(*key[0])
-                if t_slice.start <= layer < t_slice.stop:
-                    buf[layer - t_slice.start] = value[tuple(slice(*k) for k in key[1:])]
-    else:
-        value = entry.to_ours(files.read(entry.hf_name)).astype(dtype)
-        for key, buf in buffers.items():
-            buf[...] = value[tuple(slice(*k) for k in key)]
+            buffers[key] = np.empty([stop - start for start, stop in key], dtype)
+    for lead, name in entry.pieces(shape):
+        targets = [
+            (key, buf)
+            for key, buf in buffers.items()
+            if all(start <= i < stop for i, (start, stop) in zip(lead, key, strict=False))
+        ]
+        if not targets:
+            continue
+        value = entry.to_ours(files.read(name)).astype(dtype)
+        for key, buf in targets:
+            local = tuple(i - start for i, (start, _) in zip(lead, key, strict=False))
+            buf[local] = value[tuple(slice(*k) for k in key[len(lead) :])]
     arrays = [
         jax.device_put(buffers[_index_key(index, shape)], device)
         for device, index in index_map.items()
@@ -262,32 +169,11 @@ def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
     path = os.fspath(path)
     if dtype is not None:
         overrides["param_dtype"] = jnp.dtype(dtype).name
-    config = load_hf_config(path, **overrides)
+    config, layout = load_hf_config_and_layout(path, **overrides)
     files = _SafetensorsDir(path)
-    table = _weight_table(config)
-    for entry in table:  # validate everything before reading anything
-        names = (
-            [entry.hf_name.format(i=i) for i in range(config.num_layers)]
-            if entry.per_layer
-            else [entry.hf_name]
-        )
-        for name in names:
-            files.check(name, entry.hf_shape)
-    known = {e.hf_name.format(i=i) for e in table for i in range(config.num_layers)}
-    unused = sorted(
-        n
-        for n in files.file_of
-        if n not in known
-        and not n.endswith(_IGNORED_SUFFIXES)
-        and not (config.tie_embeddings and n == "lm_head.weight")
-    )
-    if unused:
-        raise HFFormatError(
-            f"{path} has tensors this {hf_model_type(config)} config does not use, e.g. "
-            f"{unused[:3]}; check that config.json matches the weights"
-        )
-
+    table = weight_table(config, layout)
     specs = param_specs(config)
+    _check_tensors(files, table, specs, config, layout.extra_layers)  # before reading any
     param_dtype = np.dtype(jnp.dtype(config.param_dtype))
     if mesh is None:
         device = jax.local_devices()[0]
@@ -309,6 +195,45 @@ def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
     return Transformer(params, config)
 
 
+def _check_tensors(
+    files: _SafetensorsDir,
+    table: list[HFTensor],
+    specs: dict,
+    config: ModelConfig,
+    extra_layers: int,
+) -> None:
+    """Every tensor the table needs is there with its shape, and every other one is accounted
+    for: recomputed buffers, a tied lm_head, or (skipped, and logged) multi-token-prediction
+    layers after the last."""
+    known = set()
+    for entry in table:
+        for _, name in entry.pieces(_get(specs, entry.path).shape):
+            files.check(name, entry.hf_shape)
+            known.add(name)
+    extra = tuple(f"model.layers.{config.num_layers + k}." for k in range(extra_layers))
+    skipped = [n for n in files.file_of if n not in known and n.startswith(extra)]
+    unused = sorted(
+        n
+        for n in files.file_of
+        if n not in known
+        and not n.startswith(extra)
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_embeddings and n == "lm_head.weight")
+    )
+    if unused:
+        raise HFFormatError(
+            f"{files.path} has tensors this {hf_model_type(config)} config does not use, e.g. "
+            f"{unused[:3]}; check that config.json matches the weights"
+        )
+    if skipped:
+        log.info(
+            "%s: skipped %d tensors of %d multi-token-prediction layer(s) (not part of the model)",
+            files.path,
+            len(skipped),
+            extra_layers,
+        )
+
+
 # ----------------------------------------------------------------------------- writing
 
 
@@ -320,19 +245,36 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _hf_tensors(entry: HFTensor, param: jax.Array) -> Iterator[tuple[str, np.ndarray]]:
+    """`(HF name, HF tensor)` of each piece of `param`, gathered to the host a layer at a time
+    (every process joins each gather)."""
+    if not entry.stacked_dims:
+        yield entry.name(()), entry.to_hf(_to_host(param))
+        return
+    for t in range(param.shape[0]):
+        layer = _to_host(param[t])
+        for rest in itertools.product(*(range(n) for n in param.shape[1 : entry.stacked_dims])):
+            yield entry.name((t, *rest)), entry.to_hf(layer[rest])
+
+
 def to_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int = 5 * 1024**3) -> None:
     """Writes `model` as an HF directory (`config.json` + safetensors) that transformers loads.
 
-    Shards are written as they fill, so host memory holds at most one shard (plus one weight).
+    Shards are written as they fill, so host memory holds at most one shard (plus one layer of
+    one weight).
 
     Args:
       model: the model to export.
       path: output directory (created).
       dtype: storage dtype (default: the params' dtype), e.g. "bfloat16".
       max_shard_bytes: larger checkpoints are split into shards with an index file.
+
+    Raises:
+      ValueError: the model has no exact HF equivalent (e.g. MoE routing HF cannot express).
     """
     config = model.config
     np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
+    hf_config = config_to_hf(config, jnp.dtype(np_dtype).name)  # fails before writing anything
     process_zero = jax.process_index() == 0
     if process_zero:
         os.makedirs(path, exist_ok=True)
@@ -347,21 +289,18 @@ def to_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int = 5
         shard.clear()
 
     total = 0
-    for entry in _weight_table(config):
-        value = _to_host(_get(model.params, entry.path))  # every process joins the gather
-        layers = range(config.num_layers) if entry.per_layer else [None]
-        for i in layers:
-            hf_value = entry.to_hf(value if i is None else value[i])
-            hf_value = np.ascontiguousarray(hf_value.astype(np_dtype))
-            if sum(v.nbytes for v in shard.values()) + hf_value.nbytes > max_shard_bytes:
+    for entry in weight_table(config, export_layout(config)):
+        for name, value in _hf_tensors(entry, _get(model.params, entry.path)):
+            value = np.ascontiguousarray(value.astype(np_dtype))
+            if sum(v.nbytes for v in shard.values()) + value.nbytes > max_shard_bytes:
                 flush()
-            shard[entry.hf_name.format(i=i)] = hf_value
-            total += hf_value.nbytes
+            shard[name] = value
+            total += value.nbytes
     flush()
     if not process_zero:
         return
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(config, jnp.dtype(np_dtype).name), f, indent=2)
+        json.dump(hf_config, f, indent=2)
     if len(written) == 1:
         os.replace(written[0][0], os.path.join(path, "model.safetensors"))
         return

@@ -16,6 +16,22 @@ _COMMON = dict(
     rope_theta=10_000.0,
 )
 
+# DeepSeek-V3 / Kimi K2 shapes: MLA (every head expands the shared latent, so kv heads = heads),
+# 8 experts, top-2, one shared expert, the first layer dense.
+_DEEPSEEK = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=8,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
+
 # Each entry is (HF config class name, kwargs); together they cover every feature of the model.
 HF_ARCHS: dict[str, tuple[str, dict]] = {
     # Llama 3.1-style long-context RoPE, untied embeddings, GQA.
@@ -53,6 +69,38 @@ HF_ARCHS: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=False)),
     # Mistral: sliding window shorter than the test sequences.
     "mistral": ("MistralConfig", dict(sliding_window=4, head_dim=8)),
+    # Qwen3-MoE: softmax top-2 of 8 experts, renormalised; layer 0 dense (mlp_only_layers).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
+    # DeepSeek-V3: query latent, interleaved rope, sigmoid routing limited to 1 of 2 expert
+    # groups with a selection bias, scaled.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(_DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5),
+    ),
+    # Kimi K2-like routing (one group, scale 2.827) with a direct query projection and rope
+    # stored in halves.
+    "deepseek_v3_no_q_lora": (
+        "DeepseekV3Config",
+        dict(
+            _DEEPSEEK,
+            q_lora_rank=None,
+            rope_interleave=False,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.827,
+        ),
+    ),
 }
 
 
@@ -70,6 +118,11 @@ def save_tiny_hf_model(arch: str, path: str, *, seed: int = 0, **overrides) -> s
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # MoE routers start at zero in some versions
+                p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():  # DeepSeek's routing bias is a buffer, saved too
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
     model.save_pretrained(path)
     return path
 

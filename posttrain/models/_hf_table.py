@@ -1,0 +1,223 @@
+"""The weight table of HF interop: which HF tensors make up each of our params, and how.
+
+Our weights are `[in, out]` with heads split out and layers (and experts) stacked; HF stores one
+`[out, in]` tensor per layer (and per expert). MLA checkpoints may also store each head's rope
+dimensions as interleaved pairs, which we permute into the halves our RoPE rotates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from posttrain.models._config import ModelConfig
+from posttrain.models._hf_config import CheckpointLayout
+
+Convert = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """How one of our params maps to HF tensors.
+
+    `hf_name` holds `{i}` for the HF layer index when our param stacks layers in its first
+    dimension, and `{j}` for the expert when it stacks experts in its second; `hf_shape`,
+    `to_ours` and `to_hf` are about one such HF tensor and its slice of our param.
+    """
+
+    path: tuple[str, ...]
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    to_ours: Convert
+    to_hf: Convert
+    first_layer: int = 0  # HF index of layer 0 of our stack
+
+    @property
+    def stacked_dims(self) -> int:
+        """Leading dimensions of our param that index HF tensors (layers, then experts)."""
+        return ("{i}" in self.hf_name) + ("{j}" in self.hf_name)
+
+    def name(self, index: tuple[int, ...]) -> str:
+        """The HF name of the tensor at `index` into our leading (stacked) dimensions."""
+        layer = index[0] + self.first_layer if index else None
+        return self.hf_name.format(i=layer, j=index[1] if len(index) > 1 else None)
+
+    def pieces(self, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], str]]:
+        """`(index into our leading dims, HF name)` of each HF tensor of a param of `shape`."""
+        for index in itertools.product(*(range(n) for n in shape[: self.stacked_dims])):
+            yield index, self.name(index)
+
+
+def weight_table(config: ModelConfig, layout: CheckpointLayout) -> list[HFTensor]:
+    """Every param of `config` (see `param_specs`) and the HF tensors it comes from."""
+    D, V = config.embed_dim, config.vocab_size
+    table = [
+        HFTensor(("embed",), "model.embed_tokens.weight", (V, D), _same, _same),
+        HFTensor(("final_norm",), "model.norm.weight", (D,), _same, _same),
+    ]
+    if not config.tie_embeddings:
+        table.append(HFTensor(("lm_head",), "lm_head.weight", (V, D), _t, _t))
+    k = config.first_k_dense
+    table += _stack(_block(config, layout, moe=config.moe is not None), "layers", k)
+    if k:
+        table += _stack(_block(config, layout, moe=False), "dense_layers", 0)
+    return table
+
+
+def _same(w):
+    return w
+
+
+def _t(w):
+    return w.T
+
+
+def _stack(block: list[HFTensor], name: str, first_layer: int) -> list[HFTensor]:
+    return [dataclasses.replace(e, path=(name, *e.path), first_layer=first_layer) for e in block]
+
+
+def _block(c: ModelConfig, layout: CheckpointLayout, moe: bool) -> list[HFTensor]:
+    """One decoder layer's tensors, paths relative to the stack."""
+    D, layer = c.embed_dim, "model.layers.{i}."
+    table = [
+        HFTensor(("attn_norm",), layer + "input_layernorm.weight", (D,), _same, _same),
+        HFTensor(("mlp_norm",), layer + "post_attention_layernorm.weight", (D,), _same, _same),
+    ]
+    table += _mla(c, layout) if c.mla is not None else _attention(c)
+    table += _moe(c) if moe else _mlp(("mlp",), layer + "mlp.", D, c.mlp_dim)
+    return table
+
+
+def _heads_in(n: int, h: int, d_in: int) -> tuple[Convert, Convert]:
+    """HF `[n*h, d_in]` <-> ours `[d_in, n, h]` (a projection into heads)."""
+    return (
+        lambda w: w.reshape(n, h, d_in).transpose(2, 0, 1),
+        lambda w: w.transpose(1, 2, 0).reshape(n * h, d_in),
+    )
+
+
+def _heads_out(n: int, h: int, d_out: int) -> tuple[Convert, Convert]:
+    """HF `[d_out, n*h]` <-> ours `[n, h, d_out]` (the projection out of heads)."""
+    return (
+        lambda w: w.reshape(d_out, n, h).transpose(1, 2, 0),
+        lambda w: w.transpose(2, 0, 1).reshape(d_out, n * h),
+    )
+
+
+def _attention(c: ModelConfig) -> list[HFTensor]:
+    D, N, K, H = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
+    attn = "model.layers.{i}.self_attn."
+
+    def bias(n):  # HF [n*H] <-> ours [n, H]
+        return (lambda w: w.reshape(n, H), lambda w: w.reshape(n * H))
+
+    table = [
+        HFTensor(("attn", "q"), attn + "q_proj.weight", (N * H, D), *_heads_in(N, H, D)),
+        HFTensor(("attn", "k"), attn + "k_proj.weight", (K * H, D), *_heads_in(K, H, D)),
+        HFTensor(("attn", "v"), attn + "v_proj.weight", (K * H, D), *_heads_in(K, H, D)),
+        HFTensor(("attn", "o"), attn + "o_proj.weight", (D, N * H), *_heads_out(N, H, D)),
+    ]
+    if c.qkv_bias:
+        table += [
+            HFTensor(("attn", "q_bias"), attn + "q_proj.bias", (N * H,), *bias(N)),
+            HFTensor(("attn", "k_bias"), attn + "k_proj.bias", (K * H,), *bias(K)),
+            HFTensor(("attn", "v_bias"), attn + "v_proj.bias", (K * H,), *bias(K)),
+        ]
+    if c.o_bias:
+        table.append(HFTensor(("attn", "o_bias"), attn + "o_proj.bias", (D,), _same, _same))
+    if c.qk_norm:
+        table += [
+            HFTensor(("attn", "q_norm"), attn + "q_norm.weight", (H,), _same, _same),
+            HFTensor(("attn", "k_norm"), attn + "k_norm.weight", (H,), _same, _same),
+        ]
+    return table
+
+
+def _rope_halves(
+    conv: tuple[Convert, Convert], width: int, rope: int, interleaved: bool
+) -> tuple[Convert, Convert]:
+    """`conv` plus, for interleaved checkpoints, a permutation of the last `rope` of the `width`
+    output dims from pairs `(0, 1), (2, 3), ...` into halves `(0, 2, ...), (1, 3, ...)`."""
+    if not interleaved:
+        return conv
+    halves = np.arange(rope).reshape(-1, 2).T.reshape(-1)  # 0, 2, 4, .., 1, 3, 5, ..
+    perm = np.concatenate([np.arange(width - rope), width - rope + halves])
+    inverse = np.argsort(perm)
+    to_ours, to_hf = conv
+    return (lambda w: to_ours(w)[..., perm], lambda w: to_hf(w[..., inverse]))
+
+
+def _mla(c: ModelConfig, layout: CheckpointLayout) -> list[HFTensor]:
+    m, D, N = c.mla, c.embed_dim, c.num_heads
+    Q, R, r = m.qk_head_dim, m.kv_lora_rank, m.qk_rope_head_dim
+    KV, interleaved = m.qk_nope_head_dim + m.v_head_dim, layout.rope_interleave
+    attn = "model.layers.{i}.self_attn."
+    if m.q_lora_rank:
+        Rq = m.q_lora_rank
+        q = [
+            HFTensor(("attn", "q_a"), attn + "q_a_proj.weight", (Rq, D), _t, _t),
+            HFTensor(("attn", "q_norm"), attn + "q_a_layernorm.weight", (Rq,), _same, _same),
+            HFTensor(
+                ("attn", "q_b"),
+                attn + "q_b_proj.weight",
+                (N * Q, Rq),
+                *_rope_halves(_heads_in(N, Q, Rq), Q, r, interleaved),
+            ),
+        ]
+    else:
+        q = [
+            HFTensor(
+                ("attn", "q"),
+                attn + "q_proj.weight",
+                (N * Q, D),
+                *_rope_halves(_heads_in(N, Q, D), Q, r, interleaved),
+            )
+        ]
+    return q + [
+        HFTensor(
+            ("attn", "kv_a"),
+            attn + "kv_a_proj_with_mqa.weight",
+            (R + r, D),
+            *_rope_halves((_t, _t), R + r, r, interleaved),
+        ),
+        HFTensor(("attn", "kv_norm"), attn + "kv_a_layernorm.weight", (R,), _same, _same),
+        HFTensor(("attn", "kv_b"), attn + "kv_b_proj.weight", (N * KV, R), *_heads_in(N, KV, R)),
+        HFTensor(
+            ("attn", "o"),
+            attn + "o_proj.weight",
+            (D, N * m.v_head_dim),
+            *_heads_out(N, m.v_head_dim, D),
+        ),
+    ]
+
+
+def _mlp(path: tuple[str, ...], prefix: str, D: int, F: int) -> list[HFTensor]:
+    """A SwiGLU: HF `{prefix}{gate,up,down}_proj.weight`, ours `path + (gate|up|down,)`."""
+    return [
+        HFTensor((*path, "gate"), prefix + "gate_proj.weight", (F, D), _t, _t),
+        HFTensor((*path, "up"), prefix + "up_proj.weight", (F, D), _t, _t),
+        HFTensor((*path, "down"), prefix + "down_proj.weight", (D, F), _t, _t),
+    ]
+
+
+def _moe(c: ModelConfig) -> list[HFTensor]:
+    e, D, mlp = c.moe, c.embed_dim, "model.layers.{i}.mlp."
+    table = [HFTensor(("moe", "router"), mlp + "gate.weight", (e.num_experts, D), _t, _t)]
+    if e.use_routing_bias:
+        table.append(
+            HFTensor(
+                ("moe", "routing_bias"),
+                mlp + "gate.e_score_correction_bias",
+                (e.num_experts,),
+                _same,
+                _same,
+            )
+        )
+    table += _mlp(("moe", "experts"), mlp + "experts.{j}.", D, e.expert_mlp_dim)
+    if e.num_shared_experts:
+        Fs = e.expert_mlp_dim * e.num_shared_experts
+        table += _mlp(("moe", "shared"), mlp + "shared_experts.", D, Fs)
+    return table
