@@ -8,7 +8,7 @@ Presets:
   llama3_70b_v5p Llama 3.3 70B full fine-tune on a v5p-256 slice (set model.hf_path, data).
   qwen3_32b_v5p  Qwen3 32B full fine-tune on a v5p-256 slice (set model.hf_path, data).
   kimi_k2_1t            Kimi K2 (1T MoE, MLA) on v5p-1024 (512 chips).
-  deepseek_v3_671b      DeepSeek-V3 (671B MoE, MLA) on v5p-512.
+  deepseek_v3_671b      DeepSeek-V3 (671B MoE, MLA) on v5p-1024.
   qwen3_235b_a22b       Qwen3-235B-A22B (MoE) on v5p-256.
 Override any field: --config.optimizer.learning_rate=1e-5 --config.data.batch_size=64
 """
@@ -79,6 +79,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.train.max_bad_steps = 5  # consecutive non-finite steps before stopping with a save
     c.train.seed = 0  # init / dropout seed
     c.train.progress = True  # progress bar
+    c.train.step_timeout_s = 600.0  # multi-process: no progress this long stops the run (0: off)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 200  # save every N steps (also at the end and on SIGTERM)
@@ -160,8 +161,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
 MOE_PLANS = {
     "kimi_k2_1t": dict(model="kimi_k2_1t", chips=512, expert=64, micro_batches=2),  # v5p-1024
     "deepseek_v3_671b": dict(
-        model="deepseek_v3_671b", chips=256, expert=64, micro_batches=4
-    ),  # v5p-512
+        model="deepseek_v3_671b", chips=512, expert=64, micro_batches=2
+    ),  # v5p-1024 (v5p-512 needs 107 GiB per chip)
     "qwen3_235b_a22b": dict(
         model="qwen3_235b_a22b", chips=128, expert=32, micro_batches=4
     ),  # v5p-256

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 
 import jax
@@ -382,6 +383,9 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
         import libtpu  # noqa: F401
     except ImportError as e:
         raise ImportError("posttrain compile needs libtpu: pip install 'posttrain[tpu]'") from e
+    # libtpu takes a host-wide lock when loaded; compiling from several processes at once (a
+    # sweep of plans) needs it shared. Nothing here drives a real TPU.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     method, c = _method_parts(config)
     generation, chips, name = parse_topology(topology)
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}

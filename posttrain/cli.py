@@ -76,21 +76,89 @@ def _parse(argv: list[str], define) -> object:
     return values
 
 
+# Collective errors that mean a peer process is gone (gloo on CPU, NCCL on GPU, JAX's
+# coordination service everywhere).
+_LOST_PEER = (
+    "Gloo", "Connection reset", "NCCL", "coordination service", "heartbeat", "UNAVAILABLE",
+)  # fmt: skip
+
+
+def _define_distributed(flags, fv) -> None:
+    flags.DEFINE_string(
+        "coordinator", "", "multi-process: host:port of process 0 (TPU VMs, Slurm and Open MPI "
+        "are detected without it); env POSTTRAIN_COORDINATOR", flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_integer(
+        "num_processes", 0, "multi-process: number of processes; env POSTTRAIN_NUM_PROCESSES",
+        flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_integer(
+        "process_id", -1, "multi-process: this process's id; env POSTTRAIN_PROCESS_ID",
+        flag_values=fv,
+    )  # fmt: skip
+
+
+def _join(fv) -> bool:
+    """Joins the multi-process run (no-op alone); True when there are several processes."""
+    from posttrain.parallel import DistributedConfig, DistributedError, initialize
+
+    try:
+        return initialize(
+            DistributedConfig.from_env(
+                coordinator=fv.coordinator, num_processes=fv.num_processes,
+                process_id=fv.process_id,
+            )
+        )  # fmt: skip
+    except DistributedError as e:
+        raise SystemExit(f"posttrain: {e}") from None
+
+
 def _train(argv: list[str]) -> int:
     def define(flags, fv):
         _config_flag(fv, argv)
         flags.DEFINE_string(
             "workdir", None, "output directory (checkpoints, metrics)", flag_values=fv
         )
+        _define_distributed(flags, fv)
 
     fv = _parse(argv, define)
     if fv.config is None or not fv.workdir:
         raise SystemExit(
             "posttrain train: --config=configs/<method>.py[:preset] and --workdir=DIR are required"
         )
+    several = _join(fv)
     from posttrain.train.drivers import run_from_config
 
-    summary = run_from_config(fv.config, fv.workdir)
+    try:
+        summary = run_from_config(fv.config, fv.workdir)
+    except BaseException:
+        if not several:
+            raise
+        # The other processes wait for this one in their next collective; leave at once
+        # (JAX's heartbeat and their watchdogs stop them) rather than hang in shutdown.
+        import traceback
+
+        import jax
+
+        traceback.print_exc()
+        error, where = sys.exc_info()[1], f"process {jax.process_index()} of {jax.process_count()}"
+        if isinstance(error, jax.errors.JaxRuntimeError) and any(
+            k in str(error) for k in _LOST_PEER
+        ):
+            print(
+                f"posttrain: {where} lost contact with another process (it probably died: see "
+                "its log); stopping. Resume from the last checkpoint once every host is up.",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print(
+                f"posttrain: {where} failed (above); stopping it, the other processes stop "
+                "when they miss it",
+                file=sys.stderr,
+                flush=True,
+            )
+        os._exit(1)
     print(f"finished at step {summary['final_step']} ({summary['stopped']}); workdir: {fv.workdir}")
     return 0
 

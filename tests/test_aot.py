@@ -75,6 +75,31 @@ def test_llama3_8b_sft_fits_v5p_64_with_flops_as_the_model_says():
     assert abs(no_remat.compiled_flops / no_remat.model_flops - 1) < 0.10, no_remat.lines()
 
 
+def test_a_tiny_mla_moe_plan_compiles_for_tpu_with_expert_parallelism(capsys):
+    """MLA (values padded for splash) and the expert-parallel all-to-all, on a TPU target."""
+    code = cli.main(
+        [
+            "compile",
+            "--config=configs/sft.py:tiny",
+            "--topology=v5e-8",
+            "--config.model.preset=tiny_mla_moe",
+            "--config.mesh.ici.fsdp=2",
+            "--config.mesh.ici.expert=4",
+            "--config.model.ep_capacity_factor=2.0",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and out.strip().splitlines()[-1] == "fits", out
+
+
+def test_a_plan_whose_state_exceeds_hbm_is_reported_without_compiling():
+    config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":kimi_k2_1t")
+    report = compile_plan(config, "v5p-256")  # 128 chips: 1T params + Adam do not fit
+    assert not report.compiled and not report.fits
+    assert report.arguments > report.capacity
+    assert "not compiled" in report.lines()[0]
+
+
 def test_a_batch_the_slice_cannot_split_is_refused_before_compiling():
     config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny")
     with pytest.raises(ConfigError, match="data-parallel size 8"):
@@ -96,3 +121,18 @@ def test_real_size_presets_compile_and_fit_their_slice(spec, topology):
     assert report.fits, report.lines()
     if spec.startswith("grpo"):
         assert set(report.resident) == {"reference", "KV cache"}  # policy + reference + cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sft", "grpo"])
+def test_kimi_k2_fits_v5p_1024(method):
+    """The 1T-parameter MoE: SFT, and GRPO with its reference and rollout KV cache beside it."""
+    config = load_config_file(os.path.join(REPO, "configs", f"{method}.py") + ":kimi_k2_1t")
+    report = compile_plan(config, "v5p-1024")
+    assert report.chips == 512 and report.compiled and report.fits, report.lines()
+    assert report.total < 95 * 2**30
+    # Program FLOPs: the model's (active parameters) x remat x the expert buffers' padding.
+    ratio = report.compiled_flops / (report.model_flops * report.expected_ratio)
+    assert abs(ratio - 1) < 0.10, report.lines()
+    if method == "grpo":
+        assert set(report.resident) == {"reference", "KV cache"}

@@ -1,5 +1,11 @@
 """Parallelism: the device mesh, logical-axis sharding rules and helpers to place data."""
 
+from posttrain.parallel._distributed import (
+    DistributedConfig,
+    DistributedError,
+    Watchdog,
+    initialize,
+)
 from posttrain.parallel._mesh import MESH_AXES, MeshConfig, make_mesh
 from posttrain.parallel._rules import (
     DEFAULT_RULES,
@@ -16,6 +22,10 @@ from posttrain.parallel._shard import shard_batch
 
 __all__ = [
     "DEFAULT_RULES",
+    "DistributedConfig",
+    "DistributedError",
+    "Watchdog",
+    "initialize",
     "MESH_AXES",
     "LogicalAxes",
     "MeshConfig",

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from posttrain.parallel import shard_batch
+from posttrain.parallel import Watchdog, shard_batch
 from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._metrics import MetricsWriter, peak_flops_per_device
 
@@ -33,10 +33,16 @@ class LoopConfig:
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops (with a save)
     seed: int = 0  # PRNG seed of the train state (init, dropout, sampling)
     progress: bool = True  # show a progress bar
+    # Multi-process runs: a step (or eval, or save) taking longer than this means a peer died
+    # or hung; the process stops with an error instead of waiting forever (0: off). The
+    # first step, which compiles, gets max(this, 30 minutes).
+    step_timeout_s: float = 600.0
 
     def __post_init__(self):
         if self.steps <= 0 or self.micro_batches <= 0 or self.log_every <= 0:
             raise ValueError("train.steps, train.micro_batches and train.log_every must be > 0")
+        if self.step_timeout_s < 0:
+            raise ValueError("train.step_timeout_s must be >= 0 (0 turns the watchdog off)")
 
 
 class TrainingDiverged(RuntimeError):
@@ -140,7 +146,8 @@ def train_loop(
     )
     pending = None  # (step, device metrics, tokens, seconds) of the previous step
     last_time = time.perf_counter()
-    with _Preemption() as preemption:
+    watchdog = Watchdog(loop.step_timeout_s if jax.process_count() > 1 else 0.0)
+    with _Preemption() as preemption, watchdog:
 
         def flush(pending):
             step, metrics, tokens, seconds = pending
@@ -176,12 +183,14 @@ def train_loop(
             pending = (step, metrics, tokens, now - last_time)
             last_time = now
             bar.update(1)
+            watchdog.beat()
 
             eval_metrics = None
             if loop.eval_every and step % loop.eval_every == 0 and step != loop.steps:
                 eval_metrics = run_eval(step, state)
             if step % checkpointer.every == 0 and step != loop.steps:
                 save(step, state, metrics=eval_metrics)
+            watchdog.beat()  # evaluation and saves wait on every process too
             if preemption.requested or checkpointer.manager.reached_preemption(step):
                 if saved_step != step:
                     save(step, state, force=True)
