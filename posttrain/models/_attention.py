@@ -26,16 +26,24 @@ def _target_platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
-def resolve_impl(impl: str) -> str:
-    """Turns `auto` into the fastest implementation for the target; checks explicit choices."""
+def resolve_impl(impl: str, dtype=None) -> str:
+    """Turns `auto` into the fastest implementation for the target and the compute `dtype`
+    (cuDNN's fused kernel takes 16-bit inputs only: float32 models use XLA on GPU); checks
+    explicit choices."""
     platform = _target_platform()
+    half = dtype is None or jnp.dtype(dtype).itemsize == 2
     if impl == "auto":
-        return {"gpu": "cudnn", "tpu": "splash"}.get(platform, "xla")
+        return {"gpu": "cudnn" if half else "xla", "tpu": "splash"}.get(platform, "xla")
     wanted = {"cudnn": "gpu", "splash": "tpu"}.get(impl)
     if wanted is not None and platform != wanted:
         raise ValueError(
             f"attention={impl!r} runs on {wanted.upper()} only, but JAX's backend is "
             f"{platform!r}; set model.attention to 'auto' or 'xla'"
+        )
+    if impl == "cudnn" and not half:
+        raise ValueError(
+            f"attention='cudnn' needs bfloat16 or float16 compute, not {jnp.dtype(dtype).name}; "
+            "set model.compute_dtype=bfloat16 or model.attention to 'auto' or 'xla'"
         )
     return impl
 

@@ -14,6 +14,28 @@ _LLAMA31_ROPE = RopeScaling(
 )
 
 PRESETS: dict[str, ModelConfig] = {
+    "llama3_1b": ModelConfig(  # Llama 3.2 1B
+        vocab_size=128_256,
+        embed_dim=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        mlp_dim=8192,
+        max_seq_len=131_072,
+        rope_theta=500_000.0,
+        rope_scaling=RopeScaling(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        norm_eps=1e-5,
+        tie_embeddings=True,
+        compute_dtype="bfloat16",
+        name="llama3_1b",
+    ),
     "llama3_8b": ModelConfig(
         vocab_size=128_256,
         embed_dim=4096,
@@ -259,6 +281,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 # Parameter counts published for the real presets (the shape checks compare against them).
 PUBLISHED_PARAMS = {
+    "llama3_1b": 1.24e9,
     "llama3_8b": 8.03e9,
     "llama3_70b": 70.6e9,
     "qwen3_8b": 8.19e9,

@@ -370,7 +370,7 @@ def hidden_states(
     layer = functools.partial(
         _layer,
         config=config,
-        impl=resolve_impl(config.attention),
+        impl=resolve_impl(config.attention, config.dtype),
         windows=windows,
         cos=cos,
         sin=sin,

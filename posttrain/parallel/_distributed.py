@@ -71,16 +71,27 @@ def _int(value: str, field: str) -> int:
 
 
 def _cluster_detected() -> str | None:
-    """The launcher that started several processes, if any (JAX reads its details itself)."""
+    """The launcher that started this process as one of several, if any (JAX reads the
+    coordinator, process count and id from it)."""
     env = os.environ
-    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env:
+    if "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1:  # inside srun
         return "slurm"
     if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
         return "open mpi"
-    hosts = env.get("TPU_WORKER_HOSTNAMES", "")
-    if "," in hosts or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
-        return "cloud tpu"
-    return None
+    if env.get("TPU_WORKER_HOSTNAMES") or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return "cloud tpu"  # GKE, multislice
+    return "cloud tpu" if _on_tpu_vm_pod() else None
+
+
+def _on_tpu_vm_pod() -> bool:
+    """A Cloud TPU VM (a slice of one or more hosts): JAX's own check, which asks the GCE
+    metadata server for the worker number only when TPU devices are present."""
+    try:
+        from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster
+
+        return bool(GceTpuCluster.is_env_present())
+    except Exception:  # a JAX without this module, or no metadata server
+        return False
 
 
 def initialize(config: DistributedConfig | None = None) -> bool:
