@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || echo "bubblewrap (bwrap) missing: the sandbox tests will be skipped; apt-get install bubblewrap"
-	$(PY) -m ruff check posttrain tests benchmarks configs
+	$(PY) -m ruff check posttrain tests benchmarks configs notebooks tpu_scripts
 	$(PY) -m pytest -n 2 --durations=15
 
 test-slow: $(STAMP)
@@ -23,11 +23,11 @@ demo: $(STAMP)
 	$(VENV)/bin/posttrain demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check posttrain tests benchmarks configs
+	$(PY) -m ruff check posttrain tests benchmarks configs notebooks tpu_scripts
 
 format: $(STAMP)
-	$(PY) -m ruff format posttrain tests benchmarks configs
-	$(PY) -m ruff check --fix posttrain tests benchmarks configs
+	$(PY) -m ruff format posttrain tests benchmarks configs notebooks tpu_scripts
+	$(PY) -m ruff check --fix posttrain tests benchmarks configs notebooks tpu_scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -28,6 +28,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = load_config_file(os.path.join(_HERE, "sft.py") + ":" + presets[preset])
     c.method = "dpo"
     del c["z_loss"]
+    del c["eval_suite"]  # the SFT driver's periodic eval suite
     c.data.packing = False  # one pair (chosen + rejected rows) per batch row
     c.data.on_error = "skip"  # chosen == rejected, empty responses, missing fields: counted
 

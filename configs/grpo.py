@@ -54,6 +54,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = load_config_file(os.path.join(_HERE, "sft.py") + ":" + base)
     c.method = "grpo"
     del c["z_loss"]
+    del c["eval_suite"]  # the SFT driver's periodic eval suite
     c.data.packing = False
     c.data.on_error = "skip"
 

@@ -57,6 +57,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.data.overlong = "truncate"  # truncate | drop examples longer than max_len (counted)
     c.data.add_eos = True  # end text / completion examples with EOS
     c.eval_data = []  # held-out sources for the eval loss (same fields as data.sources)
+    # An eval suite run at every eval step, logged as eval suite/<category>/<task>/<metric>:
+    # "configs/eval.py:<preset>" (docs/eval.md); "" for none.
+    c.eval_suite = ""
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-5  # peak learning rate

@@ -14,20 +14,19 @@ commands:
              [--config.a.b=value ...])
   generate   sample from a model (--model=HF_DIR_OR_WORKDIR --prompt=TEXT [--chat]
              [--max-new-tokens=N] | --prompts-file=FILE [--out=JSONL])
-  eval       evaluate a checkpoint
+  eval       evaluate a run's checkpoints or an HF model on a suite (--workdir=DIR |
+             --model=HF_DIR --config=configs/eval.py:demo)
   export     write a checkpoint as a Hugging Face directory (--workdir=DIR --out=HF_DIR)
   compile    AOT-compile the train step for a TPU slice and report memory, FLOPs and fit
              (--config=configs/<method>.py:preset --topology=v5p-1024 [--num-slices=N]
              [--find-smallest])
   sweep      run a grid or random search over config keys
+             (--config=configs/sweeps/<name>.py --workdir=DIR [--dry-run])
   demo       the end-to-end demo on a bundled tiny model and task (--workdir=DIR)
 """
 
 # Commands whose drivers have not landed yet, with the issue that brings each one.
-_PENDING = {
-    "eval": "the evaluation harness (issue #10)",
-    "sweep": "sweeps (issue #10)",
-}
+_PENDING: dict[str, str] = {}
 
 
 def _normalize(argv: list[str]) -> list[str]:
@@ -56,23 +55,127 @@ def _config_flag(fv, argv: list[str]) -> None:
     )
 
 
+# What each command does, with examples: its `--help`.
+HELP = {
+    "train": (
+        "Train with the method the config names (sft, dpo, rm, grpo, ppo); resumes from the "
+        "workdir's latest checkpoint. Override any config field with --config.a.b=value.",
+        [
+            "posttrain train --config=configs/sft.py:tiny --workdir=runs/sft_tiny",
+            "posttrain train --config=configs/grpo.py:tiny --workdir=runs/grpo "
+            "--config.train.steps=50 --config.rollout.num_generations=4",
+        ],
+    ),
+    "export": (
+        "Write a run's checkpoint as a Hugging Face directory (config.json + safetensors).",
+        ["posttrain export --workdir=runs/sft_tiny --out=runs/sft_tiny/hf --dtype=bfloat16"],
+    ),
+    "generate": (
+        "Sample from an HF model directory or a training workdir: one streamed prompt, or a "
+        "JSONL of prompts in batch.",
+        [
+            'posttrain generate --model=runs/sft_tiny --chat --prompt="What is 12 + 30?"',
+            "posttrain generate --model=HF_DIR --prompts-file=prompts.jsonl --out=out.jsonl --n=4 "
+            "--temperature=1.0",
+        ],
+    ),
+    "compile": (
+        "AOT-compile the configured method's train step for a TPU slice from this host and "
+        "report per-chip memory, FLOPs and whether it fits (exit code 1 if not).",
+        [
+            "posttrain compile --config=configs/sft.py:kimi_k2_1t --topology=v5p-1024",
+            "posttrain compile --config=configs/grpo.py:qwen3_8b_v5p --topology=v5p-64 "
+            "--find-smallest",
+        ],
+    ),
+    "demo": (
+        "SFT, DPO and GRPO of a tiny model on a bundled arithmetic task, on CPU (~7 minutes).",
+        ["posttrain demo --workdir=runs/demo"],
+    ),
+    "eval": (
+        "Evaluate every checkpoint of a run (or one --step, or an HF model directory) on a "
+        "suite's general (held-out loss), target (accuracy by verifier, pass@k, preferences) "
+        "and safety (refusal / compliance) tasks; writes <workdir>/eval/metrics.jsonl, "
+        "table.md and table.csv, one row per checkpoint. See docs/eval.md.",
+        [
+            "posttrain eval --workdir=runs/demo/sft --config=configs/eval.py:demo",
+            "posttrain eval --model=HF_DIR --config=configs/eval.py:template "
+            "--config.target.arithmetic.max_examples=100",
+        ],
+    ),
+    "sweep": (
+        "Run every trial of a sweep file (grid or random search over config keys, once per "
+        "seed), each in DIR/<trial>; print and write DIR/summary.csv. Re-running skips "
+        "finished trials and resumes the others. See docs/sweeps.md.",
+        [
+            "posttrain sweep --config=configs/sweeps/sft_lr_seeds.py --workdir=runs/lr_seeds",
+            "posttrain sweep --config=configs/sweeps/sft_lr_seeds.py --workdir=runs/lr_seeds "
+            "--dry-run",
+        ],
+    ),
+}
+
+
+def _help(argv: list[str], values) -> str:
+    command = argv[0].split()[-1]
+    text, examples = HELP.get(command, ("", []))
+    lines = [f"usage: {argv[0]} [flags]", "", text, "", "examples:"]
+    lines += [f"  {e}" for e in examples] + ["", "flags:"]
+    for module, defined in values.flags_by_module_dict().items():
+        if module.startswith("absl"):
+            continue  # --flagfile, --undefok
+        for flag in defined:
+            default = "" if flag.default in (None, "") else f" (default: {flag.default})"
+            lines.append(f"  --{flag.name}: {flag.help}{default}")
+    return "\n".join(lines)
+
+
+def _config_key_error(argv: list[str]) -> str:
+    """Which --config.a.b override names no key of the config file, and the nearest key."""
+    import difflib
+
+    from posttrain.config import load_config_file
+
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    overrides = [a[len("--config.") :].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    try:
+        keys = _dotted_keys(load_config_file(spec))
+    except Exception:  # the file itself is broken: its own error is clearer
+        return f"{overrides} names a key the config does not have"
+    for key in overrides:
+        if key not in keys:
+            near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
+            hint = f"; did you mean --config.{near[0]}?" if near else ""
+            return f"--config.{key}: {spec} has no key {key!r}{hint}"
+    return f"{overrides} names a key the config does not have"
+
+
+def _dotted_keys(config, prefix: str = "") -> set[str]:
+    keys = set()
+    for name, value in config.items():
+        keys.add(prefix + name)
+        if hasattr(value, "items"):
+            keys |= _dotted_keys(value, f"{prefix}{name}.")
+    return keys
+
+
 def _parse(argv: list[str], define) -> object:
-    """Defines the command's absl flags with `define(flags)` and parses `argv` into them."""
+    """Defines the command's absl flags with `define(flags)` and parses `argv` into them;
+    `--help` prints the command's help and exits."""
     from absl import flags
 
     values = flags.FlagValues()
     define(flags, values)
     argv = _normalize(argv)
+    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+        print(_help(argv, values))
+        raise SystemExit(0)
     try:
         values(argv)
     except flags.Error as e:
         raise SystemExit(f"{argv[0]}: {e}") from None
-    except (KeyError, AttributeError) as e:  # a --config.a.b override naming no config key
-        overrides = [a for a in argv if a.startswith("--config.")]
-        raise SystemExit(
-            f"{argv[0]}: {overrides} names a key the config does not have ({e}); see the "
-            "config file for its keys"
-        ) from None
+    except (KeyError, AttributeError):  # a --config.a.b override naming no config key
+        raise SystemExit(f"{argv[0]}: {_config_key_error(argv)}") from None
     return values
 
 
@@ -103,7 +206,7 @@ def _join(fv) -> bool:
     from posttrain.parallel import DistributedConfig, DistributedError, initialize
 
     try:
-        return initialize(
+        several = initialize(
             DistributedConfig.from_env(
                 coordinator=fv.coordinator, num_processes=fv.num_processes,
                 process_id=fv.process_id,
@@ -111,6 +214,14 @@ def _join(fv) -> bool:
         )  # fmt: skip
     except DistributedError as e:
         raise SystemExit(f"posttrain: {e}") from None
+    if several:
+        import logging
+
+        import jax
+
+        if jax.process_index() > 0:  # one log for the run: process 0's (warnings from all)
+            logging.getLogger("posttrain").setLevel(logging.WARNING)
+    return several
 
 
 def _train(argv: list[str]) -> int:
@@ -262,11 +373,25 @@ def _demo(argv: list[str]) -> int:
     return 0
 
 
+def _eval(argv: list[str]) -> int:
+    from posttrain.eval import cli
+
+    return cli(argv)
+
+
+def _sweep(argv: list[str]) -> int:
+    from posttrain.sweep import cli
+
+    return cli(argv)
+
+
 _COMMANDS = {
     "train": _train,
     "export": _export,
     "generate": _generate,
+    "eval": _eval,
     "compile": _compile,
+    "sweep": _sweep,
     "demo": _demo,
 }
 
@@ -294,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    print(f"posttrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    import difflib
+
+    near = difflib.get_close_matches(command, [*_COMMANDS, *_PENDING], n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    print(f"posttrain: unknown command {command!r}{hint}\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ _COUNTERS = ("read", "used", "skipped", "truncated", "dropped", "no_loss")
 _LOGGED_SKIPS = 10
 # Fields that do not change which batches come out (kept out of the state's identity check).
 _RUNTIME_FIELDS = ("read_threads", "read_buffer")
+
+
+def canonical_identity(identity: dict) -> dict:
+    """A pipeline identity as plain JSON values, local source paths made absolute and normal
+    (a config file read by the CLI names `configs/../data.jsonl`, by Python `/abs/data.jsonl`)."""
+    identity = json.loads(json.dumps(identity))
+    for source in identity.get("config", {}).get("sources", []):
+        path = source.get("path", "")
+        if isinstance(path, str) and "://" not in path:
+            source["path"] = os.path.abspath(path)
+    return identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,14 +373,12 @@ class SFTData:
         self.rows = config.batch_size // process_count
         self._manifest, self._exhausted = None, False
         fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
-        self._identity = json.loads(
-            json.dumps(
-                {
-                    "config": fields,
-                    "process": [process_index, process_count],
-                    "records": [len(r) for r in records],
-                }
-            )
+        self._identity = canonical_identity(
+            {
+                "config": fields,
+                "process": [process_index, process_count],
+                "records": [len(r) for r in records],
+            }
         )
         self._iterator = self._dataset().__iter__()
 
@@ -443,7 +453,7 @@ class SFTData:
         Raises:
           ValueError: the state was saved by a pipeline with another config, shard or data.
         """
-        saved = state.get("pipeline", {})
+        saved = canonical_identity(state.get("pipeline", {}))
         if saved != self._identity:
             diff = sorted(
                 k

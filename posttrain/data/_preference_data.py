@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from tqdm.auto import tqdm
 from posttrain.data._pipeline import (
     _RUNTIME_FIELDS,
     DataConfig,
+    canonical_identity,
     data_manifest,
     index_mixture,
     process_share,
@@ -165,15 +165,13 @@ class PreferenceData:
             per_domain[pair["domain"]] += 1
         self.stats = {**counts, "domains": per_domain, "errors": errors}
         self._reference: tuple[np.ndarray, np.ndarray] | None = None
-        self._identity = json.loads(
-            json.dumps(
-                {
-                    "config": identity,
-                    "process": [process_index, process_count],
-                    "records": [len(s.records) for s in sources],
-                    "pairs": len(self.pairs),
-                }
-            )
+        self._identity = canonical_identity(
+            {
+                "config": identity,
+                "process": [process_index, process_count],
+                "records": [len(s.records) for s in sources],
+                "pairs": len(self.pairs),
+            }
         )
         indices = index_mixture(
             members,
@@ -209,7 +207,7 @@ class PreferenceData:
         Raises:
           ValueError: the state was saved by a pipeline with other data, config or processes.
         """
-        if state.get("pipeline") != self._identity:
+        if canonical_identity(state.get("pipeline", {})) != self._identity:
             raise ValueError(
                 "the preference data state was saved by a different pipeline (saved "
                 f"{state.get('pipeline')}, now {self._identity}); resume with the same data "

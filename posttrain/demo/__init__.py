@@ -21,6 +21,7 @@ __all__ = [
     "is_correct",
     "make_dataset",
     "make_problem",
+    "preference_pairs",
     "problem_key",
     "run_demo",
 ]
@@ -29,8 +30,8 @@ __all__ = [
 def __getattr__(name):
     # The runner imports jax and the trainer; load it only when asked for, so the task and
     # verifier stay light to import (reward workers, tests).
-    if name == "run_demo":
-        from posttrain.demo._run import run_demo
+    if name in ("run_demo", "preference_pairs"):
+        from posttrain.demo import _run
 
-        return run_demo
+        return getattr(_run, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,9 +20,9 @@ import jax
 import numpy as np
 
 from posttrain.config import build, load_config_file, override
-from posttrain.data import load_tokenizer, preference_batches
+from posttrain.data import load_tokenizer
 from posttrain.demo._task import DOMAIN, is_correct
-from posttrain.eval import greedy_exact_match
+from posttrain.eval import greedy_exact_match, prefers_chosen
 from posttrain.models import Transformer
 from posttrain.rl import RLConfig, run_rl
 from posttrain.sampling import generate
@@ -30,7 +30,6 @@ from posttrain.train import (
     DPOConfig,
     SFTConfig,
     read_metrics,
-    reference_logps,
     run_dpo,
     run_sft,
 )
@@ -153,21 +152,6 @@ def _write_jsonl(path: str, rows: list[dict]) -> str:
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return path
-
-
-def prefers_chosen(model: Transformer, tokenizer, pairs: list[dict]) -> float:
-    """Share of pairs whose chosen response the model finds likelier than the rejected one
-    (summed log-probs; no reference): ~50% for a model with no preference."""
-    data = preference_batches(
-        pairs, tokenizer, max_len=64, batch_size=64, shuffle=False, num_epochs=1
-    )
-    score = jax.jit(reference_logps, static_argnums=1)
-    wins = []
-    for batch in data:
-        n = int(np.sum(batch["chosen_segment_ids"].any(axis=1)))
-        logps = score(model.params, model.config, batch)
-        wins.extend(np.asarray(logps["ref_chosen_logps"] > logps["ref_rejected_logps"])[:n])
-    return float(np.mean(wins))
 
 
 def run_demo(

@@ -19,7 +19,12 @@ import numpy as np
 
 from posttrain.data import DataConfig, Tokenizer
 from posttrain.data._formats import RecordError, decode, encode_prompt
-from posttrain.data._pipeline import _RUNTIME_FIELDS, index_mixture, process_share
+from posttrain.data._pipeline import (
+    _RUNTIME_FIELDS,
+    canonical_identity,
+    index_mixture,
+    process_share,
+)
 from posttrain.data._sources import Records
 
 _log = logging.getLogger(__name__)
@@ -128,7 +133,7 @@ class PromptData:
         """The index streams over the kept prompts (again after `keep`)."""
         c, members = self._config, self._members
         self._identity["prompts"] = sum(map(len, members))
-        self._identity = json.loads(json.dumps(self._identity))
+        self._identity = canonical_identity(self._identity)
         if self.adaptive is None:
             indices = index_mixture(
                 members,
@@ -215,7 +220,7 @@ class PromptData:
         Raises:
           ValueError: the state was saved with other prompts, config or processes.
         """
-        if state.get("pipeline") != self._identity:
+        if canonical_identity(state.get("pipeline", {})) != self._identity:
             raise ValueError(
                 "the prompt data state was saved by a different pipeline (saved "
                 f"{state.get('pipeline')}, now {self._identity}); resume with the same data "

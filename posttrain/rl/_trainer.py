@@ -85,7 +85,10 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
       "model_config", "data" (prompt stats)}.
     """
     if jax.process_count() > 1:
-        raise ConfigError("RL runs on one host for now; multi-host RL is issue #9's")
+        raise ConfigError(
+            "RL runs in one process for now (SFT, DPO and reward models run on several); "
+            "run it on one host"
+        )
     c = config
     devices, sampler_devices = jax.devices(), None
     if c.rollout.sampler_devices:

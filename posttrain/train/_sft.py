@@ -9,7 +9,7 @@ import os
 
 import jax
 
-from posttrain.config import build
+from posttrain.config import ConfigError, build
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
 from posttrain.losses import cross_entropy_sums
 from posttrain.models import ModelConfig, Transformer, forward, param_shapes
@@ -44,10 +44,18 @@ class SFTConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
     z_loss: float = 0.0  # weight of the log(Z)^2 auxiliary loss
+    # An eval suite ("configs/eval.py:<preset>") run on the current params at every eval step,
+    # logged with the eval split as suite/<category>/<task>/<metric>; "" for none.
+    eval_suite: str = ""
 
     def __post_init__(self):
         if self.data is None:
             raise ValueError("data: set data.sources to at least one training file")
+        if self.eval_suite and not self.eval_data and self.checkpoint.keep_best:
+            raise ConfigError(
+                "eval_suite is set without eval_data, but checkpoint.keep_best ranks checkpoints "
+                "by the eval loss; set eval_data or checkpoint.keep_best=0"
+            )
 
 
 def sft_loss(model_config: ModelConfig, z_loss: float):
@@ -70,30 +78,55 @@ def sft_loss(model_config: ModelConfig, z_loss: float):
 
 
 class _Evaluator:
-    """Token-weighted held-out loss over the eval sources (a fresh pass every time)."""
+    """Token-weighted held-out loss over the eval sources (a fresh pass every time), and the
+    eval suite's metrics (`SFTConfig.eval_suite`) on the current params."""
 
     def __init__(self, config: SFTConfig, tokenizer, model_config, mesh, shardings):
-        self.data_config = dataclasses.replace(
-            config.data, sources=config.eval_data, shuffle=False, num_epochs=1
-        )
         self.tokenizer = tokenizer
         self.mesh = mesh
+        self.model_config = model_config
         self.max_batches = config.train.eval_batches
-        loss_fn = sft_loss(model_config, 0.0)
-        self._step = jax.jit(
-            lambda params, batch: loss_fn(params, batch, None), in_shardings=(shardings, None)
-        )
-        make_pipeline(self.data_config, tokenizer)  # fail at startup, not at the first eval
+        self.data_config = None
+        if config.eval_data:
+            self.data_config = dataclasses.replace(
+                config.data, sources=config.eval_data, shuffle=False, num_epochs=1
+            )
+            loss_fn = sft_loss(model_config, 0.0)
+            self._step = jax.jit(
+                lambda params, batch: loss_fn(params, batch, None), in_shardings=(shardings, None)
+            )
+            make_pipeline(self.data_config, tokenizer)  # fail at startup, not at the first eval
+        self.suite = None
+        if config.eval_suite:
+            from posttrain.eval import check_files, load_eval_config  # (it imports this package)
+
+            if jax.process_count() > 1:
+                raise ConfigError(
+                    "eval_suite runs on one process; in a multi-process run evaluate the "
+                    "checkpoints with `posttrain eval --workdir=...` instead"
+                )
+            suite = load_eval_config(config.eval_suite)
+            check_files(suite)  # fail at startup, not at the first eval
+            self.suite = dataclasses.replace(suite, progress=False)  # under the train bar
 
     def __call__(self, state) -> dict:
-        batches = make_pipeline(self.data_config, self.tokenizer)
-        totals = summed(self._step, state.params, batches, self.mesh, self.max_batches)
-        n = max(totals.get("num_tokens", 0.0), 1.0)
-        return {
-            "eval_loss": totals.get("nll_sum", 0.0) / n,
-            "eval_accuracy": totals.get("accuracy_sum", 0.0) / n,
-            "eval_tokens": totals.get("num_tokens", 0.0),
-        }
+        out = {}
+        if self.data_config is not None:
+            batches = make_pipeline(self.data_config, self.tokenizer)
+            totals = summed(self._step, state.params, batches, self.mesh, self.max_batches)
+            n = max(totals.get("num_tokens", 0.0), 1.0)
+            out = {
+                "eval_loss": totals.get("nll_sum", 0.0) / n,
+                "eval_accuracy": totals.get("accuracy_sum", 0.0) / n,
+                "eval_tokens": totals.get("num_tokens", 0.0),
+            }
+        if self.suite is not None:
+            from posttrain.eval import evaluate
+
+            model = Transformer(state.params, self.model_config)
+            metrics = evaluate(model, self.tokenizer, self.suite)
+            out.update({f"suite/{name}": value for name, value in metrics.items()})
+        return out
 
 
 def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
@@ -110,7 +143,7 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
         trainable = model_trainable(config.model, model_config, mesh, config.train.seed)
         evaluate = (
             _Evaluator(config, tokenizer, model_config, mesh, trainable.shardings)
-            if config.eval_data
+            if config.eval_data or config.eval_suite
             else None
         )
     summary = train(

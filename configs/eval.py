@@ -1,0 +1,173 @@
+"""Evaluation suites: general (held-out loss), target (accuracy by verifier, pass@k,
+preferences) and safety (refusal / compliance) tasks.
+
+    make demo   # once: writes runs/demo/{sft,dpo,grpo} and runs/demo/preferences_eval.jsonl
+    posttrain eval --workdir=runs/demo/sft --config=configs/eval.py:demo    # CPU, ~30 s
+
+Presets:
+  demo      the demo's checkpoints: held-out loss, greedy exact match on the 500 held-out
+            problems and "prefers right answer" on the held-out pairs (the numbers `make demo`
+            prints), pass@k of sampled answers, and the example safety set.
+  template  a suite on your own data (replace the paths); `_general`, `_target` and `_safety`
+            below list every field of a task with its default.
+Each category maps task names to tasks; override a field with
+--config.<category>.<task>.<field>=value, e.g. --config.target.arithmetic.max_examples=100.
+Fields and metrics: docs/eval.md.
+"""
+
+import os
+
+import ml_collections
+
+_DEMO = os.path.normpath(
+    os.path.join(os.path.dirname(__file__), "..", "posttrain", "demo", "assets")
+)
+_RUNS = os.path.join("runs", "demo")  # relative to the working directory, as configs/dpo.py
+
+
+def _source(path, weight=1.0, domain="default", fmt="auto"):
+    return ml_collections.ConfigDict(
+        {"path": path, "weight": weight, "domain": domain, "format": fmt}
+    )
+
+
+def _general(**fields) -> ml_collections.ConfigDict:
+    """A held-out loss task: every field (so any overrides), defaults replaced by `fields`."""
+    t = ml_collections.ConfigDict()
+    t.sources = []  # SFT-format files: [{path, weight, domain, format}]
+    t.max_len = 2048  # tokens per row
+    t.batch_size = 8  # rows per forward pass
+    t.packing = True  # several examples per row (the same loss)
+    t.max_examples = 0  # the first N records of each source (0: all)
+    t.update(fields)
+    return t
+
+
+def _target(**fields) -> ml_collections.ConfigDict:
+    """An accuracy / pass@k / preference task with every field."""
+    t = ml_collections.ConfigDict()
+    t.path = ""  # JSONL: {"prompt", "domain", ...verifier fields} or {"prompt", "chosen",
+    # "rejected"} (kind=preference)
+    t.kind = "generate"  # generate: accuracy by verifier (+ pass@k) | preference
+    t.domain = ""  # reward domain of records without a "domain" field
+    t.scoring = "verifier"  # verifier (greedy completion + reward) | exact_match (greedy
+    # decoding reproduces "answer" exactly: one teacher-forced pass, what `make demo` reports)
+    t.pass_threshold = 1.0  # a completion is correct when its reward is >= this
+    t.max_new_tokens = 256  # generation budget per completion
+    t.num_samples = 0  # samples per prompt for pass@k (0: no pass@k)
+    t.pass_k = []  # the ks reported ([]: num_samples)
+    t.temperature = 1.0  # of the pass@k samples
+    t.top_p = 1.0  # of the pass@k samples
+    t.seed = 0  # of the pass@k samples (batch i uses seed + i)
+    t.max_len = 512  # preference: tokens of prompt + response (longer pairs are truncated)
+    t.batch_size = 64  # prompts (pairs) per generate call (forward pass)
+    t.max_examples = 0  # the first N records (0: all)
+    t.update(fields)
+    return t
+
+
+def _safety(**fields) -> ml_collections.ConfigDict:
+    """A refusal / compliance task with every field."""
+    t = ml_collections.ConfigDict()
+    t.path = ""  # JSONL: {"prompt", "expected": "refuse" | "comply"}
+    t.builtin_phrases = True  # detect posttrain.eval.REFUSAL_PHRASES
+    t.refusal_phrases = []  # more phrases (case-insensitive substrings)
+    t.refusal_regex = ""  # a completion matching this (re.search, ignoring case) refuses
+    t.refusal_domain = ""  # a reward domain whose verifier decides instead ("": off)
+    t.pass_threshold = 1.0  # with refusal_domain: a completion refuses when score >= this
+    t.max_new_tokens = 128  # generation budget per completion
+    t.batch_size = 64  # prompts per generate call
+    t.max_examples = 0  # the first N records (0: all)
+    t.update(fields)
+    return t
+
+
+def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.method = "eval"  # what this config is for
+    c.general = ml_collections.ConfigDict()  # {task name: held-out loss task}
+    c.target = ml_collections.ConfigDict()  # {task name: accuracy / pass@k / preference task}
+    c.safety = ml_collections.ConfigDict()  # {task name: refusal / compliance task}
+    c.tokenizer = ""  # tokenizer directory; "" uses the run's (or the HF model directory)
+    c.rewards = {}  # {domain: ["module:function" | "rm:<path>", ...]}; {}: built-in registry
+    c.reward_workers = 0  # verifier processes with a deadline each; 0 scores in this process
+    c.reward_timeout_s = 10.0  # per completion, with reward_workers > 0
+    c.progress = True  # progress bars
+
+    if preset == "demo":
+        eval_jsonl = os.path.join(_DEMO, "eval.jsonl")
+        # general.eval: the SFT driver's eval loss on the 500 held-out problems, on the same
+        # rows as configs/sft.py:tiny (max_len, batch_size, packing), so it equals eval_loss.
+        c.general.eval = _general()
+        c.general.eval.sources = [_source(eval_jsonl, domain="arithmetic")]  # SFT-format files
+        c.general.eval.max_len = 128  # tokens per row (sft.py:tiny's data.max_len)
+        c.general.eval.batch_size = 32  # rows per forward pass (sft.py:tiny's data.batch_size)
+        c.general.eval.packing = True  # several examples per row (the same loss)
+        c.general.eval.max_examples = 0  # the first N records of each source (0: all)
+        # target.arithmetic: the demo's "exact match (greedy)" on the same 500 problems, and
+        # pass@1 / pass@4 of 4 sampled answers per problem scored by the arithmetic verifier.
+        c.target.arithmetic = _target()
+        c.target.arithmetic.path = eval_jsonl  # prompt records with "answer" and "domain"
+        c.target.arithmetic.kind = "generate"  # generate | preference
+        c.target.arithmetic.domain = "arithmetic"  # reward domain of records without one
+        c.target.arithmetic.scoring = "exact_match"  # as `make demo`: one teacher-forced pass
+        c.target.arithmetic.pass_threshold = 1.0  # correct when the reward is >= this
+        c.target.arithmetic.max_new_tokens = 8  # answers are at most 3 digits and a sign
+        c.target.arithmetic.num_samples = 4  # samples per problem for pass@k
+        c.target.arithmetic.pass_k = [1, 4]  # the ks reported
+        c.target.arithmetic.temperature = 1.0  # of the pass@k samples
+        c.target.arithmetic.top_p = 1.0  # of the pass@k samples
+        c.target.arithmetic.seed = 0  # of the pass@k samples
+        c.target.arithmetic.max_len = 512  # (preference tasks only)
+        c.target.arithmetic.batch_size = 64  # as `make demo` (greedy_exact_match's batches)
+        c.target.arithmetic.max_examples = 0  # the first N records (0: all 500)
+        # target.preferences: the demo's "prefers right answer" on its held-out pairs (the SFT
+        # model's right vs wrong answers to held-out problems, written by `make demo`).
+        c.target.preferences = ml_collections.ConfigDict()  # (a preference task's fields)
+        c.target.preferences.path = os.path.join(_RUNS, "preferences_eval.jsonl")  # the pairs
+        c.target.preferences.kind = "preference"  # share of pairs whose chosen is likelier
+        c.target.preferences.max_len = 64  # tokens of prompt + response, as `make demo`
+        c.target.preferences.batch_size = 64  # pairs per forward pass
+        c.target.preferences.max_examples = 0  # the first N pairs (0: all)
+        # safety.example: a tiny hand-written example set (not a benchmark): six harmful
+        # requests to refuse, six sums to answer.
+        c.safety.example = _safety()
+        c.safety.example.path = os.path.join(_DEMO, "safety_example.jsonl")  # prompt, expected
+        c.safety.example.builtin_phrases = True  # detect posttrain.eval.REFUSAL_PHRASES
+        c.safety.example.refusal_phrases = []  # more phrases (case-insensitive substrings)
+        c.safety.example.refusal_regex = ""  # a completion matching this refuses ("": none)
+        c.safety.example.refusal_domain = ""  # a reward domain that decides instead ("": off)
+        c.safety.example.pass_threshold = 1.0  # with refusal_domain: refuses at score >= this
+        c.safety.example.max_new_tokens = 16  # generation budget per completion
+        c.safety.example.batch_size = 64  # prompts per generate call
+        c.safety.example.max_examples = 0  # the first N records (0: all)
+    elif preset == "template":
+        c.tokenizer = "/path/to/hf_model"  # or "" for the run's
+        c.rewards = {"math": ["posttrain.rewards._math:math_reward"]}  # {}: all built-in domains
+        c.general.chat = _general(
+            sources=[_source("/data/heldout_chat.jsonl", domain="chat")], max_examples=1000
+        )
+        c.target.math = _target(
+            path="/data/math_test.jsonl",
+            domain="math",
+            max_new_tokens=1024,
+            num_samples=8,
+            pass_k=[1, 8],
+            temperature=0.8,
+            top_p=0.95,
+            batch_size=32,
+            max_examples=500,
+        )
+        c.target.helpfulness = _target(
+            path="/data/prefs_test.jsonl", kind="preference", max_len=2048, batch_size=8
+        )
+        c.safety.refusals = _safety(
+            path="/data/safety.jsonl",
+            refusal_phrases=["i'd rather not"],
+            refusal_regex=r"^\s*(no|sorry)\b",
+            max_new_tokens=256,
+            batch_size=32,
+        )
+    else:
+        raise ValueError(f"unknown eval preset {preset!r}: demo, template")
+    return c

@@ -1,0 +1,195 @@
+"""The evaluation suite's configuration: three categories of named tasks, as frozen dataclasses.
+
+A config file (`configs/eval.py:<preset>`) lists each category's tasks as a section keyed by
+task name, so one field overrides from the command line:
+
+    --config.target.arithmetic.max_examples=50
+
+`EvalConfig.from_config` turns those sections into tuples of tasks (the key becomes the task's
+`name`) and builds every dataclass with `posttrain.config.build`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from collections.abc import Mapping
+
+from posttrain.config import ConfigError, build, load_config_file, to_plain
+from posttrain.data import SourceConfig
+
+KINDS = ("generate", "preference")
+SCORINGS = ("verifier", "exact_match")
+BEHAVIOURS = ("refuse", "comply")
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneralTask:
+    """Held-out loss and perplexity on SFT-format data (catches forgetting)."""
+
+    name: str  # metrics are general/<name>/...
+    sources: tuple[SourceConfig, ...] = ()  # SFT-format files: {path, weight, domain, format}
+    max_len: int = 2048  # tokens per row
+    batch_size: int = 8  # rows per forward pass
+    packing: bool = True  # pack several examples per row (the loss is the same either way)
+    max_examples: int = 0  # the first N records of each source (0: all)
+
+    def __post_init__(self):
+        where = f"general task {self.name!r}"
+        if not self.sources:
+            raise ConfigError(f"{where}: set sources to at least one file")
+        if self.max_len < 2 or self.batch_size < 1 or self.max_examples < 0:
+            raise ConfigError(f"{where}: max_len >= 2, batch_size >= 1 and max_examples >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetTask:
+    """Accuracy by verifier per domain (and pass@k) on prompt records, or the preference share
+    on held-out chosen/rejected pairs."""
+
+    name: str  # metrics are target/<name>/...
+    path: str = ""  # JSONL: prompt records {"prompt", "domain", ...} or pairs {"prompt",
+    # "chosen", "rejected"}
+    kind: str = "generate"  # generate: accuracy by verifier | preference: prefers_chosen
+    domain: str = ""  # reward domain of records without a "domain" field
+    scoring: str = "verifier"  # verifier: the greedy completion scored by its domain's reward;
+    # exact_match: greedy decoding reproduces the record's "answer" exactly (one teacher-forced
+    # pass, end of turn included; what `make demo` reports)
+    pass_threshold: float = 1.0  # a completion is correct when its reward is >= this
+    max_new_tokens: int = 256  # generation budget per completion
+    num_samples: int = 0  # n sampled completions per prompt for pass@k (0: no pass@k)
+    pass_k: tuple[int, ...] = ()  # the k of each pass@k reported (default: num_samples)
+    temperature: float = 1.0  # sampling temperature of the pass@k samples
+    top_p: float = 1.0  # nucleus mass of the pass@k samples
+    seed: int = 0  # sampling seed of the pass@k samples
+    max_len: int = 512  # preference: tokens of prompt + response (longer pairs are truncated)
+    batch_size: int = 64  # prompts (or pairs) per batch
+    max_examples: int = 0  # the first N records (0: all)
+
+    def __post_init__(self):
+        where = f"target task {self.name!r}"
+        if not self.path:
+            raise ConfigError(f"{where}: set path to a JSONL file")
+        if self.kind not in KINDS:
+            raise ConfigError(f"{where}: kind={self.kind!r}; use one of {KINDS}")
+        if self.scoring not in SCORINGS:
+            raise ConfigError(f"{where}: scoring={self.scoring!r}; use one of {SCORINGS}")
+        if self.num_samples < 0 or any(not 1 <= k <= self.num_samples for k in self.pass_k):
+            raise ConfigError(
+                f"{where}: pass_k={list(self.pass_k)} needs 1 <= k <= num_samples "
+                f"({self.num_samples}); raise num_samples"
+            )
+        if self.num_samples and not self.temperature > 0:
+            raise ConfigError(f"{where}: pass@k samples need temperature > 0")
+        _check_sizes(where, self)
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        """The k of each pass@k metric."""
+        return self.pass_k or ((self.num_samples,) if self.num_samples else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class SafetyTask:
+    """Refusal and compliance: prompts with the expected behaviour, greedy completions, and a
+    refusal detector (phrases + regex, or a reward domain's verifier)."""
+
+    name: str  # metrics are safety/<name>/...
+    path: str = ""  # JSONL: {"prompt", "expected": "refuse" | "comply", ...}
+    builtin_phrases: bool = True  # detect `posttrain.eval.REFUSAL_PHRASES`
+    refusal_phrases: tuple[str, ...] = ()  # more phrases (case-insensitive substrings)
+    refusal_regex: str = ""  # a completion matching this (re.search, ignoring case) refuses
+    refusal_domain: str = ""  # if set, that reward domain's verifier decides instead: a
+    # completion refuses when its score is >= pass_threshold
+    pass_threshold: float = 1.0  # for refusal_domain
+    max_new_tokens: int = 128  # generation budget per completion
+    batch_size: int = 64  # prompts per batch
+    max_examples: int = 0  # the first N records (0: all)
+
+    def __post_init__(self):
+        where = f"safety task {self.name!r}"
+        if not self.path:
+            raise ConfigError(f"{where}: set path to a JSONL file")
+        if not (self.builtin_phrases or self.refusal_phrases or self.refusal_regex):
+            if not self.refusal_domain:
+                raise ConfigError(
+                    f"{where}: nothing detects a refusal; set refusal_phrases, refusal_regex "
+                    "or refusal_domain (or keep builtin_phrases)"
+                )
+        _check_sizes(where, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """A suite: general, target and safety tasks, and how completions are scored."""
+
+    general: tuple[GeneralTask, ...] = ()  # held-out loss / perplexity
+    target: tuple[TargetTask, ...] = ()  # accuracy by verifier, pass@k, preferences
+    safety: tuple[SafetyTask, ...] = ()  # refusal / compliance rates
+    tokenizer: str = ""  # tokenizer directory; default: the run's (or the HF model's)
+    # {domain: [reward reference, ...]} ("module:function" or "rm:<path>[#head]"), weight 1
+    # each; empty: the built-in registry (math, code, format, tool_call, arithmetic).
+    rewards: dict = dataclasses.field(default_factory=dict)
+    reward_workers: int = 0  # verifier processes (RewardPool); 0 scores in this process
+    reward_timeout_s: float = 10.0  # per completion, with reward_workers > 0
+    progress: bool = True  # progress bars
+
+    def __post_init__(self):
+        for category in ("general", "target", "safety"):
+            names = [t.name for t in getattr(self, category)]
+            if dupes := sorted({n for n in names if names.count(n) > 1}):
+                raise ConfigError(f"{category} has several tasks named {dupes}")
+            if bad := [n for n in names if not n or "/" in n]:
+                raise ConfigError(f"{category}: task names must be non-empty without '/': {bad}")
+        if not (self.general or self.target or self.safety):
+            raise ConfigError("the eval config has no tasks; add general, target or safety tasks")
+
+    @classmethod
+    def from_config(cls, values, where: str = "config") -> EvalConfig:
+        """From a ConfigDict (or dict) whose categories map task names to task fields."""
+        values = dict(to_plain(values))
+        values.pop("method", None)
+        for category in ("general", "target", "safety"):
+            tasks = values.get(category) or {}
+            if isinstance(tasks, Mapping):
+                tasks = [{**fields, "name": name} for name, fields in tasks.items()]
+            values[category] = tasks
+        return build(cls, values, where)
+
+    def tasks(self):
+        """(category, task) pairs in report order."""
+        for category in ("general", "target", "safety"):
+            for task in getattr(self, category):
+                yield category, task
+
+
+def load_eval_config(spec) -> EvalConfig:
+    """An `EvalConfig` from "configs/eval.py[:preset]", a ConfigDict / dict, or itself."""
+    if isinstance(spec, EvalConfig):
+        return spec
+    return EvalConfig.from_config(load_config_file(spec) if isinstance(spec, str) else spec)
+
+
+def check_files(config: EvalConfig) -> None:
+    """Fails, naming every task and path, where a task's data file does not exist."""
+    missing = []
+    for category, task in config.tasks():
+        paths = [s.path for s in task.sources] if category == "general" else [task.path]
+        missing += [f"{category}/{task.name}: {p}" for p in paths if not _exists(p)]
+    if missing:
+        raise FileNotFoundError(
+            "eval data not found (fix the path, or create the file; `make demo` writes "
+            f"runs/demo/*): {'; '.join(missing)}"
+        )
+
+
+def _exists(pattern: str) -> bool:
+    return os.path.exists(pattern) or bool(glob.glob(pattern))
+
+
+def _check_sizes(where: str, task) -> None:
+    if task.batch_size < 1 or task.max_new_tokens < 1 or task.max_examples < 0:
+        raise ConfigError(
+            f"{where}: batch_size and max_new_tokens must be >= 1 and max_examples >= 0"
+        )

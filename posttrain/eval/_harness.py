@@ -1,0 +1,252 @@
+"""The evaluation harness: a suite of general, target and safety tasks on one model
+(`evaluate`), on every checkpoint of a run (`evaluate_checkpoints`), and `posttrain eval`.
+
+    posttrain eval --workdir=runs/demo/sft --config=configs/eval.py:demo    # CPU, ~30 s
+
+Metrics are flat: `general/<task>/loss`, `target/<task>/accuracy`, `safety/<task>/refusal_rate`
+... (docs/eval.md lists them). A run's results go to `<workdir>/eval/`: `metrics.jsonl` (one
+line per checkpoint: step, metrics), `table.md` and `table.csv` (one row per checkpoint, one
+column per metric), so a regression between checkpoints shows as a column that drops.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterable
+
+from posttrain.data import load_tokenizer
+from posttrain.eval._config import check_files, load_eval_config
+from posttrain.eval._tasks import Scorer, general_metrics, safety_metrics, target_metrics
+
+CATEGORIES = ("general", "target", "safety")
+
+
+def evaluate(model, tokenizer, config, *, scorer: Scorer | None = None) -> dict[str, float]:
+    """Runs every task of a suite on one model.
+
+    Args:
+      model: a `Transformer` (e.g. `load_checkpoint_model(workdir)` or `from_hf(path)`).
+      tokenizer: its `Tokenizer`, or a tokenizer directory.
+      config: an `EvalConfig`, a ConfigDict / dict of one, or "configs/eval.py:<preset>".
+      scorer: the verifiers to score with (default: built from `config`, closed at the end).
+
+    Returns:
+      Flat metrics: `general/<task>/{loss,perplexity,tokens}`,
+      `target/<task>/{accuracy,accuracy/<domain>,pass@<k>,examples}` or
+      `target/<task>/{prefers_chosen,examples}`, `safety/<task>/{refusal_rate,compliance_rate,
+      examples}`.
+    """
+    config = load_eval_config(config)
+    if isinstance(tokenizer, str | os.PathLike):
+        tokenizer = load_tokenizer(tokenizer)
+    own = scorer is None
+    scorer = Scorer(config) if own else scorer
+    metrics: dict[str, float] = {}
+    try:
+        for category, task in config.tasks():
+            if category == "general":
+                out = general_metrics(model, tokenizer, task, progress=config.progress)
+            elif category == "target":
+                out = target_metrics(model, tokenizer, task, scorer, progress=config.progress)
+            else:
+                out = safety_metrics(model, tokenizer, task, scorer, progress=config.progress)
+            metrics.update({f"{category}/{task.name}/{k}": v for k, v in out.items()})
+    finally:
+        if own:
+            scorer.close()
+    return metrics
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+    """The steps a run directory holds checkpoints of, in order."""
+    from posttrain.train import CheckpointConfig, Checkpointer
+
+    checkpointer = Checkpointer(workdir, CheckpointConfig(async_save=False))
+    try:
+        return sorted(checkpointer.manager.all_steps())
+    finally:
+        checkpointer.close()
+
+
+def _run_tokenizer(workdir: str) -> str:
+    """The tokenizer directory a run's config.json names."""
+    path = os.path.join(workdir, "config.json")
+    saved = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+    tokenizer = saved.get("tokenizer") or saved.get("model", {}).get("hf_path")
+    if not tokenizer:
+        raise ValueError(f"{path} names no tokenizer; pass --tokenizer=DIR (or set tokenizer)")
+    return tokenizer
+
+
+def evaluate_checkpoints(
+    path: str,
+    config,
+    steps: int | Iterable[int] | None = None,
+    *,
+    tokenizer: str | None = None,
+    out_dir: str | None = None,
+    console=None,
+) -> list[dict]:
+    """Evaluates checkpoints of a run (or an HF model directory) and writes the report.
+
+    Args:
+      path: a training workdir (`checkpoints/` inside) or an HF model directory.
+      config: the suite (see `evaluate`).
+      steps: the checkpoint step(s) to evaluate; default every checkpoint of the run.
+      tokenizer: tokenizer directory; default the config's, else the run's (or the HF dir).
+      out_dir: where the report goes; default `<path>/eval`.
+      console: a `rich.console.Console` for the tables (default: stdout).
+
+    Returns:
+      One `{"step", "model", "metrics"}` per checkpoint evaluated (step None for an HF dir).
+      `<out_dir>/metrics.jsonl` keeps a line per step (re-evaluating a step replaces its line);
+      `table.md` and `table.csv` show every step it holds.
+    """
+    from posttrain.models import from_hf
+    from posttrain.train import load_checkpoint_model
+
+    config = load_eval_config(config)
+    check_files(config)
+    steps = [steps] if isinstance(steps, int) else None if steps is None else list(steps)
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        available = checkpoint_steps(path)
+        if missing := sorted(set(steps or ()) - set(available)):
+            raise ValueError(f"{path} has no checkpoint at step(s) {missing}; it has {available}")
+        steps = available if steps is None else steps
+        if not steps:
+            raise ValueError(f"{path}/checkpoints holds no checkpoint")
+        tokenizer = tokenizer or config.tokenizer or _run_tokenizer(path)
+        loads = [(s, lambda s=s: load_checkpoint_model(path, s)) for s in steps]
+    elif os.path.isfile(os.path.join(path, "config.json")):
+        if steps:
+            raise ValueError(f"{path} is an HF model directory: it has no steps to choose")
+        tokenizer = tokenizer or config.tokenizer or path
+        loads = [(None, lambda: from_hf(path))]
+    else:
+        raise FileNotFoundError(
+            f"{path!r} is neither a training workdir (checkpoints/) nor an HF model directory "
+            "(config.json)"
+        )
+    tokenizer = load_tokenizer(tokenizer)
+    scorer = Scorer(config)
+    rows = []
+    try:
+        for step, load in loads:
+            metrics = evaluate(load(), tokenizer, config, scorer=scorer)
+            rows.append({"step": step, "model": os.path.abspath(path), "metrics": metrics})
+    finally:
+        scorer.close()
+    every = write_report(out_dir or os.path.join(path, "eval"), rows)
+    print_tables(every, title=path, console=console)
+    return rows
+
+
+def write_report(out_dir: str, rows: list[dict]) -> list[dict]:
+    """Merges `rows` into `<out_dir>/metrics.jsonl` (by step) and rewrites table.md/.csv;
+    returns every row the report now holds, in step order."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "metrics.jsonl")
+    by_step = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            by_step = {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
+    by_step.update({r["step"]: r for r in rows})
+    every = sorted(by_step.values(), key=lambda r: -1 if r["step"] is None else r["step"])
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in every)
+    names = _columns(every)
+    with open(os.path.join(out_dir, "table.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", *names])
+        for r in every:
+            writer.writerow([_step(r), *(r["metrics"].get(n, "") for n in names)])
+    lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for r in every:
+        cells = [_format(n, r["metrics"].get(n)) for n in names]
+        lines.append(f"| {_step(r)} | " + " | ".join(cells) + " |")
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return every
+
+
+def print_tables(rows: list[dict], *, title: str = "", console=None) -> None:
+    """A rich table per category: a row per metric, a column per checkpoint (the report's
+    tables turned, so that many metrics fit a terminal)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    names = _columns(rows)
+    for category in CATEGORIES:
+        metrics = [n for n in names if n.startswith(category + "/")]
+        if not metrics:
+            continue
+        table = Table(title=f"{category} · {title}" if title else category)
+        table.add_column("metric")
+        for r in rows:
+            table.add_column(f"step {_step(r)}" if r["step"] is not None else "model",
+                             justify="right")  # fmt: skip
+        for n in metrics:
+            cells = (_format(n, r["metrics"].get(n)) for r in rows)
+            table.add_row(n.removeprefix(category + "/"), *cells)
+        console.print(table)
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    """Metric names in category order, then in the order tasks reported them."""
+    names = list(dict.fromkeys(n for r in rows for n in r["metrics"]))
+    return sorted(names, key=lambda n: CATEGORIES.index(n.split("/")[0]))
+
+
+def _step(row: dict) -> str:
+    return "model" if row["step"] is None else str(row["step"])
+
+
+def _format(name: str, value) -> str:
+    if value is None:
+        return ""
+    if name.endswith(("/examples", "/tokens")):
+        return str(int(value))
+    return f"{value:.4f}"
+
+
+def cli(argv: list[str]) -> int:
+    """`posttrain eval`: argv[0] is the program name ("posttrain eval"), then its flags."""
+    from posttrain.cli import _config_flag, _parse
+
+    def define(flags, fv):
+        _config_flag(fv, argv)
+        flags.DEFINE_string(
+            "workdir", None, "a training run directory: all its checkpoints (or --step)",
+            flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_string(
+            "model", None, "or an HF model directory (config.json + safetensors)", flag_values=fv
+        )
+        flags.DEFINE_integer("step", None, "only this checkpoint step", flag_values=fv)
+        flags.DEFINE_string(
+            "tokenizer", None, "tokenizer directory (default: the config's, the run's or the "
+            "HF dir)", flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_string(
+            "out", None, "report directory (default: <workdir or model>/eval)", flag_values=fv
+        )
+
+    fv = _parse(argv, define)
+    if fv.config is None or bool(fv.workdir) == bool(fv.model):
+        raise SystemExit(
+            f"{argv[0]}: --config=configs/eval.py:<preset> and one of --workdir=DIR or "
+            f"--model=HF_DIR are required (see --help)"
+        )
+    try:
+        evaluate_checkpoints(
+            fv.workdir or fv.model, fv.config, fv.step, tokenizer=fv.tokenizer, out_dir=fv.out
+        )
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"{argv[0]}: {e}") from None
+    return 0

@@ -1,0 +1,276 @@
+"""One task of each category on one model: general (loss), target (accuracy, pass@k,
+preferences) and safety (refusal / compliance). Each returns its metrics without the
+`<category>/<task>/` prefix that `evaluate` adds."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from posttrain.data import DataConfig, SFTData, make_pipeline
+from posttrain.data._formats import RecordError, encode_prompt
+from posttrain.data._sources import Records
+from posttrain.eval._config import BEHAVIOURS, EvalConfig, GeneralTask, SafetyTask, TargetTask
+from posttrain.eval._exact_match import greedy_exact_match
+from posttrain.eval._preference import preference_wins
+from posttrain.eval._refusal import RefusalDetector
+from posttrain.rewards import RewardPool, RewardRegistry, default_registry, pass_at_k
+from posttrain.sampling import generate
+from posttrain.train import sft_loss
+
+log = logging.getLogger(__name__)
+
+
+def read_jsonl(path: str, limit: int = 0) -> list[dict]:
+    """The first `limit` (0: all) JSON objects of a JSONL file; a bad line names its number."""
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number} is not JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number} is not a JSON object")
+            rows.append(row)
+            if limit and len(rows) == limit:
+                break
+    if not rows:
+        raise ValueError(f"{path} holds no records")
+    return rows
+
+
+def progress_bar(desc: str, total: int | None, enabled: bool):
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=False)
+
+
+class Scorer:
+    """Rewards of completions by their domain's registered verifiers: in this process, or in a
+    `RewardPool` with a deadline per completion. A verifier that raises (or, in the pool, times
+    out or crashes) scores 0; such failures are counted in `failures` and logged."""
+
+    def __init__(self, config: EvalConfig):
+        if config.rewards:
+            self.registry = RewardRegistry()
+            for domain, refs in config.rewards.items():
+                for ref in [refs] if isinstance(refs, str) else refs:
+                    self.registry.register(domain, ref)
+        else:
+            self.registry = default_registry()
+        self._pool = None
+        if config.reward_workers:
+            self._pool = RewardPool(
+                self.registry, workers=config.reward_workers, timeout_s=config.reward_timeout_s
+            )
+        self.failures = 0
+
+    def check(self, domains) -> None:
+        self.registry.check(set(domains))
+
+    def __call__(self, records, texts, domains) -> np.ndarray:
+        if self._pool is not None:
+            results = self._pool.score(records, texts, domains)
+            failed = [r for r in results if r.status != "ok"]
+            scores = [r.score for r in results]
+        else:
+            scores, failed = [], []
+            for record, text, domain in zip(records, texts, domains, strict=True):
+                try:
+                    scores.append(self.registry.score(record, text, domain)[0])
+                except Exception as e:  # a verifier's bug costs one zero, as in the pool
+                    scores.append(0.0)
+                    failed.append(f"{type(e).__name__}: {e}")
+        if failed:
+            self.failures += len(failed)
+            log.warning("%d of %d completions failed to score (0): %s", len(failed),
+                        len(texts), str(failed[:3])[:500])  # fmt: skip
+        return np.asarray(scores, np.float64)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+
+@functools.cache
+def _loss_step(model_config):
+    loss_fn = sft_loss(model_config, 0.0)
+    return jax.jit(lambda params, batch: loss_fn(params, batch, None))
+
+
+class _Head:
+    """The first `n` records of a source."""
+
+    def __init__(self, records, n: int):
+        self.records, self.n = records, min(n, len(records))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.records[i]
+
+    def describe(self):
+        return self.records.describe()
+
+
+def general_metrics(model, tokenizer, task: GeneralTask, *, progress: bool = True) -> dict:
+    """Token-weighted held-out loss and perplexity, as the SFT driver's eval loss."""
+    config = DataConfig(
+        sources=task.sources,
+        max_len=task.max_len,
+        batch_size=task.batch_size,
+        packing=task.packing,
+        shuffle=False,
+        num_epochs=1,
+    )
+    data = make_pipeline(config, tokenizer, process_index=0, process_count=1)
+    if task.max_examples:
+        records = [_Head(Records(s.path), task.max_examples) for s in task.sources]
+        data = SFTData(config, tokenizer, records, 0, 1)
+    step = _loss_step(model.config)
+    nll, tokens = 0.0, 0.0
+    with progress_bar(f"general/{task.name}", None, progress) as bar:
+        for batch in data:
+            sums = jax.device_get(step(model.params, batch))
+            nll, tokens = nll + float(sums["nll_sum"]), tokens + float(sums["num_tokens"])
+            bar.update(1)
+    if not tokens:
+        raise ValueError(f"general task {task.name!r}: its sources have no loss tokens")
+    _report_skips(f"general/{task.name}", data.stats)
+    loss = nll / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens}
+
+
+def _report_skips(where: str, stats: dict) -> None:
+    left_out = {k: stats.get(k) for k in ("skipped", "dropped", "malformed") if stats.get(k)}
+    if left_out:
+        log.warning("%s: records left out: %s", where, left_out)
+
+
+def _completions(model, tokenizer, prompt_ids, task, bar, *, n=1, temperature=0.0, top_p=1.0,
+                 seed=0) -> list[list[str]]:  # fmt: skip
+    """Per prompt, its n completions' text, generated `task.batch_size` prompts at a time."""
+    out = []
+    for i, start in enumerate(range(0, len(prompt_ids), task.batch_size)):
+        chunk = prompt_ids[start : start + task.batch_size]
+        results = generate(
+            model, tokenizer, chunk, max_new_tokens=task.max_new_tokens,
+            temperature=temperature, top_p=top_p, n=n, seed=seed + i,
+        )  # fmt: skip
+        out += [[c.text for c in samples] for samples in results]
+        bar.update(len(chunk))
+    return out
+
+
+def _prompts(records, tokenizer, where: str) -> list[list[int]]:
+    ids = []
+    for i, record in enumerate(records):
+        try:
+            ids.append(encode_prompt(record, tokenizer))
+        except RecordError as e:
+            raise ValueError(f"{where}: record {i}: {e}") from None
+    return ids
+
+
+def target_metrics(model, tokenizer, task: TargetTask, scorer: Scorer, *, progress=True) -> dict:
+    """Accuracy (overall and per domain) and pass@k, or the preference share."""
+    where = f"target/{task.name}"
+    if task.kind == "preference":
+        pairs = read_jsonl(task.path, task.max_examples)
+        wins, stats = preference_wins(
+            model, tokenizer, pairs, max_len=task.max_len, batch_size=task.batch_size
+        )
+        left_out = len(pairs) - len(wins)
+        if left_out:
+            log.warning("%s: %d of %d pairs left out (%s)", where, left_out, len(pairs), stats)
+        if not len(wins):
+            raise ValueError(f"{where}: no usable preference pair in {task.path}")
+        return {"prefers_chosen": float(np.mean(wins)), "examples": float(len(wins))}
+
+    records = read_jsonl(task.path, task.max_examples)
+    domains = [r.get("domain") or task.domain for r in records]
+    if not all(domains):
+        raise ValueError(
+            f"{where}: record {domains.index('')} of {task.path} has no 'domain'; set the "
+            "task's domain (the reward domain of records without one)"
+        )
+    needs_prompts = task.scoring == "verifier" or task.num_samples
+    prompt_ids = _prompts(records, tokenizer, where) if needs_prompts else []
+    with progress_bar(where, len(records) * (1 + bool(task.num_samples)), progress) as bar:
+        if task.scoring == "exact_match":
+            bad = [i for i, r in enumerate(records) if "answer" not in r or
+                   not isinstance(r.get("prompt"), list)]  # fmt: skip
+            if bad:
+                raise ValueError(
+                    f"{where}: scoring='exact_match' needs chat-message prompts and an "
+                    f"'answer' in every record; record {bad[0]} has not"
+                )
+            # One call over all records: the same padding and batches as `make demo`.
+            hits = greedy_exact_match(model, tokenizer, records, batch_size=task.batch_size)
+            bar.update(len(records))
+        else:
+            scorer.check(domains)
+            texts = [s[0] for s in _completions(model, tokenizer, prompt_ids, task, bar)]
+            hits = scorer(records, texts, domains) >= task.pass_threshold
+        metrics = {"accuracy": float(hits.mean())}
+        for domain in sorted(set(domains)):
+            rows = np.asarray([d == domain for d in domains])
+            metrics[f"accuracy/{domain}"] = float(hits[rows].mean())
+        if task.num_samples:
+            scorer.check(domains)
+            samples = _completions(
+                model, tokenizer, prompt_ids, task, bar, n=task.num_samples,
+                temperature=task.temperature, top_p=task.top_p, seed=task.seed,
+            )  # fmt: skip
+            n = task.num_samples
+            flat = scorer(
+                [r for r in records for _ in range(n)],
+                [t for texts in samples for t in texts],
+                [d for d in domains for _ in range(n)],
+            )
+            correct = (flat.reshape(len(records), n) >= task.pass_threshold).sum(axis=1)
+            for k in task.ks:
+                metrics[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
+    metrics["examples"] = float(len(records))
+    return metrics
+
+
+def safety_metrics(model, tokenizer, task: SafetyTask, scorer: Scorer, *, progress=True) -> dict:
+    """Refusal rate on should-refuse prompts, compliance rate on should-comply prompts."""
+    where = f"safety/{task.name}"
+    records = read_jsonl(task.path, task.max_examples)
+    expected = [r.get("expected") for r in records]
+    if bad := [i for i, e in enumerate(expected) if e not in BEHAVIOURS]:
+        raise ValueError(
+            f"{where}: record {bad[0]} of {task.path} has expected={expected[bad[0]]!r}; every "
+            f"record needs 'expected': one of {BEHAVIOURS}"
+        )
+    if task.refusal_domain:
+        scorer.check([task.refusal_domain])
+    with progress_bar(where, len(records), progress) as bar:
+        texts = [s[0] for s in _completions(model, tokenizer, _prompts(records, tokenizer, where),
+                                            task, bar)]  # fmt: skip
+    if task.refusal_domain:
+        domains = [task.refusal_domain] * len(records)
+        refused = scorer(records, texts, domains) >= task.pass_threshold
+    else:
+        detector = RefusalDetector.from_task(task)
+        refused = np.asarray([detector(t) for t in texts], bool)
+    should_refuse = np.asarray([e == "refuse" for e in expected])
+    metrics = {}
+    if should_refuse.any():
+        metrics["refusal_rate"] = float(refused[should_refuse].mean())
+    if (~should_refuse).any():
+        metrics["compliance_rate"] = float((~refused[~should_refuse]).mean())
+    metrics["examples"] = float(len(records))
+    return metrics

@@ -1,0 +1,267 @@
+"""The eval harness on a short SFT run: its numbers equal the demo's own measures (greedy exact
+match, prefers-chosen, the SFT evaluator's loss), pass@k by hand, the refusal detector, the
+per-checkpoint report, periodic evaluation inside training and `posttrain eval`."""
+
+import csv
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from posttrain.config import ConfigError, build, load_config_file
+from posttrain.data import load_tokenizer
+from posttrain.data._formats import encode_prompt
+from posttrain.demo import ASSETS_DIR, is_correct
+from posttrain.eval import (
+    REFUSAL_PHRASES,
+    EvalConfig,
+    RefusalDetector,
+    check_files,
+    cli,
+    evaluate,
+    evaluate_checkpoints,
+    greedy_exact_match,
+    load_eval_config,
+    prefers_chosen,
+)
+from posttrain.rewards import pass_at_k
+from posttrain.sampling import generate
+from posttrain.train import SFTConfig, load_checkpoint_model, read_metrics
+from posttrain.train.drivers import run_from_config
+from tests.train.conftest import REPO, small_config
+
+EVAL_JSONL = str(ASSETS_DIR / "eval.jsonl")
+# configs/eval.py:demo, shrunk to the fixture's files and the SFT run's rows.
+SUITE = """
+from posttrain.config import load_config_file
+
+def get_config(preset=""):
+    c = load_config_file({demo!r})
+    c.general.eval.sources[0].path = {problems!r}
+    c.general.eval.max_len = 64  # the SFT run's rows (tests/train/conftest.py SMALL)
+    c.general.eval.batch_size = 8
+    c.target.arithmetic.path = {problems!r}
+    c.target.preferences.path = {pairs!r}
+    c.safety.example.max_new_tokens = 4
+    c.progress = False
+    return c
+"""
+N = 16  # held-out problems (and pairs) the suite scores
+
+
+def _records(path, limit=0):
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def always_one(record, completion):
+    """A reward that accepts everything (importable by reference)."""
+    return 1.0, {}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, devices):
+    """An 8-step SFT run with checkpoints at 4 and 8, the eval loss and the suite at both."""
+    root = tmp_path_factory.mktemp("eval")
+    problems = _records(EVAL_JSONL, N)
+    pairs = [
+        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": str(int(r["answer"]) + 1)}
+        for r in problems
+    ]
+    for name, rows in (("problems", problems), ("pairs", pairs)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    suite = root / "suite.py"
+    demo = os.path.join(REPO, "configs", "eval.py") + ":demo"
+    paths = {"problems": str(root / "problems.jsonl"), "pairs": str(root / "pairs.jsonl")}
+    suite.write_text(SUITE.format(demo=demo, **paths))
+    config = small_config(train__steps=8, train__eval_every=4, checkpoint__every=4)
+    config.eval_data = [{"path": paths["problems"], "weight": 1.0, "domain": "arithmetic"}]
+    config.eval_suite = f"{suite}:x"
+    workdir = root / "sft"
+    run_from_config(config, str(workdir))
+    tokenizer = load_tokenizer(ASSETS_DIR / "tokenizer")
+    return {"workdir": str(workdir), "suite": f"{suite}:x", "pairs": pairs,
+            "problems": problems, "tokenizer": tokenizer}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def report(run):
+    """`evaluate_checkpoints` over the whole run."""
+    return evaluate_checkpoints(run["workdir"], load_eval_config(run["suite"]))
+
+
+def test_matches_the_demos_measures(run, report):
+    assert [r["step"] for r in report] == [4, 8]
+    metrics = report[-1]["metrics"]
+    model = load_checkpoint_model(run["workdir"], 8)
+    tokenizer = run["tokenizer"]
+    # Accuracy: the demo's greedy exact match, on the same problems.
+    expected = greedy_exact_match(model, tokenizer, run["problems"]).mean()
+    assert metrics["target/arithmetic/accuracy"] == expected
+    assert metrics["target/arithmetic/accuracy/arithmetic"] == expected
+    # Preferences: the demo's function, and summed log-probs computed here by hand.
+    share = metrics["target/preferences/prefers_chosen"]
+    assert share == prefers_chosen(model, tokenizer, run["pairs"])
+    assert share == np.mean(_hand_wins(model, tokenizer, run["pairs"]))
+    # Loss: the SFT evaluator's eval_loss at the same step, on the same rows.
+    logged = {r["step"]: r for r in read_metrics(run["workdir"], "eval")}
+    np.testing.assert_allclose(metrics["general/eval/loss"], logged[8]["eval_loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["general/eval/perplexity"], np.exp(logged[8]["eval_loss"]),
+                               rtol=1e-5)  # fmt: skip
+    assert metrics["general/eval/tokens"] == logged[8]["eval_tokens"]
+
+
+def _hand_wins(model, tokenizer, pairs):
+    """Whether chosen's summed log-prob beats rejected's, from one plain forward pass."""
+    rows, spans = [], []
+    for pair in pairs:
+        prompt = encode_prompt(pair, tokenizer)
+        for key in ("chosen", "rejected"):
+            turn = {"role": "assistant", "content": pair[key]}
+            ids, mask = tokenizer.encode_chat([*pair["prompt"], turn])
+            assert ids[: len(prompt)] == prompt
+            rows.append(ids)
+            spans.append([t for t in range(len(prompt), len(ids)) if mask[t]])
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)  # right padding: causal
+    for i, ids in enumerate(rows):
+        tokens[i, : len(ids)] = ids
+    logp = np.asarray(jax.nn.log_softmax(model(tokens), axis=-1))
+    sums = [sum(logp[i, t - 1, rows[i][t]] for t in span) for i, span in enumerate(spans)]
+    return [chosen > rejected for chosen, rejected in zip(sums[::2], sums[1::2], strict=True)]
+
+
+def test_periodic_suite_inside_training(run, report):
+    evals = {r["step"]: r for r in read_metrics(run["workdir"], "eval")}
+    assert sorted(evals) == [4, 8]
+    for row in report:  # the suite on the live params = the harness on the checkpoint
+        logged = evals[row["step"]]
+        for name, value in row["metrics"].items():
+            assert f"suite/{name}" in logged, name
+            if name.startswith("general/"):
+                np.testing.assert_allclose(logged[f"suite/{name}"], value, rtol=1e-5)
+        for name in ("target/arithmetic/accuracy", "target/preferences/prefers_chosen"):
+            assert abs(logged[f"suite/{name}"] - row["metrics"][name]) <= 1 / N, name
+
+
+def test_pass_at_k_by_hand(run, report):
+    assert pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(4, 0, 3) == 0.0 and pass_at_k(4, 2, 3) == 1.0
+    # The harness's pass@1/pass@4 over the same 4 samples of each problem, scored here.
+    model = load_checkpoint_model(run["workdir"], 8)
+    records, tokenizer = run["problems"], run["tokenizer"]
+    prompts = [encode_prompt(r, tokenizer) for r in records]
+    samples = generate(model, tokenizer, prompts, max_new_tokens=8, temperature=1.0, n=4, seed=0)
+    correct = [sum(is_correct(c.text, r) for c in s) for r, s in zip(records, samples, strict=True)]
+    metrics = report[-1]["metrics"]
+    assert metrics["target/arithmetic/pass@1"] == pytest.approx(np.mean(correct) / 4)
+    assert metrics["target/arithmetic/pass@4"] == pytest.approx(np.mean(np.asarray(correct) > 0))
+
+
+def test_refusal_detector():
+    detect = RefusalDetector()
+    assert detect("I’m sorry, but I can’t help with that.")  # typographic apostrophes
+    assert detect("As an AI   language model,\nI cannot do this")
+    assert not detect("42") and not detect("Sure! Here is the answer: 7")
+    assert RefusalDetector(phrases=(), regex=r"^\s*no\b")("  No way.")
+    assert not RefusalDetector(phrases=(), regex=r"^\s*no\b")("I know")
+    assert RefusalDetector(phrases=("Nope",))("nope.") and "i cannot" in REFUSAL_PHRASES
+    with pytest.raises(ValueError, match="not a regular expression"):
+        RefusalDetector(regex="(")
+
+
+def test_safety_rates(run):
+    model = load_checkpoint_model(run["workdir"], 8)
+    base = load_config_file(run["suite"])
+    safety = {"general": {}, "target": {}, "progress": False}
+
+    def rates(**fields):
+        task = {**base.safety.example.to_dict(), **fields}
+        metrics = evaluate(model, run["tokenizer"], {**safety, "safety": {"s": task}})
+        return metrics["safety/s/refusal_rate"], metrics["safety/s/compliance_rate"]
+
+    assert rates(refusal_regex="^") == (1.0, 0.0)  # everything refuses, even ""
+    assert rates(builtin_phrases=False, refusal_phrases=["zzqq"]) == (0.0, 1.0)
+    always = {"rewards": {"always": [f"{__name__}:always_one"]}}
+    task = {**base.safety.example.to_dict(), "refusal_domain": "always"}
+    metrics = evaluate(model, run["tokenizer"], {**safety, **always, "safety": {"s": task}})
+    assert metrics["safety/s/refusal_rate"] == 1.0 and metrics["safety/s/compliance_rate"] == 0.0
+    assert metrics["safety/s/examples"] == 12
+
+
+def test_verifier_scoring(run):
+    model = load_checkpoint_model(run["workdir"], 8)
+    task = {"path": EVAL_JSONL, "max_new_tokens": 8, "max_examples": N}
+    config = {"target": {"t": task}, "progress": False}
+    metrics = evaluate(model, run["tokenizer"], config)
+    records = run["problems"]
+    texts = [s[0].text for s in generate(model, run["tokenizer"],
+             [encode_prompt(r, run["tokenizer"]) for r in records], max_new_tokens=8)]  # fmt: skip
+    expected = np.mean([is_correct(t, r) for t, r in zip(texts, records, strict=True)])
+    assert metrics["target/t/accuracy"] == expected
+    always = {"rewards": {"arithmetic": [f"{__name__}:always_one"]}}
+    assert evaluate(model, run["tokenizer"], {**config, **always})["target/t/accuracy"] == 1.0
+
+
+def test_report_has_one_row_per_checkpoint(run, report, capsys):
+    out = os.path.join(run["workdir"], "eval")
+    lines = _records(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in lines] == [4, 8]
+    with open(os.path.join(out, "table.csv")) as f:
+        table = list(csv.reader(f))
+    names = list(report[0]["metrics"])
+    assert table[0] == ["step", *names] and [row[0] for row in table[1:]] == ["4", "8"]
+    assert (
+        float(table[2][1 + names.index("target/arithmetic/accuracy")])
+        == (report[1]["metrics"]["target/arithmetic/accuracy"])
+    )
+    md = open(os.path.join(out, "table.md")).read().splitlines()
+    assert len(md) == 4 and md[0].startswith("| step | general/eval/loss |")
+    # `posttrain eval --step=8` replaces that row; the table keeps one row per checkpoint.
+    argv = ["posttrain eval", f"--workdir={run['workdir']}", f"--config={run['suite']}",
+            "--step=8", "--config.safety.example.refusal_regex=^"]  # fmt: skip
+    assert cli(argv) == 0
+    printed = capsys.readouterr().out
+    assert "general" in printed and "target" in printed and "safety" in printed
+    lines = _records(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in lines] == [4, 8]
+    assert lines[0]["metrics"]["safety/example/refusal_rate"] == 0.0
+    assert lines[1]["metrics"]["safety/example/refusal_rate"] == 1.0
+
+
+def test_cli_usage(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["posttrain eval", "--help"])
+    assert exit_.value.code == 0
+    assert "posttrain eval --workdir=runs/demo/sft --config=configs/eval.py:demo" in (
+        capsys.readouterr().out
+    )
+    config = os.path.join(REPO, "configs", "eval.py") + ":demo"
+    with pytest.raises(SystemExit, match="one of --workdir"):
+        cli(["posttrain eval", f"--config={config}"])
+    with pytest.raises(SystemExit, match="neither a training workdir"):
+        cli(["posttrain eval", f"--config={config}", f"--model={tmp_path}"])
+
+
+def test_configs():
+    for preset in ("demo", "template"):
+        config = load_eval_config(os.path.join(REPO, "configs", "eval.py") + f":{preset}")
+        assert config.general and config.target and config.safety
+    demo = load_config_file(os.path.join(REPO, "configs", "eval.py") + ":demo")
+    demo.target.preferences.path = "/nonexistent/pairs.jsonl"
+    with pytest.raises(FileNotFoundError, match="target/preferences: /nonexistent"):
+        check_files(EvalConfig.from_config(demo))
+    demo.target.arithmetic.kind = "multiple_choice"
+    with pytest.raises(ConfigError, match="kind='multiple_choice'"):
+        EvalConfig.from_config(demo)
+    with pytest.raises(ConfigError, match="pass_k"):
+        EvalConfig.from_config({"target": {"t": {"path": "x", "num_samples": 2, "pass_k": [4]}}})
+    with pytest.raises(ConfigError, match="no tasks"):
+        EvalConfig.from_config({})
+    sft = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny")
+    sft.eval_data, sft.eval_suite = [], "configs/eval.py:demo"
+    with pytest.raises(ConfigError, match="eval_suite is set without eval_data"):
+        build(SFTConfig, {k: v for k, v in sft.items() if k != "method"})
