@@ -61,6 +61,17 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # "configs/eval.py:<preset>" (docs/eval.md); "" for none.
     c.eval_suite = ""
 
+    # LoRA (docs/lora.md): train low-rank adapters on the frozen `model`; checkpoints hold
+    # only the adapters (plus a pointer to the base); `posttrain export` merges them.
+    c.lora = ml_collections.ConfigDict()
+    c.lora.enabled = False  # True: train adapters only; False: full fine-tune
+    c.lora.rank = 8  # r of A [in, r] and B [r, out]
+    c.lora.alpha = 16.0  # the update is scaled by alpha / rank
+    c.lora.dropout = 0.0  # only 0: adapters are merged into each layer's weights
+    # Regexes searched in layer weight paths such as "layers/attn/q", "layers/mlp/down",
+    # "layers/moe/experts/up", "layers/attn/kv_b"; default: attention and dense MLP projections.
+    c.lora.targets = ["attn/(q|k|v|o|q_a|q_b|kv_a|kv_b)$", "mlp/(gate|up|down)$"]
+
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-5  # peak learning rate
     c.optimizer.warmup_steps = 100  # linear warmup

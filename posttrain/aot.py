@@ -15,7 +15,6 @@ per-device total stays under 95% of the chip's HBM (the rest is left to the runt
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import re
@@ -204,11 +203,23 @@ def _abstract_batch(method: str, c, model_config, mesh):
     return batch, tokens, length
 
 
-def _loss(method: str, c, model_config):
+def _frozen_inputs(method: str, c, model_config, mesh) -> tuple:
+    """Abstract traced inputs of the loss beside the state: a LoRA run's frozen base."""
+    if method != "sft" or c.lora is None:
+        return ()
+    from posttrain.models import param_shapes, param_shardings
+    from posttrain.train._run import with_shardings
+
+    return (with_shardings(param_shapes(model_config), param_shardings(model_config, mesh)),)
+
+
+def _loss(method: str, c, model_config, *inputs):
     """The method's loss_fn as its driver builds it (DPO: precomputed reference)."""
     if method == "sft":
         from posttrain.train._sft import sft_loss
 
+        if c.lora is not None:
+            return sft_loss(model_config, c.z_loss, lora=c.lora, base_params=inputs[0])
         return sft_loss(model_config, c.z_loss)
     if method == "dpo":
         from posttrain.train._dpo import dpo_loss
@@ -245,6 +256,11 @@ def _trainable_shapes(method: str, c, model_config, mesh):
 
     shapes, shardings = param_shapes(model_config), param_shardings(model_config, mesh)
     mask = decay_mask(model_config)
+    if method == "sft" and c.lora is not None:  # the adapters; the base is a step argument
+        from posttrain.train._lora import lora_trainable
+
+        t = lora_trainable(c.lora, model_config, mesh, 0)
+        return t.shapes, t.shardings, t.decay_mask
     head = named_head_sharding(mesh, model_config)
     if method == "rm":
         value = reward_shapes(model_config, 1)
@@ -402,21 +418,25 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
         optimizer, abstract = optimizer_and_abstract_state(c, trainable, updates)
         state_sh = state_shardings(optimizer, abstract, shardings, mesh)
         batch, tokens, length = _abstract_batch(method, c, model_config, mesh)
+        # LoRA: the frozen base is an argument of the step beside the adapters' state.
+        inputs = _frozen_inputs(method, c, model_config, mesh)
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
-        step = jax.jit(
-            functools.partial(
-                train_step,
-                loss_fn=_loss(method, c, model_config),
+
+        def run_step(state, inputs, batch):
+            return train_step(
+                state,
+                batch,
+                loss_fn=_loss(method, c, model_config, *inputs),
                 optimizer=optimizer,
                 micro_batches=c.train.micro_batches,
-            ),
-            out_shardings=(state_sh, None),
-            donate_argnums=0,
-        )
+            )
+
+        step = jax.jit(run_step, out_shardings=(state_sh, None), donate_argnums=0)
         start = time.perf_counter()
-        lowered = step.lower(with_shardings(abstract, state_sh), batch)
+        lowered = step.lower(with_shardings(abstract, state_sh), inputs, batch)
         kernels = lowered.as_text().count("tpu_custom_call")  # Pallas kernels (splash)
         state_bytes = _bytes_per_device(abstract, state_sh)
+        state_bytes += _bytes_per_device(inputs, jax.tree.map(lambda x: x.sharding, inputs))
         batch_bytes = _bytes_per_device(batch, jax.tree.map(lambda x: x.sharding, batch))
         chip, compiled_ok = CHIPS[generation], True
         try:
@@ -445,7 +465,7 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
             cost = {}
         seconds = time.perf_counter() - start
         program = matmul_flops(
-            jax.make_jaxpr(step)(with_shardings(abstract, state_sh), batch).jaxpr
+            jax.make_jaxpr(step)(with_shardings(abstract, state_sh), inputs, batch).jaxpr
         )
         resident = _resident(method, c, model_config, mesh, shardings)
         with axis_rules(c.mesh.axis_rules):
@@ -454,6 +474,8 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
     attention = model_flops - model_config.flops_per_token(0) * tokens
     # A fused attention kernel's FLOPs are not matmuls in the program: add the formula's.
     program_flops = program + (attention if kernels else 0.0)
+    if method == "sft" and c.lora is not None:
+        method = f"sft (LoRA r={c.lora.rank}, frozen base in the arguments)"
     return CompileReport(
         topology=topology if num_slices == 1 else f"{num_slices} x {topology}",
         chips=len(devices),

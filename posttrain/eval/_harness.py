@@ -111,7 +111,6 @@ def evaluate_checkpoints(
     from posttrain.train import load_checkpoint_model
 
     config = load_eval_config(config)
-    check_files(config)
     steps = [steps] if isinstance(steps, int) else None if steps is None else list(steps)
     if os.path.isdir(os.path.join(path, "checkpoints")):
         available = checkpoint_steps(path)
@@ -132,6 +131,7 @@ def evaluate_checkpoints(
             f"{path!r} is neither a training workdir (checkpoints/) nor an HF model directory "
             "(config.json)"
         )
+    check_files(config)  # every missing data file named, before any model loads
     tokenizer = load_tokenizer(tokenizer)
     scorer = Scorer(config)
     rows = []

@@ -317,6 +317,16 @@ def _stacks(params: dict, config: ModelConfig) -> list[tuple[dict, slice]]:
     return stacks
 
 
+def _stack_names(config: ModelConfig) -> list[str]:
+    """The params keys of `_stacks`, in the same order."""
+    return ["dense_layers", "layers"] if config.first_k_dense else ["layers"]
+
+
+# `(one layer's params, that layer's slice of the extras) -> the params the layer runs with`:
+# how wrappers (LoRA adapters, a quantised base) change the weights one layer at a time.
+LayerTransform = Callable[[dict, object], dict]
+
+
 def moe_aux(aux_T: dict) -> dict:
     """The per-layer MoE outputs of a forward pass, reduced over layers: `loss` (to add to the
     objective), `aux_loss`, `z_loss`, `dropped_fraction` (layer means) and `expert_counts`
@@ -337,12 +347,19 @@ def hidden_states(
     cache: KVCache | None = None,
     *,
     return_aux: bool = False,
+    layer_transform: LayerTransform | None = None,
+    layer_extras: dict | None = None,
 ):
     """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read).
 
     With a `cache`, returns `(hidden, cache)`: the tokens' keys and values are written at
     `cache.index` and attention runs over the cache (see `KVCache`). Else, with `return_aux`,
     returns `(hidden, aux)` with the MoE layers' losses and counts (see `moe_aux`).
+
+    `layer_transform(layer_params, extra)` rewrites each layer's params inside the scan body,
+    with `extra` that layer's slice of `layer_extras[stack]` (a pytree stacked like the layers,
+    one entry per stack name: "layers", "dense_layers"), so only one layer's transformed weights
+    exist at a time (LoRA merges its adapters there, QLoRA dequantises).
     """
     B, L = tokens_BL.shape
     if positions_BL is None:
@@ -378,11 +395,19 @@ def hidden_states(
         segment_ids_BL=segment_ids_BL,
         **cache_kwargs,
     )
+    if layer_transform is not None:
+        inner = layer
+
+        def layer(x, p, extra, *rest):
+            return inner(x, layer_transform(p, extra), *rest)
+
     if config.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
     caches, aux_T = [], {}
-    for stack, layers in _stacks(params, config):
+    for (stack, layers), name in zip(_stacks(params, config), _stack_names(config), strict=True):
         xs = (stack, window_index_T[layers])
+        if layer_transform is not None:
+            xs = (stack, (layer_extras or {}).get(name), window_index_T[layers])
         if cache is not None:
             xs += (cache.k_TBSKH[layers], cache.v_TBSKH[layers])
         x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
@@ -419,6 +444,8 @@ def forward(
     cache: KVCache | None = None,
     *,
     return_aux: bool = False,
+    layer_transform: LayerTransform | None = None,
+    layer_extras: dict | None = None,
 ):
     """Logits `[B, L, V]` (float32) for int32 tokens `[B, L]`; `(logits, cache)` with a cache,
     `(logits, aux)` with `return_aux` (the MoE losses and counts, see `moe_aux`).
@@ -435,9 +462,19 @@ def forward(
       cache: a `KVCache` to write these tokens into and attend over (incremental decoding);
         the updated cache is returned with the logits.
       return_aux: also return the MoE auxiliary outputs (no cache).
+      layer_transform, layer_extras: rewrite each layer's params inside the scan (LoRA,
+        QLoRA); see `hidden_states`.
     """
     out = hidden_states(
-        params, tokens_BL, config, positions_BL, segment_ids_BL, cache, return_aux=return_aux
+        params,
+        tokens_BL,
+        config,
+        positions_BL,
+        segment_ids_BL,
+        cache,
+        return_aux=return_aux,
+        layer_transform=layer_transform,
+        layer_extras=layer_extras,
     )
     if cache is None and not return_aux:
         return lm_logits(params, out, config)

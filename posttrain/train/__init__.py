@@ -4,6 +4,7 @@ every method (SFT, DPO family, reward models)."""
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._dpo import DPOConfig, PreferenceLossConfig, dpo_loss, reference_logps, run_dpo
 from posttrain.train._loop import LoopConfig, TrainingDiverged, train_loop
+from posttrain.train._lora import export_peft, load_lora_params
 from posttrain.train._metrics import MetricsWriter, read_metrics
 from posttrain.train._optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from posttrain.train._rm import (
@@ -33,8 +34,10 @@ __all__ = [
     "TrainingDiverged",
     "create_state",
     "dpo_loss",
+    "export_peft",
     "learning_rate_schedule",
     "load_checkpoint_model",
+    "load_lora_params",
     "load_reward_model",
     "make_optimizer",
     "read_metrics",

@@ -150,8 +150,14 @@ def start_params(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int):
     if spec.hf_path:
         return from_hf(spec.hf_path, mesh=mesh, **spec.overrides()).params
     if spec.checkpoint:
-        abstract = with_shardings(param_shapes(model_config), param_shardings(model_config, mesh))
-        return restore_params(spec.checkpoint, abstract)
+        shardings = param_shardings(model_config, mesh)
+        if "lora" in checkpoint_json(spec.checkpoint):  # a LoRA run: its merged weights
+            from posttrain.train._lora import load_lora_params
+
+            return jax.device_put(load_lora_params(spec.checkpoint), shardings)
+        return restore_params(
+            spec.checkpoint, with_shardings(param_shapes(model_config), shardings)
+        )
     return init_params(model_config, jax.random.key(seed), mesh)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -11,11 +12,13 @@ import jax
 
 from posttrain.config import ConfigError, build
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
+from posttrain.lora import LoRAConfig, adapter_kwargs, merge
 from posttrain.losses import cross_entropy_sums
 from posttrain.models import ModelConfig, Transformer, forward, param_shapes
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
+from posttrain.train._lora import base_inputs, load_lora_params, lora_json, lora_trainable
 from posttrain.train._optimizer import OptimizerConfig
 from posttrain.train._run import (
     ModelSpec,
@@ -47,6 +50,9 @@ class SFTConfig:
     # An eval suite ("configs/eval.py:<preset>") run on the current params at every eval step,
     # logged with the eval split as suite/<category>/<task>/<metric>; "" for none.
     eval_suite: str = ""
+    # LoRA adapters on the frozen `model` (only they are trained and checkpointed); None: the
+    # full model is trained.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         if self.data is None:
@@ -58,11 +64,21 @@ class SFTConfig:
             )
 
 
-def sft_loss(model_config: ModelConfig, z_loss: float):
-    """`(params, batch, rng) -> sums` for the shared train step."""
+def sft_loss(
+    model_config: ModelConfig,
+    z_loss: float,
+    *,
+    lora: LoRAConfig | None = None,
+    base_params: dict | None = None,
+):
+    """`(params, batch, rng) -> sums` for the shared train step; with `lora`, `params` are the
+    adapters and `base_params` the frozen model they wrap."""
 
     def loss_fn(params, batch, rng):
         del rng
+        kwargs = {}
+        if lora is not None:
+            params, kwargs = base_params, adapter_kwargs(lora, params)
         logits, aux = forward(
             params,
             batch["tokens"],
@@ -70,6 +86,7 @@ def sft_loss(model_config: ModelConfig, z_loss: float):
             batch["positions"],
             batch["segment_ids"],
             return_aux=True,
+            **kwargs,
         )
         sums = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
         return add_moe_aux(sums, aux)
@@ -81,20 +98,26 @@ class _Evaluator:
     """Token-weighted held-out loss over the eval sources (a fresh pass every time), and the
     eval suite's metrics (`SFTConfig.eval_suite`) on the current params."""
 
-    def __init__(self, config: SFTConfig, tokenizer, model_config, mesh, shardings):
+    def __init__(
+        self, config: SFTConfig, tokenizer, model_config, mesh, shardings, inputs=(), input_sh=()
+    ):
         self.tokenizer = tokenizer
         self.mesh = mesh
         self.model_config = model_config
         self.max_batches = config.train.eval_batches
+        self.lora, self.inputs = config.lora, inputs  # LoRA: inputs = (the frozen base,)
         self.data_config = None
         if config.eval_data:
             self.data_config = dataclasses.replace(
                 config.data, sources=config.eval_data, shuffle=False, num_epochs=1
             )
-            loss_fn = sft_loss(model_config, 0.0)
-            self._step = jax.jit(
-                lambda params, batch: loss_fn(params, batch, None), in_shardings=(shardings, None)
-            )
+
+            def step(params, inputs, batch):
+                base = dict(lora=self.lora, base_params=inputs[0]) if self.lora else {}
+                return sft_loss(model_config, 0.0, **base)(params, batch, None)
+
+            jitted = jax.jit(step, in_shardings=(shardings, tuple(input_sh), None))
+            self._step = lambda params, batch: jitted(params, tuple(self.inputs), batch)
             make_pipeline(self.data_config, tokenizer)  # fail at startup, not at the first eval
         self.suite = None
         if config.eval_suite:
@@ -123,7 +146,10 @@ class _Evaluator:
         if self.suite is not None:
             from posttrain.eval import evaluate
 
-            model = Transformer(state.params, self.model_config)
+            params = state.params
+            if self.lora is not None:
+                params = jax.jit(functools.partial(merge, lora=self.lora))(self.inputs[0], params)
+            model = Transformer(params, self.model_config)
             metrics = evaluate(model, self.tokenizer, self.suite)
             out.update({f"suite/{name}": value for name, value in metrics.items()})
         return out
@@ -139,10 +165,27 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
     manifest = data.manifest()
     with open(os.path.join(workdir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
+    seed, lora = config.train.seed, config.lora
+    extras = {
+        "config": to_json(config),
+        "model_config": to_json(model_config),
+        "manifest": manifest,
+    }
+    inputs, input_sh = (), ()
+    loss = lambda: sft_loss(model_config, config.z_loss)  # noqa: E731
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        trainable = model_trainable(config.model, model_config, mesh, config.train.seed)
+        if lora is None:
+            trainable = model_trainable(config.model, model_config, mesh, seed)
+        else:
+            trainable = lora_trainable(lora, model_config, mesh, seed)
+            inputs, input_sh = base_inputs(config.model, model_config, mesh, seed)
+            extras["lora"] = lora_json(lora, config.model, seed)
+
+            def loss(base):
+                return sft_loss(model_config, config.z_loss, lora=lora, base_params=base)
+
         evaluate = (
-            _Evaluator(config, tokenizer, model_config, mesh, trainable.shardings)
+            _Evaluator(config, tokenizer, model_config, mesh, trainable.shardings, inputs, input_sh)
             if config.eval_data or config.eval_suite
             else None
         )
@@ -152,24 +195,27 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
         mesh=mesh,
         trainable=trainable,
         data=data,
-        loss=lambda: sft_loss(model_config, config.z_loss),
+        loss=loss,
+        loss_inputs=inputs,
+        loss_input_shardings=input_sh,
         evaluate=evaluate,
-        extras={
-            "config": to_json(config),
-            "model_config": to_json(model_config),
-            "manifest": manifest,
-        },
+        extras=extras,
         flops_per_token=model_config.flops_per_token(config.data.max_len),
         on_metrics=on_metrics,
     )
     summary["model_config"] = model_config
+    if lora is not None:
+        summary["base_params"] = inputs[0]
     return summary
 
 
 def load_checkpoint_model(workdir: str, step: int | None = None) -> Transformer:
-    """The model (params + config) of a run's checkpoint (SFT, DPO...), on the default device."""
+    """The model (params + config) of a run's checkpoint (SFT, DPO...), on the default device;
+    a LoRA run's adapters come back merged into its base."""
     saved = checkpoint_json(workdir, step)
     model_config = build(ModelConfig, saved["model_config"])
+    if "lora" in saved:
+        return Transformer(load_lora_params(workdir, saved["step"]), model_config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = param_shapes(model_config)
     abstract = with_shardings(shapes, jax.tree.map(lambda _: device, shapes))

@@ -1,0 +1,191 @@
+"""Adapter params derived from the model's param table, and merging them into the base.
+
+A targeted weight `W [*lead, *in, *out]` (lead: the stacked `layers`, and `experts` for MoE
+experts; in/out: `dense`'s contraction layout, e.g. q `[T, D, N, H]` has in (D,), out (N, H)
+and o `[T, N, H, D]` has in (N, H), out (D,)) gets `a [*lead, *in, r]` and `b [*lead, r, *out]`
+with the base's logical axes (r replicated), so adapters shard like the weights they adapt.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.config import ConfigError
+from posttrain.lora._config import LoRAConfig
+from posttrain.models import ModelConfig, ParamSpec, param_specs
+from posttrain.parallel import tree_shardings
+
+STACKS = ("layers", "dense_layers")  # the scanned layer stacks (embed and lm_head: no adapters)
+_LEAD_AXES = ("layers", "experts")
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def _in_dims(path: tuple[str, ...]) -> int:
+    """Contracted dims of a layer weight: two for the projection out of heads, else one."""
+    return 2 if path[-2:] == ("attn", "o") else 1
+
+
+def target_paths(model_config: ModelConfig, lora: LoRAConfig) -> list[tuple[str, ...]]:
+    """Paths (e.g. ("layers", "attn", "q")) of every weight the config's targets match."""
+    specs = param_specs(model_config)
+    found = []
+    for stack in STACKS:
+        if stack not in specs:
+            continue
+        flat = jax.tree_util.tree_flatten_with_path(specs[stack], is_leaf=_is_spec)[0]
+        for keys, spec in flat:
+            path = (stack, *(k.key for k in keys))
+            if spec.init != "normal" or path[-1] == "router":
+                continue  # norms, biases, routing bias and router are not adapted
+            name = "/".join(path)
+            if any(re.search(p, name) for p in lora.targets):
+                found.append(path)
+    if not found:
+        raise ConfigError(
+            f"lora.targets={list(lora.targets)} match no layer weight of {model_config.name}; "
+            "paths look like 'layers/attn/q', 'layers/mlp/down', 'layers/moe/experts/up'"
+        )
+    return found
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def adapter_specs(model_config: ModelConfig, lora: LoRAConfig) -> dict:
+    """`{stack: {...: {"a": ParamSpec, "b": ParamSpec}}}` for every target."""
+    specs = param_specs(model_config)
+    out: dict = {}
+    for path in target_paths(model_config, lora):
+        spec = _get(specs, path)
+        lead = sum(1 for a in spec.axes if a in _LEAD_AXES)
+        n_in = _in_dims(path)
+        shape, axes = spec.shape, spec.axes
+        a = ParamSpec((*shape[: lead + n_in], lora.rank), (*axes[: lead + n_in], None), "lora_a")
+        b = ParamSpec(
+            (*shape[:lead], lora.rank, *shape[lead + n_in :]),
+            (*axes[:lead], None, *axes[lead + n_in :]),
+            "zeros",
+        )
+        _set(out, path, {"a": a, "b": b})
+    return out
+
+
+def adapter_axes(model_config: ModelConfig, lora: LoRAConfig) -> dict:
+    return jax.tree.map(lambda s: s.axes, adapter_specs(model_config, lora), is_leaf=_is_spec)
+
+
+def adapter_shapes(model_config: ModelConfig, lora: LoRAConfig) -> dict:
+    """`jax.ShapeDtypeStruct`s of the adapters (float32: they are what the optimizer trains)."""
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32),
+        adapter_specs(model_config, lora),
+        is_leaf=_is_spec,
+    )
+
+
+def adapter_shardings(model_config: ModelConfig, lora: LoRAConfig, mesh) -> dict:
+    """NamedShardings of the adapters under the active logical-axis rules."""
+    return tree_shardings(
+        adapter_axes(model_config, lora), adapter_shapes(model_config, lora), mesh
+    )
+
+
+def init_adapters(model_config: ModelConfig, lora: LoRAConfig, rng: jax.Array, mesh=None):
+    """Fresh adapters: `a` uniform in +-1/sqrt(fan_in) (PEFT's kaiming-uniform), `b` zeros.
+
+    With a mesh, each device creates only its shards.
+    """
+    specs = adapter_specs(model_config, lora)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+
+    def init(rng):
+        keys = jax.random.split(rng, len(leaves))
+        out = []
+        for key, spec in zip(keys, leaves, strict=True):
+            if spec.init == "zeros":
+                out.append(jnp.zeros(spec.shape, jnp.float32))
+                continue
+            lead = sum(1 for a in spec.axes if a in _LEAD_AXES)
+            bound = 1.0 / math.sqrt(math.prod(spec.shape[lead:-1]))
+            out.append(jax.random.uniform(key, spec.shape, jnp.float32, -bound, bound))
+        return jax.tree.unflatten(treedef, out)
+
+    shardings = None if mesh is None else adapter_shardings(model_config, lora, mesh)
+    return jax.jit(init, out_shardings=shardings)(rng)
+
+
+def _is_adapter(x) -> bool:
+    return isinstance(x, dict) and set(x) == {"a", "b"}
+
+
+def delta(a: jax.Array, b: jax.Array, lead: int) -> jax.Array:
+    """`a [*lead, *in, r] @ b [*lead, r, *out]` -> `[*lead, *in, *out]` in float32."""
+    r = a.shape[-1]
+    in_shape, out_shape = a.shape[lead:-1], b.shape[lead + 1 :]
+    a2 = a.reshape(*a.shape[:lead], math.prod(in_shape), r).astype(jnp.float32)
+    b2 = b.reshape(*b.shape[:lead], r, math.prod(out_shape)).astype(jnp.float32)
+    return jnp.matmul(a2, b2).reshape(*a.shape[:lead], *in_shape, *out_shape)
+
+
+def merge_weight(w: jax.Array, adapter: dict, scale: float) -> jax.Array:
+    """`w + scale * a @ b`, added in float32 and stored back in `w`'s dtype (a zero `b` gives
+    `w` bit for bit). Works on a stacked weight and on one layer's slice alike."""
+    a, b = adapter["a"], adapter["b"]
+    lead = a.ndim + b.ndim - 2 - w.ndim
+    return (w.astype(jnp.float32) + scale * delta(a, b, lead)).astype(w.dtype)
+
+
+def _merge_tree(params: dict, adapters, scale: float) -> dict:
+    out = dict(params)
+    for key, value in adapters.items():
+        if _is_adapter(value):
+            out[key] = merge_weight(params[key], value, scale)
+        else:
+            out[key] = _merge_tree(params[key], value, scale)
+    return out
+
+
+def lora_transform(lora: LoRAConfig, base_transform=None):
+    """The model's `layer_transform`: one layer's params with its adapters merged in.
+
+    `base_transform(layer_params) -> layer_params` first restores a stored base (QLoRA
+    dequantisation), targets or not.
+    """
+
+    def transform(layer_params: dict, extra) -> dict:
+        if base_transform is not None:
+            layer_params = base_transform(layer_params)
+        if extra is None:
+            return layer_params
+        return _merge_tree(layer_params, extra, lora.scale)
+
+    return transform
+
+
+def adapter_kwargs(lora: LoRAConfig, adapters: dict, base_transform=None) -> dict:
+    """`forward`/`hidden_states` keyword arguments that run the base with `adapters`."""
+    return dict(layer_transform=lora_transform(lora, base_transform), layer_extras=adapters)
+
+
+def merge(base_params: dict, adapters: dict, lora: LoRAConfig) -> dict:
+    """The base params with `W + (alpha / rank) * A @ B` for every adapted weight."""
+    out = dict(base_params)
+    for stack, tree in adapters.items():
+        out[stack] = _merge_tree(base_params[stack], tree, lora.scale)
+    return out

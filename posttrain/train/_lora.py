@@ -1,0 +1,98 @@
+"""LoRA runs: the adapters are the train state; the frozen base is a traced input of the loss.
+
+A LoRA checkpoint holds only the adapters (and their optimizer state); its JSON item `lora`
+points at the base (`ModelSpec` and the init seed), which `load_lora_params` rebuilds.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from posttrain.config import ConfigError, build
+from posttrain.lora import (
+    LoRAConfig,
+    adapter_shapes,
+    adapter_shardings,
+    init_adapters,
+    merge,
+    save_peft,
+)
+from posttrain.models import ModelConfig, from_hf, init_params, param_shapes, param_shardings
+from posttrain.train._run import (
+    ModelSpec,
+    Trainable,
+    checkpoint_json,
+    restore_params,
+    start_params,
+    to_json,
+    with_shardings,
+)
+
+
+def lora_trainable(lora: LoRAConfig, model_config: ModelConfig, mesh, seed: int) -> Trainable:
+    """Only the adapters: they alone get gradients and optimizer state (weight decay on both
+    factors)."""
+    shapes = adapter_shapes(model_config, lora)
+    return Trainable(
+        shapes=shapes,
+        shardings=adapter_shardings(model_config, lora, mesh),
+        decay_mask=jax.tree.map(lambda _: True, shapes),
+        # (seed + 1: the adapters' draws differ from a random-init base's)
+        init=lambda: init_adapters(model_config, lora, jax.random.key(seed + 1), mesh),
+    )
+
+
+def base_inputs(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int):
+    """`((base params,), (their shardings,))`: the frozen base as the loss's traced input."""
+    return (
+        (start_params(spec, model_config, mesh, seed),),
+        (param_shardings(model_config, mesh),),
+    )
+
+
+def lora_json(lora: LoRAConfig, spec: ModelSpec, seed: int) -> dict:
+    """The checkpoint item that makes a LoRA checkpoint loadable: adapters config + base."""
+    return {"config": to_json(lora), "base": to_json(spec), "seed": seed}
+
+
+def load_lora_params(workdir: str, step: int | None = None, *, merged: bool = True):
+    """A LoRA run's (base params, adapters, LoRAConfig), or the merged params when `merged`,
+    on the default device."""
+    saved = checkpoint_json(workdir, step)
+    item = saved["lora"]
+    lora = LoRAConfig.from_config(item["config"])
+    model_config = build(ModelConfig, saved["model_config"])
+    spec = build(ModelSpec, item["base"])
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on_device = lambda shapes: with_shardings(shapes, jax.tree.map(lambda _: device, shapes))
+    if spec.hf_path:
+        base = from_hf(spec.hf_path, **spec.overrides()).params
+    elif spec.checkpoint:
+        base = start_params_single(spec, model_config, on_device)
+    else:
+        base = init_params(model_config, jax.random.key(item["seed"]))
+    adapters = restore_params(workdir, on_device(adapter_shapes(model_config, lora)), saved["step"])
+    if merged:
+        return jax.jit(lambda b, a: merge(b, a, lora))(base, adapters)
+    return base, adapters, lora
+
+
+def start_params_single(spec: ModelSpec, model_config: ModelConfig, on_device):
+    """A base restored from another run's checkpoint (itself possibly a LoRA run)."""
+    if "lora" in checkpoint_json(spec.checkpoint):
+        return load_lora_params(spec.checkpoint)
+    return restore_params(spec.checkpoint, on_device(param_shapes(model_config)))
+
+
+def export_peft(workdir: str, out: str, step: int | None = None) -> None:
+    """Writes a LoRA run's adapters unmerged, in HF PEFT's layout (`posttrain.lora.save_peft`)."""
+    saved = checkpoint_json(workdir, step)
+    if "lora" not in saved:
+        raise ConfigError(
+            f"{workdir} is not a LoRA run (its checkpoint holds full weights); export it "
+            "without --nomerge-lora"
+        )
+    _, adapters, lora = load_lora_params(workdir, saved["step"], merged=False)
+    model_config = build(ModelConfig, saved["model_config"])
+    base = saved["lora"]["base"]
+    save_peft(model_config, adapters, lora, out, base_model=base["hf_path"] or base["checkpoint"])
