@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ import jax
 import numpy as np
 
 from posttrain.data._formats import ExampleEncoder
-from posttrain.data._sources import Records, SourceConfig
+from posttrain.data._sources import Records, SourceConfig, canonical_identity
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
 
 _log = logging.getLogger(__name__)
@@ -35,17 +34,6 @@ _COUNTERS = ("read", "used", "skipped", "truncated", "dropped", "no_loss")
 _LOGGED_SKIPS = 10
 # Fields that do not change which batches come out (kept out of the state's identity check).
 _RUNTIME_FIELDS = ("read_threads", "read_buffer")
-
-
-def canonical_identity(identity: dict) -> dict:
-    """A pipeline identity as plain JSON values, local source paths made absolute and normal
-    (a config file read by the CLI names `configs/../data.jsonl`, by Python `/abs/data.jsonl`)."""
-    identity = json.loads(json.dumps(identity))
-    for source in identity.get("config", {}).get("sources", []):
-        path = source.get("path", "")
-        if isinstance(path, str) and "://" not in path:
-            source["path"] = os.path.abspath(path)
-    return identity
 
 
 @dataclasses.dataclass(frozen=True)

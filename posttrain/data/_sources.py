@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import glob
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
@@ -231,3 +232,14 @@ class Records:
     def describe(self) -> list[dict[str, Any]]:
         """Per file: path, sha256 of its bytes and number of records (hashes are computed here)."""
         return [{"path": str(f.path), "sha256": f.sha256, "records": len(f)} for f in self.files]
+
+
+def canonical_identity(identity: dict) -> dict:
+    """A pipeline identity as plain JSON values, local source paths made absolute and normal
+    (a config file read by the CLI names `configs/../data.jsonl`, by Python `/abs/data.jsonl`)."""
+    identity = json.loads(json.dumps(identity))
+    for source in identity.get("config", {}).get("sources", []):
+        path = source.get("path", "")
+        if isinstance(path, str) and "://" not in path:
+            source["path"] = os.path.abspath(path)
+    return identity

@@ -359,3 +359,14 @@ def moe_forward(
         y_MD = y_MD + _swiglu(x_MD, s["gate"].astype(dt), s["up"].astype(dt), s["down"].astype(dt))
     aux["dropped_fraction"] = dropped
     return y_MD.reshape(B, L, D), aux
+
+
+def moe_aux(aux_T: dict) -> dict:
+    """The per-layer MoE outputs of a forward pass, reduced over layers: `loss` (to add to the
+    objective), `aux_loss`, `z_loss`, `dropped_fraction` (layer means) and `expert_counts`
+    `[T, E]` (real tokens routed to each expert of each MoE layer). Empty for dense models."""
+    if not aux_T:
+        return {}
+    out = {k: jnp.mean(aux_T[k]) for k in ("loss", "aux_loss", "z_loss", "dropped_fraction")}
+    out["expert_counts"] = aux_T["expert_counts"]
+    return out

@@ -18,7 +18,7 @@ import numpy as np
 from posttrain.models._attention import attention, resolve_impl
 from posttrain.models._config import ModelConfig
 from posttrain.models._mla import mla_attention, mla_param_specs
-from posttrain.models._moe import moe_forward, moe_param_specs
+from posttrain.models._moe import moe_aux, moe_forward, moe_param_specs
 from posttrain.models._ops import ParamSpec, dense, rms_norm
 from posttrain.models._rope import apply_rope, rope_angles
 from posttrain.parallel import constrain, tree_shardings
@@ -325,17 +325,6 @@ def _stack_names(config: ModelConfig) -> list[str]:
 # `(one layer's params, that layer's slice of the extras) -> the params the layer runs with`:
 # how wrappers (LoRA adapters, a quantised base) change the weights one layer at a time.
 LayerTransform = Callable[[dict, object], dict]
-
-
-def moe_aux(aux_T: dict) -> dict:
-    """The per-layer MoE outputs of a forward pass, reduced over layers: `loss` (to add to the
-    objective), `aux_loss`, `z_loss`, `dropped_fraction` (layer means) and `expert_counts`
-    `[T, E]` (real tokens routed to each expert of each MoE layer). Empty for dense models."""
-    if not aux_T:
-        return {}
-    out = {k: jnp.mean(aux_T[k]) for k in ("loss", "aux_loss", "z_loss", "dropped_fraction")}
-    out["expert_counts"] = aux_T["expert_counts"]
-    return out
 
 
 def hidden_states(

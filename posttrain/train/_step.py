@@ -27,7 +27,7 @@ EXPERT_COUNTS = "moe/expert_counts"
 
 def add_moe_aux(sums: dict, aux: dict) -> dict:
     """A loss function's sums plus the MoE auxiliary loss and its metrics (see
-    `posttrain.models.moe_aux`); unchanged for a dense model (empty `aux`).
+    `posttrain.models._moe.moe_aux`); unchanged for a dense model (empty `aux`).
 
     The auxiliary loss is a mean over the micro-batch's tokens, so it enters `loss_sum` times
     the micro-batch's normaliser and averages like the loss. The expert counts `[T, E]` become
