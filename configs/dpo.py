@@ -29,7 +29,6 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.method = "dpo"
     del c["z_loss"]
     del c["eval_suite"]  # the SFT driver's periodic eval suite
-    del c["lora"]  # LoRA is SFT-only so far (issue #11)
     c.data.packing = False  # one pair (chosen + rejected rows) per batch row
     c.data.on_error = "skip"  # chosen == rejected, empty responses, missing fields: counted
 

@@ -55,7 +55,6 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.method = "grpo"
     del c["z_loss"]
     del c["eval_suite"]  # the SFT driver's periodic eval suite
-    del c["lora"]  # LoRA is SFT-only so far (issue #11)
     c.data.packing = False
     c.data.on_error = "skip"
 

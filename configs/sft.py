@@ -62,7 +62,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.eval_suite = ""
 
     # LoRA (docs/lora.md): train low-rank adapters on the frozen `model`; checkpoints hold
-    # only the adapters (plus a pointer to the base); `posttrain export` merges them.
+    # only the adapters (plus a pointer to the base); `posttrain export` merges them. Every
+    # method takes it: SFT, DPO (reference: the base), reward models, GRPO/PPO (the policy).
     c.lora = ml_collections.ConfigDict()
     c.lora.enabled = False  # True: train adapters only; False: full fine-tune
     c.lora.rank = 8  # r of A [in, r] and B [r, out]
@@ -71,6 +72,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # Regexes searched in layer weight paths such as "layers/attn/q", "layers/mlp/down",
     # "layers/moe/experts/up", "layers/attn/kv_b"; default: attention and dense MLP projections.
     c.lora.targets = ["attn/(q|k|v|o|q_a|q_b|kv_a|kv_b)$", "mlp/(gate|up|down)$"]
+    # QLoRA: store the frozen base's layer matrices as "int8" (per-output-channel absmax) or
+    # "nf4" (4-bit NormalFloat, absmax per block), dequantised layer by layer; "": as they are.
+    c.lora.quantize = ""
+    c.lora.quant_block = 0  # absmax block along the input dim; 0: int8 whole dim, nf4 64
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-5  # peak learning rate

@@ -14,12 +14,31 @@ from posttrain.lora._adapters import (
     merge,
     merge_weight,
     target_paths,
+    wrap,
 )
 from posttrain.lora._config import DEFAULT_TARGETS, LoRAConfig
 from posttrain.lora._peft import save_peft
+from posttrain.lora._quant import (
+    QUANT_FORMATS,
+    QuantizedWeight,
+    dequantize,
+    dequantize_tree,
+    param_bytes,
+    quantize_params,
+    quantized_shapes,
+    quantized_shardings,
+)
 
 __all__ = [
     "DEFAULT_TARGETS",
+    "QUANT_FORMATS",
+    "QuantizedWeight",
+    "dequantize",
+    "dequantize_tree",
+    "param_bytes",
+    "quantize_params",
+    "quantized_shapes",
+    "quantized_shardings",
     "LoRAConfig",
     "adapter_kwargs",
     "adapter_shapes",
@@ -31,4 +50,5 @@ __all__ = [
     "merge_weight",
     "save_peft",
     "target_paths",
+    "wrap",
 ]

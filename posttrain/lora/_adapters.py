@@ -16,37 +16,19 @@ import jax.numpy as jnp
 
 from posttrain.config import ConfigError
 from posttrain.lora._config import LoRAConfig
+from posttrain.lora._quant import LEAD_AXES, dequantize_tree, in_dims, is_spec, layer_matrices
 from posttrain.models import ModelConfig, ParamSpec, param_specs
 from posttrain.parallel import tree_shardings
 
-STACKS = ("layers", "dense_layers")  # the scanned layer stacks (embed and lm_head: no adapters)
-_LEAD_AXES = ("layers", "experts")
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, ParamSpec)
-
-
-def _in_dims(path: tuple[str, ...]) -> int:
-    """Contracted dims of a layer weight: two for the projection out of heads, else one."""
-    return 2 if path[-2:] == ("attn", "o") else 1
-
 
 def target_paths(model_config: ModelConfig, lora: LoRAConfig) -> list[tuple[str, ...]]:
-    """Paths (e.g. ("layers", "attn", "q")) of every weight the config's targets match."""
-    specs = param_specs(model_config)
-    found = []
-    for stack in STACKS:
-        if stack not in specs:
-            continue
-        flat = jax.tree_util.tree_flatten_with_path(specs[stack], is_leaf=_is_spec)[0]
-        for keys, spec in flat:
-            path = (stack, *(k.key for k in keys))
-            if spec.init != "normal" or path[-1] == "router":
-                continue  # norms, biases, routing bias and router are not adapted
-            name = "/".join(path)
-            if any(re.search(p, name) for p in lora.targets):
-                found.append(path)
+    """Paths (e.g. ("layers", "attn", "q")) of every weight the config's targets match (layer
+    matrices only: norms, biases, routers, embed and lm_head are never adapted)."""
+    found = [
+        path
+        for path, _ in layer_matrices(model_config)
+        if any(re.search(p, "/".join(path)) for p in lora.targets)
+    ]
     if not found:
         raise ConfigError(
             f"lora.targets={list(lora.targets)} match no layer weight of {model_config.name}; "
@@ -73,8 +55,8 @@ def adapter_specs(model_config: ModelConfig, lora: LoRAConfig) -> dict:
     out: dict = {}
     for path in target_paths(model_config, lora):
         spec = _get(specs, path)
-        lead = sum(1 for a in spec.axes if a in _LEAD_AXES)
-        n_in = _in_dims(path)
+        lead = sum(1 for a in spec.axes if a in LEAD_AXES)
+        n_in = in_dims(path)
         shape, axes = spec.shape, spec.axes
         a = ParamSpec((*shape[: lead + n_in], lora.rank), (*axes[: lead + n_in], None), "lora_a")
         b = ParamSpec(
@@ -87,7 +69,7 @@ def adapter_specs(model_config: ModelConfig, lora: LoRAConfig) -> dict:
 
 
 def adapter_axes(model_config: ModelConfig, lora: LoRAConfig) -> dict:
-    return jax.tree.map(lambda s: s.axes, adapter_specs(model_config, lora), is_leaf=_is_spec)
+    return jax.tree.map(lambda s: s.axes, adapter_specs(model_config, lora), is_leaf=is_spec)
 
 
 def adapter_shapes(model_config: ModelConfig, lora: LoRAConfig) -> dict:
@@ -95,7 +77,7 @@ def adapter_shapes(model_config: ModelConfig, lora: LoRAConfig) -> dict:
     return jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32),
         adapter_specs(model_config, lora),
-        is_leaf=_is_spec,
+        is_leaf=is_spec,
     )
 
 
@@ -112,7 +94,7 @@ def init_adapters(model_config: ModelConfig, lora: LoRAConfig, rng: jax.Array, m
     With a mesh, each device creates only its shards.
     """
     specs = adapter_specs(model_config, lora)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
 
     def init(rng):
         keys = jax.random.split(rng, len(leaves))
@@ -121,7 +103,7 @@ def init_adapters(model_config: ModelConfig, lora: LoRAConfig, rng: jax.Array, m
             if spec.init == "zeros":
                 out.append(jnp.zeros(spec.shape, jnp.float32))
                 continue
-            lead = sum(1 for a in spec.axes if a in _LEAD_AXES)
+            lead = sum(1 for a in spec.axes if a in LEAD_AXES)
             bound = 1.0 / math.sqrt(math.prod(spec.shape[lead:-1]))
             out.append(jax.random.uniform(key, spec.shape, jnp.float32, -bound, bound))
         return jax.tree.unflatten(treedef, out)
@@ -161,16 +143,12 @@ def _merge_tree(params: dict, adapters, scale: float) -> dict:
     return out
 
 
-def lora_transform(lora: LoRAConfig, base_transform=None):
-    """The model's `layer_transform`: one layer's params with its adapters merged in.
-
-    `base_transform(layer_params) -> layer_params` first restores a stored base (QLoRA
-    dequantisation), targets or not.
-    """
+def lora_transform(lora: LoRAConfig):
+    """The model's `layer_transform`: one layer's params, its quantised weights (QLoRA)
+    dequantised, with its adapters (`extra`; None: none) merged in."""
 
     def transform(layer_params: dict, extra) -> dict:
-        if base_transform is not None:
-            layer_params = base_transform(layer_params)
+        layer_params = dequantize_tree(layer_params)
         if extra is None:
             return layer_params
         return _merge_tree(layer_params, extra, lora.scale)
@@ -178,13 +156,24 @@ def lora_transform(lora: LoRAConfig, base_transform=None):
     return transform
 
 
-def adapter_kwargs(lora: LoRAConfig, adapters: dict, base_transform=None) -> dict:
-    """`forward`/`hidden_states` keyword arguments that run the base with `adapters`."""
-    return dict(layer_transform=lora_transform(lora, base_transform), layer_extras=adapters)
+def adapter_kwargs(lora: LoRAConfig, adapters: dict | None) -> dict:
+    """`forward`/`hidden_states` keyword arguments that run the (possibly quantised) base with
+    `adapters`, or with none (the base model itself: DPO's and RL's reference)."""
+    return dict(layer_transform=lora_transform(lora), layer_extras=adapters)
+
+
+def wrap(lora: LoRAConfig | None, base: dict | None, trained, *, adapters: bool = True):
+    """`(params, forward kwargs)` of the model a loss runs: `trained` itself without LoRA;
+    with it, the frozen `base` with the adapters `trained` (or with none: `adapters=False`)."""
+    if lora is None:
+        return trained, {}
+    return base, adapter_kwargs(lora, trained if adapters else None)
 
 
 def merge(base_params: dict, adapters: dict, lora: LoRAConfig) -> dict:
-    """The base params with `W + (alpha / rank) * A @ B` for every adapted weight."""
+    """The base params (dequantised if stored quantised) with `W + (alpha / rank) * A @ B` for
+    every adapted weight: plain params, for export, sampling and evaluation."""
+    base_params = dequantize_tree(base_params)
     out = dict(base_params)
     for stack, tree in adapters.items():
         out[stack] = _merge_tree(base_params[stack], tree, lora.scale)

@@ -28,8 +28,17 @@ class LoRAConfig:
     # Regexes searched in each layer weight's path ("layers/attn/q", "layers/moe/experts/up",
     # "dense_layers/mlp/down"); norms, biases and routers are never targets.
     targets: tuple[str, ...] = DEFAULT_TARGETS
+    # QLoRA: store the frozen base's layer matrices quantised ("int8": per-output-channel
+    # absmax; "nf4": 4-bit NormalFloat in blocks of `quant_block`), dequantised one layer at a
+    # time in the forward pass; "" keeps the base in its param dtype.
+    quantize: str = ""
+    quant_block: int = 0  # elements per absmax block along the input dim; 0: the format's default
 
     def __post_init__(self):
+        if self.quantize not in ("", "int8", "nf4"):
+            raise ConfigError(f"lora.quantize={self.quantize!r}: use '', 'int8' or 'nf4'")
+        if self.quant_block < 0:
+            raise ConfigError(f"lora.quant_block={self.quant_block}: must be >= 0 (0: default)")
         if self.rank < 1:
             raise ConfigError(f"lora.rank={self.rank}: must be >= 1")
         if self.dropout != 0.0:

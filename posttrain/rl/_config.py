@@ -5,6 +5,7 @@ import dataclasses
 
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig
+from posttrain.lora import LoRAConfig
 from posttrain.losses import (
     ADVANTAGE_MODES,
 )
@@ -168,6 +169,9 @@ class RLConfig:
     train: LoopConfig = LoopConfig()  # steps = RL steps
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
+    # LoRA adapters on the frozen `model`, which is also the KL reference (adapters off); the
+    # sampler gets merged weights (docs/lora.md). None: the full policy is trained.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         if self.data is None:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from posttrain.config import ConfigError
 from posttrain.models import ModelConfig, hidden_states
-from posttrain.train._rm import reward_shapes, reward_trainable
+from posttrain.train._rm import reward_params, reward_shapes, reward_trainable
 from posttrain.train._run import ModelSpec, Trainable, checkpoint_json, restore_params
 from posttrain.train._run import with_shardings as _with_shardings
 
@@ -72,6 +72,12 @@ def value_trainable(
     column = heads.index(head)
 
     def from_reward_model():
+        if "lora" in saved:  # adapters merged into the trunk on one device, then sharded
+            params = reward_params(path, saved)
+            return jax.device_put(
+                {"trunk": params["trunk"], "head": params["head"][:, column : column + 1]},
+                trainable.shardings,
+            )
         shapes = reward_shapes(config, len(heads))
         shardings = {
             "trunk": trainable.shardings["trunk"],

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from posttrain.lora import LoRAConfig, wrap
 from posttrain.losses import (
     AGGREGATIONS,
     KL_KINDS,
@@ -63,10 +64,11 @@ class PolicyLossConfig:
             raise ConfigError(f"loss.dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
 
 
-def sequence_log_probs(params, model_config: ModelConfig, batch: dict) -> jax.Array:
-    """The log-prob `[B, L]` of every target token (old-policy and reference passes)."""
+def sequence_log_probs(params, model_config: ModelConfig, batch: dict, **kwargs) -> jax.Array:
+    """The log-prob `[B, L]` of every target token (old-policy and reference passes);
+    `kwargs`: LoRA's forward arguments (`posttrain.lora.wrap`)."""
     logits = forward(
-        params, batch["tokens"], model_config, batch["positions"], batch["segment_ids"]
+        params, batch["tokens"], model_config, batch["positions"], batch["segment_ids"], **kwargs
     )
     return token_log_probs(logits, batch["targets"])
 
@@ -89,13 +91,16 @@ def rl_loss(
     kl_in_loss: bool = True,
     domains: Sequence[str] = (),
     critic: CriticLoss | None = None,
+    lora: LoRAConfig | None = None,
+    base_params: dict | None = None,
 ):
     """`(params, batch, rng) -> sums` of the policy loss (plus KL, entropy and value terms).
 
     Without a critic, `params` is the policy's and `batch["advantages"]` is `[B]` (one per
     sequence, GRPO family). With one (PPO), `params` is `{"policy", "value"}`, the advantages
     are per token `[B, L]` (GAE) and the batch carries `returns` and `old_values`; the value loss
-    is aggregated like the policy loss (same normaliser), times `critic.coef`.
+    is aggregated like the policy loss (same normaliser), times `critic.coef`. With `lora`, the
+    policy's params are its adapters on the frozen `base_params`.
 
     Sums: `loss_sum` / `num_tokens` (the aggregation's numerator / normaliser), and token means
     as `X_sum` / `X_count`: `kl`, `entropy`, `clip_fraction`, `ratio`, `approx_kl_old`,
@@ -105,7 +110,7 @@ def rl_loss(
 
     def loss_fn(params, batch, rng):
         del rng
-        policy = params["policy"] if critic else params
+        policy, kwargs = wrap(lora, base_params, params["policy"] if critic else params)
         logits, aux = forward(
             policy,
             batch["tokens"],
@@ -113,6 +118,7 @@ def rl_loss(
             batch["positions"],
             batch["segment_ids"],
             return_aux=True,
+            **kwargs,
         )
         logp = token_log_probs(logits, batch["targets"])
         mask = batch["loss_mask"]

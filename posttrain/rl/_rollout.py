@@ -10,11 +10,12 @@ fillers: no tokens, no loss, domain id -1.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -164,6 +165,18 @@ def draw_groups(c: RLConfig, prompts, rollouts: Rollouts, params, step: int):
     return kept, completions, all_rewards, counts
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerSide:
+    """How a decoupled sampler gets its weights: `published(trained params)` is what the
+    trainer sends each step (the policy; with LoRA only its adapters), placed on the sampler's
+    devices with `shardings`; `prepare(sent) -> weights` runs there (LoRA: merges the adapters
+    into the sampler's own copy of the base)."""
+
+    published: Callable[[Any], Any]
+    shardings: Any
+    prepare: Callable[[Any], Any]
+
+
 class RolloutProducer:
     """Decoupled rollouts: a thread samples and scores batches on the sampler's devices with the
     newest weights it was sent, at most `rollout.max_staleness` steps ahead of the trainer.
@@ -172,8 +185,9 @@ class RolloutProducer:
     weights after v RL steps); with 0 it waits for the step before, which is on-policy.
     """
 
-    def __init__(self, c: RLConfig, prompts, rollouts: Rollouts, shardings, start: int):
-        self.c, self.prompts, self.rollouts, self.shardings = c, prompts, rollouts, shardings
+    def __init__(self, c: RLConfig, prompts, rollouts: Rollouts, side: SamplerSide, start: int):
+        self.c, self.prompts, self.rollouts, self.side = c, prompts, rollouts, side
+        self.sync_bytes = 0  # bytes sent to the sampler per published version
         self.ready: queue.Queue = queue.Queue()
         self.cond = threading.Condition()
         self.weights, self.version, self.stopped = None, -1, False
@@ -182,9 +196,11 @@ class RolloutProducer:
         self.started = False
 
     def publish(self, params, version: int) -> None:
-        """Sends the trainer's policy weights (after `version` RL steps) to the sampler's
-        devices, resharding them onto its mesh."""
-        weights = jax.device_put(params, self.shardings)
+        """Sends what the sampler needs of the trained params (after `version` RL steps) to
+        its devices, resharding them onto its mesh."""
+        sent = self.side.published(params)
+        self.sync_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(sent))
+        weights = jax.device_put(sent, self.side.shardings)
         with self.cond:
             self.weights, self.version = weights, version
             self.cond.notify_all()
@@ -198,10 +214,16 @@ class RolloutProducer:
         staleness = step - 1 - version
         if i != step or staleness > self.c.rollout.max_staleness:
             raise RuntimeError(f"rollout {i} (weights v{version}) for step {step}: out of bounds")
-        counts = {**counts, "rollout_version": float(version), "staleness": float(staleness)}
+        counts = {
+            **counts,
+            "rollout_version": float(version),
+            "staleness": float(staleness),
+            "sync_bytes": float(self.sync_bytes),
+        }
         return kept, completions, rewards, counts, state
 
     def _run(self, first: int) -> None:
+        prepared, prepared_version = None, None
         try:
             for i in itertools.count(first):
                 with self.cond:
@@ -211,8 +233,10 @@ class RolloutProducer:
                     if self.stopped:
                         return
                     weights, version = self.weights, self.version
+                if version != prepared_version:
+                    prepared, prepared_version = self.side.prepare(weights), version
                 kept, completions, rewards, counts = draw_groups(
-                    self.c, self.prompts, self.rollouts, weights, i
+                    self.c, self.prompts, self.rollouts, prepared, i
                 )
                 state = self.prompts.get_state()
                 self.ready.put((i, version, kept, completions, rewards, counts, state))

@@ -29,6 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain.config import ConfigError
+from posttrain.lora import adapter_shardings, merge, wrap
 from posttrain.losses import (
     adaptive_kl_update,
     gae,
@@ -46,9 +47,17 @@ from posttrain.rl._critic import token_values, value_trainable
 from posttrain.rl._loss import CriticLoss, rl_loss, sequence_log_probs
 from posttrain.rl._offline import filter_by_difficulty, rejection_sampling
 from posttrain.rl._prompts import AdaptiveDomains, PromptData
-from posttrain.rl._rollout import RolloutProducer, Rollouts, draw_groups, rollout_batch, split_rows
+from posttrain.rl._rollout import (
+    RolloutProducer,
+    Rollouts,
+    SamplerSide,
+    draw_groups,
+    rollout_batch,
+    split_rows,
+)
 from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._loop import _Preemption
+from posttrain.train._lora import base_inputs, base_shardings, lora_json, lora_trainable
 from posttrain.train._metrics import MetricsWriter
 from posttrain.train._optimizer import learning_rate_schedule
 from posttrain.train._run import (
@@ -127,7 +136,15 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         json.dump(prompts.stats, f, indent=2)
 
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
-        policy = model_trainable(c.model, model_config, mesh, c.train.seed)
+        lora, base, inputs, input_sh = c.lora, None, (), ()
+        extras = {"config": to_json(c), "model_config": to_json(model_config)}
+        if lora is None:
+            policy = model_trainable(c.model, model_config, mesh, c.train.seed)
+        else:  # adapters on a frozen base, which is also the reference (adapters off)
+            policy = lora_trainable(lora, model_config, mesh, c.train.seed)
+            inputs, input_sh = base_inputs(lora, c.model, model_config, mesh, c.train.seed)
+            base = inputs[0]
+            extras["lora"] = lora_json(lora, c.model, c.train.seed)
         trainable, critic = policy, None
         if c.ppo:
             value, value_config = value_trainable(
@@ -146,9 +163,9 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         restored = checkpointer.restore(with_shardings(abstract, shardings))
         kl_coef = c.kl.coef
         if restored is not None:
-            start, state, data_state, extras = restored
+            start, state, data_state, saved = restored
             prompts.set_state(data_state)
-            kl_coef = float(extras.get("rl", {}).get("kl_coef", kl_coef))
+            kl_coef = float(saved.get("rl", {}).get("kl_coef", kl_coef))
             log.info("resumed RL from step %d in %s", start, checkpointer.directory)
         else:
             start = 0
@@ -156,31 +173,40 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 functools.partial(create_state, optimizer=optimizer, seed=c.train.seed),
                 out_shardings=shardings,
             )(trainable.init())
-        ref_params = policy.init() if c.kl.enabled else None
+        ref_params = policy.init() if c.kl.enabled and lora is None else None
         schedule = learning_rate_schedule(c.optimizer, c.updates)
-        loss = rl_loss(
-            model_config,
-            c.loss,
-            max_new_tokens=c.rollout.max_new_tokens,
-            use_reference=c.kl.enabled,
-            kl_in_loss=c.kl.mode == "loss",
-            domains=domains,
-            critic=critic,
-        )
-        step_fn = jax.jit(
-            functools.partial(
-                train_step,
+
+        def step(state, inputs, batch):
+            loss = rl_loss(
+                model_config,
+                c.loss,
+                max_new_tokens=c.rollout.max_new_tokens,
+                use_reference=c.kl.enabled,
+                kl_in_loss=c.kl.mode == "loss",
+                domains=domains,
+                critic=critic,
+                lora=lora,
+                base_params=inputs[0] if inputs else None,
+            )
+            return train_step(
+                state,
+                batch,
                 loss_fn=loss,
                 optimizer=optimizer,
                 schedule=schedule,
                 micro_batches=c.train.micro_batches,
                 post_update=trainable.post_update,
-            ),
-            in_shardings=(shardings, None),
+            )
+
+        jitted = jax.jit(
+            step,
+            in_shardings=(shardings, tuple(input_sh), None),
             out_shardings=(shardings, None),
             donate_argnums=0,
         )
-        score = _Scorer(c, model_config, critic, ref_params, mesh, domains)
+        step_fn = lambda state, batch: jitted(state, inputs, batch)  # noqa: E731
+        sampler = SamplerWeights(c, model_config, mesh, base)
+        score = _Scorer(c, model_config, critic, ref_params, mesh, domains, base)
         with contextlib.ExitStack() as stack:
             pools = [
                 stack.enter_context(
@@ -193,8 +219,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             if sampler_devices:
                 # The sampler scores in its own thread: evaluation gets the other pool.
                 sampler_mesh = make_mesh(MeshConfig(), sampler_devices)
-                shardings = param_shardings(model_config, sampler_mesh)
-                producer = RolloutProducer(c, prompts, rollouts, shardings, start)
+                producer = RolloutProducer(c, prompts, rollouts, sampler.on(sampler_mesh), start)
                 rollouts = Rollouts(c, tokenizer, model_config, pools[1], domains)
                 stack.callback(producer.close)
             summary = _loop(
@@ -207,11 +232,12 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 eval_prompts=eval_prompts,
                 rollouts=rollouts,
                 producer=producer,
+                sampler=sampler,
                 step_fn=step_fn,
                 score=score,
                 mesh=mesh,
                 checkpointer=checkpointer,
-                extras={"config": to_json(c), "model_config": to_json(model_config)},
+                extras=extras,
                 on_metrics=on_metrics,
             )
         checkpointer.close()
@@ -221,8 +247,49 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
 
 
 def _policy(c: RLConfig, params):
-    """The policy's params inside the trained params (PPO also trains a critic)."""
+    """The policy's params inside the trained params (PPO also trains a critic): with LoRA,
+    its adapters."""
     return params["policy"] if c.ppo else params
+
+
+class SamplerWeights:
+    """What the sampler runs: the policy's params, or with LoRA the frozen base with the
+    adapters merged in. A co-located sampler merges on the trainer's devices; a decoupled one
+    (`on(sampler_mesh)`) keeps its own copy of the base and is sent only the adapters."""
+
+    def __init__(self, c: RLConfig, model_config, mesh, base=None):
+        self.c, self.model_config, self.mesh, self.base = c, model_config, mesh, base
+        self.lora = c.lora
+        if self.lora is not None:
+            self._merge = self._merger(mesh)
+
+    def _merger(self, mesh):
+        lora = self.lora
+        shardings = param_shardings(self.model_config, mesh)
+        return jax.jit(lambda base, adapters: merge(base, adapters, lora), out_shardings=shardings)
+
+    def __call__(self, params):
+        """The sampler's weights from the trained params (co-located)."""
+        policy = _policy(self.c, params)
+        return policy if self.lora is None else self._merge(self.base, policy)
+
+    def on(self, sampler_mesh) -> SamplerSide:
+        """The decoupled sampler's side: what is sent (`published`), how it is placed on
+        `sampler_mesh` and turned into weights there."""
+        if self.lora is None:
+            return SamplerSide(
+                published=lambda params: _policy(self.c, params),
+                shardings=param_shardings(self.model_config, sampler_mesh),
+                prepare=lambda weights: weights,
+            )
+        lora, model_config = self.lora, self.model_config
+        base = jax.device_put(self.base, base_shardings(lora, model_config, sampler_mesh))
+        merge_there = self._merger(sampler_mesh)
+        return SamplerSide(
+            published=lambda params: _policy(self.c, params),
+            shardings=adapter_shardings(model_config, lora, sampler_mesh),
+            prepare=lambda adapters: merge_there(base, adapters),
+        )
 
 
 class _Scorer:
@@ -230,11 +297,17 @@ class _Scorer:
     reference's log-probs of the sampled tokens, the critic's values, the KL penalty when it
     is a reward, and the advantages (group-relative, or GAE with the critic)."""
 
-    def __init__(self, c: RLConfig, model_config, critic, ref_params, mesh, domains):
+    def __init__(self, c: RLConfig, model_config, critic, ref_params, mesh, domains, base=None):
         self.c, self.model_config, self.critic = c, model_config, critic
-        self.ref_params, self.mesh = ref_params, mesh
+        self.ref_params, self.mesh, self.base = ref_params, mesh, base
         self.scale = np.asarray([c.kl.domain_scale.get(d, 1.0) for d in domains] + [0.0])
-        self.logps = jax.jit(sequence_log_probs, static_argnums=1)
+
+        def logps(trained, base, batch, adapters=True):
+            params, kwargs = wrap(c.lora, base, trained, adapters=adapters)
+            return sequence_log_probs(params, model_config, batch, **kwargs)
+
+        # (with LoRA: the reference is the base with the adapters off)
+        self.logps = jax.jit(logps, static_argnames="adapters")
         if critic is not None:
             self.values = jax.jit(token_values, static_argnums=1)
             a = c.algorithm
@@ -246,12 +319,15 @@ class _Scorer:
         c = self.c
         device_batch = shard_batch(batch, self.mesh)
         policy = _policy(c, params)
-        batch["old_logps"] = np.asarray(self.logps(policy, self.model_config, device_batch))
+        batch["old_logps"] = np.asarray(self.logps(policy, self.base, device_batch))
         batch["kl_coefs"] = (kl_coef * self.scale[batch["domain_ids"]]).astype(np.float32)
         mask = batch["loss_mask"]
         penalty = np.zeros_like(mask)
-        if self.ref_params is not None:
-            ref = self.logps(self.ref_params, self.model_config, device_batch)
+        if c.kl.enabled:
+            if c.lora is None:
+                ref = self.logps(self.ref_params, None, device_batch)
+            else:
+                ref = self.logps(None, self.base, device_batch, adapters=False)
             batch["ref_logps"] = np.asarray(ref)
             if c.kl.mode == "reward":
                 kl = kl_estimate(batch["old_logps"], ref, c.loss.kl_estimator, mask)
@@ -295,6 +371,7 @@ def _loop(
     eval_prompts,
     rollouts,
     producer,
+    sampler,
     step_fn,
     score,
     mesh,
@@ -324,7 +401,7 @@ def _loop(
     def evaluate(step):
         if eval_prompts is None:
             return None
-        metrics = _evaluate(c, eval_prompts, rollouts, _policy(c, state.params))
+        metrics = _evaluate(c, eval_prompts, rollouts, sampler(state.params))
         writer.write(step, metrics, split="eval")
         summary["eval"] = metrics
         return metrics
@@ -332,15 +409,17 @@ def _loop(
     if start == 0:
         evaluate(0)  # the starting policy's held-out reward: the curve's first point
     if producer is not None:
-        producer.start(_policy(c, state.params), start)
+        producer.start(state.params, start)
     bar = tqdm(total=c.train.steps, initial=start, desc="rl", disable=not c.train.progress)
     step = start
     with _Preemption() as preemption:
         for step in range(start + 1, c.train.steps + 1):
             t0 = time.perf_counter()
             if producer is None:
-                params = _policy(c, state.params)
-                kept, completions, rewards, counts = draw_groups(c, prompts, rollouts, params, step)
+                weights = sampler(state.params)
+                kept, completions, rewards, counts = draw_groups(
+                    c, prompts, rollouts, weights, step
+                )
                 prompt_state = None
             else:
                 kept, completions, rewards, counts, prompt_state = producer.get(step)
@@ -361,7 +440,7 @@ def _loop(
                     state, metrics = step_fn(state, shard_batch(minibatch, mesh))
                     updates.append(metrics)
             if producer is not None:
-                producer.publish(_policy(c, state.params), step)
+                producer.publish(state.params, step)
             host = {k: float(v) for k, v in jax.device_get(updates[0]).items()}
             last = {k: float(v) for k, v in jax.device_get(updates[-1]).items()}
             t3 = time.perf_counter()

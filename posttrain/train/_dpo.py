@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig, make_preference_pipeline
+from posttrain.lora import LoRAConfig, wrap
 from posttrain.losses import (
     LENGTH_NORMALISED,
     LOSS_TYPES,
@@ -56,6 +57,7 @@ from posttrain.models import ModelConfig, forward
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
+from posttrain.train._lora import base_inputs, lora_json, lora_trainable
 from posttrain.train._optimizer import OptimizerConfig
 from posttrain.train._run import (
     ModelSpec,
@@ -81,12 +83,18 @@ def _stacked(batch: dict) -> dict:
     return {n: jnp.concatenate([batch[f"chosen_{n}"], batch[f"rejected_{n}"]]) for n in names}
 
 
-def _logps(params: dict, model_config: ModelConfig, batch: dict):
+def _logps(params: dict, model_config: ModelConfig, batch: dict, **forward_kwargs):
     """Summed response log-probs `[2B]`, response lengths `[2B]` and the MoE aux outputs of
-    the stacked pairs."""
+    the stacked pairs (`forward_kwargs`: LoRA's, see `posttrain.lora.wrap`)."""
     x = _stacked(batch)
     logits_2BLV, aux = forward(
-        params, x["tokens"], model_config, x["positions"], x["segment_ids"], return_aux=True
+        params,
+        x["tokens"],
+        model_config,
+        x["positions"],
+        x["segment_ids"],
+        return_aux=True,
+        **forward_kwargs,
     )
     logps_2B = sequence_logps(token_log_probs(logits_2BLV, x["targets"]), x["loss_mask"])
     return logps_2B, jnp.sum(x["loss_mask"].astype(jnp.float32), axis=-1), aux
@@ -102,20 +110,28 @@ def domain_accuracy_sums(accuracies_B, valid_B, domain_ids_B, domains: Sequence[
     return sums
 
 
-def reference_logps(ref_params: dict, model_config: ModelConfig, batch: dict) -> dict:
+def reference_logps(
+    ref_params: dict, model_config: ModelConfig, batch: dict, lora: LoRAConfig | None = None
+) -> dict:
     """The reference model's summed response log-probs, to store in the batch ("precomputed").
 
     Args:
       ref_params: the reference model's params (usually the SFT checkpoint the policy starts
-        from).
+        from); with `lora`, the frozen base the adapters wrap (possibly quantised): the
+        reference is that base with the adapters off.
       model_config: its config.
       batch: a preference batch.
+      lora: the run's LoRA config, if any.
 
     Returns:
       {"ref_chosen_logps": `[B]`, "ref_rejected_logps": `[B]`} (float32, gradients stopped);
       jittable.
     """
-    logps_2B, _, _ = _logps(jax.lax.stop_gradient(ref_params), model_config, batch)
+    ref_params = jax.lax.stop_gradient(ref_params)
+    kwargs = {}
+    if lora is not None:  # the frozen base with the adapters off
+        ref_params, kwargs = wrap(lora, ref_params, None, adapters=False)
+    logps_2B, _, _ = _logps(ref_params, model_config, batch, **kwargs)
     chosen_B, rejected_B = jnp.split(jax.lax.stop_gradient(logps_2B), 2)
     return {"ref_chosen_logps": chosen_B, "ref_rejected_logps": rejected_B}
 
@@ -131,6 +147,8 @@ def dpo_loss(
     ref_params: dict | None = None,
     sft_weight: float = 0.0,
     domains: Sequence[str] = (),
+    lora: LoRAConfig | None = None,
+    base_params: dict | None = None,
 ):
     """`(params, batch, rng) -> sums` of a pairwise preference loss, for `train_step`.
 
@@ -141,7 +159,7 @@ def dpo_loss(
       reference: "on_the_fly" (reference forward pass on `ref_params` each step),
         "precomputed" (`batch["ref_chosen_logps"]`, `batch["ref_rejected_logps"]`), or "none"
         (reference-free loss types only). See the module docstring.
-      ref_params: the reference params, for "on_the_fly" only.
+      ref_params: the reference params, for "on_the_fly" without LoRA only.
       sft_weight: adds `sft_weight` x the chosen response's per-token NLL to each pair's loss
         (RPO, TRL's `rpo_alpha`; TRL averages the NLL over the batch's tokens, we over each
         pair's). Not for orpo, whose loss already holds that term.
@@ -170,8 +188,13 @@ def dpo_loss(
             f"{'none' if loss_type in REFERENCE_FREE else 'on_the_fly or precomputed'}, "
             f"got {reference!r}"
         )
-    if (reference == "on_the_fly") != (ref_params is not None):
-        raise ValueError("pass ref_params exactly when reference='on_the_fly'")
+    if (lora is None) != (base_params is None):
+        raise ValueError("pass base_params exactly when lora is set")
+    if (reference == "on_the_fly" and lora is None) != (ref_params is not None):
+        raise ValueError(
+            "pass ref_params exactly when reference='on_the_fly' without LoRA (with LoRA the "
+            "reference is base_params with the adapters off)"
+        )
     if sft_weight < 0 or (sft_weight and loss_type == "orpo"):
         raise ValueError(
             f"sft_weight={sft_weight}: use a weight >= 0, and 0 with orpo (its loss has the term)"
@@ -181,7 +204,8 @@ def dpo_loss(
 
     def loss_fn(params, batch, rng):
         del rng
-        logps_2B, lengths_2B, aux = _logps(params, model_config, batch)
+        model_params, kwargs = wrap(lora, base_params, params)
+        logps_2B, lengths_2B, aux = _logps(model_params, model_config, batch, **kwargs)
         chosen_B, rejected_B = jnp.split(logps_2B, 2)
         len_c_B, len_r_B = jnp.split(lengths_2B, 2)
         valid_B = (len_c_B > 0) & (len_r_B > 0)
@@ -196,7 +220,9 @@ def dpo_loss(
                 "ref_rejected_logps_B": jax.lax.stop_gradient(batch["ref_rejected_logps"]),
             }
         elif reference == "on_the_fly":
-            ref = reference_logps(ref_params, model_config, batch)
+            ref = reference_logps(
+                base_params if lora else ref_params, model_config, batch, lora=lora
+            )
             refs = {
                 "ref_chosen_logps_B": ref["ref_chosen_logps"],
                 "ref_rejected_logps_B": ref["ref_rejected_logps"],
@@ -283,6 +309,8 @@ class PreferenceRunConfig:
     train: LoopConfig = LoopConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
+    # LoRA adapters on the frozen `model` (docs/lora.md); None: the full model is trained.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
         if self.data is None:
@@ -298,12 +326,15 @@ class DPOConfig(PreferenceRunConfig):
     loss: PreferenceLossConfig = PreferenceLossConfig()
 
 
-def attach_reference(data, ref_params_fn, model_config, mesh, path: str, identity: dict) -> bool:
+def attach_reference(
+    data, ref_params_fn, model_config, mesh, path: str, identity: dict, lora=None
+) -> bool:
     """Precomputes the reference log-probs of every pair of `data` once and attaches them.
 
     They are stored in `path` (one file per process) with a key made of the pairs' tokens and
     `identity` (the reference model), so a resumed run reads them back instead of recomputing;
-    `ref_params_fn()` loads the reference weights, only when they are needed.
+    `ref_params_fn()` loads the reference weights (with `lora`: the frozen base), only when
+    they are needed.
 
     Returns:
       True if they were computed, False if read back from `path`.
@@ -317,14 +348,14 @@ def attach_reference(data, ref_params_fn, model_config, mesh, path: str, identit
                 data.set_reference(saved["chosen"], saved["rejected"])
                 return False
         log.warning("%s belongs to other pairs or another reference; recomputing", path)
-    score = jax.jit(reference_logps, static_argnums=1)
+    score = jax.jit(lambda params, batch: reference_logps(params, model_config, batch, lora=lora))
     ref_params = ref_params_fn()
     chosen, rejected = [], []
     batches = data.ordered_batches()
     total = -(-len(data.pairs) // data.rows)
     bar = tqdm(total=total, desc="reference log-probs", disable=jax.process_index() > 0)
     for batch, real in each_batch(batches, mesh):
-        out = score(ref_params, model_config, batch)
+        out = score(ref_params, batch)
         if real:
             chosen.append(local_rows(out["ref_chosen_logps"], mesh))
             rejected.append(local_rows(out["ref_rejected_logps"], mesh))
@@ -358,19 +389,21 @@ def preference_data(config, tokenizer, workdir: str):
 
 
 class PreferenceEvaluator:
-    """Held-out pairs: mean loss, accuracy, margin and per-domain accuracy (a full pass)."""
+    """Held-out pairs: mean loss, accuracy, margin and per-domain accuracy (a full pass).
 
-    def __init__(self, data, loss, mesh, shardings, ref_params, max_batches, domains):
+    `loss(*inputs)` builds the loss function, as for `train` (`inputs`: an on-the-fly
+    reference, a LoRA run's frozen base)."""
+
+    def __init__(self, data, loss, mesh, shardings, max_batches, domains, inputs=(), input_sh=()):
         self.data, self.mesh, self.max_batches = data, mesh, max_batches
-        self.domains, self.ref_params = domains, ref_params
-        ref_shardings = None if ref_params is None else shardings
+        self.domains, self.inputs = domains, tuple(inputs)
         self._step = jax.jit(
-            lambda params, ref, batch: loss(ref)(params, batch, None),
-            in_shardings=(shardings, ref_shardings, None),
+            lambda params, inputs, batch: loss(*inputs)(params, batch, None),
+            in_shardings=(shardings, tuple(input_sh), None),
         )
 
     def __call__(self, state) -> dict:
-        step = lambda params, batch: self._step(params, self.ref_params, batch)
+        step = lambda params, batch: self._step(params, self.inputs, batch)
         batches = self.data.ordered_batches()
         totals = summed(step, state.params, batches, self.mesh, self.max_batches)
         n = max(totals.get("num_tokens", 0.0), 1.0)
@@ -395,14 +428,20 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
     The reference is the policy's starting weights (`config.model`), reloaded on resume. Its
     log-probs are computed once per dataset and stored under `workdir/reference/`
     ("precomputed", the default: no second model in memory while training), or computed in
-    every step ("on_the_fly"), or not needed (simpo, orpo).
+    every step ("on_the_fly"), or not needed (simpo, orpo). With `config.lora` the policy is
+    the frozen base plus trained adapters, and the reference is that base with the adapters
+    off (one copy of the weights, quantised with QLoRA).
     """
     mesh, tokenizer, model_config = setup(config, workdir)
     data, eval_data, manifest = preference_data(config, tokenizer, workdir)
-    lc = config.loss
+    lc, lora, seed = config.loss, config.lora, config.train.seed
     reference = lc.resolved_reference
+    on_the_fly = reference == "on_the_fly"
 
-    def loss(ref_params=None):
+    def loss(*inputs):
+        # inputs: (the on-the-fly reference,) or, with LoRA, (the frozen base,); else ().
+        ref_params = inputs[0] if on_the_fly and lora is None else None
+        base = dict(lora=lora, base_params=inputs[0]) if lora is not None else {}
         return dpo_loss(
             model_config,
             loss_type=lc.type,
@@ -413,33 +452,51 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
             ref_params=ref_params,
             sft_weight=lc.sft_weight,
             domains=data.domains,
+            **base,
         )
 
+    extras = {
+        "config": to_json(config),
+        "model_config": to_json(model_config),
+        "manifest": manifest,
+        "domains": list(data.domains),
+    }
+    inputs, input_sh = (), ()
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        trainable = model_trainable(config.model, model_config, mesh, config.train.seed)
-        ref_params = trainable.init() if reference == "on_the_fly" else None
+        if lora is None:
+            trainable = model_trainable(config.model, model_config, mesh, seed)
+            reference_weights = functools.cache(trainable.init)  # loaded only if needed
+            if on_the_fly:
+                inputs, input_sh = (reference_weights(),), (trainable.shardings,)
+        else:  # the reference is the frozen base with the adapters off: no second copy
+            trainable = lora_trainable(lora, model_config, mesh, seed)
+            inputs, input_sh = base_inputs(lora, config.model, model_config, mesh, seed)
+            reference_weights = lambda: inputs[0]  # noqa: E731
+            extras["lora"] = lora_json(lora, config.model, seed)
         if reference == "precomputed":
-            identity = {"model": to_json(config.model), "seed": config.train.seed}
+            identity = {"model": to_json(config.model), "seed": seed}
+            if lora is not None and lora.quantize:  # the reference is the quantised base
+                identity["quantize"] = [lora.quantize, lora.quant_block]
             if config.model.checkpoint:  # that run may have saved newer params since
                 identity["step"] = checkpoint_json(config.model.checkpoint)["step"]
             process = f"process_{jax.process_index()}"
-            weights = functools.cache(trainable.init)  # loaded once, only if not stored yet
             for name, d in (("train", data), ("eval", eval_data)):
                 if d is not None:
                     path = os.path.join(workdir, "reference", f"{name}.{process}.npz")
-                    attach_reference(d, weights, model_config, mesh, path, identity)
-            weights.cache_clear()  # the weights are no longer needed
-        on_the_fly = reference == "on_the_fly"
+                    attach_reference(d, reference_weights, model_config, mesh, path, identity, lora)
+            if lora is None:
+                reference_weights.cache_clear()  # the weights are no longer needed
         evaluate = None
         if eval_data is not None:
             evaluate = PreferenceEvaluator(
                 eval_data,
-                loss if on_the_fly else lambda _: loss(),
+                loss,
                 mesh,
                 trainable.shardings,
-                ref_params,
                 config.train.eval_batches,
                 data.domains,
+                inputs,
+                input_sh,
             )
     summary = train(
         config,
@@ -448,15 +505,10 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
         trainable=trainable,
         data=data,
         loss=loss,
-        loss_inputs=(ref_params,) if on_the_fly else (),
-        loss_input_shardings=(trainable.shardings,) if on_the_fly else (),
+        loss_inputs=inputs,
+        loss_input_shardings=input_sh,
         evaluate=evaluate,
-        extras={
-            "config": to_json(config),
-            "model_config": to_json(model_config),
-            "manifest": manifest,
-            "domains": list(data.domains),
-        },
+        extras=extras,
         # An on-the-fly reference adds one forward pass (a third of a training step's FLOPs).
         flops_per_token=model_config.flops_per_token(config.data.max_len)
         * (4 / 3 if on_the_fly else 1),

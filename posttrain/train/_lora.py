@@ -6,6 +6,9 @@ points at the base (`ModelSpec` and the init seed), which `load_lora_params` reb
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 
 from posttrain.config import ConfigError, build
@@ -15,6 +18,9 @@ from posttrain.lora import (
     adapter_shardings,
     init_adapters,
     merge,
+    param_bytes,
+    quantize_params,
+    quantized_shardings,
     save_peft,
 )
 from posttrain.models import ModelConfig, from_hf, init_params, param_shapes, param_shardings
@@ -27,6 +33,8 @@ from posttrain.train._run import (
     to_json,
     with_shardings,
 )
+
+log = logging.getLogger(__name__)
 
 
 def lora_trainable(lora: LoRAConfig, model_config: ModelConfig, mesh, seed: int) -> Trainable:
@@ -42,12 +50,42 @@ def lora_trainable(lora: LoRAConfig, model_config: ModelConfig, mesh, seed: int)
     )
 
 
-def base_inputs(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int):
-    """`((base params,), (their shardings,))`: the frozen base as the loss's traced input."""
-    return (
-        (start_params(spec, model_config, mesh, seed),),
-        (param_shardings(model_config, mesh),),
+def quantize_base(lora: LoRAConfig, params: dict, model_config: ModelConfig, mesh=None):
+    """QLoRA: the base with its layer matrices quantised (`lora.quantize`), sharded like the
+    weights they replace on `mesh`; unchanged without `lora.quantize`."""
+    if not lora.quantize:
+        return params
+    quantize = functools.partial(
+        quantize_params, model_config=model_config, format=lora.quantize, block=lora.quant_block
     )
+    shardings = None
+    if mesh is not None:
+        shardings = quantized_shardings(model_config, lora.quantize, lora.quant_block, mesh)
+    return jax.jit(quantize, out_shardings=shardings)(params)
+
+
+def base_shardings(lora: LoRAConfig, model_config: ModelConfig, mesh):
+    """The frozen base's shardings (quantised or not)."""
+    if lora.quantize:
+        return quantized_shardings(model_config, lora.quantize, lora.quant_block, mesh)
+    return param_shardings(model_config, mesh)
+
+
+def base_inputs(lora: LoRAConfig, spec: ModelSpec, model_config: ModelConfig, mesh, seed: int):
+    """`((base params,), (their shardings,))`: the frozen base (quantised for QLoRA) as the
+    loss's traced input."""
+    params = start_params(spec, model_config, mesh, seed)
+    if lora.quantize:
+        full = param_bytes(params)
+        params = quantize_base(lora, params, model_config, mesh)
+        log.info(
+            "QLoRA: the frozen base takes %.3f GiB stored as %s (%.3f GiB in %s)",
+            param_bytes(params) / 2**30,
+            lora.quantize,
+            full / 2**30,
+            model_config.param_dtype,
+        )
+    return (params,), (base_shardings(lora, model_config, mesh),)
 
 
 def lora_json(lora: LoRAConfig, spec: ModelSpec, seed: int) -> dict:
@@ -55,33 +93,47 @@ def lora_json(lora: LoRAConfig, spec: ModelSpec, seed: int) -> dict:
     return {"config": to_json(lora), "base": to_json(spec), "seed": seed}
 
 
-def load_lora_params(workdir: str, step: int | None = None, *, merged: bool = True):
-    """A LoRA run's (base params, adapters, LoRAConfig), or the merged params when `merged`,
-    on the default device."""
-    saved = checkpoint_json(workdir, step)
+def on_default_device(shapes):
+    """`shapes` with the default device's sharding (for `restore_params`)."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return with_shardings(shapes, jax.tree.map(lambda _: device, shapes))
+
+
+def saved_base(saved: dict):
+    """(frozen base params, LoRAConfig) of a LoRA checkpoint's JSON items, on the default
+    device; a QLoRA base comes back quantised, as the run trained on it."""
     item = saved["lora"]
     lora = LoRAConfig.from_config(item["config"])
     model_config = build(ModelConfig, saved["model_config"])
     spec = build(ModelSpec, item["base"])
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    on_device = lambda shapes: with_shardings(shapes, jax.tree.map(lambda _: device, shapes))
     if spec.hf_path:
         base = from_hf(spec.hf_path, **spec.overrides()).params
     elif spec.checkpoint:
-        base = start_params_single(spec, model_config, on_device)
+        base = start_params_single(spec, model_config)
     else:
         base = init_params(model_config, jax.random.key(item["seed"]))
-    adapters = restore_params(workdir, on_device(adapter_shapes(model_config, lora)), saved["step"])
+    return quantize_base(lora, base, model_config), lora
+
+
+def load_lora_params(workdir: str, step: int | None = None, *, merged: bool = True):
+    """A LoRA run's (base params, adapters, LoRAConfig), or the merged params when `merged`,
+    on the default device. A QLoRA base is quantised (merged: dequantised, then merged), so
+    the merged model is the one the run trained."""
+    saved = checkpoint_json(workdir, step)
+    base, lora = saved_base(saved)
+    model_config = build(ModelConfig, saved["model_config"])
+    shapes = on_default_device(adapter_shapes(model_config, lora))
+    adapters = restore_params(workdir, shapes, saved["step"])
     if merged:
         return jax.jit(lambda b, a: merge(b, a, lora))(base, adapters)
     return base, adapters, lora
 
 
-def start_params_single(spec: ModelSpec, model_config: ModelConfig, on_device):
+def start_params_single(spec: ModelSpec, model_config: ModelConfig):
     """A base restored from another run's checkpoint (itself possibly a LoRA run)."""
     if "lora" in checkpoint_json(spec.checkpoint):
         return load_lora_params(spec.checkpoint)
-    return restore_params(spec.checkpoint, on_device(param_shapes(model_config)))
+    return restore_params(spec.checkpoint, on_default_device(param_shapes(model_config)))
 
 
 def export_peft(workdir: str, out: str, step: int | None = None) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from posttrain.config import ConfigError, build
 from posttrain.data import Tokenizer, load_tokenizer
 from posttrain.data._formats import RecordError, encode_record
+from posttrain.lora import LoRAConfig, adapter_shapes, merge, wrap
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import (
     ModelConfig,
@@ -37,6 +38,13 @@ from posttrain.train._dpo import (
     domain_accuracy_sums,
     preference_data,
 )
+from posttrain.train._lora import (
+    base_inputs,
+    lora_json,
+    lora_trainable,
+    on_default_device,
+    saved_base,
+)
 from posttrain.train._run import (
     ModelSpec,
     Trainable,
@@ -47,7 +55,6 @@ from posttrain.train._run import (
     start_params,
     to_json,
     train,
-    with_shardings,
 )
 
 
@@ -68,14 +75,16 @@ def reward_scores(
     positions_BL: jax.Array,
     segment_ids_BL: jax.Array,
     head_ids_B: jax.Array,
+    **trunk_kwargs,
 ) -> jax.Array:
     """`[B]` float32 rewards: each row's last real token's hidden state through its head.
 
     Rows are right-padded, one sequence each (segment id > 0 on tokens); `head_ids_B` picks each
-    row's head (negative ids, filler rows, read head 0).
+    row's head (negative ids, filler rows, read head 0). `trunk_kwargs`: LoRA's
+    (`posttrain.lora.wrap`).
     """
     hidden_BLD = hidden_states(
-        params["trunk"], tokens_BL, model_config, positions_BL, segment_ids_BL
+        params["trunk"], tokens_BL, model_config, positions_BL, segment_ids_BL, **trunk_kwargs
     )
     last_B = jnp.maximum(jnp.sum(segment_ids_BL > 0, axis=-1) - 1, 0)
     last_BD = jnp.take_along_axis(hidden_BLD, last_B[:, None, None], axis=1)[:, 0]
@@ -89,6 +98,8 @@ def reward_model_loss(
     center_coefficient: float = 0.0,
     use_margins: bool = True,
     domains: Sequence[str] = (),
+    lora: LoRAConfig | None = None,
+    base_trunk: dict | None = None,
 ):
     """`(params, batch, rng) -> sums` of the Bradley-Terry loss, for `train_step`.
 
@@ -97,14 +108,18 @@ def reward_model_loss(
     the comparison: `-log sigmoid(r_c - r_r - margin)`. Sums: `loss_sum`, `num_tokens` (pairs),
     `accuracy_sum`, `rewards/chosen_sum`, `rewards/rejected_sum`, `rewards/margins_sum`, and
     `accuracy/<domain>_sum` / `_count` per domain.
+
+    With `lora`, `params` are `{"adapters", "head"}`: the adapters run on the frozen
+    `base_trunk` (the head is trained in full, like PEFT's `modules_to_save`).
     """
 
     def loss_fn(params, batch, rng):
         del rng
         x = _stacked(batch)
         heads_2B = jnp.concatenate([batch["domain_ids"], batch["domain_ids"]])
+        params, kwargs = lora_view(lora, base_trunk, params)
         rewards_2B = reward_scores(
-            params, model_config, x["tokens"], x["positions"], x["segment_ids"], heads_2B
+            params, model_config, x["tokens"], x["positions"], x["segment_ids"], heads_2B, **kwargs
         )
         chosen_B, rejected_B = jnp.split(rewards_2B, 2)
         lengths_c_B, lengths_r_B = jnp.split(jnp.sum(x["loss_mask"], axis=-1), 2)
@@ -148,15 +163,41 @@ class RewardModelConfig(PreferenceRunConfig):
     loss: RewardLossConfig = RewardLossConfig()
 
 
+def lora_view(lora: LoRAConfig | None, base_trunk: dict | None, params: dict):
+    """`(reward params {"trunk", "head"}, trunk kwargs)`: LoRA's `{"adapters", "head"}` on
+    the frozen `base_trunk`; other params as they are."""
+    if lora is None:
+        return params, {}
+    trunk, kwargs = wrap(lora, base_trunk, params["adapters"])
+    return {"trunk": trunk, "head": params["head"]}, kwargs
+
+
+def _head_init(model_config: ModelConfig, mesh, seed: int, heads: int):
+    """(initial heads N(0, 1/(D+1)) `[D, heads]`, their sharding)."""
+    D = model_config.embed_dim
+    sharding = named_sharding(("embed", None), (D, heads), mesh)
+    head = jax.random.normal(jax.random.key(seed + 1), (D, heads), jnp.float32) / np.sqrt(D + 1)
+    return (lambda: jax.device_put(head, sharding)), sharding
+
+
+def lora_reward_trainable(lora: LoRAConfig, model_config: ModelConfig, mesh, seed: int, heads):
+    """A LoRA reward model's trained params: the adapters and the heads."""
+    adapters = lora_trainable(lora, model_config, mesh, seed)
+    head, head_sharding = _head_init(model_config, mesh, seed, heads)
+    return Trainable(
+        shapes={"adapters": adapters.shapes, "head": reward_shapes(model_config, heads)["head"]},
+        shardings={"adapters": adapters.shardings, "head": head_sharding},
+        decay_mask={"adapters": adapters.decay_mask, "head": True},
+        init=lambda: {"adapters": adapters.init(), "head": head()},
+    )
+
+
 def reward_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int, heads: int):
     """The reward model's params: trunk from `spec` (random, HF or a run), heads N(0, 1/(D+1))."""
-    D = model_config.embed_dim
-    head_sharding = named_sharding(("embed", None), (D, heads), mesh)
+    head, head_sharding = _head_init(model_config, mesh, seed, heads)
 
     def init():
-        head = jax.random.normal(jax.random.key(seed + 1), (D, heads), jnp.float32) / np.sqrt(D + 1)
-        trunk = _trunk(start_params(spec, model_config, mesh, seed))
-        return {"trunk": trunk, "head": jax.device_put(head, head_sharding)}
+        return {"trunk": _trunk(start_params(spec, model_config, mesh, seed)), "head": head()}
 
     return Trainable(
         shapes=reward_shapes(model_config, heads),
@@ -175,24 +216,45 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
     """
     mesh, tokenizer, model_config = setup(config, workdir)
     data, eval_data, manifest = preference_data(config, tokenizer, workdir)
-    heads = data.domains
+    heads, lora, seed = data.domains, config.lora, config.train.seed
 
-    def loss(_=None):
+    def loss(*inputs):  # inputs: (LoRA's frozen base trunk,) or ()
         return reward_model_loss(
             model_config,
             center_coefficient=config.loss.center_coefficient,
             use_margins=config.loss.use_margins,
             domains=heads,
+            lora=lora,
+            base_trunk=inputs[0] if inputs else None,
         )
 
+    extras = {
+        "config": to_json(config),
+        "model_config": to_json(model_config),
+        "manifest": manifest,
+        "heads": list(heads),
+        "tokenizer": os.path.abspath(config.tokenizer or config.model.hf_path),
+    }
+    inputs, input_sh = (), ()
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        trainable = reward_trainable(
-            config.model, model_config, mesh, config.train.seed, len(heads)
-        )
+        if lora is None:
+            trainable = reward_trainable(config.model, model_config, mesh, seed, len(heads))
+        else:
+            trainable = lora_reward_trainable(lora, model_config, mesh, seed, len(heads))
+            (base,), (base_sh,) = base_inputs(lora, config.model, model_config, mesh, seed)
+            inputs, input_sh = (_trunk(base),), (_trunk(base_sh),)
+            extras["lora"] = lora_json(lora, config.model, seed)
         evaluate = None
         if eval_data is not None:
             evaluate = PreferenceEvaluator(
-                eval_data, loss, mesh, trainable.shardings, None, config.train.eval_batches, heads
+                eval_data,
+                loss,
+                mesh,
+                trainable.shardings,
+                config.train.eval_batches,
+                heads,
+                inputs,
+                input_sh,
             )
     summary = train(
         config,
@@ -201,14 +263,10 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
         trainable=trainable,
         data=data,
         loss=loss,
+        loss_inputs=inputs,
+        loss_input_shardings=input_sh,
         evaluate=evaluate,
-        extras={
-            "config": to_json(config),
-            "model_config": to_json(model_config),
-            "manifest": manifest,
-            "heads": list(heads),
-            "tokenizer": os.path.abspath(config.tokenizer or config.model.hf_path),
-        },
+        extras=extras,
         flops_per_token=model_config.flops_per_token(config.data.max_len),
         on_metrics=on_metrics,
     )
@@ -277,6 +335,20 @@ class RewardModel:
         return out
 
 
+def reward_params(path: str, saved: dict) -> dict:
+    """A reward-model checkpoint's `{"trunk", "head"}` on the default device (`saved`: its
+    `checkpoint_json`); a LoRA run's adapters come back merged into its trunk."""
+    model_config = build(ModelConfig, saved["model_config"])
+    shapes = reward_shapes(model_config, len(saved["heads"]))
+    if "lora" in saved:
+        base, lora = saved_base(saved)
+        shapes = {"adapters": adapter_shapes(model_config, lora), "head": shapes["head"]}
+        params = restore_params(path, on_default_device(shapes), saved["step"])
+        trunk = jax.jit(lambda b, a: merge(b, a, lora))(_trunk(base), params["adapters"])
+        return {"trunk": trunk, "head": params["head"]}
+    return restore_params(path, on_default_device(shapes), saved["step"])
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _score(params, model_config, tokens, positions, segments, heads):
     return reward_scores(params, model_config, tokens, positions, segments, heads)
@@ -298,12 +370,9 @@ def load_reward_model(path: str, step: int | None = None) -> RewardModel:
         )
     model_config = build(ModelConfig, saved["model_config"])
     heads = tuple(saved["heads"])
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = reward_shapes(model_config, len(heads))
-    abstract = with_shardings(shapes, jax.tree.map(lambda _: device, shapes))
     data = saved["config"]["data"]
     return RewardModel(
-        params=restore_params(path, abstract, saved["step"]),
+        params=reward_params(path, saved),
         model_config=model_config,
         heads=heads,
         tokenizer=load_tokenizer(saved["tokenizer"]),

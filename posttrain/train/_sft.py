@@ -12,7 +12,7 @@ import jax
 
 from posttrain.config import ConfigError, build
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
-from posttrain.lora import LoRAConfig, adapter_kwargs, merge
+from posttrain.lora import LoRAConfig, merge, wrap
 from posttrain.losses import cross_entropy_sums
 from posttrain.models import ModelConfig, Transformer, forward, param_shapes
 from posttrain.parallel import MeshConfig, axis_rules
@@ -76,9 +76,7 @@ def sft_loss(
 
     def loss_fn(params, batch, rng):
         del rng
-        kwargs = {}
-        if lora is not None:
-            params, kwargs = base_params, adapter_kwargs(lora, params)
+        params, kwargs = wrap(lora, base_params, params)
         logits, aux = forward(
             params,
             batch["tokens"],
@@ -178,7 +176,7 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
             trainable = model_trainable(config.model, model_config, mesh, seed)
         else:
             trainable = lora_trainable(lora, model_config, mesh, seed)
-            inputs, input_sh = base_inputs(config.model, model_config, mesh, seed)
+            inputs, input_sh = base_inputs(lora, config.model, model_config, mesh, seed)
             extras["lora"] = lora_json(lora, config.model, seed)
 
             def loss(base):

@@ -1,0 +1,193 @@
+"""LoRA (and QLoRA) beyond SFT: DPO with the base as its reference, reward models, GRPO with
+merged weights (co-located) or adapters only (decoupled) sent to the sampler."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.config import load_config_file, override
+from posttrain.lora import (
+    LoRAConfig,
+    adapter_shapes,
+    init_adapters,
+    param_bytes,
+    target_paths,
+    wrap,
+)
+from posttrain.models import forward, get_preset, init_params, param_shapes
+from posttrain.rl._loss import PolicyLossConfig, rl_loss, sequence_log_probs
+from posttrain.train import load_checkpoint_model, load_lora_params, load_reward_model, read_metrics
+from posttrain.train._lora import saved_base
+from posttrain.train._rm import _trunk, reward_scores
+from posttrain.train._run import checkpoint_json
+from posttrain.train.drivers import run_from_config
+from tests.rl.toy import REPO, toy_config
+from tests.train.test_dpo_driver import _config as dpo_config
+from tests.train.test_dpo_driver import pair_files  # noqa: F401 (a fixture)
+
+LORA = {"lora.enabled": True, "lora.rank": 8, "optimizer.learning_rate": 1e-2}
+
+
+def _assert_is_fresh_init(base, model_config, seed=0):
+    """The frozen base is bitwise the random init the run started from."""
+    fresh = init_params(model_config, jax.random.key(seed))
+    for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _adapters_only(params, model_config, lora):
+    assert jax.tree.structure(params) == jax.tree.structure(adapter_shapes(model_config, lora))
+
+
+def test_dpo_reference_is_the_base_with_adapters_off(pair_files, tmp_path):  # noqa: F811
+    losses, stored = {}, {}
+    for name, overrides in {
+        "full": {"train.steps": 1},
+        "on_the_fly": {**LORA, "loss.reference": "on_the_fly"},
+        "precomputed": {**LORA, "loss.reference": "precomputed"},
+    }.items():
+        config = dpo_config(pair_files, **overrides)
+        summary = run_from_config(config, str(tmp_path / name))
+        rows = read_metrics(str(tmp_path / name))
+        losses[name] = [r["loss"] for r in rows]
+        if name != "on_the_fly":
+            with np.load(tmp_path / name / "reference" / "train.process_0.npz") as f:
+                stored[name] = (f["chosen"], f["rejected"])
+    # The LoRA run's precomputed reference (its base, adapters off) is the full run's.
+    for a, b in zip(stored["precomputed"], stored["full"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Step 1: zero B, so policy == reference: the DPO loss is log 2 exactly as for full DPO.
+    assert losses["on_the_fly"][0] == pytest.approx(np.log(2), abs=1e-6)
+    np.testing.assert_allclose(losses["on_the_fly"], losses["precomputed"], atol=1e-5)
+    final = read_metrics(str(tmp_path / "on_the_fly"), "eval")[-1]
+    assert final["eval_accuracy"] >= 0.8 and final["eval_loss"] < np.log(2), final
+    lora_params, adapters, lora = load_lora_params(str(tmp_path / "on_the_fly"), merged=False)
+    _adapters_only(summary["state"].params, summary["model_config"], lora)
+    _assert_is_fresh_init(lora_params, summary["model_config"])
+
+
+def test_reward_model_trains_adapters_and_its_heads(pair_files, tmp_path):  # noqa: F811
+    dpo = dpo_config(pair_files)
+    values = {k: dpo[k] for k in ("tokenizer", "data", "eval_data", "train", "checkpoint", "mesh")}
+    config = override(load_config_file(os.path.join(REPO, "configs", "rm.py") + ":tiny"), {
+        **values, "model.checkpoint": "", "train.steps": 20, "optimizer.warmup_steps": 0, **LORA,
+    })  # fmt: skip
+    workdir = str(tmp_path / "rm")
+    summary = run_from_config(config, workdir)
+    state = summary["state"]
+    assert set(state.params) == {"adapters", "head"}
+    final = read_metrics(workdir, "eval")[-1]
+    assert final["eval_accuracy"] >= 0.8, final
+    # The saved reward model (adapters merged into the trunk) scores as base + adapters.
+    rm = load_reward_model(workdir)
+    base, lora = saved_base(checkpoint_json(workdir))
+    tokens = jnp.asarray(np.random.RandomState(0).randint(1, 500, (4, 12)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(12), (4, 12))
+    segments, heads = jnp.ones((4, 12), jnp.int32), jnp.asarray([0, 1, 0, 1])
+    params, kwargs = wrap(lora, _trunk(base), state.params["adapters"])
+    wrapped = reward_scores(
+        {"trunk": params, "head": state.params["head"]},
+        rm.model_config, tokens, positions, segments, heads, **kwargs,
+    )  # fmt: skip
+    merged = reward_scores(rm.params, rm.model_config, tokens, positions, segments, heads)
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(wrapped), atol=1e-5)
+    assert not np.allclose(np.asarray(state.params["head"]), 0.0)
+
+
+def _rl_batch(model_config, params):
+    B, L = 4, 12
+    tokens = jnp.asarray(np.random.RandomState(0).randint(1, 500, (B, L)), jnp.int32)
+    batch = {
+        "tokens": tokens,
+        "targets": jnp.roll(tokens, -1, axis=1),
+        "positions": jnp.broadcast_to(jnp.arange(L), (B, L)),
+        "segment_ids": jnp.ones((B, L), jnp.int32),
+        "loss_mask": jnp.asarray(np.arange(L)[None].repeat(B, 0) >= 5, jnp.float32),
+        "advantages": jnp.asarray([1.0, -1.0, 0.5, -0.5]),
+        "truncated": jnp.zeros(B),
+        "domain_ids": jnp.zeros(B, jnp.int32),
+    }
+    batch["old_logps"] = batch["sampler_logps"] = sequence_log_probs(params, model_config, batch)
+    return batch
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_mla_moe"])
+def test_policy_gradient_on_adapters_is_the_chain_rule_of_the_full_one(preset):
+    """At B = 0, dL/dB = scale * A^T dL/dW and dL/dA = 0: the LoRA policy loss differentiates
+    the same objective as full fine-tuning."""
+    model_config = get_preset(preset)
+    base = init_params(model_config, jax.random.key(0))
+    lora = LoRAConfig(rank=4, targets=(".",))
+    adapters = init_adapters(model_config, lora, jax.random.key(1))
+    batch = _rl_batch(model_config, base)
+    common = dict(max_new_tokens=7, use_reference=False)
+    full = rl_loss(model_config, PolicyLossConfig(), **common)
+    wrapped = rl_loss(model_config, PolicyLossConfig(), **common, lora=lora, base_params=base)
+    g_full = jax.grad(lambda p: full(p, batch, None)["loss_sum"])(base)
+    g_lora = jax.grad(lambda a: wrapped(a, batch, None)["loss_sum"])(adapters)
+    for path in target_paths(model_config, lora):
+        g_w = g_full
+        adapter, grads = adapters, g_lora
+        for key in path:
+            g_w, adapter, grads = g_w[key], adapter[key], grads[key]
+        a = adapter["a"]
+        lead = a.ndim + adapter["b"].ndim - 2 - g_w.ndim
+        a2 = a.reshape(*a.shape[:lead], -1, a.shape[-1])
+        g2 = g_w.reshape(*a2.shape[:-1], -1)
+        expected = lora.scale * jnp.einsum("...ir,...io->...ro", a2, g2)
+        np.testing.assert_allclose(
+            np.asarray(grads["b"]).reshape(expected.shape), expected, rtol=1e-4, atol=1e-7,
+            err_msg="/".join(path),
+        )  # fmt: skip
+        assert not np.any(np.asarray(grads["a"]))
+
+
+def test_grpo_with_lora_samples_the_merged_policy(tmp_path):
+    overrides = {
+        "lora__enabled": True,
+        "lora__rank": 8,
+        "optimizer__learning_rate": 2e-2,
+        "kl__coef": 0.05,
+        "train__steps": 4,
+    }
+    summary = run_from_config(toy_config(**overrides), str(tmp_path))
+    rows = read_metrics(str(tmp_path))
+    # The sampler ran the merged weights: its log-probs are the trainer's (base + adapters).
+    assert all(r["logp_gap"] < 1e-3 for r in rows)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # reference: the base, adapters off
+    assert rows[-1]["kl"] > 0
+    base, adapters, lora = load_lora_params(str(tmp_path), merged=False)
+    _adapters_only(summary["state"].params, summary["model_config"], lora)
+    _assert_is_fresh_init(base, summary["model_config"])
+    model = load_checkpoint_model(str(tmp_path))
+    tokens = jnp.asarray(np.random.RandomState(2).randint(1, 500, (2, 10)), jnp.int32)
+    params, kwargs = wrap(lora, base, adapters)
+    np.testing.assert_allclose(
+        np.asarray(model(tokens)),
+        np.asarray(forward(params, tokens, model.config, **kwargs)),
+        atol=1e-5,
+    )
+
+
+def test_decoupled_sampler_is_sent_only_the_adapters(tmp_path, devices):
+    overrides = {
+        "lora__enabled": True,
+        "lora__rank": 4,
+        "lora__quantize": "int8",
+        "optimizer__learning_rate": 2e-2,
+        "train__steps": 4,
+        "rollout__sampler_devices": 4,
+        "rollout__max_staleness": 0,
+    }
+    summary = run_from_config(toy_config(**overrides), str(tmp_path))
+    rows = read_metrics(str(tmp_path))
+    assert [r["staleness"] for r in rows] == [0.0] * 4
+    # max_staleness 0 is on-policy: the sampler's merged weights are the trainer's policy.
+    assert all(r["logp_gap"] < 1e-3 for r in rows)
+    model_config = summary["model_config"]
+    adapters = param_bytes(summary["state"].params)
+    assert all(r["sync_bytes"] == adapters for r in rows)
+    assert adapters * 10 < param_bytes(param_shapes(model_config))
