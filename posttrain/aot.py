@@ -22,6 +22,7 @@ import re
 import jax
 import jax.numpy as jnp
 
+from posttrain._aot_methods import frozen_inputs, method_loss, trainable_shapes
 from posttrain._flops import _expected_ratio, _expert_buffer, matmul_flops
 from posttrain.config import ConfigError, build, to_plain
 
@@ -203,90 +204,6 @@ def _abstract_batch(method: str, c, model_config, mesh):
     return batch, tokens, length
 
 
-def _frozen_inputs(method: str, c, model_config, mesh) -> tuple:
-    """Abstract traced inputs of the loss beside the state: a LoRA run's frozen base."""
-    if method != "sft" or c.lora is None:
-        return ()
-    from posttrain.models import param_shapes, param_shardings
-    from posttrain.train._run import with_shardings
-
-    return (with_shardings(param_shapes(model_config), param_shardings(model_config, mesh)),)
-
-
-def _loss(method: str, c, model_config, *inputs):
-    """The method's loss_fn as its driver builds it (DPO: precomputed reference)."""
-    if method == "sft":
-        from posttrain.train._sft import sft_loss
-
-        if c.lora is not None:
-            return sft_loss(model_config, c.z_loss, lora=c.lora, base_params=inputs[0])
-        return sft_loss(model_config, c.z_loss)
-    if method == "dpo":
-        from posttrain.train._dpo import dpo_loss
-
-        reference = c.loss.resolved_reference
-        return dpo_loss(
-            model_config,
-            loss_type=c.loss.type,
-            beta=c.loss.beta,
-            reference="precomputed" if reference == "on_the_fly" else reference,
-            sft_weight=c.loss.sft_weight,
-        )
-    if method == "rm":
-        from posttrain.train._rm import reward_model_loss
-
-        return reward_model_loss(model_config)
-    from posttrain.rl._loss import CriticLoss, rl_loss
-
-    return rl_loss(
-        model_config,
-        c.loss,
-        max_new_tokens=c.rollout.max_new_tokens,
-        use_reference=c.kl.enabled,
-        kl_in_loss=c.kl.mode == "loss",
-        critic=CriticLoss(model_config) if c.ppo else None,
-    )
-
-
-def _trainable_shapes(method: str, c, model_config, mesh):
-    """(abstract params, their shardings, decay mask) of what the method trains."""
-    from posttrain.models import param_shapes, param_shardings
-    from posttrain.train._rm import _trunk, reward_shapes
-    from posttrain.train._run import decay_mask
-
-    shapes, shardings = param_shapes(model_config), param_shardings(model_config, mesh)
-    mask = decay_mask(model_config)
-    if method == "sft" and c.lora is not None:  # the adapters; the base is a step argument
-        from posttrain.train._lora import lora_trainable
-
-        t = lora_trainable(c.lora, model_config, mesh, 0)
-        return t.shapes, t.shardings, t.decay_mask
-    head = named_head_sharding(mesh, model_config)
-    if method == "rm":
-        value = reward_shapes(model_config, 1)
-        return (
-            value,
-            {"trunk": _trunk(shardings), "head": head},
-            {"trunk": _trunk(mask), "head": True},
-        )
-    if method in ("grpo", "ppo") and c.ppo:
-        value = reward_shapes(model_config, 1)
-        value_sh = {"trunk": _trunk(shardings), "head": head}
-        value_mask = {"trunk": _trunk(mask), "head": True}
-        return (
-            {"policy": shapes, "value": value},
-            {"policy": shardings, "value": value_sh},
-            {"policy": mask, "value": value_mask},
-        )
-    return shapes, shardings, mask
-
-
-def named_head_sharding(mesh, model_config):
-    from posttrain.parallel import named_sharding
-
-    return named_sharding(("embed", None), (model_config.embed_dim, 1), mesh)
-
-
 def _bytes_per_device(shapes, shardings) -> float:
     total = 0.0
     for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True):
@@ -344,20 +261,20 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
     updates = c.updates if method in ("grpo", "ppo") else c.train.steps
     with axis_rules(c.mesh.axis_rules):
         # Outside the TPU mesh context: optax builds the state's tree on the host.
-        shapes, shardings, mask = _trainable_shapes(method, c, model_config, mesh)
+        shapes, shardings, mask = trainable_shapes(method, c, model_config, mesh)
         trainable = Trainable(shapes, shardings, mask, init=None)
         optimizer, abstract = optimizer_and_abstract_state(c, trainable, updates)
         state_sh = state_shardings(optimizer, abstract, shardings, mesh)
         batch, tokens, length = _abstract_batch(method, c, model_config, mesh)
         # LoRA: the frozen base is an argument of the step beside the adapters' state.
-        inputs = _frozen_inputs(method, c, model_config, mesh)
+        inputs = frozen_inputs(method, c, model_config, mesh)
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
 
         def run_step(state, inputs, batch):
             return train_step(
                 state,
                 batch,
-                loss_fn=_loss(method, c, model_config, *inputs),
+                loss_fn=method_loss(method, c, model_config, *inputs),
                 optimizer=optimizer,
                 micro_batches=c.train.micro_batches,
             )
@@ -398,15 +315,16 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
         program = matmul_flops(
             jax.make_jaxpr(step)(with_shardings(abstract, state_sh), inputs, batch).jaxpr
         )
-        resident = _resident(method, c, model_config, mesh, shardings)
+        resident = _resident(method, c, model_config, mesh)
         with axis_rules(c.mesh.axis_rules):
             expert_buffer = _expert_buffer(model_config, mesh)
     model_flops = model_config.flops_per_token(length) * tokens
     attention = model_flops - model_config.flops_per_token(0) * tokens
     # A fused attention kernel's FLOPs are not matmuls in the program: add the formula's.
     program_flops = program + (attention if kernels else 0.0)
-    if method == "sft" and c.lora is not None:
-        method = f"sft (LoRA r={c.lora.rank}, frozen base in the arguments)"
+    if c.lora is not None:
+        stored = f", {c.lora.quantize} base" if c.lora.quantize else ""
+        method = f"{method} (LoRA r={c.lora.rank}{stored}, frozen base in the arguments)"
     return CompileReport(
         topology=topology if num_slices == 1 else f"{num_slices} x {topology}",
         chips=len(devices),
@@ -427,18 +345,21 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
     )
 
 
-def _resident(method: str, c, model_config, mesh, shardings) -> dict:
+def _resident(method: str, c, model_config, mesh) -> dict:
     """Bytes per device the method holds beside the step: GRPO's frozen reference and the
-    rollout KV cache (co-located sampler); DPO's reference when computed on the fly."""
-    from posttrain.models import param_shapes
+    rollout KV cache (co-located sampler), with LoRA the merged weights it samples with; DPO's
+    reference when computed on the fly."""
+    from posttrain.models import param_shapes, param_shardings
 
     out = {}
-    policy = shardings["policy"] if method in ("grpo", "ppo") and c.ppo else shardings
+    full = param_shardings(model_config, mesh)
     reference = (method in ("grpo", "ppo") and c.kl.enabled) or (
         method == "dpo" and c.loss.resolved_reference == "on_the_fly"
     )
-    if reference:
-        out["reference"] = _bytes_per_device(param_shapes(model_config), policy)
+    if reference and c.lora is None:  # (LoRA: the reference is the base, in the arguments)
+        out["reference"] = _bytes_per_device(param_shapes(model_config), full)
+    if c.lora is not None and method in ("grpo", "ppo") and not c.rollout.sampler_devices:
+        out["sampler weights (merged)"] = _bytes_per_device(param_shapes(model_config), full)
     if method in ("grpo", "ppo") and not c.rollout.sampler_devices:
         m = model_config
         rows = c.rows

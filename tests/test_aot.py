@@ -47,6 +47,36 @@ def test_cli_compiles_the_tiny_sft_step_for_a_v5e_slice(capsys):
     assert "8 x TPU v5e, 16 GiB HBM each" in out and "temporaries" in out
 
 
+@pytest.mark.parametrize("method", ["dpo", "rm", "grpo", "ppo"])
+def test_lora_plans_of_every_method_train_only_the_adapters(method):
+    """QLoRA (nf4 base) on the tiny model for a v5e-8 slice: the donated state is the adapters
+    (and a reward model's heads, PPO's critic), the base a quantised argument, and RL's
+    reference is that base (no resident copy) while its sampler holds merged weights."""
+    from posttrain.lora import param_bytes, quantized_shapes
+    from posttrain.models import get_preset, param_shapes
+
+    file = "ppo.py:tiny" if method == "ppo" else f"{method}.py:tiny"
+    config = load_config_file(os.path.join(REPO, "configs", file))
+    values = {
+        "lora.enabled": True,
+        "lora.quantize": "nf4",
+        "model.checkpoint": "",
+        "model.attention": "xla",  # (the tiny configs' rows are shorter than splash's blocks)
+    }
+    report = compile_plan(override(config, values), "v5e-8")
+    assert report.fits and "LoRA r=8, nf4 base" in report.method, report.lines()
+    tiny = get_preset("tiny")
+    base = param_bytes(quantized_shapes(tiny, "nf4"))
+    assert base < param_bytes(param_shapes(tiny)) / 2
+    # The (sharded) base is an argument beside the donated state. (XLA's byte counts of such
+    # small arrays are dominated by TPU tile padding, so they are not compared with the
+    # adapters' logical size here; tests/test_aot.py's slow 8B plans do.)
+    assert report.arguments > report.outputs + base / 8
+    if method in ("grpo", "ppo"):
+        assert "reference" not in report.resident
+        assert "sampler weights (merged)" in report.resident
+
+
 def test_an_oversized_plan_does_not_fit(capsys):
     code = cli.main(
         [

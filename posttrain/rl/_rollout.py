@@ -21,12 +21,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from posttrain.models import Transformer
+from posttrain.lora import adapter_shardings, merge
+from posttrain.models import Transformer, param_shardings
 from posttrain.rewards import (
     overlong_penalty,
 )
 from posttrain.rl._config import RLConfig
+from posttrain.rl._scorer import policy_params
 from posttrain.sampling import Completion, generate
+from posttrain.train._lora import base_shardings
 
 
 def rollout_batch(
@@ -256,3 +259,43 @@ class RolloutProducer:
             self.cond.notify_all()
         if self.started:
             self.thread.join(timeout=300)
+
+
+class SamplerWeights:
+    """What the sampler runs: the policy's params, or with LoRA the frozen base with the
+    adapters merged in. A co-located sampler merges on the trainer's devices; a decoupled one
+    (`on(sampler_mesh)`) keeps its own copy of the base and is sent only the adapters."""
+
+    def __init__(self, c: RLConfig, model_config, mesh, base=None):
+        self.c, self.model_config, self.mesh, self.base = c, model_config, mesh, base
+        self.lora = c.lora
+        if self.lora is not None:
+            self._merge = self._merger(mesh)
+
+    def _merger(self, mesh):
+        lora = self.lora
+        shardings = param_shardings(self.model_config, mesh)
+        return jax.jit(lambda base, adapters: merge(base, adapters, lora), out_shardings=shardings)
+
+    def __call__(self, params):
+        """The sampler's weights from the trained params (co-located)."""
+        policy = policy_params(self.c, params)
+        return policy if self.lora is None else self._merge(self.base, policy)
+
+    def on(self, sampler_mesh) -> SamplerSide:
+        """The decoupled sampler's side: what is sent (`published`), how it is placed on
+        `sampler_mesh` and turned into weights there."""
+        if self.lora is None:
+            return SamplerSide(
+                published=lambda params: policy_params(self.c, params),
+                shardings=param_shardings(self.model_config, sampler_mesh),
+                prepare=lambda weights: weights,
+            )
+        lora, model_config = self.lora, self.model_config
+        base = jax.device_put(self.base, base_shardings(lora, model_config, sampler_mesh))
+        merge_there = self._merger(sampler_mesh)
+        return SamplerSide(
+            published=lambda params: policy_params(self.c, params),
+            shardings=adapter_shardings(model_config, lora, sampler_mesh),
+            prepare=lambda adapters: merge_there(base, adapters),
+        )

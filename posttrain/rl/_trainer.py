@@ -29,35 +29,28 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain.config import ConfigError
-from posttrain.lora import adapter_shardings, merge, wrap
-from posttrain.losses import (
-    adaptive_kl_update,
-    gae,
-    group_advantages,
-    kl_estimate,
-    whiten,
-)
-from posttrain.models import param_shardings
+from posttrain.losses import adaptive_kl_update
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh, shard_batch
 from posttrain.rewards import (
     RewardPool,
 )
 from posttrain.rl._config import RLConfig
-from posttrain.rl._critic import token_values, value_trainable
-from posttrain.rl._loss import CriticLoss, rl_loss, sequence_log_probs
+from posttrain.rl._critic import value_trainable
+from posttrain.rl._loss import CriticLoss, rl_loss
 from posttrain.rl._offline import filter_by_difficulty, rejection_sampling
 from posttrain.rl._prompts import AdaptiveDomains, PromptData
 from posttrain.rl._rollout import (
     RolloutProducer,
     Rollouts,
-    SamplerSide,
+    SamplerWeights,
     draw_groups,
     rollout_batch,
     split_rows,
 )
+from posttrain.rl._scorer import Scorer
 from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._loop import _Preemption
-from posttrain.train._lora import base_inputs, base_shardings, lora_json, lora_trainable
+from posttrain.train._lora import base_inputs, lora_json, lora_trainable
 from posttrain.train._metrics import MetricsWriter
 from posttrain.train._optimizer import learning_rate_schedule
 from posttrain.train._run import (
@@ -144,7 +137,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             policy = lora_trainable(lora, model_config, mesh, c.train.seed)
             inputs, input_sh = base_inputs(lora, c.model, model_config, mesh, c.train.seed)
             base = inputs[0]
-            extras["lora"] = lora_json(lora, c.model, c.train.seed)
+            extras["lora"] = lora_json(lora, c.model, c.train.seed, ("policy",) if c.ppo else ())
         trainable, critic = policy, None
         if c.ppo:
             value, value_config = value_trainable(
@@ -206,7 +199,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         )
         step_fn = lambda state, batch: jitted(state, inputs, batch)  # noqa: E731
         sampler = SamplerWeights(c, model_config, mesh, base)
-        score = _Scorer(c, model_config, critic, ref_params, mesh, domains, base)
+        score = Scorer(c, model_config, critic, ref_params, mesh, domains, base)
         with contextlib.ExitStack() as stack:
             pools = [
                 stack.enter_context(
@@ -244,120 +237,6 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     summary["model_config"] = model_config
     summary["data"] = prompts.stats
     return summary
-
-
-def _policy(c: RLConfig, params):
-    """The policy's params inside the trained params (PPO also trains a critic): with LoRA,
-    its adapters."""
-    return params["policy"] if c.ppo else params
-
-
-class SamplerWeights:
-    """What the sampler runs: the policy's params, or with LoRA the frozen base with the
-    adapters merged in. A co-located sampler merges on the trainer's devices; a decoupled one
-    (`on(sampler_mesh)`) keeps its own copy of the base and is sent only the adapters."""
-
-    def __init__(self, c: RLConfig, model_config, mesh, base=None):
-        self.c, self.model_config, self.mesh, self.base = c, model_config, mesh, base
-        self.lora = c.lora
-        if self.lora is not None:
-            self._merge = self._merger(mesh)
-
-    def _merger(self, mesh):
-        lora = self.lora
-        shardings = param_shardings(self.model_config, mesh)
-        return jax.jit(lambda base, adapters: merge(base, adapters, lora), out_shardings=shardings)
-
-    def __call__(self, params):
-        """The sampler's weights from the trained params (co-located)."""
-        policy = _policy(self.c, params)
-        return policy if self.lora is None else self._merge(self.base, policy)
-
-    def on(self, sampler_mesh) -> SamplerSide:
-        """The decoupled sampler's side: what is sent (`published`), how it is placed on
-        `sampler_mesh` and turned into weights there."""
-        if self.lora is None:
-            return SamplerSide(
-                published=lambda params: _policy(self.c, params),
-                shardings=param_shardings(self.model_config, sampler_mesh),
-                prepare=lambda weights: weights,
-            )
-        lora, model_config = self.lora, self.model_config
-        base = jax.device_put(self.base, base_shardings(lora, model_config, sampler_mesh))
-        merge_there = self._merger(sampler_mesh)
-        return SamplerSide(
-            published=lambda params: _policy(self.c, params),
-            shardings=adapter_shardings(model_config, lora, sampler_mesh),
-            prepare=lambda adapters: merge_there(base, adapters),
-        )
-
-
-class _Scorer:
-    """The trainer's passes over a rollout batch before its updates: the old policy's and the
-    reference's log-probs of the sampled tokens, the critic's values, the KL penalty when it
-    is a reward, and the advantages (group-relative, or GAE with the critic)."""
-
-    def __init__(self, c: RLConfig, model_config, critic, ref_params, mesh, domains, base=None):
-        self.c, self.model_config, self.critic = c, model_config, critic
-        self.ref_params, self.mesh, self.base = ref_params, mesh, base
-        self.scale = np.asarray([c.kl.domain_scale.get(d, 1.0) for d in domains] + [0.0])
-
-        def logps(trained, base, batch, adapters=True):
-            params, kwargs = wrap(c.lora, base, trained, adapters=adapters)
-            return sequence_log_probs(params, model_config, batch, **kwargs)
-
-        # (with LoRA: the reference is the base with the adapters off)
-        self.logps = jax.jit(logps, static_argnames="adapters")
-        if critic is not None:
-            self.values = jax.jit(token_values, static_argnums=1)
-            a = c.algorithm
-            self.gae = jax.jit(functools.partial(gae, gamma=a.gamma, lam=a.lam))
-
-    def __call__(self, params, batch: dict, kl_coef: float) -> None:
-        """Adds `old_logps`, `ref_logps`, `kl_coefs`, `advantages` (and with a critic
-        `old_values`, `returns`) to the host batch."""
-        c = self.c
-        device_batch = shard_batch(batch, self.mesh)
-        policy = _policy(c, params)
-        batch["old_logps"] = np.asarray(self.logps(policy, self.base, device_batch))
-        batch["kl_coefs"] = (kl_coef * self.scale[batch["domain_ids"]]).astype(np.float32)
-        mask = batch["loss_mask"]
-        penalty = np.zeros_like(mask)
-        if c.kl.enabled:
-            if c.lora is None:
-                ref = self.logps(self.ref_params, None, device_batch)
-            else:
-                ref = self.logps(None, self.base, device_batch, adapters=False)
-            batch["ref_logps"] = np.asarray(ref)
-            if c.kl.mode == "reward":
-                kl = kl_estimate(batch["old_logps"], ref, c.loss.kl_estimator, mask)
-                penalty = batch["kl_coefs"][:, None] * np.asarray(kl)
-        if self.critic is None:
-            # Within each prompt's group (fillers: all-zero groups, advantage 0).
-            rewards = batch["rewards"] - penalty.sum(axis=1)
-            batch["advantages"] = np.asarray(
-                group_advantages(
-                    rewards,
-                    c.rollout.num_generations,
-                    mode=c.algorithm.advantage,
-                    unbiased_std=c.algorithm.unbiased_std,
-                    std_eps=c.algorithm.std_eps,
-                ),
-                np.float32,
-            )
-            return
-        values = np.asarray(self.values(params["value"], self.critic.model_config, device_batch))
-        # The outcome reward lands on each completion's last token, the KL penalty on every one.
-        token_rewards = -penalty
-        rows = np.flatnonzero(mask.any(axis=1))
-        last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1] > 0, axis=1)
-        token_rewards[rows, last[rows]] += batch["rewards"][rows]
-        advantages, returns = self.gae(token_rewards, values, mask)
-        if c.algorithm.whiten_advantages:
-            advantages = whiten(advantages, mask)
-        batch["advantages"] = np.asarray(advantages, np.float32)
-        batch["returns"] = np.asarray(returns, np.float32)
-        batch["old_values"] = (values * mask).astype(np.float32)
 
 
 def _loop(

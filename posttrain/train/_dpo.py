@@ -25,25 +25,23 @@ Reference log-probs come from one of:
     micro-batches along its first axis.) The reference must not share buffers with the policy
     it starts from (`jax.tree.map(jnp.copy, params)`): the step donates the policy's.
   - "none": reference-free variants (simpo, orpo).
+With LoRA (`lora`, `base_params`), `params` are the adapters and the on-the-fly reference is
+the frozen base with the adapters off: no second copy of the weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from tqdm.auto import tqdm
 
 from posttrain.config import ConfigError
-from posttrain.data import DataConfig, SourceConfig, make_preference_pipeline
+from posttrain.data import DataConfig, SourceConfig
 from posttrain.lora import LoRAConfig, wrap
 from posttrain.losses import (
     LENGTH_NORMALISED,
@@ -59,14 +57,12 @@ from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
 from posttrain.train._lora import base_inputs, lora_json, lora_trainable
 from posttrain.train._optimizer import OptimizerConfig
+from posttrain.train._preference import PreferenceEvaluator, attach_reference, preference_data
 from posttrain.train._run import (
     ModelSpec,
     checkpoint_json,
-    each_batch,
-    local_rows,
     model_trainable,
     setup,
-    summed,
     to_json,
     train,
 )
@@ -326,102 +322,6 @@ class DPOConfig(PreferenceRunConfig):
     loss: PreferenceLossConfig = PreferenceLossConfig()
 
 
-def attach_reference(
-    data, ref_params_fn, model_config, mesh, path: str, identity: dict, lora=None
-) -> bool:
-    """Precomputes the reference log-probs of every pair of `data` once and attaches them.
-
-    They are stored in `path` (one file per process) with a key made of the pairs' tokens and
-    `identity` (the reference model), so a resumed run reads them back instead of recomputing;
-    `ref_params_fn()` loads the reference weights (with `lora`: the frozen base), only when
-    they are needed.
-
-    Returns:
-      True if they were computed, False if read back from `path`.
-    """
-    key = hashlib.sha256(
-        json.dumps({"pairs": data.fingerprint(), "reference": identity}, sort_keys=True).encode()
-    ).hexdigest()
-    if os.path.exists(path):
-        with np.load(path) as saved:
-            if str(saved["key"]) == key:
-                data.set_reference(saved["chosen"], saved["rejected"])
-                return False
-        log.warning("%s belongs to other pairs or another reference; recomputing", path)
-    score = jax.jit(lambda params, batch: reference_logps(params, model_config, batch, lora=lora))
-    ref_params = ref_params_fn()
-    chosen, rejected = [], []
-    batches = data.ordered_batches()
-    total = -(-len(data.pairs) // data.rows)
-    bar = tqdm(total=total, desc="reference log-probs", disable=jax.process_index() > 0)
-    for batch, real in each_batch(batches, mesh):
-        out = score(ref_params, batch)
-        if real:
-            chosen.append(local_rows(out["ref_chosen_logps"], mesh))
-            rejected.append(local_rows(out["ref_rejected_logps"], mesh))
-            bar.update(1)
-    bar.close()
-    n = len(data.pairs)
-    chosen, rejected = np.concatenate(chosen)[:n], np.concatenate(rejected)[:n]
-    data.set_reference(chosen, rejected)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.npz"
-    np.savez(tmp, key=np.asarray(key), chosen=chosen, rejected=rejected)
-    os.replace(tmp, path)
-    return True
-
-
-def preference_data(config, tokenizer, workdir: str):
-    """A preference run's (train data, eval data or None, manifest); bad pairs are counted (or
-    raised) here, and the counts written with the manifest to `workdir/manifest.json`."""
-    data = make_preference_pipeline(config.data, tokenizer)
-    log.info("preference data: %s", {k: v for k, v in data.stats.items() if k != "errors"})
-    manifest = data.manifest()
-    with open(os.path.join(workdir, "manifest.json"), "w") as f:
-        json.dump({**manifest, "pairs": data.stats}, f, indent=2)
-    eval_data = None
-    if config.eval_data:
-        eval_config = dataclasses.replace(
-            config.data, sources=config.eval_data, shuffle=False, num_epochs=1
-        )
-        eval_data = make_preference_pipeline(eval_config, tokenizer, domains=data.domains)
-    return data, eval_data, manifest
-
-
-class PreferenceEvaluator:
-    """Held-out pairs: mean loss, accuracy, margin and per-domain accuracy (a full pass).
-
-    `loss(*inputs)` builds the loss function, as for `train` (`inputs`: an on-the-fly
-    reference, a LoRA run's frozen base)."""
-
-    def __init__(self, data, loss, mesh, shardings, max_batches, domains, inputs=(), input_sh=()):
-        self.data, self.mesh, self.max_batches = data, mesh, max_batches
-        self.domains, self.inputs = domains, tuple(inputs)
-        self._step = jax.jit(
-            lambda params, inputs, batch: loss(*inputs)(params, batch, None),
-            in_shardings=(shardings, tuple(input_sh), None),
-        )
-
-    def __call__(self, state) -> dict:
-        step = lambda params, batch: self._step(params, self.inputs, batch)
-        batches = self.data.ordered_batches()
-        totals = summed(step, state.params, batches, self.mesh, self.max_batches)
-        n = max(totals.get("num_tokens", 0.0), 1.0)
-        metrics = {
-            "eval_loss": totals["loss_sum"] / n,
-            "eval_accuracy": totals["accuracy_sum"] / n,
-            "eval_rewards/margins": totals["rewards/margins_sum"] / n,
-            "eval_rewards/chosen": totals["rewards/chosen_sum"] / n,
-            "eval_rewards/rejected": totals["rewards/rejected_sum"] / n,
-            "eval_pairs": totals.get("num_tokens", 0.0),
-        }
-        for name in self.domains:
-            count = totals.get(f"accuracy/{name}_count", 0.0)
-            if count:
-                metrics[f"eval_accuracy/{name}"] = totals[f"accuracy/{name}_sum"] / count
-        return metrics
-
-
 def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
     """Trains (or resumes) a DPO-family run in `workdir`; returns the loop summary.
 
@@ -480,10 +380,11 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
             if config.model.checkpoint:  # that run may have saved newer params since
                 identity["step"] = checkpoint_json(config.model.checkpoint)["step"]
             process = f"process_{jax.process_index()}"
+            score = jax.jit(lambda params, b: reference_logps(params, model_config, b, lora))
             for name, d in (("train", data), ("eval", eval_data)):
                 if d is not None:
                     path = os.path.join(workdir, "reference", f"{name}.{process}.npz")
-                    attach_reference(d, reference_weights, model_config, mesh, path, identity, lora)
+                    attach_reference(d, reference_weights, score, mesh, path, identity)
             if lora is None:
                 reference_weights.cache_clear()  # the weights are no longer needed
         evaluate = None

@@ -88,9 +88,11 @@ def base_inputs(lora: LoRAConfig, spec: ModelSpec, model_config: ModelConfig, me
     return (params,), (base_shardings(lora, model_config, mesh),)
 
 
-def lora_json(lora: LoRAConfig, spec: ModelSpec, seed: int) -> dict:
-    """The checkpoint item that makes a LoRA checkpoint loadable: adapters config + base."""
-    return {"config": to_json(lora), "base": to_json(spec), "seed": seed}
+def lora_json(lora: LoRAConfig, spec: ModelSpec, seed: int, under: tuple[str, ...] = ()) -> dict:
+    """The checkpoint item that makes a LoRA checkpoint loadable: adapters config, the base,
+    and where the adapters sit in the saved params (`under`: () for the params themselves,
+    ("policy",) for PPO's `{"policy", "value"}`)."""
+    return {"config": to_json(lora), "base": to_json(spec), "seed": seed, "under": list(under)}
 
 
 def on_default_device(shapes):
@@ -123,7 +125,12 @@ def load_lora_params(workdir: str, step: int | None = None, *, merged: bool = Tr
     base, lora = saved_base(saved)
     model_config = build(ModelConfig, saved["model_config"])
     shapes = on_default_device(adapter_shapes(model_config, lora))
+    under = saved["lora"].get("under", [])
+    for key in reversed(under):
+        shapes = {key: shapes}
     adapters = restore_params(workdir, shapes, saved["step"])
+    for key in under:
+        adapters = adapters[key]
     if merged:
         return jax.jit(lambda b, a: merge(b, a, lora))(base, adapters)
     return base, adapters, lora

@@ -31,13 +31,7 @@ from posttrain.models import (
     param_shardings,
 )
 from posttrain.parallel import axis_rules, named_sharding
-from posttrain.train._dpo import (
-    PreferenceEvaluator,
-    PreferenceRunConfig,
-    _stacked,
-    domain_accuracy_sums,
-    preference_data,
-)
+from posttrain.train._dpo import PreferenceRunConfig, _stacked, domain_accuracy_sums
 from posttrain.train._lora import (
     base_inputs,
     lora_json,
@@ -45,6 +39,7 @@ from posttrain.train._lora import (
     on_default_device,
     saved_base,
 )
+from posttrain.train._preference import PreferenceEvaluator, preference_data
 from posttrain.train._run import (
     ModelSpec,
     Trainable,
@@ -243,7 +238,7 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
             trainable = lora_reward_trainable(lora, model_config, mesh, seed, len(heads))
             (base,), (base_sh,) = base_inputs(lora, config.model, model_config, mesh, seed)
             inputs, input_sh = (_trunk(base),), (_trunk(base_sh),)
-            extras["lora"] = lora_json(lora, config.model, seed)
+            extras["lora"] = lora_json(lora, config.model, seed, ("adapters",))
         evaluate = None
         if eval_data is not None:
             evaluate = PreferenceEvaluator(

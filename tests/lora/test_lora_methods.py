@@ -14,6 +14,7 @@ from posttrain.lora import (
     adapter_shapes,
     init_adapters,
     param_bytes,
+    quantize_params,
     target_paths,
     wrap,
 )
@@ -25,6 +26,7 @@ from posttrain.train._rm import _trunk, reward_scores
 from posttrain.train._run import checkpoint_json
 from posttrain.train.drivers import run_from_config
 from tests.rl.toy import REPO, toy_config
+from tests.train.conftest import small_config
 from tests.train.test_dpo_driver import _config as dpo_config
 from tests.train.test_dpo_driver import pair_files  # noqa: F401 (a fixture)
 
@@ -191,3 +193,38 @@ def test_decoupled_sampler_is_sent_only_the_adapters(tmp_path, devices):
     adapters = param_bytes(summary["state"].params)
     assert all(r["sync_bytes"] == adapters for r in rows)
     assert adapters * 10 < param_bytes(param_shapes(model_config))
+
+
+@pytest.mark.parametrize("quantize", ["int8", "nf4"])
+def test_qlora_sft_trains_adapters_on_a_quantised_base(quantize, tmp_path, caplog):
+    overrides = {
+        "lora__enabled": True,
+        "lora__quantize": quantize,
+        "optimizer__learning_rate": 1e-2,
+        "train__steps": 24,
+        "checkpoint__every": 24,
+    }
+    with caplog.at_level("INFO"):
+        summary = run_from_config(small_config(**overrides), str(tmp_path))
+    losses = [r["loss"] for r in read_metrics(str(tmp_path))]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.25, losses  # 6.12 -> 5.71 (int8)
+    model_config = summary["model_config"]
+    base, adapters, lora = load_lora_params(str(tmp_path), merged=False)
+    # The run's frozen base is the quantised random init, and what it trained against.
+    fresh = quantize_params(init_params(model_config, jax.random.key(0)), model_config, quantize)
+    for x, y in zip(jax.tree.leaves(summary["base_params"]), jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    full, stored = param_bytes(param_shapes(model_config)), param_bytes(summary["base_params"])
+    assert stored < full * (0.6 if quantize == "int8" else 0.5), (stored, full)
+    assert f"QLoRA: the frozen base takes {stored / 2**30:.3f} GiB stored as {quantize}" in (
+        caplog.text
+    )
+    # The checkpoint loads as one plain model: dequantised base + merged adapters.
+    model = load_checkpoint_model(str(tmp_path))
+    tokens = jnp.asarray(np.random.RandomState(3).randint(1, 500, (2, 16)), jnp.int32)
+    params, kwargs = wrap(lora, base, adapters)
+    np.testing.assert_allclose(
+        np.asarray(model(tokens)),
+        np.asarray(forward(params, tokens, model_config, **kwargs)),
+        atol=1e-5,
+    )
