@@ -140,6 +140,7 @@ def rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, m
             train=dataclasses.replace(c.train, steps=c.rft.steps, eval_every=0),
             checkpoint=dataclasses.replace(c.checkpoint, every=c.rft.steps, keep_best=0),
             mesh=c.mesh,
+            lora=c.lora,  # with LoRA, RL then starts fresh adapters on the merged result
         )
         run_sft(sft, rft_dir)
     return dataclasses.replace(c, model=ModelSpec(checkpoint=rft_dir, **c.model.overrides()))

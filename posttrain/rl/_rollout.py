@@ -267,8 +267,7 @@ class SamplerWeights:
     (`on(sampler_mesh)`) keeps its own copy of the base and is sent only the adapters."""
 
     def __init__(self, c: RLConfig, model_config, mesh, base=None):
-        self.c, self.model_config, self.mesh, self.base = c, model_config, mesh, base
-        self.lora = c.lora
+        self.c, self.model_config, self.base, self.lora = c, model_config, base, c.lora
         if self.lora is not None:
             self._merge = self._merger(mesh)
 
@@ -285,17 +284,12 @@ class SamplerWeights:
     def on(self, sampler_mesh) -> SamplerSide:
         """The decoupled sampler's side: what is sent (`published`), how it is placed on
         `sampler_mesh` and turned into weights there."""
+        published = lambda params: policy_params(self.c, params)  # noqa: E731
         if self.lora is None:
-            return SamplerSide(
-                published=lambda params: policy_params(self.c, params),
-                shardings=param_shardings(self.model_config, sampler_mesh),
-                prepare=lambda weights: weights,
-            )
+            shardings = param_shardings(self.model_config, sampler_mesh)
+            return SamplerSide(published, shardings, prepare=lambda weights: weights)
         lora, model_config = self.lora, self.model_config
         base = jax.device_put(self.base, base_shardings(lora, model_config, sampler_mesh))
         merge_there = self._merger(sampler_mesh)
-        return SamplerSide(
-            published=lambda params: policy_params(self.c, params),
-            shardings=adapter_shardings(model_config, lora, sampler_mesh),
-            prepare=lambda adapters: merge_there(base, adapters),
-        )
+        shardings = adapter_shardings(model_config, lora, sampler_mesh)
+        return SamplerSide(published, shardings, prepare=lambda a: merge_there(base, a))

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posttrain import cli
 from posttrain.config import load_config_file, override
+from posttrain.demo import ASSETS_DIR
 from posttrain.lora import (
     LoRAConfig,
     adapter_shapes,
@@ -18,8 +20,9 @@ from posttrain.lora import (
     target_paths,
     wrap,
 )
-from posttrain.models import forward, get_preset, init_params, param_shapes
+from posttrain.models import forward, from_hf, get_preset, init_params, param_shapes
 from posttrain.rl._loss import PolicyLossConfig, rl_loss, sequence_log_probs
+from posttrain.testing import hf_logits, save_tiny_hf_model
 from posttrain.train import load_checkpoint_model, load_lora_params, load_reward_model, read_metrics
 from posttrain.train._lora import saved_base
 from posttrain.train._rm import _trunk, reward_scores
@@ -228,3 +231,28 @@ def test_qlora_sft_trains_adapters_on_a_quantised_base(quantize, tmp_path, caplo
         np.asarray(forward(params, tokens, model_config, **kwargs)),
         atol=1e-5,
     )
+
+
+def test_qlora_from_an_hf_base_exports_what_it_trained(tmp_path):
+    """A QLoRA run on an HF model directory: the checkpoint's pointer rebuilds the (quantised)
+    base, and the merged export loaded by transformers gives the run's logits."""
+    hf_dir = save_tiny_hf_model("llama3", str(tmp_path / "hf"), vocab_size=512)
+    overrides = {
+        "model__hf_path": hf_dir,
+        "tokenizer": str(ASSETS_DIR / "tokenizer"),
+        "lora__enabled": True,
+        "lora__quantize": "int8",
+        "optimizer__learning_rate": 1e-2,
+        "train__steps": 4,
+    }
+    run_from_config(small_config(**overrides), str(tmp_path / "run"))
+    saved = checkpoint_json(str(tmp_path / "run"))
+    assert saved["lora"]["base"]["hf_path"] == hf_dir
+    base, adapters, lora = load_lora_params(str(tmp_path / "run"), merged=False)
+    assert not np.allclose(np.asarray(jax.tree.leaves(adapters)[1]), 0.0)  # b moved
+    tokens = np.random.RandomState(4).randint(1, 512, (2, 16)).astype(np.int32)
+    params, kwargs = wrap(lora, base, adapters)
+    trained = forward(params, jnp.asarray(tokens), from_hf(hf_dir).config, **kwargs)
+    out = tmp_path / "merged"
+    assert cli.main(["export", f"--workdir={tmp_path / 'run'}", f"--out={out}"]) == 0
+    np.testing.assert_allclose(hf_logits(str(out), tokens), np.asarray(trained), atol=1e-4)
