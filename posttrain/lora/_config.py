@@ -65,5 +65,10 @@ class LoRAConfig:
 
         values = dict(values)
         if not values.pop("enabled", True):
+            if values.get("quantize"):
+                raise ConfigError(
+                    f"lora.quantize={values['quantize']!r} is set but lora.enabled=False: QLoRA "
+                    "trains adapters on the quantised base; set lora.enabled=True"
+                )
             return None
         return build(cls, values, where)

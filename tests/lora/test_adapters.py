@@ -56,6 +56,11 @@ def test_targets_select_by_path_and_bad_targets_are_clear():
         target_paths(get_preset("tiny"), LoRAConfig(targets=("nothing",)))
     with pytest.raises(ConfigError, match="dropout"):
         LoRAConfig(dropout=0.1)
+    with pytest.raises(ConfigError, match="lora.quantize='nf3'"):
+        LoRAConfig(quantize="nf3")
+    with pytest.raises(ConfigError, match="set lora.enabled=True"):
+        LoRAConfig.from_config({"enabled": False, "quantize": "nf4"})
+    assert LoRAConfig.from_config({"enabled": False, "rank": 4}) is None
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_mla_moe"])
