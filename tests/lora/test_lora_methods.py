@@ -206,6 +206,8 @@ def test_qlora_sft_trains_adapters_on_a_quantised_base(quantize, tmp_path, caplo
         "optimizer__learning_rate": 1e-2,
         "train__steps": 24,
         "checkpoint__every": 24,
+        # int8: the quantised base (codes and scales) and the adapters sharded over fsdp=4
+        "mesh__ici__fsdp": 4 if quantize == "int8" else 1,
     }
     with caplog.at_level("INFO"):
         summary = run_from_config(small_config(**overrides), str(tmp_path))
@@ -217,6 +219,9 @@ def test_qlora_sft_trains_adapters_on_a_quantised_base(quantize, tmp_path, caplo
     fresh = quantize_params(init_params(model_config, jax.random.key(0)), model_config, quantize)
     for x, y in zip(jax.tree.leaves(summary["base_params"]), jax.tree.leaves(fresh), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    if quantize == "int8":
+        codes = summary["base_params"]["layers"]["mlp"]["up"].codes
+        assert len(codes.sharding.device_set) == 8 and not codes.sharding.is_fully_replicated
     full, stored = param_bytes(param_shapes(model_config)), param_bytes(summary["base_params"])
     assert stored < full * (0.6 if quantize == "int8" else 0.5), (stored, full)
     assert f"QLoRA: the frozen base takes {stored / 2**30:.3f} GiB stored as {quantize}" in (
