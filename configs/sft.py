@@ -66,7 +66,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # method takes it: SFT, DPO (reference: the base), reward models, GRPO/PPO (the policy).
     c.lora = ml_collections.ConfigDict()
     c.lora.enabled = False  # True: train adapters only; False: full fine-tune
-    c.lora.rank = 8  # r of A [in, r] and B [r, out]
+    c.lora.rank = 8  # r of A [r, in] and B [r, out] (delta W = alpha / r * A^T B)
     c.lora.alpha = 16.0  # the update is scaled by alpha / rank
     c.lora.dropout = 0.0  # only 0: adapters are merged into each layer's weights
     # Regexes searched in layer weight paths such as "layers/attn/q", "layers/mlp/down",

@@ -2,8 +2,9 @@
 
 A targeted weight `W [*lead, *in, *out]` (lead: the stacked `layers`, and `experts` for MoE
 experts; in/out: `dense`'s contraction layout, e.g. q `[T, D, N, H]` has in (D,), out (N, H)
-and o `[T, N, H, D]` has in (N, H), out (D,)) gets `a [*lead, *in, r]` and `b [*lead, r, *out]`
+and o `[T, N, H, D]` has in (N, H), out (D,)) gets `a [*lead, r, *in]` and `b [*lead, r, *out]`
 with the base's logical axes (r replicated), so adapters shard like the weights they adapt.
+`r` is the major dim of both, as in PEFT's `lora_A [r, in]`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ def adapter_specs(model_config: ModelConfig, lora: LoRAConfig) -> dict:
         lead = sum(1 for a in spec.axes if a in LEAD_AXES)
         n_in = in_dims(path)
         shape, axes = spec.shape, spec.axes
-        a = ParamSpec((*shape[: lead + n_in], lora.rank), (*axes[: lead + n_in], None), "lora_a")
+        a = ParamSpec(
+            (*shape[:lead], lora.rank, *shape[lead : lead + n_in]),
+            (*axes[:lead], None, *axes[lead : lead + n_in]),
+            "lora_a",
+        )
         b = ParamSpec(
             (*shape[:lead], lora.rank, *shape[lead + n_in :]),
             (*axes[:lead], None, *axes[lead + n_in :]),
@@ -104,8 +109,11 @@ def init_adapters(model_config: ModelConfig, lora: LoRAConfig, rng: jax.Array, m
                 out.append(jnp.zeros(spec.shape, jnp.float32))
                 continue
             lead = sum(1 for a in spec.axes if a in LEAD_AXES)
-            bound = 1.0 / math.sqrt(math.prod(spec.shape[lead:-1]))
-            out.append(jax.random.uniform(key, spec.shape, jnp.float32, -bound, bound))
+            bound = 1.0 / math.sqrt(math.prod(spec.shape[lead + 1 :]))
+            # (drawn in [*lead, *in, r] order, then r moved in front of the input dims)
+            draw_shape = (*spec.shape[:lead], *spec.shape[lead + 1 :], spec.shape[lead])
+            a = jax.random.uniform(key, draw_shape, jnp.float32, -bound, bound)
+            out.append(jnp.moveaxis(a, -1, lead))
         return jax.tree.unflatten(treedef, out)
 
     shardings = None if mesh is None else adapter_shardings(model_config, lora, mesh)
@@ -117,17 +125,17 @@ def _is_adapter(x) -> bool:
 
 
 def delta(a: jax.Array, b: jax.Array, lead: int) -> jax.Array:
-    """`a [*lead, *in, r] @ b [*lead, r, *out]` -> `[*lead, *in, *out]` in float32."""
-    r = a.shape[-1]
-    in_shape, out_shape = a.shape[lead:-1], b.shape[lead + 1 :]
-    a2 = a.reshape(*a.shape[:lead], math.prod(in_shape), r).astype(jnp.float32)
+    """`a [*lead, r, *in]`^T `@ b [*lead, r, *out]` -> `[*lead, *in, *out]` in float32."""
+    r = a.shape[lead]
+    in_shape, out_shape = a.shape[lead + 1 :], b.shape[lead + 1 :]
+    a2 = a.reshape(*a.shape[:lead], r, math.prod(in_shape)).astype(jnp.float32)
     b2 = b.reshape(*b.shape[:lead], r, math.prod(out_shape)).astype(jnp.float32)
-    return jnp.matmul(a2, b2).reshape(*a.shape[:lead], *in_shape, *out_shape)
+    return jnp.matmul(jnp.swapaxes(a2, -1, -2), b2).reshape(*a.shape[:lead], *in_shape, *out_shape)
 
 
 def merge_weight(w: jax.Array, adapter: dict, scale: float) -> jax.Array:
-    """`w + scale * a @ b`, added in float32 and stored back in `w`'s dtype (a zero `b` gives
-    `w` bit for bit). Works on a stacked weight and on one layer's slice alike."""
+    """`w + scale * a^T b` (contracting r), added in float32 and stored back in `w`'s dtype (a
+    zero `b` gives `w` bit for bit). Works on a stacked weight and on one layer's slice alike."""
     a, b = adapter["a"], adapter["b"]
     lead = a.ndim + b.ndim - 2 - w.ndim
     return (w.astype(jnp.float32) + scale * delta(a, b, lead)).astype(w.dtype)
@@ -171,7 +179,7 @@ def wrap(lora: LoRAConfig | None, base: dict | None, trained, *, adapters: bool 
 
 
 def merge(base_params: dict, adapters: dict, lora: LoRAConfig) -> dict:
-    """The base params (dequantised if stored quantised) with `W + (alpha / rank) * A @ B` for
+    """The base params (dequantised if stored quantised) with `W + (alpha / rank) * A^T B` for
     every adapted weight: plain params, for export, sampling and evaluation."""
     base_params = dequantize_tree(base_params)
     out = dict(base_params)

@@ -14,13 +14,14 @@ DEFAULT_TARGETS = ("attn/(q|k|v|o|q_a|q_b|kv_a|kv_b)$", "mlp/(gate|up|down)$")
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-    """Low-rank adapters `W + (alpha / rank) * A @ B` on the layer weights `targets` match.
+    """Low-rank adapters `W + (alpha / rank) * A^T B` (contracting the rank) on the layer
+    weights `targets` match.
 
     `A` starts as HF PEFT's kaiming-uniform (uniform in +-1/sqrt(fan_in)) and `B` at zero, so a
     fresh adapter leaves the model unchanged.
     """
 
-    rank: int = 8  # r: the inner dimension of A [*in, r] and B [r, *out]
+    rank: int = 8  # r: the inner dimension of A [r, *in] and B [r, *out]
     alpha: float = 16.0  # the delta is scaled by alpha / rank
     # Dropout on the adapter input; adapters are merged into the weight one layer at a time,
     # which has no separate adapter input, so only 0 is supported.

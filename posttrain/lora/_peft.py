@@ -60,8 +60,8 @@ def save_peft(
             a, b = (_to_host(x) for x in (_get(tree, where[1:])[n] for n in ("a", "b")))
             for index, name in entry.pieces(a.shape):
                 a_i, b_i = a[index], b[index]
-                r = a_i.shape[-1]
-                lora_a = a_i.reshape(-1, r).T  # [r, in]
+                r = a_i.shape[0]
+                lora_a = a_i.reshape(r, -1)  # [r, in]
                 lora_b = b_i.reshape(r, -1).T  # [out, r]
                 if not modules or index == (0,) * len(index):
                     want = entry.to_hf(np.asarray(delta(a_i, b_i, 0)))

@@ -38,10 +38,10 @@ def test_adapter_shapes_follow_the_contraction_layout():
     config = get_preset("tiny")  # D 64, N 8, K 4, H 16, F 128, T 2
     specs = adapter_specs(config, LoRAConfig(rank=4))
     attn, mlp = specs["layers"]["attn"], specs["layers"]["mlp"]
-    assert attn["q"]["a"].shape == (2, 64, 4) and attn["q"]["b"].shape == (2, 4, 8, 16)
-    assert attn["o"]["a"].shape == (2, 8, 16, 4) and attn["o"]["b"].shape == (2, 4, 64)
-    assert mlp["down"]["a"].shape == (2, 128, 4) and mlp["down"]["b"].shape == (2, 4, 64)
-    assert attn["q"]["a"].axes == ("layers", "embed", None)
+    assert attn["q"]["a"].shape == (2, 4, 64) and attn["q"]["b"].shape == (2, 4, 8, 16)
+    assert attn["o"]["a"].shape == (2, 4, 8, 16) and attn["o"]["b"].shape == (2, 4, 64)
+    assert mlp["down"]["a"].shape == (2, 4, 128) and mlp["down"]["b"].shape == (2, 4, 64)
+    assert attn["q"]["a"].axes == ("layers", None, "embed")
     assert attn["q"]["b"].axes == ("layers", None, "heads", "head_dim")
 
 

@@ -140,9 +140,9 @@ def test_policy_gradient_on_adapters_is_the_chain_rule_of_the_full_one(preset):
             g_w, adapter, grads = g_w[key], adapter[key], grads[key]
         a = adapter["a"]
         lead = a.ndim + adapter["b"].ndim - 2 - g_w.ndim
-        a2 = a.reshape(*a.shape[:lead], -1, a.shape[-1])
-        g2 = g_w.reshape(*a2.shape[:-1], -1)
-        expected = lora.scale * jnp.einsum("...ir,...io->...ro", a2, g2)
+        a2 = a.reshape(*a.shape[: lead + 1], -1)  # [*lead, r, in]
+        g2 = g_w.reshape(*a2.shape[:lead], a2.shape[-1], -1)  # [*lead, in, out]
+        expected = lora.scale * jnp.einsum("...ri,...io->...ro", a2, g2)
         np.testing.assert_allclose(
             np.asarray(grads["b"]).reshape(expected.shape), expected, rtol=1e-4, atol=1e-7,
             err_msg="/".join(path),

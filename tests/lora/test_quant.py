@@ -172,7 +172,7 @@ def test_quant_paths_are_the_layer_matrices_blocked_on_their_last_input_dim():
     shapes = quantized_shapes(config, "nf4")
     assert not isinstance(shapes["embed"], QuantizedWeight)
     assert not isinstance(shapes["layers"]["attn"]["kv_norm"], QuantizedWeight)
-    # The blocked dim is the last of the adapter `a [*lead, *in, r]`'s non-rank dims.
+    # The blocked dim is the weight's last input dim (the adapter `a [*lead, r, *in]`'s last).
     a_specs = adapter_specs(config, LoRAConfig(targets=(".",)))
     specs = param_specs(config)
     for path in paths:
