@@ -2,7 +2,8 @@
 
 One RL step:
   1. draws `data.batch_size` prompts and samples `rollout.num_generations` completions of each
-     with the current weights (co-located: the sampler reads the train state's params);
+     with the current weights (co-located: the sampler reads the train state's params; with
+     LoRA, the frozen base with the adapters merged in);
   2. scores them with the reward registry (verifiers in a killable worker pool, `rm:` reward
      models in this process) and, with dynamic sampling (DAPO), drops groups whose rewards are
      all equal and draws more prompts to refill;

@@ -238,6 +238,7 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
             trainable = lora_reward_trainable(lora, model_config, mesh, seed, len(heads))
             (base,), (base_sh,) = base_inputs(lora, config.model, model_config, mesh, seed)
             inputs, input_sh = (_trunk(base),), (_trunk(base_sh),)
+            del base  # (its lm_head is not needed)
             extras["lora"] = lora_json(lora, config.model, seed, ("adapters",))
         evaluate = None
         if eval_data is not None:
