@@ -37,34 +37,26 @@ LORA = {
     "data__batch_size": 16,
     "checkpoint__every": 1600,
 }
-# Measured 0.096 to 0.156 across seeds; about half the lowest, so seeds and numerics may drift.
+# Measured 0.096 to 0.156 across seeds, and 0.202 for seed 0 after `a` became [*lead, r, *in]
+# (same draws, another matmul order: the runs are that sensitive); about half the lowest.
 MIN_ACCURACY = 0.05
 MAX_BASE_ACCURACY = 0.01  # measured 0.000
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, devices):
-    workdir = str(tmp_path_factory.mktemp("lora_demo_task"))
+def test_lora_beats_the_base_on_held_out_exact_match_and_leaves_it_bitwise(tmp_path, devices):
+    # (one test, not a module fixture shared by two: xdist would train it on both workers)
     config = small_config(**LORA)
-    return config, workdir, run_from_config(config, workdir)
-
-
-def test_lora_beats_the_base_on_held_out_exact_match(run):
-    config, workdir, summary = run
+    summary = run_from_config(config, str(tmp_path))
+    fresh = init_params(summary["model_config"], jax.random.key(config.train.seed))
+    for x, y in zip(jax.tree.leaves(summary["base_params"]), jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     tokenizer = load_tokenizer(config.tokenizer)
     with open(ASSETS_DIR / "eval.jsonl") as f:
         held_out = [json.loads(line) for line in f if line.strip()]
     base = Transformer(jax.device_get(summary["base_params"]), summary["model_config"])
     base_accuracy = float(greedy_exact_match(base, tokenizer, held_out).mean())
-    merged = load_checkpoint_model(workdir)
+    merged = load_checkpoint_model(str(tmp_path))
     accuracy = float(greedy_exact_match(merged, tokenizer, held_out).mean())
     assert len(held_out) == 500
     assert base_accuracy <= MAX_BASE_ACCURACY, base_accuracy
     assert accuracy >= max(MIN_ACCURACY, base_accuracy + MIN_ACCURACY), (accuracy, base_accuracy)
-
-
-def test_the_base_is_bitwise_its_random_init(run):
-    config, _, summary = run
-    fresh = init_params(summary["model_config"], jax.random.key(config.train.seed))
-    for x, y in zip(jax.tree.leaves(summary["base_params"]), jax.tree.leaves(fresh), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
