@@ -65,46 +65,28 @@ def method_loss(method: str, c, model_config, *inputs):
 
 
 def trainable_shapes(method: str, c, model_config, mesh):
-    """(abstract params, their shardings, decay mask) of what the method trains (with LoRA:
-    the adapters, and a reward model's heads; the base is a step argument)."""
-    from posttrain.models import param_shapes, param_shardings
+    """(abstract params, their shardings, decay mask) of what the method trains, from the
+    drivers' own `Trainable`s (nothing is initialised): with LoRA the adapters (and a reward
+    model's heads; the base is a step argument), PPO's policy beside its critic."""
     from posttrain.train._lora import lora_trainable
-    from posttrain.train._rm import _trunk, lora_reward_trainable, reward_shapes
-    from posttrain.train._run import decay_mask
+    from posttrain.train._rm import lora_reward_trainable, reward_trainable
+    from posttrain.train._run import model_trainable
 
-    shapes, shardings = param_shapes(model_config), param_shardings(model_config, mesh)
-    mask = decay_mask(model_config)
-    if c.lora is not None:
-        t = lora_trainable(c.lora, model_config, mesh, 0)
-        if method == "rm":
-            t = lora_reward_trainable(c.lora, model_config, mesh, 0, 1)
-        shapes, shardings, mask = t.shapes, t.shardings, t.decay_mask
-        if method != "rm" and not (method in ("grpo", "ppo") and c.ppo):
-            return shapes, shardings, mask
-    head = named_head_sharding(mesh, model_config)
     if method == "rm":
         if c.lora is not None:
-            return shapes, shardings, mask
-        value = reward_shapes(model_config, 1)
-        return (
-            value,
-            {"trunk": _trunk(shardings), "head": head},
-            {"trunk": _trunk(mask), "head": True},
-        )
+            t = lora_reward_trainable(c.lora, model_config, mesh, 0, 1)
+        else:
+            t = reward_trainable(c.model, model_config, mesh, 0, 1)
+        return t.shapes, t.shardings, t.decay_mask
+    if c.lora is not None:
+        t = lora_trainable(c.lora, model_config, mesh, 0)
+    else:
+        t = model_trainable(c.model, model_config, mesh, 0)
     if method in ("grpo", "ppo") and c.ppo:
-        full_sh = param_shardings(model_config, mesh)
-        value = reward_shapes(model_config, 1)
-        value_sh = {"trunk": _trunk(full_sh), "head": head}
-        value_mask = {"trunk": _trunk(decay_mask(model_config)), "head": True}
+        value = reward_trainable(c.model, model_config, mesh, 0, 1)  # the critic
         return (
-            {"policy": shapes, "value": value},
-            {"policy": shardings, "value": value_sh},
-            {"policy": mask, "value": value_mask},
+            {"policy": t.shapes, "value": value.shapes},
+            {"policy": t.shardings, "value": value.shardings},
+            {"policy": t.decay_mask, "value": value.decay_mask},
         )
-    return shapes, shardings, mask
-
-
-def named_head_sharding(mesh, model_config):
-    from posttrain.parallel import named_sharding
-
-    return named_sharding(("embed", None), (model_config.embed_dim, 1), mesh)
+    return t.shapes, t.shardings, t.decay_mask

@@ -308,18 +308,14 @@ def _layer(
     return x_BLD, (new_cache, aux)
 
 
-def _stacks(params: dict, config: ModelConfig) -> list[tuple[dict, slice]]:
-    """The scanned stacks in order, each with the slice of layers (and cache) it covers."""
+def _stacks(config: ModelConfig) -> list[tuple[str, slice]]:
+    """The scanned stacks in order (their params keys), each with the slice of layers (and
+    cache) it covers."""
     k = config.first_k_dense
-    stacks = [(params["layers"], slice(k, config.num_layers))]
+    stacks = [("layers", slice(k, config.num_layers))]
     if k:
-        stacks.insert(0, (params["dense_layers"], slice(0, k)))
+        stacks.insert(0, ("dense_layers", slice(0, k)))
     return stacks
-
-
-def _stack_names(config: ModelConfig) -> list[str]:
-    """The params keys of `_stacks`, in the same order."""
-    return ["dense_layers", "layers"] if config.first_k_dense else ["layers"]
 
 
 # `(one layer's params, that layer's slice of the extras) -> the params the layer runs with`:
@@ -393,7 +389,8 @@ def hidden_states(
     if config.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
     caches, aux_T = [], {}
-    for (stack, layers), name in zip(_stacks(params, config), _stack_names(config), strict=True):
+    for name, layers in _stacks(config):
+        stack = params[name]
         xs = (stack, window_index_T[layers])
         if layer_transform is not None:
             xs = (stack, (layer_extras or {}).get(name), window_index_T[layers])

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from posttrain.lora import adapter_shardings, merge
+from posttrain.lora import adapter_shardings, merge, param_bytes
 from posttrain.models import Transformer, param_shardings
 from posttrain.rewards import (
     overlong_penalty,
@@ -202,7 +202,7 @@ class RolloutProducer:
         """Sends what the sampler needs of the trained params (after `version` RL steps) to
         its devices, resharding them onto its mesh."""
         sent = self.side.published(params)
-        self.sync_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(sent))
+        self.sync_bytes = param_bytes(sent)
         weights = jax.device_put(sent, self.side.shardings)
         with self.cond:
             self.weights, self.version = weights, version

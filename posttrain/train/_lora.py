@@ -36,6 +36,10 @@ from posttrain.train._run import (
 
 log = logging.getLogger(__name__)
 
+# `merge` compiled once per (shapes, LoRAConfig): loading checkpoint after checkpoint (eval)
+# and evaluating during a run reuse it.
+merge_jit = jax.jit(merge, static_argnames="lora")
+
 
 def lora_trainable(lora: LoRAConfig, model_config: ModelConfig, mesh, seed: int) -> Trainable:
     """Only the adapters: they alone get gradients and optimizer state (weight decay on both
@@ -132,7 +136,7 @@ def load_lora_params(workdir: str, step: int | None = None, *, merged: bool = Tr
     for key in under:
         adapters = adapters[key]
     if merged:
-        return jax.jit(lambda b, a: merge(b, a, lora))(base, adapters)
+        return merge_jit(base, adapters, lora=lora)
     return base, adapters, lora
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from posttrain.config import ConfigError, build
 from posttrain.data import Tokenizer, load_tokenizer
 from posttrain.data._formats import RecordError, encode_record
-from posttrain.lora import LoRAConfig, adapter_shapes, merge, wrap
+from posttrain.lora import LoRAConfig, adapter_shapes, wrap
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import (
     ModelConfig,
@@ -36,6 +36,7 @@ from posttrain.train._lora import (
     base_inputs,
     lora_json,
     lora_trainable,
+    merge_jit,
     on_default_device,
     saved_base,
 )
@@ -168,11 +169,15 @@ def lora_view(lora: LoRAConfig | None, base_trunk: dict | None, params: dict):
 
 
 def _head_init(model_config: ModelConfig, mesh, seed: int, heads: int):
-    """(initial heads N(0, 1/(D+1)) `[D, heads]`, their sharding)."""
+    """(a function making the initial heads N(0, 1/(D+1)) `[D, heads]`, their sharding)."""
     D = model_config.embed_dim
     sharding = named_sharding(("embed", None), (D, heads), mesh)
-    head = jax.random.normal(jax.random.key(seed + 1), (D, heads), jnp.float32) / np.sqrt(D + 1)
-    return (lambda: jax.device_put(head, sharding)), sharding
+
+    def init():
+        head = jax.random.normal(jax.random.key(seed + 1), (D, heads), jnp.float32)
+        return jax.device_put(head / np.sqrt(D + 1), sharding)
+
+    return init, sharding
 
 
 def lora_reward_trainable(lora: LoRAConfig, model_config: ModelConfig, mesh, seed: int, heads):
@@ -340,7 +345,7 @@ def reward_params(path: str, saved: dict) -> dict:
         base, lora = saved_base(saved)
         shapes = {"adapters": adapter_shapes(model_config, lora), "head": shapes["head"]}
         params = restore_params(path, on_default_device(shapes), saved["step"])
-        trunk = jax.jit(lambda b, a: merge(b, a, lora))(_trunk(base), params["adapters"])
+        trunk = merge_jit(_trunk(base), params["adapters"], lora=lora)
         return {"trunk": trunk, "head": params["head"]}
     return restore_params(path, on_default_device(shapes), saved["step"])
 

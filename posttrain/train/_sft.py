@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -12,13 +11,19 @@ import jax
 
 from posttrain.config import ConfigError, build
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
-from posttrain.lora import LoRAConfig, merge, wrap
+from posttrain.lora import LoRAConfig, wrap
 from posttrain.losses import cross_entropy_sums
 from posttrain.models import ModelConfig, Transformer, forward, param_shapes
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
-from posttrain.train._lora import base_inputs, load_lora_params, lora_json, lora_trainable
+from posttrain.train._lora import (
+    base_inputs,
+    load_lora_params,
+    lora_json,
+    lora_trainable,
+    merge_jit,
+)
 from posttrain.train._optimizer import OptimizerConfig
 from posttrain.train._run import (
     ModelSpec,
@@ -146,7 +151,7 @@ class _Evaluator:
 
             params = state.params
             if self.lora is not None:
-                params = jax.jit(functools.partial(merge, lora=self.lora))(self.inputs[0], params)
+                params = merge_jit(self.inputs[0], params, lora=self.lora)
             model = Transformer(params, self.model_config)
             metrics = evaluate(model, self.tokenizer, self.suite)
             out.update({f"suite/{name}": value for name, value in metrics.items()})
