@@ -15,9 +15,14 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.tolerance import checked_allclose  # noqa: E402
+
 jax.config.update("jax_threefry_partitionable", True)
+# Every assert_allclose of the suite goes through the tolerance check (tests/README.md).
+np.testing.assert_allclose = checked_allclose
 
 
 @pytest.fixture(scope="session")

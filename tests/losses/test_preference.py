@@ -143,12 +143,13 @@ def test_reward_metrics():
     pi_r = jnp.asarray([-4.0, -2.0, -3.0, -2.0])
     ref = jnp.asarray([-3.0, -3.0, -3.0, -1.0])
     out = preference_loss(pi_c, pi_r, ref, ref, beta=0.5)
-    np.testing.assert_allclose(out["rewards/chosen"], [1.0, -1.0, 0.0, -0.5])
-    np.testing.assert_allclose(out["rewards/rejected"], [-0.5, 0.5, 0.0, -0.5])
-    np.testing.assert_allclose(out["rewards/margins"], [1.5, -1.5, 0.0, 0.0])
+    # Halves and small integers: exact in float32.
+    np.testing.assert_array_equal(out["rewards/chosen"], [1.0, -1.0, 0.0, -0.5])
+    np.testing.assert_array_equal(out["rewards/rejected"], [-0.5, 0.5, 0.0, -0.5])
+    np.testing.assert_array_equal(out["rewards/margins"], [1.5, -1.5, 0.0, 0.0])
     np.testing.assert_array_equal(out["rewards/accuracies"], [1.0, 0.0, 0.0, 0.0])  # ties are 0
     simpo = preference_loss(pi_c, pi_r, loss_type="simpo", beta=2.0)
-    np.testing.assert_allclose(simpo["rewards/chosen"], 2.0 * pi_c)
+    np.testing.assert_array_equal(simpo["rewards/chosen"], 2.0 * pi_c)
     np.testing.assert_array_equal(simpo["rewards/accuracies"], [1.0, 0.0, 0.0, 0.0])
 
 
@@ -177,8 +178,8 @@ def test_orpo_stable_near_zero_log_prob():
 def test_sequence_logps():
     token_logps = jnp.asarray([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
     mask = jnp.asarray([[0, 1, 1], [0, 0, 0]])
-    np.testing.assert_allclose(sequence_logps(token_logps, mask), [-5.0, 0.0])
-    np.testing.assert_allclose(sequence_logps(token_logps, mask, average=True), [-2.5, 0.0])
+    np.testing.assert_array_equal(sequence_logps(token_logps, mask), [-5.0, 0.0])  # exact
+    np.testing.assert_array_equal(sequence_logps(token_logps, mask, average=True), [-2.5, 0.0])
 
 
 def test_unknown_loss_type_lists_valid_ones():

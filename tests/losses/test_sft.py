@@ -15,8 +15,8 @@ def test_cross_entropy_sums_by_hand():
     )
     expected_nll = -np.log(0.7) - np.log(0.1)
     np.testing.assert_allclose(sums["nll_sum"], expected_nll, rtol=1e-6)
-    np.testing.assert_allclose(sums["num_tokens"], 2.0)
-    np.testing.assert_allclose(sums["accuracy_sum"], 1.0)  # argmax hits target 0, misses 1
+    np.testing.assert_array_equal(sums["num_tokens"], 2.0)
+    np.testing.assert_array_equal(sums["accuracy_sum"], 1.0)  # argmax hits target 0, misses 1
     np.testing.assert_allclose(sums["z_loss_sum"], 0.0, atol=1e-6)  # normalised: log Z = 0
     np.testing.assert_allclose(sums["loss_sum"], expected_nll, rtol=1e-6)
 
