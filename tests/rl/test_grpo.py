@@ -88,7 +88,8 @@ def test_resume_continues_exactly(tmp_path):
     stopped = run_from_config(
         toy_config(**overrides), str(tmp_path / "resumed"), on_metrics=preempt
     )
-    assert stopped["stopped"] == "preempted" and stopped["final_step"] == 3
+    # Step 3's metrics reach the host after step 4 is dispatched: the save is at step 4.
+    assert stopped["stopped"] == "preempted" and stopped["final_step"] == 4
     resumed = run_from_config(toy_config(**overrides), str(tmp_path / "resumed"))
     assert resumed["final_step"] == 6
     a, b = read_metrics(str(tmp_path / "straight")), read_metrics(str(tmp_path / "resumed"))
