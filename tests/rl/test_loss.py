@@ -82,8 +82,9 @@ def test_loss_and_gradients_do_not_depend_on_the_split(rollouts, aggregation, de
     for m, d in others:
         for name in ("loss", "grad_norm", "kl", "clip_fraction", "entropy", "kl/a", "kl/b"):
             np.testing.assert_allclose(m[name], m0[name], rtol=2e-5, atol=1e-7, err_msg=name)
+        # The deltas are differences of params of ~1: one float32 ulp of 1 (1.2e-7) is noise.
         for a, b in zip(jax.tree.leaves(d), jax.tree.leaves(d0), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2.5e-7)
 
 
 def test_update_raises_the_log_prob_of_a_positive_advantage(rollouts):
