@@ -111,6 +111,8 @@ class RolloutSource:
 
     def __next__(self) -> dict[str, np.ndarray]:
         c, step = self.c, self._step + 1
+        t_train = time.perf_counter()
+        jax.block_until_ready(self._params)  # (sampling and the trainer's passes need them)
         self._settle_kl()
         t0 = time.perf_counter()
         if self.producer is None:
@@ -156,6 +158,9 @@ class RolloutSource:
             # rollouts they overlap training, and wait_s is what the trainer waited.
             "wait_s": t1 - t0,
             "prepare_s": time.perf_counter() - t1,  # the trainer's passes, advantages
+            # What this step waited for the previous step's updates (a step late: the loop
+            # does not wait on the device).
+            "train_s": t0 - t_train,
         }
         if c.domains.adaptive:
             # A group carries learning signal when its rewards differ.

@@ -170,6 +170,7 @@ def train_loop(
         def flush(pending):
             step, metrics, tokens, seconds, source_metrics = pending
             host = {**_host_metrics(metrics), **source_metrics}
+            host["step_s"] = seconds  # host time between the step's dispatch and the previous
             host["tokens_per_second"] = tokens / max(seconds, 1e-9)
             if flops_per_token and peak:
                 host["mfu"] = (

@@ -19,7 +19,7 @@ from .toy import REPO, TWO_DOMAIN_REWARDS, toy_config, two_domain_prompts
 
 STEPS = 8
 # Wall-clock times: the only metrics a resumed run cannot repeat.
-_TIMES = {"generate_s", "reward_s", "wait_s", "prepare_s", "tokens_per_second"}
+_TIMES = {"generate_s", "reward_s", "wait_s", "prepare_s", "train_s", "step_s", "tokens_per_second"}
 
 _RUNNER = """
 import json, os, sys, time
