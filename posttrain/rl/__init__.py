@@ -1,6 +1,6 @@
 """Reinforcement learning with verifiable rewards: the GRPO family (GRPO, Dr.GRPO, DAPO, GSPO,
-RLOO) on the shared train step, with rollouts from `posttrain.sampling` and rewards from
-`posttrain.rewards`."""
+RLOO) and PPO on the shared train loop: `RolloutSource` makes each step's batch from rollouts
+(`posttrain.sampling`) and rewards (`posttrain.rewards`), `run_rl` runs it with `train`."""
 
 from posttrain.rl._config import (
     AlgorithmConfig,
@@ -12,6 +12,7 @@ from posttrain.rl._config import (
 from posttrain.rl._loss import PolicyLossConfig, rl_loss, sequence_log_probs
 from posttrain.rl._prompts import PromptData
 from posttrain.rl._rollout import rollout_batch, split_rows
+from posttrain.rl._source import RolloutSource
 from posttrain.rl._trainer import run_rl
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "PromptData",
     "RLConfig",
     "RewardsConfig",
+    "RolloutSource",
     "RolloutConfig",
     "rl_loss",
     "rollout_batch",

@@ -2,6 +2,14 @@
 
 The host never waits on the device mid-run: metrics of step t are fetched after step t+1 is
 dispatched. SIGTERM (TPU preemption) saves a checkpoint at the current step and exits cleanly.
+
+`data` yields this process's host batches and has `get_state`/`set_state` (its position is saved
+with every checkpoint). A source that makes its batches with the model being trained (RL:
+prompts -> rollouts -> rewards -> advantages) also has
+  `observe(step, state, metrics)`: called with the starting state (`metrics` None) and after
+    each step is dispatched with the new state and the step's device metrics (not fetched);
+  `batch_metrics() -> dict`: host metrics of the batch last drawn (rewards, timings...),
+    logged with that step's device metrics.
 """
 
 from __future__ import annotations
@@ -72,10 +80,13 @@ class _Preemption:
 
 
 def _host_metrics(metrics) -> dict[str, float]:
-    """Device metrics as floats; a group's metric ("accuracy/math") that is NaN because the
-    batch held none of the group is left out."""
+    """Device metrics as floats. On a good step a NaN metric is a mean over nothing (a group
+    such as "accuracy/math" absent from the batch, every completion masked): left out; a bad
+    step's are all kept, to show what went wrong."""
     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    return {k: v for k, v in host.items() if not ("/" in k and np.isnan(v))}
+    if host.get("bad_step"):
+        return host
+    return {k: v for k, v in host.items() if not np.isnan(v)}
 
 
 def _tokens(batch: dict) -> float:
@@ -96,13 +107,16 @@ def train_loop(
     checkpoint_json: dict | None = None,
     flops_per_token: float | None = None,
     on_metrics: Callable[[int, dict], None] | None = None,
+    updates_per_step: int = 1,
+    eval_first: bool = False,
 ) -> tuple[object, dict]:
     """Runs `step_fn` from `state.step` to `loop.steps`.
 
     Args:
       state: the train state (fresh or restored), already sharded.
       step_fn: jitted `(state, batch) -> (state, metrics)`.
-      data: iterator of this process's numpy batches with `get_state()` for checkpoints.
+      data: this process's numpy batches, with `get_state()` for checkpoints (and `observe`,
+        `batch_metrics` when it samples with the trained model; see the module docstring).
       mesh: the device mesh batches are placed on.
       workdir: where metrics, TensorBoard events and checkpoints go.
       loop: steps, logging and eval cadence, divergence limit.
@@ -111,11 +125,15 @@ def train_loop(
       checkpoint_json: JSON items stored with every checkpoint (config, manifest).
       flops_per_token: training FLOPs per token, for the MFU estimate.
       on_metrics: called with `(step, metrics)` whenever train metrics reach the host.
+      updates_per_step: optimizer updates in one `step_fn` call (`state.step` counts updates).
+      eval_first: a fresh run also evaluates the starting state (the curve's step-0 point).
 
     Returns:
       The final state and a summary (last metrics, eval metrics, why the loop stopped).
     """
-    start = int(jax.device_get(state.step))
+    start = int(jax.device_get(state.step)) // updates_per_step
+    observe = getattr(data, "observe", None)
+    batch_metrics = getattr(data, "batch_metrics", None)
     writer = MetricsWriter(workdir, resume_step=start)
     peak = peak_flops_per_device()
     summary: dict = {"start_step": start, "stopped": "completed"}
@@ -150,8 +168,9 @@ def train_loop(
     with _Preemption() as preemption, watchdog:
 
         def flush(pending):
-            step, metrics, tokens, seconds = pending
-            host = _host_metrics(metrics)
+            step, metrics, tokens, seconds, source_metrics = pending
+            host = {**_host_metrics(metrics), **source_metrics}
+            host["step_s"] = seconds  # host time between the step's dispatch and the previous
             host["tokens_per_second"] = tokens / max(seconds, 1e-9)
             if flops_per_token and peak:
                 host["mfu"] = (
@@ -168,19 +187,27 @@ def train_loop(
             bar.set_postfix(postfix, refresh=False)
             return host
 
+        if eval_first and start == 0:
+            run_eval(0, state)
+        if observe is not None:
+            observe(start, state, None)
         for step in range(start + 1, loop.steps + 1):
             host_batch = next(data)
+            source_metrics = batch_metrics() if batch_metrics is not None else {}
             tokens = _tokens(host_batch) * jax.process_count()
             state, metrics = step_fn(state, shard_batch(host_batch, mesh))
+            if observe is not None:
+                observe(step, state, metrics)
             if pending is not None:
                 host = flush(pending)
-                if host["bad_steps"] >= loop.max_bad_steps:
+                # (bad_steps counts updates: a stop needs every update of as many steps bad)
+                if host["bad_steps"] >= loop.max_bad_steps * updates_per_step:
                     save(step, state, force=True)
                     checkpointer.wait()
                     summary["stopped"] = "diverged"
                     break
             now = time.perf_counter()
-            pending = (step, metrics, tokens, now - last_time)
+            pending = (step, metrics, tokens, now - last_time, source_metrics)
             last_time = now
             bar.update(1)
             watchdog.beat()
@@ -199,7 +226,7 @@ def train_loop(
 
         if pending is not None and summary["stopped"] != "diverged":
             flush(pending)
-        final_step = int(jax.device_get(state.step))
+        final_step = int(jax.device_get(state.step)) // updates_per_step
         if summary["stopped"] == "completed":
             eval_metrics = run_eval(final_step, state)
             if saved_step != final_step:

@@ -39,7 +39,14 @@ from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._loop import train_loop
 from posttrain.train._optimizer import learning_rate_schedule, make_optimizer
 from posttrain.train._state import create_state, state_shardings
-from posttrain.train._step import EXPERT_COUNTS, LossFn, PostUpdate, train_step
+from posttrain.train._step import (
+    EXPERT_COUNTS,
+    BatchPasses,
+    LossFn,
+    PostUpdate,
+    passes_step,
+    train_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +283,8 @@ def train(
     extras: dict | None = None,
     flops_per_token: float | None = None,
     on_metrics=None,
+    passes: BatchPasses | None = None,
+    eval_first: bool = False,
 ) -> dict:
     """Resumes (or starts) the run in `workdir` and trains it to `config.train.steps`.
 
@@ -284,7 +293,8 @@ def train(
       workdir: the run directory.
       mesh: the device mesh.
       trainable: what is trained (shapes, shardings, decay mask, initial values).
-      data: this process's batch iterator, with get_state/set_state.
+      data: this process's batch iterator, with get_state/set_state (a source that samples
+        with the trained model, such as RL's, also observes each new state: see `train_loop`).
       loss: `(*loss_inputs) -> loss_fn`, called inside the jitted step, so that inputs such as
         a frozen reference model are traced arguments with their own shardings rather than
         constants baked into the executable.
@@ -293,13 +303,18 @@ def train(
       extras: JSON items saved with every checkpoint (config, model_config, manifest...).
       flops_per_token: for the MFU estimate.
       on_metrics: `(step, metrics)` callback.
+      passes: how each step's batch is used (several optimizer updates per RL step); the
+        learning-rate schedule spans every update.
+      eval_first: a fresh run also evaluates its starting params (step 0).
 
     Returns:
       The loop summary plus `state` (the final train state) and `data` (the data stats).
     """
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        optimizer, abstract = optimizer_and_abstract_state(config, trainable)
-        schedule = learning_rate_schedule(config.optimizer, config.train.steps)
+        passes = passes or BatchPasses()
+        updates = config.train.steps * passes.updates
+        optimizer, abstract = optimizer_and_abstract_state(config, trainable, updates)
+        schedule = learning_rate_schedule(config.optimizer, updates)
         shardings = state_shardings(optimizer, abstract, trainable.shardings, mesh)
         checkpointer = Checkpointer(workdir, config.checkpoint)
         restored = checkpointer.restore(with_shardings(abstract, shardings))
@@ -315,15 +330,16 @@ def train(
             )(trainable.init())
 
         def step(state, inputs, batch):
-            return train_step(
-                state,
-                batch,
+            kwargs = dict(
                 loss_fn=loss(*inputs),
                 optimizer=optimizer,
                 schedule=schedule,
                 micro_batches=config.train.micro_batches,
                 post_update=trainable.post_update,
             )
+            if passes.updates == 1:
+                return train_step(state, batch, **kwargs)
+            return passes_step(state, batch, passes=passes, **kwargs)
 
         jitted = jax.jit(
             step,
@@ -343,6 +359,8 @@ def train(
             checkpoint_json=extras,
             flops_per_token=flops_per_token,
             on_metrics=on_metrics,
+            updates_per_step=passes.updates,
+            eval_first=eval_first,
         )
         checkpointer.close()
     summary["data"] = dict(getattr(data, "stats", {}) or {})

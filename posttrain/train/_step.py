@@ -10,6 +10,7 @@ group's mean, such as one domain's accuracy `accuracy/math_sum` / `accuracy/math
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -76,10 +77,10 @@ def train_step(
 ) -> tuple[TrainState, dict]:
     """One optimizer update from `batch` (the global batch, sharded over the data axes).
 
-    Non-finite loss or gradients skip the update (params and optimizer state unchanged) and
-    count it in `bad_steps` (consecutive) and `skipped_steps` (total); the loop decides when
-    to stop. `post_update(params, sums) -> params` changes the updated params outside the
-    optimizer (the MoE routing bias).
+    Non-finite loss, gradients or update (a learning rate that overflows) skip the update
+    (params and optimizer state unchanged) and count it in `bad_steps` (consecutive) and
+    `skipped_steps` (total); the loop decides when to stop. `post_update(params, sums) ->
+    params` changes the updated params outside the optimizer (the MoE routing bias).
     """
     rng, step_rng = jax.random.split(state.rng)
     micro = split_micro_batches(batch, micro_batches)
@@ -106,9 +107,9 @@ def train_step(
     grads = jax.tree.map(lambda g: g / denom, grads)
     loss = sums["loss_sum"] / denom
     grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+    # Finite gradients can still make non-finite params (an inf or huge learning rate).
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
     new_params = optax.apply_updates(state.params, updates)
     if post_update is not None:
         new_params = post_update(new_params, sums)
@@ -145,3 +146,40 @@ def train_step(
     if schedule is not None:
         metrics["learning_rate"] = schedule(state.step)
     return new_state, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPasses:
+    """How one loop step uses its batch: `epochs` passes, each of `minibatches` optimizer updates
+    on every minibatches-th row (PPO's reuse of one rollout batch); (1, 1) is `train_step`."""
+
+    epochs: int = 1
+    minibatches: int = 1
+
+    @property
+    def updates(self) -> int:
+        return self.epochs * self.minibatches
+
+
+def passes_step(
+    state: TrainState, batch: dict, *, passes: BatchPasses, **step_kwargs
+) -> tuple[TrainState, dict]:
+    """`passes.updates` successive `train_step`s over the mini-batches of `batch` (a scan, so
+    compile time does not grow with them); `step_kwargs` are `train_step`'s.
+
+    Metrics: the first update's (the policy that produced the batch: on-policy), with the last
+    update's `grad_norm`, `param_norm`, step counters and loss (`loss_last_update`).
+    """
+    minis = split_micro_batches(batch, passes.minibatches)
+
+    def update(state, i):
+        mini = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), minis)
+        return train_step(state, mini, **step_kwargs)
+
+    order = jnp.arange(passes.updates, dtype=jnp.int32) % passes.minibatches
+    state, stacked = jax.lax.scan(update, state, order)
+    metrics = {k: v[0] for k, v in stacked.items()}
+    for name in ("grad_norm", "param_norm", "bad_step", "skipped_steps", "bad_steps"):
+        metrics[name] = stacked[name][-1]
+    metrics["loss_last_update"] = stacked["loss"][-1]
+    return state, metrics

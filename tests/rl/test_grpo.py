@@ -62,8 +62,17 @@ def test_ppo_with_a_critic_raises_the_reward(tmp_path):
 
 
 def test_kl_to_the_reference_is_logged_and_adapted(tmp_path):
-    config = toy_config(train__steps=6, kl__coef=0.05, kl__target=0.001, kl__horizon=10)
+    held_out = {"path": str(ASSETS_DIR / "train.jsonl"), "weight": 1.0, "domain": "arithmetic",
+                "format": "auto"}  # fmt: skip
+    config = toy_config(
+        train__steps=6, kl__coef=0.05, kl__target=0.001, kl__horizon=10,
+        eval_data=[held_out], train__eval_every=3, train__eval_batches=1,
+    )  # fmt: skip
     run_from_config(config, str(tmp_path))
+    # Greedy held-out reward through the loop's eval hook, from the starting policy (step 0) on.
+    evals = read_metrics(str(tmp_path), split="eval")
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert all(r["eval_prompts"] == 8 and r["eval_loss"] == -r["eval_reward"] for r in evals)
     rows = read_metrics(str(tmp_path))
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
     assert rows[-1]["kl"] > 0 and "kl/arithmetic" in rows[-1]
@@ -88,7 +97,8 @@ def test_resume_continues_exactly(tmp_path):
     stopped = run_from_config(
         toy_config(**overrides), str(tmp_path / "resumed"), on_metrics=preempt
     )
-    assert stopped["stopped"] == "preempted" and stopped["final_step"] == 3
+    # Step 3's metrics reach the host after step 4 is dispatched: the save is at step 4.
+    assert stopped["stopped"] == "preempted" and stopped["final_step"] == 4
     resumed = run_from_config(toy_config(**overrides), str(tmp_path / "resumed"))
     assert resumed["final_step"] == 6
     a, b = read_metrics(str(tmp_path / "straight")), read_metrics(str(tmp_path / "resumed"))

@@ -169,3 +169,46 @@ def test_schedules_warm_up_then_decay(schedule):
     assert abs(float(lr(10)) - 1.0) < 1e-6
     final = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[schedule]
     assert abs(float(lr(110)) - final) < 1e-6
+
+
+def _least_squares(params, batch, rng):
+    del rng
+    residual = batch["x"] @ params["w"] - batch["y"]
+    return {"loss_sum": jnp.sum(residual**2), "num_tokens": jnp.float32(len(residual))}
+
+
+def test_passes_step_is_successive_updates_on_strided_minibatches():
+    """2 epochs x 2 minibatches = train_step on rows 0::2, 1::2, 0::2, 1::2, in order."""
+    from posttrain.train._step import BatchPasses, passes_step
+
+    rng = np.random.RandomState(0)
+    batch = {"x": rng.randn(8, 3).astype(np.float32), "y": rng.randn(8).astype(np.float32)}
+    adam = optax.adam(0.1)
+    state = create_state({"w": jnp.zeros(3)}, adam, seed=0)
+    step = jax.jit(functools.partial(train_step, loss_fn=_least_squares, optimizer=adam))
+    expected, losses = state, []
+    for _ in range(2):
+        for mini in ({k: v[i::2] for k, v in batch.items()} for i in range(2)):
+            expected, m = step(expected, mini)
+            losses.append(float(m["loss"]))
+    passes = BatchPasses(epochs=2, minibatches=2)
+    new, metrics = jax.jit(
+        functools.partial(passes_step, passes=passes, loss_fn=_least_squares, optimizer=adam)
+    )(state, batch)
+    assert int(new.step) == 4
+    np.testing.assert_allclose(new.params["w"], expected.params["w"], rtol=1e-6)
+    # The first update's loss (the policy that made the batch) and the last one's.
+    np.testing.assert_allclose(metrics["loss"], losses[0], rtol=1e-6)
+    np.testing.assert_allclose(metrics["loss_last_update"], losses[-1], rtol=1e-6)
+    assert losses[-1] < losses[0]
+
+
+def test_an_overflowing_learning_rate_skips_the_update():
+    adam = optax.adam(float("inf"))
+    state = create_state({"w": jnp.ones(3)}, adam, seed=0)
+    batch = {"x": np.eye(3, dtype=np.float32), "y": np.zeros(3, np.float32)}
+    new, metrics = jax.jit(functools.partial(train_step, loss_fn=_least_squares, optimizer=adam))(
+        state, batch
+    )
+    assert np.isfinite(float(metrics["loss"])) and int(metrics["bad_step"]) == 1  # finite grads
+    np.testing.assert_array_equal(new.params["w"], state.params["w"])
