@@ -22,13 +22,13 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import time
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.losses import adaptive_kl_update
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh, shard_batch
@@ -126,8 +126,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             f"rollout.max_prompt_len + rollout.max_new_tokens = {max_len} exceeds the model's "
             f"max_seq_len={model_config.max_seq_len}"
         )
-    with open(os.path.join(workdir, "prompts.json"), "w") as f:
-        json.dump(prompts.stats, f, indent=2)
+    paths.write_text(paths.join(workdir, "prompts.json"), json.dumps(prompts.stats, indent=2))
 
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
         lora, base, inputs, input_sh = c.lora, None, (), ()

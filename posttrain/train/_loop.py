@@ -123,6 +123,7 @@ def train_loop(
 
     def save(step, state, metrics=None, force=False):
         nonlocal saved_step
+        writer.flush()  # a gs:// metrics log reaches the bucket with each checkpoint
         data_state = data.get_state() if hasattr(data, "get_state") else None
         checkpointer.save(
             step, state, data_state=data_state, extra=checkpoint_json, metrics=metrics, force=force
