@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 
 import jax
@@ -37,8 +38,9 @@ class MetricsWriter:
 
     An object store cannot append: under a gs:// workdir the lines are kept and the object is
     rewritten whole at most every `upload_secs`, at each `flush()` (the loop calls it with every
-    checkpoint, so a resumed run finds every line up to its step) and at `close()`.
-    tensorboardX writes gs:// event files itself (google-cloud-storage, the same rewrite).
+    checkpoint, so a resumed run finds every line up to its step) and at `close()`. TensorBoard
+    events are written to a local folder and uploaded at the same times (tensorboardX's own gs://
+    writer re-uploads from `__del__`, after a run has ended).
     """
 
     def __init__(self, workdir: str, *, resume_step: int | None = None, upload_secs=30.0):
@@ -47,7 +49,8 @@ class MetricsWriter:
         self._remote = paths.is_remote(workdir)
         self._upload_secs, self._uploaded_at = upload_secs, time.monotonic()
         self._lines: list[str] = []  # gs:// only: the whole log, rewritten by flush()
-        self._tb = None
+        self._tb = self._tb_local = None
+        self._tb_dir = paths.join(workdir, "tensorboard")
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +67,9 @@ class MetricsWriter:
             paths.write_text(self.path, "".join(keep))
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(paths.join(workdir, "tensorboard"), flush_secs=10)
+        if self._remote:
+            self._tb_local = tempfile.TemporaryDirectory(prefix="posttrain-tensorboard-")
+        self._tb = SummaryWriter(self._tb_local.name if self._remote else self._tb_dir)
 
     def write(self, step: int, metrics: dict, split: str = "train") -> None:
         if not self.enabled:
@@ -85,12 +90,16 @@ class MetricsWriter:
         """Makes every line written so far readable at `self.path` (a no-op on local disk)."""
         if self.enabled and self._remote:
             paths.write_text(self.path, "".join(self._lines))
+            self._tb.flush()
+            paths.upload(self._tb_local.name, self._tb_dir)
             self._uploaded_at = time.monotonic()
 
     def close(self) -> None:
-        self.flush()
         if self._tb is not None:
             self._tb.close()
+        self.flush()
+        if self._tb_local is not None:
+            self._tb_local.cleanup()
 
 
 def read_metrics(workdir: str, split: str = "train") -> list[dict]:
