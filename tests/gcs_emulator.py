@@ -57,6 +57,10 @@ def _serve(bucket: str) -> None:
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
     server.start()
     print(port, flush=True)
+    # Quiet from here on: the tests read only the port, and a full pipe would block the server.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
     while True:
         time.sleep(3600)
 
