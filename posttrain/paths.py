@@ -137,15 +137,18 @@ def write_bytes(p: str | os.PathLike, data: bytes) -> None:
     os.replace(tmp, target)
 
 
-@functools.cache
 def _configure_object_storage() -> None:
-    """Points tensorstore and gcsfs at `STORAGE_EMULATOR_HOST` when it is set (once)."""
-    host = os.environ.get("STORAGE_EMULATOR_HOST")
-    if not host:
-        return
-    if "://" not in host:  # google-cloud-storage (tensorboardX's writer) needs the scheme
+    """Points tensorstore and gcsfs at `STORAGE_EMULATOR_HOST` when it is set."""
+    if host := os.environ.get("STORAGE_EMULATOR_HOST"):
+        _use_emulator(host)
+
+
+@functools.cache
+def _use_emulator(host: str) -> None:
+    """Sets what gcsfs and tensorstore need to reach the emulator at `host` (once per host)."""
+    if "://" not in host:  # Google's client libraries (google-cloud-storage) need the scheme
         host = os.environ["STORAGE_EMULATOR_HOST"] = f"http://{host}"
-    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", host)
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = host
     # gcsfs asks Google's storage-control API (not emulated) for each bucket's layout unless
     # its zonal-bucket support is off; read when gcsfs is first imported, which is after this.
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
