@@ -21,8 +21,6 @@ import os
 
 from etils import epath
 
-Path = epath.Path
-
 
 def is_remote(p: str | os.PathLike) -> bool:
     """Whether `p` is an object-storage URL (`gs://bucket/...`) rather than a local path."""
