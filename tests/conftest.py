@@ -32,3 +32,23 @@ def devices():
         pytest.skip("needs 8 devices (runs on CPU with fake devices)")
     assert len(devs) == 8, "tests expect 8 fake CPU devices (XLA_FLAGS set too late?)"
     return devs
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket(tmp_path_factory):
+    """A GCS emulator on loopback (tests/gcs_emulator.py), reached only through
+    STORAGE_EMULATOR_HOST as any emulator or GCS would be; yields its bucket's gs:// URL."""
+    from tests import gcs_emulator
+
+    process, host = gcs_emulator.start("posttrain-test")
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "POSTTRAIN_CACHE")}
+    os.environ["STORAGE_EMULATOR_HOST"] = host
+    os.environ["POSTTRAIN_CACHE"] = str(tmp_path_factory.mktemp("object_cache"))
+    yield "gs://posttrain-test"
+    process.kill()
+    process.wait()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from posttrain import paths
+
 FORMATS = ("auto", "messages", "prompt_completion", "text")
 _KINDS = {
     ".jsonl": "jsonl",
@@ -57,11 +59,22 @@ class SourceConfig:
 
 
 def expand(pattern: str) -> list[Path]:
-    """The files a path or glob names, sorted; raises FileNotFoundError naming it if none."""
+    """The files a path or glob names, sorted; raises FileNotFoundError naming it if none.
+
+    gs:// files are read from cached local copies (`posttrain.paths.local_copy`): records are
+    read at random offsets (`pread`), which an object store would answer one request each.
+    """
+    if paths.is_remote(pattern):
+        names = paths.glob(pattern) if glob.has_magic(pattern) else [pattern]
+        remote = [n for n in names if paths.path(n).is_file()]
+        if not remote:
+            what = "glob" if glob.has_magic(pattern) else "file"
+            raise FileNotFoundError(f"data source {what} {pattern!r} matches no file")
+        return _readable([Path(paths.local_copy(f)) for f in remote])
     if glob.has_magic(pattern):
-        paths = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
-        paths = [p for p in paths if p.is_file()]
-        if not paths:
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+        files = [p for p in files if p.is_file()]
+        if not files:
             raise FileNotFoundError(f"data source glob {pattern!r} matches no file")
     else:
         path = Path(pattern).expanduser()
@@ -72,13 +85,18 @@ def expand(pattern: str) -> list[Path]:
             )
         if not path.is_file():
             raise FileNotFoundError(f"data source {pattern} does not exist")
-        paths = [path]
-    for p in paths:
+        files = [path]
+    return _readable(files)
+
+
+def _readable(files: list[Path]) -> list[Path]:
+    """`files`, checked to have a suffix this module reads."""
+    for p in files:
         if p.suffix.lower() not in _KINDS:
             raise ValueError(
                 f"data file {p} has an unsupported suffix; use one of {sorted(_KINDS)}"
             )
-    return paths
+    return files
 
 
 def _sha256(path: Path) -> str:

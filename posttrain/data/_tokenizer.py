@@ -16,6 +16,7 @@ from typing import Any
 
 import tokenizers
 
+from posttrain import paths
 from posttrain.data._chat_template import (
     GENERATION_TAG,
     Spans,
@@ -340,6 +341,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
       FileNotFoundError: the directory or its tokenizer.json is missing.
       ValueError: a file is malformed, or a configured special token is not in the vocabulary.
     """
+    if paths.is_remote(path):  # gs://: a cached local copy (tokenizers read local files)
+        if not paths.path(path).is_dir():
+            raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+        path = paths.local_copy(path)
     root = Path(path).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(

@@ -12,10 +12,9 @@ task name, so one field overrides from the command line:
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 from collections.abc import Mapping
 
+from posttrain import paths
 from posttrain.config import ConfigError, build, load_config_file, to_plain
 from posttrain.data import SourceConfig
 
@@ -185,7 +184,7 @@ def check_files(config: EvalConfig) -> None:
 
 
 def _exists(pattern: str) -> bool:
-    return os.path.exists(pattern) or bool(glob.glob(pattern))
+    return bool(paths.glob(pattern))  # a plain path globs to itself when it exists
 
 
 def _check_sizes(where: str, task) -> None:

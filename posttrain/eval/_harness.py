@@ -12,10 +12,12 @@ column per metric), so a regression between checkpoints shows as a column that d
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections.abc import Iterable
 
+from posttrain import paths
 from posttrain.data import load_tokenizer
 from posttrain.eval._config import check_files, load_eval_config
 from posttrain.eval._tasks import Scorer, general_metrics, safety_metrics, target_metrics
@@ -72,11 +74,8 @@ def checkpoint_steps(workdir: str) -> list[int]:
 
 def _run_tokenizer(workdir: str) -> str:
     """The tokenizer directory a run's config.json names."""
-    path = os.path.join(workdir, "config.json")
-    saved = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            saved = json.load(f)
+    path = paths.path(workdir) / "config.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
     tokenizer = saved.get("tokenizer") or saved.get("model", {}).get("hf_path")
     if not tokenizer:
         raise ValueError(f"{path} names no tokenizer; pass --tokenizer=DIR (or set tokenizer)")
@@ -112,7 +111,7 @@ def evaluate_checkpoints(
 
     config = load_eval_config(config)
     steps = [steps] if isinstance(steps, int) else None if steps is None else list(steps)
-    if os.path.isdir(os.path.join(path, "checkpoints")):
+    if (paths.path(path) / "checkpoints").is_dir():
         available = checkpoint_steps(path)
         if missing := sorted(set(steps or ()) - set(available)):
             raise ValueError(f"{path} has no checkpoint at step(s) {missing}; it has {available}")
@@ -121,7 +120,7 @@ def evaluate_checkpoints(
             raise ValueError(f"{path}/checkpoints holds no checkpoint")
         tokenizer = tokenizer or config.tokenizer or _run_tokenizer(path)
         loads = [(s, lambda s=s: load_checkpoint_model(path, s)) for s in steps]
-    elif os.path.isfile(os.path.join(path, "config.json")):
+    elif (paths.path(path) / "config.json").is_file():
         if steps:
             raise ValueError(f"{path} is an HF model directory: it has no steps to choose")
         tokenizer = tokenizer or config.tokenizer or path
@@ -138,39 +137,37 @@ def evaluate_checkpoints(
     try:
         for step, load in loads:
             metrics = evaluate(load(), tokenizer, config, scorer=scorer)
-            rows.append({"step": step, "model": os.path.abspath(path), "metrics": metrics})
+            rows.append({"step": step, "model": str(paths.path(path)), "metrics": metrics})
     finally:
         scorer.close()
-    every = write_report(out_dir or os.path.join(path, "eval"), rows)
+    every = write_report(out_dir or paths.join(path, "eval"), rows)
     print_tables(every, title=path, console=console)
     return rows
 
 
 def write_report(out_dir: str, rows: list[dict]) -> list[dict]:
     """Merges `rows` into `<out_dir>/metrics.jsonl` (by step) and rewrites table.md/.csv;
-    returns every row the report now holds, in step order."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "metrics.jsonl")
+    returns every row the report now holds, in step order. `out_dir` may be gs://."""
+    path = paths.path(out_dir) / "metrics.jsonl"
     by_step = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            by_step = {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
+    if path.is_file():
+        lines = filter(str.strip, path.read_text().splitlines())
+        by_step = {r["step"]: r for r in map(json.loads, lines)}
     by_step.update({r["step"]: r for r in rows})
     every = sorted(by_step.values(), key=lambda r: -1 if r["step"] is None else r["step"])
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in every)
+    paths.write_text(path, "".join(json.dumps(r) + "\n" for r in every))
     names = _columns(every)
-    with open(os.path.join(out_dir, "table.csv"), "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["step", *names])
-        for r in every:
-            writer.writerow([_step(r), *(r["metrics"].get(n, "") for n in names)])
+    table = io.StringIO()
+    writer = csv.writer(table)
+    writer.writerow(["step", *names])
+    for r in every:
+        writer.writerow([_step(r), *(r["metrics"].get(n, "") for n in names)])
+    paths.write_text(paths.join(out_dir, "table.csv"), table.getvalue())
     lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for r in every:
         cells = [_format(n, r["metrics"].get(n)) for n in names]
         lines.append(f"| {_step(r)} | " + " | ".join(cells) + " |")
-    with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    paths.write_text(paths.join(out_dir, "table.md"), "\n".join(lines) + "\n")
     return every
 
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from posttrain import paths
 from posttrain.data import DataConfig, SFTData, make_pipeline
 from posttrain.data._formats import RecordError, encode_prompt
 from posttrain.data._sources import Records
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 def read_jsonl(path: str, limit: int = 0) -> list[dict]:
     """The first `limit` (0: all) JSON objects of a JSONL file; a bad line names its number."""
     rows = []
-    with open(path) as f:
+    with paths.path(path).open() as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

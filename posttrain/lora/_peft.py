@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import jax
 import numpy as np
 from safetensors.numpy import save_file
 
+from posttrain import paths
 from posttrain.lora._adapters import _get, delta
 from posttrain.lora._config import LoRAConfig
 from posttrain.models import ModelConfig
@@ -103,6 +105,15 @@ def save_peft(
         "init_lora_weights": True,
         "modules_to_save": None,
     }
+    if paths.is_remote(path):  # safetensors writes local files: stage, then upload
+        with tempfile.TemporaryDirectory(prefix="posttrain-peft-") as local:
+            _write_peft(tensors, config, local)
+            paths.upload(local, path)
+        return
+    _write_peft(tensors, config, path)
+
+
+def _write_peft(tensors: dict, config: dict, path: str) -> None:
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "adapter_config.json"), "w") as f:

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from posttrain import paths
 from posttrain.models._config import ModelConfig
 from posttrain.models._hf_config import (
     HFFormatError,
@@ -25,6 +27,7 @@ from posttrain.models._hf_config import (
     export_layout,
     hf_model_type,
     load_hf_config_and_layout,
+    local_model_dir,
     read_json,
 )
 from posttrain.models._hf_table import HFTensor, weight_table
@@ -166,7 +169,7 @@ def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
     Returns:
       The model; `model.config.name` is the directory name.
     """
-    path = os.fspath(path)
+    path = local_model_dir(path)
     if dtype is not None:
         overrides["param_dtype"] = jnp.dtype(dtype).name
     config, layout = load_hf_config_and_layout(path, **overrides)
@@ -265,13 +268,20 @@ def to_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int = 5
 
     Args:
       model: the model to export.
-      path: output directory (created).
+      path: output directory (created), local or gs:// (written locally, then uploaded).
       dtype: storage dtype (default: the params' dtype), e.g. "bfloat16".
       max_shard_bytes: larger checkpoints are split into shards with an index file.
 
     Raises:
       ValueError: the model has no exact HF equivalent (e.g. MoE routing HF cannot express).
     """
+    if paths.is_remote(path):
+        # safetensors writes local files; each process stages its own (only process 0 writes).
+        with tempfile.TemporaryDirectory(prefix="posttrain-export-") as local:
+            to_hf(model, local, dtype=dtype, max_shard_bytes=max_shard_bytes)
+            if jax.process_index() == 0:
+                paths.upload(local, path)
+        return
     config = model.config
     np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
     hf_config = config_to_hf(config, jnp.dtype(np_dtype).name)  # fails before writing anything

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 
+from posttrain import paths
 from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
@@ -377,6 +378,17 @@ def config_to_hf(config: ModelConfig, dtype: str) -> dict:
     return hf
 
 
+def local_model_dir(path: str | os.PathLike) -> str:
+    """`path` itself when local; a gs:// model directory is downloaded once into the local cache
+    (`posttrain.paths.local_copy`), since safetensors memory-maps local files."""
+    path = os.fspath(path)
+    if not paths.is_remote(path):
+        return path
+    if not paths.path(path).is_dir():
+        raise HFFormatError(f"model directory {path!r} does not exist")
+    return paths.local_copy(path)
+
+
 def load_hf_config(path: str, **overrides) -> ModelConfig:
     """The `ModelConfig` of an HF model directory; its name defaults to the directory name."""
     return load_hf_config_and_layout(path, **overrides)[0]
@@ -384,7 +396,7 @@ def load_hf_config(path: str, **overrides) -> ModelConfig:
 
 def load_hf_config_and_layout(path: str, **overrides) -> tuple[ModelConfig, CheckpointLayout]:
     """`load_hf_config`, plus how the directory's tensors are laid out."""
-    path = os.fspath(path)
+    path = local_model_dir(path)
     if not os.path.isdir(path):
         raise HFFormatError(f"model directory {path!r} does not exist")
     config_path = os.path.join(path, "config.json")

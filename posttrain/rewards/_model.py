@@ -9,11 +9,12 @@ onto the accelerator) and scores them in the trainer's process, one batched call
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from posttrain import paths
 
 PREFIX = "rm:"
 
@@ -38,7 +39,7 @@ def parse_model_ref(ref: str) -> tuple[str, str | None]:
         raise ValueError(f"reward model reference {ref!r} has no path; write 'rm:<path>'")
     if head == "":
         raise ValueError(f"reward model reference {ref!r} has an empty head after '#'")
-    return os.path.abspath(os.path.expanduser(path)), head
+    return str(paths.path(path)), head  # local (absolute) or gs://
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def check_model_ref(ref: str) -> str:
       ValueError: a malformed reference or a missing directory.
     """
     path, head = parse_model_ref(ref)
-    if not os.path.isdir(path):
+    if not paths.path(path).is_dir():
         raise ValueError(
             f"reward model directory {path!r} (from {ref!r}) does not exist or is not a "
             "directory; point 'rm:<path>' at a trained reward model's output directory"

@@ -4,11 +4,11 @@ filtering of the prompts and rejection-sampling fine-tuning (RFT)."""
 import dataclasses
 import json
 import logging
-import os
 
 import jax
 from tqdm.auto import tqdm
 
+from posttrain import paths
 from posttrain.data import DataConfig, SourceConfig
 from posttrain.parallel import axis_rules
 from posttrain.rewards import (
@@ -52,13 +52,12 @@ def filter_by_difficulty(c: RLConfig, workdir, prompts, tokenizer, model_config,
     (min_pass_rate, max_pass_rate) over `difficulty.samples` samples); the estimates are
     stored in `<workdir>/difficulty.json` and reused on resume."""
     d = c.difficulty
-    path = os.path.join(workdir, "difficulty.json")
+    path = paths.path(workdir) / "difficulty.json"
     count = len(prompts.prompts) if not d.prompts else min(d.prompts, len(prompts.prompts))
     key = {"samples": d.samples, "prompts": count, "model": to_json(c.model)}
     saved = None
-    if os.path.exists(path):
-        with open(path) as f:
-            saved = json.load(f)
+    if path.exists():
+        saved = json.loads(path.read_text())
         if saved.get("key") != json.loads(json.dumps(key)):
             saved = None
     if saved is None:
@@ -71,8 +70,7 @@ def filter_by_difficulty(c: RLConfig, workdir, prompts, tokenizer, model_config,
             scores.update({len(scores) + j: r.tolist() for j, r in enumerate(rewards)})
         rates = pass_rate(scores, threshold=c.rewards.pass_threshold)
         saved = {"key": key, "pass_rates": {str(k): v for k, v in rates.items()}}
-        with open(path, "w") as f:
-            json.dump(saved, f)
+        paths.write_text(path, json.dumps(saved))
     rates = {int(k): v for k, v in saved["pass_rates"].items()}
     kept = [i for i in range(len(prompts.prompts)) if i not in rates]
     kept += [i for i, r in rates.items() if d.min_pass_rate < r < d.max_pass_rate]
@@ -92,13 +90,11 @@ def rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, m
     (its checkpoint exists) is reused, so a resumed run does not repeat it."""
     from posttrain.train._sft import SFTConfig, run_sft
 
-    rft_dir = os.path.join(workdir, "rft")
-    data_path = os.path.join(rft_dir, "data.jsonl")
-    done = os.path.isdir(os.path.join(rft_dir, "checkpoints")) and os.listdir(
-        os.path.join(rft_dir, "checkpoints")
-    )
+    rft_dir = paths.join(workdir, "rft")
+    data_path = paths.join(rft_dir, "data.jsonl")
+    checkpoints = paths.path(rft_dir) / "checkpoints"
+    done = checkpoints.is_dir() and any(checkpoints.iterdir())
     if not done:
-        os.makedirs(rft_dir, exist_ok=True)
         chosen = prompts.prompts[: c.rft.prompts]
         kept, scored = [], 0
         sampled = _sample(
@@ -122,8 +118,7 @@ def rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, m
                 f"{c.rewards.pass_threshold}; lower the threshold, raise rft.samples or "
                 "max_new_tokens, or set rft.steps=0"
             )
-        with open(data_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        paths.write_text(data_path, "".join(json.dumps(r) + "\n" for r in kept))
         log.info("rejection sampling kept %d of %d completions", len(kept), scored)
         sft = SFTConfig(
             model=c.model,

@@ -23,11 +23,11 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 
 import jax
 import numpy as np
 
+from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
 from posttrain.rewards import RewardPool
@@ -92,8 +92,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             f"rollout.max_prompt_len + rollout.max_new_tokens = {max_len} exceeds the model's "
             f"max_seq_len={model_config.max_seq_len}"
         )
-    with open(os.path.join(workdir, "prompts.json"), "w") as f:
-        json.dump(prompts.stats, f, indent=2)
+    paths.write_text(paths.join(workdir, "prompts.json"), json.dumps(prompts.stats, indent=2))
 
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
         lora, base, inputs, input_sh = c.lora, None, (), ()

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from posttrain import paths
 from posttrain.data import load_tokenizer
 from posttrain.models import from_hf
 from posttrain.sampling._generate import generate
@@ -15,14 +16,13 @@ from posttrain.sampling._stream import stream
 def load_model_and_tokenizer(path: str):
     """An HF model directory (config.json + safetensors + tokenizer files) or a training
     workdir (its latest checkpoint and the tokenizer its config names)."""
-    if os.path.isdir(os.path.join(path, "checkpoints")):
+    if (paths.path(path) / "checkpoints").is_dir():
         from posttrain.train import load_checkpoint_model
 
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
+        config = json.loads((paths.path(path) / "config.json").read_text())
         tokenizer_dir = config.get("tokenizer") or config.get("model", {}).get("hf_path")
         return load_checkpoint_model(path), load_tokenizer(tokenizer_dir)
-    if os.path.isfile(os.path.join(path, "config.json")):
+    if (paths.path(path) / "config.json").is_file():
         return from_hf(path), load_tokenizer(path)
     raise FileNotFoundError(
         f"{path!r} is neither an HF model directory (config.json) nor a "
@@ -68,24 +68,21 @@ def run_generate(
             sys.stdout.flush()
         sys.stdout.write("\n")
         return
-    with open(prompts_file) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    lines = paths.path(prompts_file).read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
     texts = [r if isinstance(r, str) else r["prompt"] for r in rows]
     ids = [_render(tokenizer, t, chat) for t in texts]
     results = generate(model, tokenizer, ids, n=n, seed=seed, **settings)
     out = out or os.path.splitext(prompts_file)[0] + ".completions.jsonl"
-    with open(out, "w") as f:
-        for text, samples in zip(texts, results, strict=True):
-            for c in samples:
-                f.write(
-                    json.dumps(
-                        {
-                            "prompt": text,
-                            "completion": c.text,
-                            "finish_reason": c.finish_reason,
-                            "num_tokens": len(c.token_ids),
-                        }
-                    )
-                    + "\n"
-                )
+    records = [
+        {
+            "prompt": text,
+            "completion": c.text,
+            "finish_reason": c.finish_reason,
+            "num_tokens": len(c.token_ids),
+        }
+        for text, samples in zip(texts, results, strict=True)
+        for c in samples
+    ]
+    paths.write_text(out, "".join(json.dumps(r) + "\n" for r in records))
     print(f"wrote {sum(len(s) for s in results)} completions to {out}")

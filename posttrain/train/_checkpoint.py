@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
+
+from posttrain import paths
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class Checkpointer:
     """Saves and restores train states under `<workdir>/checkpoints/<step>`."""
 
     def __init__(self, workdir: str, config: CheckpointConfig):
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.directory = paths.path(workdir) / "checkpoints"  # local or gs://
         self.every = config.every
         keep = [policies.LatestN(n=config.keep_last)]
         if config.keep_best:
@@ -122,12 +123,10 @@ class Checkpointer:
     def read_json(self, step: int) -> dict:
         """The JSON items (config, manifest, ...) saved with `step`, read without orbax args."""
         out = {}
-        step_dir = os.path.join(self.directory, str(step))
-        for name in os.listdir(step_dir):
-            path = os.path.join(step_dir, name, "metadata")
-            if name not in ("state", "data") and os.path.isfile(path):
-                with open(path) as f:
-                    out[name] = json.load(f)
+        for item in (self.directory / str(step)).iterdir():
+            path = item / "metadata"
+            if item.name not in ("state", "data") and path.is_file():
+                out[item.name] = json.loads(path.read_text())
         return out
 
     def close(self) -> None:

@@ -34,12 +34,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig
 from posttrain.lora import LoRAConfig, wrap
@@ -383,7 +383,7 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
             score = jax.jit(lambda params, b: reference_logps(params, model_config, b, lora))
             for name, d in (("train", data), ("eval", eval_data)):
                 if d is not None:
-                    path = os.path.join(workdir, "reference", f"{name}.{process}.npz")
+                    path = paths.join(workdir, "reference", f"{name}.{process}.npz")
                     attach_reference(d, reference_weights, score, mesh, path, identity)
             if lora is None:
                 reference_weights.cache_clear()  # the weights are no longer needed

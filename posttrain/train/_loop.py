@@ -140,7 +140,13 @@ def train_loop(
     saved_step = start if checkpointer.latest_step() == start else None
 
     def save(step, state, metrics=None, force=False):
-        nonlocal saved_step
+        nonlocal saved_step, pending
+        if pending is not None and pending[0] == step:
+            # The step's metrics are logged before its checkpoint, so that a run resumed from
+            # it (after a kill) has every line up to it; they reach a gs:// log here too.
+            flush(pending)
+            pending = None
+        writer.flush()
         data_state = data.get_state() if hasattr(data, "get_state") else None
         checkpointer.save(
             step, state, data_state=data_state, extra=checkpoint_json, metrics=metrics, force=force
@@ -226,6 +232,7 @@ def train_loop(
 
         if pending is not None and summary["stopped"] != "diverged":
             flush(pending)
+            pending = None
         final_step = int(jax.device_get(state.step)) // updates_per_step
         if summary["stopped"] == "completed":
             eval_metrics = run_eval(final_step, state)

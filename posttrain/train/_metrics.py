@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
+import tempfile
+import time
 
 import jax
+
+from posttrain import paths
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
 PEAK_FLOPS = {
@@ -32,50 +35,77 @@ class MetricsWriter:
 
     Only process 0 writes. On resume, lines past the restored step (written after the checkpoint
     by a run that then died) are dropped so the log reads as one uninterrupted run.
+
+    An object store cannot append: under a gs:// workdir the lines are kept and the object is
+    rewritten whole at most every `upload_secs`, at each `flush()` (the loop calls it with every
+    checkpoint, so a resumed run finds every line up to its step) and at `close()`. TensorBoard
+    events are written to a local folder and uploaded at the same times (tensorboardX's own gs://
+    writer re-uploads from `__del__`, after a run has ended).
     """
 
-    def __init__(self, workdir: str, *, resume_step: int | None = None):
+    def __init__(self, workdir: str, *, resume_step: int | None = None, upload_secs=30.0):
         self.enabled = jax.process_index() == 0
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self._tb = None
+        self.path = paths.path(workdir) / "metrics.jsonl"
+        self._remote = paths.is_remote(workdir)
+        self._upload_secs, self._uploaded_at = upload_secs, time.monotonic()
+        self._lines: list[str] = []  # gs:// only: the whole log, rewritten by flush()
+        self._tb = self._tb_local = None
+        self._tb_dir = paths.join(workdir, "tensorboard")
         if not self.enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        if os.path.exists(self.path):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
             keep = []
-            with open(self.path) as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut short by a kill
-                    if resume_step is not None and record.get("step", 0) <= resume_step:
-                        keep.append(line if line.endswith("\n") else line + "\n")
-            with open(self.path, "w") as f:
-                f.writelines(keep)
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a kill
+                if resume_step is not None and record.get("step", 0) <= resume_step:
+                    keep.append(line + "\n")
+            self._lines = keep
+            paths.write_text(self.path, "".join(keep))
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), flush_secs=10)
+        if self._remote:
+            self._tb_local = tempfile.TemporaryDirectory(prefix="posttrain-tensorboard-")
+        self._tb = SummaryWriter(self._tb_local.name if self._remote else self._tb_dir)
 
     def write(self, step: int, metrics: dict, split: str = "train") -> None:
         if not self.enabled:
             return
         values = {k: float(v) for k, v in metrics.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": int(step), "split": split, **values}) + "\n")
+        line = json.dumps({"step": int(step), "split": split, **values}) + "\n"
+        if self._remote:
+            self._lines.append(line)
+            if time.monotonic() - self._uploaded_at >= self._upload_secs:
+                self.flush()
+        else:
+            with self.path.open("a") as f:
+                f.write(line)
         for name, value in values.items():
             self._tb.add_scalar(f"{split}/{name}", value, int(step))
+
+    def flush(self) -> None:
+        """Makes every line written so far readable at `self.path` (a no-op on local disk)."""
+        if self.enabled and self._remote:
+            paths.write_text(self.path, "".join(self._lines))
+            self._tb.flush()
+            paths.upload(self._tb_local.name, self._tb_dir)
+            self._uploaded_at = time.monotonic()
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        self.flush()
+        if self._tb_local is not None:
+            self._tb_local.cleanup()
 
 
 def read_metrics(workdir: str, split: str = "train") -> list[dict]:
     """The logged metrics of one split, in step order."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
+    path = paths.path(workdir) / "metrics.jsonl"
+    if not path.exists():
         return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if r.get("split") == split]

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
-import os
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from posttrain import paths
 from posttrain.data import make_preference_pipeline
 from posttrain.train._run import each_batch, local_rows, summed
 
@@ -35,8 +36,8 @@ def attach_reference(data, ref_params_fn, score, mesh, path: str, identity: dict
     key = hashlib.sha256(
         json.dumps({"pairs": data.fingerprint(), "reference": identity}, sort_keys=True).encode()
     ).hexdigest()
-    if os.path.exists(path):
-        with np.load(path) as saved:
+    if paths.path(path).exists():
+        with np.load(io.BytesIO(paths.path(path).read_bytes())) as saved:
             if str(saved["key"]) == key:
                 data.set_reference(saved["chosen"], saved["rejected"])
                 return False
@@ -56,10 +57,9 @@ def attach_reference(data, ref_params_fn, score, mesh, path: str, identity: dict
     n = len(data.pairs)
     chosen, rejected = np.concatenate(chosen)[:n], np.concatenate(rejected)[:n]
     data.set_reference(chosen, rejected)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.npz"
-    np.savez(tmp, key=np.asarray(key), chosen=chosen, rejected=rejected)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    np.savez(buffer, key=np.asarray(key), chosen=chosen, rejected=rejected)
+    paths.write_bytes(path, buffer.getvalue())
     return True
 
 
@@ -69,8 +69,8 @@ def preference_data(config, tokenizer, workdir: str):
     data = make_preference_pipeline(config.data, tokenizer)
     log.info("preference data: %s", {k: v for k, v in data.stats.items() if k != "errors"})
     manifest = data.manifest()
-    with open(os.path.join(workdir, "manifest.json"), "w") as f:
-        json.dump({**manifest, "pairs": data.stats}, f, indent=2)
+    manifest_json = json.dumps({**manifest, "pairs": data.stats}, indent=2)
+    paths.write_text(paths.join(workdir, "manifest.json"), manifest_json)
     eval_data = None
     if config.eval_data:
         eval_config = dataclasses.replace(

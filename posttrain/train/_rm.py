@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posttrain import paths
 from posttrain.config import ConfigError, build
 from posttrain.data import Tokenizer, load_tokenizer
 from posttrain.data._formats import RecordError, encode_record
@@ -233,7 +233,7 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
         "model_config": to_json(model_config),
         "manifest": manifest,
         "heads": list(heads),
-        "tokenizer": os.path.abspath(config.tokenizer or config.model.hf_path),
+        "tokenizer": str(paths.path(config.tokenizer or config.model.hf_path)),
     }
     inputs, input_sh = (), ()
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):

@@ -12,7 +12,6 @@ import functools
 import itertools
 import json
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from posttrain import paths
 from posttrain.config import ConfigError, build
 from posttrain.data import load_tokenizer
 from posttrain.models import (
@@ -123,7 +123,7 @@ def restore_params(workdir: str, abstract_params, step: int | None = None):
     """Only the params of a run's checkpoint (no optimizer state is read), onto the shardings
     of `abstract_params` (a pytree of `jax.ShapeDtypeStruct` with `sharding`)."""
     step = checkpoint_json(workdir, step)["step"]
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+    manager = ocp.CheckpointManager(paths.path(workdir) / "checkpoints")
     try:
         item = {"params": abstract_params}
         restored = manager.restore(
@@ -239,7 +239,6 @@ def setup(config, workdir: str, rows: int | None = None, devices=None):
     trains on (default all). Writes `config.json` into
     `workdir`. Everything that can be wrong is reported before any compile.
     """
-    os.makedirs(workdir, exist_ok=True)
     mesh = make_mesh(config.mesh, devices)
     check_batching(rows or config.data.batch_size, config.train.micro_batches, mesh)
     tokenizer_dir = config.tokenizer or config.model.hf_path
@@ -252,8 +251,7 @@ def setup(config, workdir: str, rows: int | None = None, devices=None):
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
             f"vocab_size is {model_config.vocab_size}"
         )
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(to_json(config), f, indent=2)
+    paths.write_text(paths.join(workdir, "config.json"), json.dumps(to_json(config), indent=2))
     return mesh, tokenizer, model_config
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 
 import jax
 
+from posttrain import paths
 from posttrain.config import ConfigError, build
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
 from posttrain.lora import LoRAConfig, wrap
@@ -166,8 +166,7 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
     mesh, tokenizer, model_config = setup(config, workdir)
     data = make_pipeline(config.data, tokenizer)
     manifest = data.manifest()
-    with open(os.path.join(workdir, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=2)
+    paths.write_text(paths.join(workdir, "manifest.json"), json.dumps(manifest, indent=2))
     seed, lora = config.train.seed, config.lora
     extras = {
         "config": to_json(config),
