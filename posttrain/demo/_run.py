@@ -23,7 +23,7 @@ from posttrain.config import build, load_config_file, override
 from posttrain.data import load_tokenizer
 from posttrain.demo._task import DOMAIN, is_correct
 from posttrain.eval import greedy_exact_match, prefers_chosen
-from posttrain.models import Transformer
+from posttrain.models import Transformer, num_params
 from posttrain.rl import RLConfig, run_rl
 from posttrain.sampling import generate
 from posttrain.train import (
@@ -195,7 +195,7 @@ def run_demo(
     untrained = Transformer.init(model_config, rng=config.train.seed)
     before = float(greedy_exact_match(untrained, tokenizer, held_out).mean())
     console.print(
-        f"stage 1 · SFT: {model_config.num_params() / 1e6:.2f}M-parameter model from "
+        f"stage 1 · SFT: {num_params(model_config) / 1e6:.2f}M-parameter model from "
         f"scratch, {config.train.steps} steps of {config.data.batch_size} rows"
     )
     start = time.perf_counter()
