@@ -32,26 +32,19 @@ from posttrain.models import (
 )
 from posttrain.parallel import axis_rules, named_sharding
 from posttrain.train._dpo import PreferenceRunConfig, _stacked, domain_accuracy_sums
-from posttrain.train._lora import (
-    base_inputs,
-    lora_json,
-    lora_trainable,
+from posttrain.train._lora import base_inputs, lora_json, lora_trainable
+from posttrain.train._params import (
+    ModelSpec,
+    checkpoint_json,
     merge_jit,
     on_default_device,
-    saved_base,
-)
-from posttrain.train._preference import PreferenceEvaluator, preference_data
-from posttrain.train._run import (
-    ModelSpec,
-    Trainable,
-    checkpoint_json,
-    decay_mask,
     restore_params,
-    setup,
+    saved_base,
     start_params,
     to_json,
-    train,
 )
+from posttrain.train._preference import PreferenceEvaluator, preference_data
+from posttrain.train._run import Trainable, decay_mask, setup, train
 
 
 def _trunk(tree: dict) -> dict:

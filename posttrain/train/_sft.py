@@ -9,33 +9,18 @@ import os
 
 import jax
 
-from posttrain.config import ConfigError, build
+from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
 from posttrain.lora import LoRAConfig, wrap
 from posttrain.losses import cross_entropy_sums
-from posttrain.models import ModelConfig, Transformer, forward, param_shapes
+from posttrain.models import ModelConfig, Transformer, forward
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
-from posttrain.train._lora import (
-    base_inputs,
-    load_lora_params,
-    lora_json,
-    lora_trainable,
-    merge_jit,
-)
+from posttrain.train._lora import base_inputs, lora_json, lora_trainable
 from posttrain.train._optimizer import OptimizerConfig
-from posttrain.train._run import (
-    ModelSpec,
-    checkpoint_json,
-    model_trainable,
-    restore_params,
-    setup,
-    summed,
-    to_json,
-    train,
-    with_shardings,
-)
+from posttrain.train._params import ModelSpec, merge_jit, to_json
+from posttrain.train._run import model_trainable, setup, summed, train
 from posttrain.train._step import add_moe_aux
 
 log = logging.getLogger(__name__)
@@ -210,16 +195,3 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
     if lora is not None:
         summary["base_params"] = inputs[0]
     return summary
-
-
-def load_checkpoint_model(workdir: str, step: int | None = None) -> Transformer:
-    """The model (params + config) of a run's checkpoint (SFT, DPO...), on the default device;
-    a LoRA run's adapters come back merged into its base."""
-    saved = checkpoint_json(workdir, step)
-    model_config = build(ModelConfig, saved["model_config"])
-    if "lora" in saved:
-        return Transformer(load_lora_params(workdir, saved["step"]), model_config)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = param_shapes(model_config)
-    abstract = with_shardings(shapes, jax.tree.map(lambda _: device, shapes))
-    return Transformer(restore_params(workdir, abstract, saved["step"]), model_config)
