@@ -98,7 +98,7 @@ def test_saved_model_scores_with_the_right_head(trained, held_out):
 def test_registry_and_pool_score_with_the_reward_model(trained, held_out):
     registry = RewardRegistry()
     registry.register("plain", f"rm:{trained[0]}")
-    registry.register("arithmetic", "posttrain.rewards._registry:arithmetic_reward")
+    registry.register("arithmetic", "posttrain.rewards._arithmetic:arithmetic_reward")
     record = {**held_out[0], "domain": "plain"}
     bare, _ = registry.score(record, held_out[0]["answer"])
     loud, info = registry.score(record, held_out[0]["answer"] + "!")
