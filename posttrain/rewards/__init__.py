@@ -22,6 +22,7 @@ from posttrain.rewards._format import (
     tool_call_reward,
 )
 from posttrain.rewards._math import extract_answer, math_equal, math_reward
+from posttrain.rewards._model import set_model_loader
 from posttrain.rewards._pool import RewardPool, RewardResult, summarize
 from posttrain.rewards._registry import (
     RewardFn,
@@ -53,6 +54,7 @@ __all__ = [
     "pass_at_k",
     "pass_rate",
     "sandbox",
+    "set_model_loader",
     "stratify",
     "summarize",
     "tool_call_reward",
