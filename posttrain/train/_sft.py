@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 
 import jax
 
@@ -87,7 +88,15 @@ class _Evaluator:
     eval suite's metrics (`SFTConfig.eval_suite`) on the current params."""
 
     def __init__(
-        self, config: SFTConfig, tokenizer, model_config, mesh, shardings, inputs=(), input_sh=()
+        self,
+        config: SFTConfig,
+        tokenizer,
+        model_config,
+        mesh,
+        shardings,
+        inputs=(),
+        input_sh=(),
+        suite: Callable[[Transformer, object], dict] | None = None,
     ):
         self.tokenizer = tokenizer
         self.mesh = mesh
@@ -107,18 +116,7 @@ class _Evaluator:
             jitted = jax.jit(step, in_shardings=(shardings, tuple(input_sh), None))
             self._step = lambda params, batch: jitted(params, tuple(self.inputs), batch)
             make_pipeline(self.data_config, tokenizer)  # fail at startup, not at the first eval
-        self.suite = None
-        if config.eval_suite:
-            from posttrain.eval import check_files, load_eval_config  # (it imports this package)
-
-            if jax.process_count() > 1:
-                raise ConfigError(
-                    "eval_suite runs on one process; in a multi-process run evaluate the "
-                    "checkpoints with `posttrain eval --workdir=...` instead"
-                )
-            suite = load_eval_config(config.eval_suite)
-            check_files(suite)  # fail at startup, not at the first eval
-            self.suite = dataclasses.replace(suite, progress=False)  # under the train bar
+        self.suite = suite
 
     def __call__(self, state) -> dict:
         out = {}
@@ -132,22 +130,28 @@ class _Evaluator:
                 "eval_tokens": totals.get("num_tokens", 0.0),
             }
         if self.suite is not None:
-            from posttrain.eval import evaluate
-
             params = state.params
             if self.lora is not None:
                 params = merge_jit(self.inputs[0], params, lora=self.lora)
-            model = Transformer(params, self.model_config)
-            metrics = evaluate(model, self.tokenizer, self.suite)
+            metrics = self.suite(Transformer(params, self.model_config), self.tokenizer)
             out.update({f"suite/{name}": value for name, value in metrics.items()})
         return out
 
 
-def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
+def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None, suite=None) -> dict:
     """Trains (or resumes) an SFT run in `workdir`; returns the loop summary.
 
-    Everything that can be wrong with the config or data is reported before anything compiles.
+    `suite`: `(model, tokenizer) -> metrics`, the `eval_suite` run at every eval step (built by
+    `posttrain.eval.suite_evaluator`, which `posttrain.train.drivers` passes; eval sits beside
+    train and imports it, so train cannot build it). Everything that can be wrong with the
+    config or data is reported before anything compiles.
     """
+    if config.eval_suite and suite is None:
+        raise ConfigError(
+            f"eval_suite={config.eval_suite!r} needs its evaluator: run SFT through "
+            "posttrain.train.drivers.run_from_config (as `posttrain train` does), or pass "
+            f"suite=posttrain.eval.suite_evaluator({config.eval_suite!r})"
+        )
     mesh, tokenizer, model_config = setup(config, workdir)
     data = make_pipeline(config.data, tokenizer)
     manifest = data.manifest()
@@ -173,8 +177,10 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
                 return sft_loss(model_config, config.z_loss, lora=lora, base_params=base)
 
         evaluate = (
-            _Evaluator(config, tokenizer, model_config, mesh, trainable.shardings, inputs, input_sh)
-            if config.eval_data or config.eval_suite
+            _Evaluator(
+                config, tokenizer, model_config, mesh, trainable.shardings, inputs, input_sh, suite
+            )
+            if config.eval_data or suite is not None
             else None
         )
     summary = train(

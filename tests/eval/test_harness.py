@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from posttrain.cli.eval import main as cli
 from posttrain.config import ConfigError, build, load_config_file
 from posttrain.data import load_tokenizer
 from posttrain.data._formats import encode_prompt
@@ -19,7 +20,6 @@ from posttrain.eval import (
     EvalConfig,
     RefusalDetector,
     check_files,
-    cli,
     evaluate,
     evaluate_checkpoints,
     greedy_exact_match,
