@@ -138,7 +138,13 @@ class _Evaluator:
         return out
 
 
-def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None, suite=None) -> dict:
+def run_sft(
+    config: SFTConfig,
+    workdir: str,
+    *,
+    on_metrics=None,
+    suite: Callable[[Transformer, object], dict] | None = None,
+) -> dict:
     """Trains (or resumes) an SFT run in `workdir`; returns the loop summary.
 
     `suite`: `(model, tokenizer) -> metrics`, the `eval_suite` run at every eval step (built by
