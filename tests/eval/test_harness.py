@@ -28,7 +28,7 @@ from posttrain.eval import (
 )
 from posttrain.rewards import pass_at_k
 from posttrain.sampling import generate
-from posttrain.train import SFTConfig, load_checkpoint_model, read_metrics
+from posttrain.train import SFTConfig, load_checkpoint_model, read_metrics, run_sft
 from posttrain.train.drivers import run_from_config
 from tests.train.conftest import REPO, small_config
 
@@ -265,3 +265,13 @@ def test_configs():
     sft.eval_data, sft.eval_suite = [], "configs/eval.py:demo"
     with pytest.raises(ConfigError, match="eval_suite is set without eval_data"):
         build(SFTConfig, {k: v for k, v in sft.items() if k != "method"})
+
+
+def test_run_sft_without_the_suite_evaluator_says_how_to_get_one(tmp_path):
+    """train cannot import eval (a sibling that imports it): the suite comes from drivers."""
+    sft = small_config(checkpoint__keep_best=0)
+    sft.eval_suite = "configs/eval.py:demo"
+    config = build(SFTConfig, {k: v for k, v in sft.items() if k != "method"})
+    with pytest.raises(ConfigError, match="suite=posttrain.eval.suite_evaluator"):
+        run_sft(config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")  # refused before anything was written
