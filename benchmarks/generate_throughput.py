@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 
-from posttrain.models import from_hf
+from posttrain.models import from_hf, num_params
 from posttrain.sampling import generate, generate_continuous
 
 HF_CONFIG = dict(  # a Llama-style model big enough to be non-trivial on CPU
@@ -122,7 +122,7 @@ def main():
 
     runs = {"uniform": workload(uniform, [N] * B), "skewed": workload(prompts, budgets)}
     print(
-        f"\nLlama 4 layers, d=256, V=4096 ({model.config.num_params() / 1e6:.1f}M params), "
+        f"\nLlama 4 layers, d=256, V=4096 ({num_params(model.config) / 1e6:.1f}M params), "
         f"float32, greedy, batch/slots {B}, prompts {args.prompt // 2}-{args.prompt} tokens, "
         f"{jax.devices()[0].device_kind} ({os.cpu_count()} cores); first 16 greedy tokens "
         f"equal to HF in {agree:.0%} of rows\n"

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from _peers import hf_llama  # benchmarks/ is the script directory
 
-from posttrain.models import ModelConfig, Transformer, get_preset, init_params
+from posttrain.models import ModelConfig, Transformer, get_preset, init_params, num_params
 
 CONFIGS = {
     "tiny": get_preset("tiny"),
@@ -109,7 +109,7 @@ def main():
     tokens_per_step = args.batch * args.seq
     baseline = rows["HF transformers (torch, sdpa)"]
     print(
-        f"\n{config.name}: {config.num_params() / 1e9:.2f}B params, batch {args.batch} x "
+        f"\n{config.name}: {num_params(config) / 1e9:.2f}B params, batch {args.batch} x "
         f"{args.seq} tokens, {args.dtype}, fwd+bwd, {jax.devices()[0].device_kind}\n"
     )
     print("| implementation | step (ms) | tokens/s | model TFLOP/s | speed vs HF |")

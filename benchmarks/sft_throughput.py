@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from _peers import hf_llama  # benchmarks/ is the script directory
 
-from posttrain.models import ModelConfig, init_params
+from posttrain.models import ModelConfig, init_params, num_params
 from posttrain.train import OptimizerConfig, create_state, make_optimizer, sft_loss, train_step
 
 MODEL = ModelConfig(
@@ -112,7 +112,7 @@ def main():
     }
     baseline = next(iter(rows.values()))
     print(
-        f"\n{MODEL.name}: {MODEL.num_params() / 1e6:.1f}M params, batch {args.batch} x "
+        f"\n{MODEL.name}: {num_params(MODEL) / 1e6:.1f}M params, batch {args.batch} x "
         f"{args.seq}, AdamW step, float32, {jax.devices()[0].device_kind} "
         f"({os.cpu_count()} cores)\n"
     )

@@ -431,30 +431,3 @@ def run_sweep(path_or_config, workdir: str, *, dry_run: bool = False) -> list[di
     _print_summary(console, rows, groups, keys, sweep)
     console.print(f"wrote {os.path.join(workdir, 'summary.csv')} and combinations.csv")
     return rows
-
-
-def cli(argv: list[str]) -> int:
-    """`posttrain sweep`; `argv[0]` is the program name, as `posttrain.cli` passes it."""
-    from posttrain.cli import _config_flag, _parse
-
-    if not argv or argv[0].startswith("-"):
-        argv = ["posttrain sweep", *argv]
-
-    def define(flags, fv):
-        _config_flag(fv, argv)
-        flags.DEFINE_string("workdir", None, "the sweep's directory", flag_values=fv)
-        flags.DEFINE_bool(
-            "dry_run", False, "print one `posttrain train` command per trial and run nothing",
-            flag_values=fv,
-        )  # fmt: skip
-
-    fv = _parse(argv, define)
-    if fv.config is None or not fv.workdir:
-        raise SystemExit(
-            "posttrain sweep: --config=configs/sweeps/<name>.py and --workdir=DIR are required"
-        )
-    try:
-        rows = run_sweep(fv.config, fv.workdir, dry_run=fv.dry_run)
-    except ConfigError as e:
-        raise SystemExit(f"posttrain sweep: {e}") from None
-    return 0 if fv.dry_run or all(r["status"] == "finished" for r in rows) else 1

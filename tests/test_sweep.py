@@ -11,6 +11,8 @@ import jax
 import pytest
 
 from posttrain import sweep
+from posttrain.cli._flags import config_flag, parse
+from posttrain.cli.sweep import main as sweep_cli
 from posttrain.config import ConfigError
 from posttrain.train import drivers
 
@@ -178,8 +180,6 @@ def test_unknown_keys_and_bad_values_fail_before_any_trial(tmp_path, fake_train)
 
 
 def test_dry_run_prints_one_reproducing_command_per_trial(tmp_path, capsys):
-    from posttrain.cli import _config_flag, _parse
-
     workdir = str(tmp_path / "sweep")
     rows = sweep.run_sweep(lr_seeds(), workdir, dry_run=True)
     lines = capsys.readouterr().out.strip().splitlines()
@@ -192,10 +192,10 @@ def test_dry_run_prints_one_reproducing_command_per_trial(tmp_path, capsys):
         argv = ["posttrain train", *args[2:]]
 
         def define(flags, fv, argv=argv):
-            _config_flag(fv, argv)
+            config_flag(fv, argv)
             flags.DEFINE_string("workdir", None, "", flag_values=fv)
 
-        config = _parse(argv, define).config  # `posttrain train` reads the same config back
+        config = parse(argv, define).config  # `posttrain train` reads the same config back
         for key, value in trial.overrides.items():
             node = config
             for name in key.split("."):
@@ -206,15 +206,15 @@ def test_dry_run_prints_one_reproducing_command_per_trial(tmp_path, capsys):
 def test_cli_dry_run_of_the_bundled_sweep_and_help(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)  # the sweep file names its base relative to the repository
     config = "--config=configs/sweeps/sft_lr_seeds.py"
-    assert sweep.cli(["posttrain sweep", config, f"--workdir={tmp_path}/s", "--dry-run"]) == 0
+    assert sweep_cli(["posttrain sweep", config, f"--workdir={tmp_path}/s", "--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4 and all(line.startswith("posttrain train --config=") for line in lines)
     assert "--config.train.steps=60" in lines[0] and "--config.train.seed=1" in lines[1]
     with pytest.raises(SystemExit) as exit_:
-        sweep.cli(["--help"])
+        sweep_cli(["--help"])
     assert exit_.value.code == 0 and "examples:" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--workdir=DIR are required"):
-        sweep.cli(["posttrain sweep", config])
+        sweep_cli(["posttrain sweep", config])
 
 
 def test_summary_failures_and_retry_with_a_fake_trainer(tmp_path, fake_train, capsys):
@@ -333,13 +333,13 @@ def test_a_preempted_trial_stops_the_sweep_and_resumes(tmp_path, fake_train, mon
         f"    return ml_collections.ConfigDict({lr_seeds()!r}, allow_dotted_keys=True)\n"
     )
     argv = ["posttrain sweep", f"--config={path}", f"--workdir={tmp_path}/sweep"]
-    assert sweep.cli(argv) == 1  # not every trial finished
+    assert sweep_cli(argv) == 1  # not every trial finished
     rows = read_csv(tmp_path / "sweep" / "summary.csv")
     assert [r["status"] for r in rows] == ["finished", "preempted", "pending", "pending"]
     assert len(calls) == 2
 
     monkeypatch.setattr(drivers, "run_from_config", fake)
-    assert sweep.cli(argv) == 0
+    assert sweep_cli(argv) == 0
     assert "trial 2/4: learning_rate=0.003,seed=1 (resuming the preempted run)" in (
         capsys.readouterr().out
     )

@@ -5,13 +5,11 @@ exact-match accuracy on `ASSETS_DIR/eval.jsonl` with `is_correct`; DPO and RL re
 """
 
 from posttrain.demo._assets import ASSETS_DIR, build_assets, build_tokenizer
-from posttrain.demo._task import (
-    extract_answer,
-    is_correct,
-    make_dataset,
-    make_problem,
-    problem_key,
-)
+from posttrain.demo._task import make_dataset, make_problem, problem_key
+
+# The verifier is a reward like the others (rewards sit below the demo and cannot import it).
+from posttrain.rewards import extract_integer as extract_answer
+from posttrain.rewards import integer_correct as is_correct
 
 __all__ = [
     "ASSETS_DIR",

@@ -21,9 +21,10 @@ import numpy as np
 
 from posttrain.config import build, load_config_file, override
 from posttrain.data import load_tokenizer
-from posttrain.demo._task import DOMAIN, is_correct
+from posttrain.demo._task import DOMAIN
 from posttrain.eval import greedy_exact_match, prefers_chosen
-from posttrain.models import Transformer
+from posttrain.models import Transformer, num_params
+from posttrain.rewards import integer_correct
 from posttrain.rl import RLConfig, run_rl
 from posttrain.sampling import generate
 from posttrain.train import (
@@ -134,8 +135,8 @@ def preference_pairs(
     pairs = []
     for record, options in zip(records, completions, strict=True):
         texts = list(dict.fromkeys(c.text.strip() for c in options))
-        right = [t for t in texts if is_correct(t, record)]
-        wrong = [t for t in texts if t and not is_correct(t, record)]
+        right = [t for t in texts if integer_correct(t, record)]
+        wrong = [t for t in texts if t and not integer_correct(t, record)]
         if right and wrong:
             pairs.append(
                 {
@@ -195,7 +196,7 @@ def run_demo(
     untrained = Transformer.init(model_config, rng=config.train.seed)
     before = float(greedy_exact_match(untrained, tokenizer, held_out).mean())
     console.print(
-        f"stage 1 · SFT: {model_config.num_params() / 1e6:.2f}M-parameter model from "
+        f"stage 1 · SFT: {num_params(model_config) / 1e6:.2f}M-parameter model from "
         f"scratch, {config.train.steps} steps of {config.data.batch_size} rows"
     )
     start = time.perf_counter()

@@ -1,8 +1,9 @@
 """The demo task: integer addition and subtraction as one-turn chats, and its verifier.
 
 A problem is "What is 347 + 589?" with the answer "936"; operands have 1 to `max_digits` digits
-and a difference may be negative. `extract_answer` and `is_correct` are the verifier that scores
-completions for evaluation, DPO pair labelling and RL rewards.
+and a difference may be negative. `extract_answer` and `is_correct` (`posttrain.rewards`'
+`extract_integer` and `integer_correct`) are the verifier that scores completions for
+evaluation, DPO pair labelling and RL rewards.
 """
 
 from __future__ import annotations
@@ -15,17 +16,6 @@ DOMAIN = "arithmetic"
 OPS = ("+", "-")
 _QUESTION = "What is {a} {op} {b}?"
 _QUESTION_RE = re.compile(r"What is ([0-9]+) ([+-]) ([0-9]+)\?")
-# Text after the first of these was generated past the end of the turn: it is not the answer.
-_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
-# An integer standing on its own: not glued to a word or another number, optionally with
-# thousands separators ("1,998") or a zero fraction ("936.0", rejected later if nonzero).
-_NUMBER_RE = re.compile(
-    r"(?<![\w.,])(?P<sign>[-+\u2212]?)(?P<int>[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)"
-    r"(?:\.(?P<frac>[0-9]+))?(?!\w|[.,][0-9])"
-)
-# A number just after another one with only spaces between ("93 6") is a split answer.
-_SPLIT_RE = re.compile(r"[0-9][^\S\n]+$")
-
 Key = tuple[int, str, int]
 
 
@@ -95,37 +85,6 @@ def problem_key(record: Mapping) -> Key:
             f"not a demo arithmetic record (expected a prompt 'What is A + B?'): {record!r:.200}"
         )
     return int(match[1]), match[2], int(match[3])
-
-
-def extract_answer(text: str) -> str | None:
-    """Reads the integer a completion answers with.
-
-    The answer is the last integer before any end-of-turn token; surrounding words, whitespace,
-    a sign, thousands separators and a zero fraction are tolerated ("The answer is -1,234.0").
-
-    Args:
-      text: the completion.
-
-    Returns:
-      The integer in canonical form ("-12", "936"), or None if there is none, the last number is
-      not an integer ("93.5") or it looks split ("93 6").
-    """
-    for end in _END_TOKENS:
-        text = text.split(end, 1)[0]
-    numbers = list(_NUMBER_RE.finditer(text))
-    last = numbers[-1] if numbers else None
-    if last is None or (last["frac"] or "0").strip("0") or _SPLIT_RE.search(text, 0, last.start()):
-        return None
-    digits = last["int"].replace(",", "").lstrip("0") or "0"
-    return "-" + digits if last["sign"] in ("-", "\u2212") and digits != "0" else digits
-
-
-def is_correct(completion_text: str, record: Mapping) -> bool:
-    """Whether a completion's answer (see `extract_answer`) equals the record's, as integers."""
-    expected = extract_answer(str(record["answer"]))
-    if expected is None:
-        raise ValueError(f"record answer {record['answer']!r} is not an integer")
-    return extract_answer(completion_text) == expected
 
 
 def _record(a: int, op: str, b: int) -> dict:

@@ -17,10 +17,10 @@ from posttrain.eval._config import (
 from posttrain.eval._exact_match import greedy_exact_match
 from posttrain.eval._harness import (
     checkpoint_steps,
-    cli,
     evaluate,
     evaluate_checkpoints,
     print_tables,
+    suite_evaluator,
     write_report,
 )
 from posttrain.eval._preference import preference_wins, prefers_chosen
@@ -37,7 +37,6 @@ __all__ = [
     "TargetTask",
     "check_files",
     "checkpoint_steps",
-    "cli",
     "evaluate",
     "evaluate_checkpoints",
     "greedy_exact_match",
@@ -45,5 +44,6 @@ __all__ = [
     "preference_wins",
     "prefers_chosen",
     "print_tables",
+    "suite_evaluator",
     "write_report",
 ]

@@ -1,5 +1,5 @@
 """The evaluation harness: a suite of general, target and safety tasks on one model
-(`evaluate`), on every checkpoint of a run (`evaluate_checkpoints`), and `posttrain eval`.
+(`evaluate`), on every checkpoint of a run (`evaluate_checkpoints`, which `posttrain eval` runs).
 
     posttrain eval --workdir=runs/demo/sft --config=configs/eval.py:demo    # CPU, ~30 s
 
@@ -12,12 +12,16 @@ column per metric), so a regression between checkpoints shows as a column that d
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+import jax
 
 from posttrain import paths
+from posttrain.config import ConfigError
 from posttrain.data import load_tokenizer
 from posttrain.eval._config import check_files, load_eval_config
 from posttrain.eval._tasks import Scorer, general_metrics, safety_metrics, target_metrics
@@ -80,6 +84,25 @@ def _run_tokenizer(workdir: str) -> str:
     if not tokenizer:
         raise ValueError(f"{path} names no tokenizer; pass --tokenizer=DIR (or set tokenizer)")
     return tokenizer
+
+
+def suite_evaluator(suite) -> Callable[[object, object], dict[str, float]]:
+    """`(model, tokenizer) -> metrics` of a suite, for a training run's periodic eval
+    (`SFTConfig.eval_suite`): the suite's files are checked now, before the run compiles.
+
+    Raises:
+      ConfigError: a multi-process run (the suite runs on one process).
+      FileNotFoundError: a task's data file is missing.
+    """
+    if jax.process_count() > 1:
+        raise ConfigError(
+            "eval_suite runs on one process; in a multi-process run evaluate the "
+            "checkpoints with `posttrain eval --workdir=...` instead"
+        )
+    config = load_eval_config(suite)
+    check_files(config)
+    config = dataclasses.replace(config, progress=False)  # under the train bar
+    return lambda model, tokenizer: evaluate(model, tokenizer, config)
 
 
 def evaluate_checkpoints(
@@ -210,40 +233,3 @@ def _format(name: str, value) -> str:
     if name.endswith(("/examples", "/tokens")):
         return str(int(value))
     return f"{value:.4f}"
-
-
-def cli(argv: list[str]) -> int:
-    """`posttrain eval`: argv[0] is the program name ("posttrain eval"), then its flags."""
-    from posttrain.cli import _config_flag, _parse
-
-    def define(flags, fv):
-        _config_flag(fv, argv)
-        flags.DEFINE_string(
-            "workdir", None, "a training run directory: all its checkpoints (or --step)",
-            flag_values=fv,
-        )  # fmt: skip
-        flags.DEFINE_string(
-            "model", None, "or an HF model directory (config.json + safetensors)", flag_values=fv
-        )
-        flags.DEFINE_integer("step", None, "only this checkpoint step", flag_values=fv)
-        flags.DEFINE_string(
-            "tokenizer", None, "tokenizer directory (default: the config's, the run's or the "
-            "HF dir)", flag_values=fv,
-        )  # fmt: skip
-        flags.DEFINE_string(
-            "out", None, "report directory (default: <workdir or model>/eval)", flag_values=fv
-        )
-
-    fv = _parse(argv, define)
-    if fv.config is None or bool(fv.workdir) == bool(fv.model):
-        raise SystemExit(
-            f"{argv[0]}: --config=configs/eval.py:<preset> and one of --workdir=DIR or "
-            f"--model=HF_DIR are required (see --help)"
-        )
-    try:
-        evaluate_checkpoints(
-            fv.workdir or fv.model, fv.config, fv.step, tokenizer=fv.tokenizer, out_dir=fv.out
-        )
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"{argv[0]}: {e}") from None
-    return 0

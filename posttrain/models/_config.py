@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import jax
 import jax.numpy as jnp
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
@@ -288,9 +286,3 @@ class ModelConfig:
         # Causal QK^T and AV: half of 2*L*N*(qk + v) multiply-adds per token, x3 with backward.
         attention = 3 * self.num_layers * N * (self.head_dim + self.v_head_dim) * seq_len
         return 6 * matmul_params + attention
-
-    def num_params(self) -> int:
-        """Parameter count, from shapes alone."""
-        from posttrain.models._transformer import param_shapes
-
-        return sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(self)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -100,6 +101,11 @@ def param_shapes(config: ModelConfig) -> dict:
     return jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(config), is_leaf=_is_spec
     )
+
+
+def num_params(config: ModelConfig) -> int:
+    """Parameter count, from shapes alone."""
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(config)))
 
 
 def param_shardings(config: ModelConfig, mesh) -> dict:

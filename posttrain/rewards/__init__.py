@@ -12,6 +12,7 @@ completion under a deadline, so a hung or crashing verifier costs one zero rewar
 """
 
 from posttrain.rewards import sandbox
+from posttrain.rewards._arithmetic import arithmetic_reward, extract_integer, integer_correct
 from posttrain.rewards._code import code_reward, code_reward_all_pass, extract_code
 from posttrain.rewards._difficulty import filter_by_pass_rate, pass_at_k, pass_rate, stratify
 from posttrain.rewards._format import (
@@ -21,12 +22,12 @@ from posttrain.rewards._format import (
     tool_call_reward,
 )
 from posttrain.rewards._math import extract_answer, math_equal, math_reward
+from posttrain.rewards._model import set_model_loader
 from posttrain.rewards._pool import RewardPool, RewardResult, summarize
 from posttrain.rewards._registry import (
     RewardFn,
     RewardRegistry,
     RewardTerm,
-    arithmetic_reward,
     default_registry,
 )
 
@@ -43,14 +44,17 @@ __all__ = [
     "default_registry",
     "extract_answer",
     "extract_code",
+    "extract_integer",
     "filter_by_pass_rate",
     "format_reward",
+    "integer_correct",
     "math_equal",
     "math_reward",
     "overlong_penalty",
     "pass_at_k",
     "pass_rate",
     "sandbox",
+    "set_model_loader",
     "stratify",
     "summarize",
     "tool_call_reward",

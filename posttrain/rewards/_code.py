@@ -18,7 +18,7 @@ import re
 import secrets
 from collections.abc import Mapping
 
-from posttrain.rewards import sandbox
+import posttrain.rewards.sandbox as sandbox
 
 DEFAULT_TIMEOUT_S = 5.0  # per sandbox run, unless the record has "timeout_s"
 DEFAULT_MEMORY_MB = 512  # address space per process

@@ -245,17 +245,6 @@ def _fn_name(fn: str | Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def arithmetic_reward(record: Mapping, completion: str) -> tuple[float, dict]:
-    """The demo arithmetic task's verifier (`posttrain.demo.is_correct`) as a reward."""
-    from posttrain.demo import extract_answer, is_correct
-
-    correct = is_correct(completion, record)
-    info = {"extracted": extract_answer(completion)}
-    if not correct:
-        info["reason"] = "no integer answer" if info["extracted"] is None else "wrong answer"
-    return float(correct), info
-
-
 def default_registry() -> RewardRegistry:
     """A registry with the built-in domains.
 
@@ -268,5 +257,5 @@ def default_registry() -> RewardRegistry:
     registry.register("code", "posttrain.rewards._code:code_reward")
     registry.register("format", "posttrain.rewards._format:format_reward")
     registry.register("tool_call", "posttrain.rewards._format:tool_call_reward")
-    registry.register("arithmetic", "posttrain.rewards._registry:arithmetic_reward")
+    registry.register("arithmetic", "posttrain.rewards._arithmetic:arithmetic_reward")
     return registry

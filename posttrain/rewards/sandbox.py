@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from posttrain.rewards import _sandbox_bwrap as _bw
+import posttrain.rewards._sandbox_bwrap as _bw
 from posttrain.rewards._sandbox_bwrap import SandboxError, SandboxUnavailableError
 
 __all__ = [

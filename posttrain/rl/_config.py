@@ -18,9 +18,7 @@ from posttrain.rl._loss import PolicyLossConfig
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
 from posttrain.train._optimizer import OptimizerConfig
-from posttrain.train._run import (
-    ModelSpec,
-)
+from posttrain.train._params import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 
 from posttrain.config import ConfigError
 from posttrain.models import ModelConfig, hidden_states
+from posttrain.train._params import ModelSpec, checkpoint_json, restore_params
+from posttrain.train._params import with_shardings as _with_shardings
 from posttrain.train._rm import reward_params, reward_shapes, reward_trainable
-from posttrain.train._run import ModelSpec, Trainable, checkpoint_json, restore_params
-from posttrain.train._run import with_shardings as _with_shardings
+from posttrain.train._run import Trainable
 
 
 def token_values(params: dict, model_config: ModelConfig, batch: dict) -> jax.Array:

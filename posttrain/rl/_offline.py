@@ -17,11 +17,8 @@ from posttrain.rewards import (
 )
 from posttrain.rl._config import RLConfig
 from posttrain.rl._rollout import Rollouts
-from posttrain.train._run import (
-    ModelSpec,
-    model_trainable,
-    to_json,
-)
+from posttrain.train._params import ModelSpec, to_json
+from posttrain.train._run import model_trainable
 
 log = logging.getLogger(__name__)
 _CHUNK = 64  # prompts per sampling call

@@ -2,6 +2,14 @@
 
 from posttrain.sampling._continuous import generate_continuous
 from posttrain.sampling._generate import Completion, generate
+from posttrain.sampling._run import run_generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
 
-__all__ = ["Completion", "filter_logits", "generate", "generate_continuous", "sample_tokens"]
+__all__ = [
+    "Completion",
+    "filter_logits",
+    "generate",
+    "generate_continuous",
+    "run_generate",
+    "sample_tokens",
+]

@@ -1,4 +1,5 @@
-"""`posttrain generate`: load a model (HF directory or training workdir), sample, print/save."""
+"""`posttrain generate`'s work on a loaded model: stream one prompt, or sample a file of prompts
+into a JSONL (loading a workdir's checkpoint is `posttrain.train.load_model_and_tokenizer`)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,8 @@ import os
 import sys
 
 from posttrain import paths
-from posttrain.data import load_tokenizer
-from posttrain.models import from_hf
 from posttrain.sampling._generate import generate
 from posttrain.sampling._stream import stream
-
-
-def load_model_and_tokenizer(path: str):
-    """An HF model directory (config.json + safetensors + tokenizer files) or a training
-    workdir (its latest checkpoint and the tokenizer its config names)."""
-    if (paths.path(path) / "checkpoints").is_dir():
-        from posttrain.train import load_checkpoint_model
-
-        config = json.loads((paths.path(path) / "config.json").read_text())
-        tokenizer_dir = config.get("tokenizer") or config.get("model", {}).get("hf_path")
-        return load_checkpoint_model(path), load_tokenizer(tokenizer_dir)
-    if (paths.path(path) / "config.json").is_file():
-        return from_hf(path), load_tokenizer(path)
-    raise FileNotFoundError(
-        f"{path!r} is neither an HF model directory (config.json) nor a "
-        f"training workdir (checkpoints/)"
-    )
 
 
 def _render(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -39,7 +21,8 @@ def _render(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 def run_generate(
-    model_path: str,
+    model,
+    tokenizer,
     *,
     prompt: str | None = None,
     prompts_file: str | None = None,
@@ -54,7 +37,6 @@ def run_generate(
 ) -> None:
     """Streams one prompt's continuation to stdout, or writes a JSONL of completions for a
     file of prompts (one JSON string or {"prompt": ...} object per line)."""
-    model, tokenizer = load_model_and_tokenizer(model_path)
     settings = dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k
     )

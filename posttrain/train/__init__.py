@@ -4,9 +4,15 @@ every method (SFT, DPO family, reward models)."""
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._dpo import DPOConfig, PreferenceLossConfig, dpo_loss, reference_logps, run_dpo
 from posttrain.train._loop import LoopConfig, TrainingDiverged, train_loop
-from posttrain.train._lora import export_peft, load_lora_params
+from posttrain.train._lora import export_peft
 from posttrain.train._metrics import MetricsWriter, read_metrics
 from posttrain.train._optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from posttrain.train._params import (
+    ModelSpec,
+    load_checkpoint_model,
+    load_lora_params,
+    load_model_and_tokenizer,
+)
 from posttrain.train._rm import (
     RewardModel,
     RewardModelConfig,
@@ -14,7 +20,7 @@ from posttrain.train._rm import (
     reward_model_loss,
     run_reward_model,
 )
-from posttrain.train._sft import ModelSpec, SFTConfig, load_checkpoint_model, run_sft, sft_loss
+from posttrain.train._sft import SFTConfig, run_sft, sft_loss
 from posttrain.train._state import TrainState, create_state, state_shardings
 from posttrain.train._step import split_micro_batches, train_step
 
@@ -38,6 +44,7 @@ __all__ = [
     "learning_rate_schedule",
     "load_checkpoint_model",
     "load_lora_params",
+    "load_model_and_tokenizer",
     "load_reward_model",
     "make_optimizer",
     "read_metrics",

@@ -57,15 +57,9 @@ from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
 from posttrain.train._lora import base_inputs, lora_json, lora_trainable
 from posttrain.train._optimizer import OptimizerConfig
+from posttrain.train._params import ModelSpec, checkpoint_json, to_json
 from posttrain.train._preference import PreferenceEvaluator, attach_reference, preference_data
-from posttrain.train._run import (
-    ModelSpec,
-    checkpoint_json,
-    model_trainable,
-    setup,
-    to_json,
-    train,
-)
+from posttrain.train._run import model_trainable, setup, train
 from posttrain.train._step import add_moe_aux
 
 log = logging.getLogger(__name__)

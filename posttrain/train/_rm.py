@@ -31,27 +31,21 @@ from posttrain.models import (
     param_shardings,
 )
 from posttrain.parallel import axis_rules, named_sharding
+from posttrain.rewards import set_model_loader
 from posttrain.train._dpo import PreferenceRunConfig, _stacked, domain_accuracy_sums
-from posttrain.train._lora import (
-    base_inputs,
-    lora_json,
-    lora_trainable,
+from posttrain.train._lora import base_inputs, lora_json, lora_trainable
+from posttrain.train._params import (
+    ModelSpec,
+    checkpoint_json,
     merge_jit,
     on_default_device,
-    saved_base,
-)
-from posttrain.train._preference import PreferenceEvaluator, preference_data
-from posttrain.train._run import (
-    ModelSpec,
-    Trainable,
-    checkpoint_json,
-    decay_mask,
     restore_params,
-    setup,
+    saved_base,
     start_params,
     to_json,
-    train,
 )
+from posttrain.train._preference import PreferenceEvaluator, preference_data
+from posttrain.train._run import Trainable, decay_mask, setup, train
 
 
 def _trunk(tree: dict) -> dict:
@@ -380,3 +374,8 @@ def load_reward_model(path: str, step: int | None = None) -> RewardModel:
         max_len=int(data["max_len"]),
         add_eos=bool(data["add_eos"]),
     )
+
+
+# "rm:<path>" rewards load their model with this (posttrain.rewards sits below train and
+# cannot import it).
+set_model_loader(load_reward_model)

@@ -1,5 +1,5 @@
-"""What every method's driver shares: config -> mesh, tokenizer and model; the starting params
-(random init, HF weights or an earlier run's checkpoint); resume; the jitted step; the loop.
+"""What every method's driver shares: config -> mesh, tokenizer and model; what it trains
+(`Trainable`, its start from `posttrain.train._params`); resume; the jitted step; the loop.
 
 A driver (SFT, DPO, reward model...) brings its data iterator, its loss and what it trains
 (`Trainable`); `train` does the rest the same way for all of them.
@@ -17,27 +17,18 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from posttrain import paths
-from posttrain.config import ConfigError, build
+from posttrain.config import ConfigError
 from posttrain.data import load_tokenizer
-from posttrain.models import (
-    ModelConfig,
-    from_hf,
-    get_preset,
-    init_params,
-    load_hf_config,
-    param_shapes,
-    param_shardings,
-    param_specs,
-)
+from posttrain.models import ModelConfig, param_shapes, param_shardings, param_specs
 from posttrain.models._moe import update_routing_bias
 from posttrain.parallel import axis_rules, make_mesh, shard_batch
-from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
+from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._loop import train_loop
 from posttrain.train._optimizer import learning_rate_schedule, make_optimizer
+from posttrain.train._params import ModelSpec, start_params, to_json, with_shardings
 from posttrain.train._state import create_state, state_shardings
 from posttrain.train._step import (
     EXPERT_COUNTS,
@@ -49,123 +40,6 @@ from posttrain.train._step import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """Which model to start from: a preset (random init), an HF directory, or a run's checkpoint.
-
-    At most one of `hf_path` and `checkpoint` is set; with neither, `preset` is initialised.
-    """
-
-    preset: str = "tiny"  # posttrain.models preset name, used when neither path is set
-    hf_path: str = ""  # HF model directory: its config.json and weights
-    checkpoint: str = ""  # an earlier run's workdir (e.g. SFT): its latest checkpoint's params
-    attention: str = ""  # override ModelConfig.attention ("" keeps the model's)
-    remat: str = ""  # override ModelConfig.remat
-    compute_dtype: str = ""  # override ModelConfig.compute_dtype
-    param_dtype: str = ""  # override ModelConfig.param_dtype
-    # MoE run settings (0 keeps the model's): expert-parallel buffer size over the balanced
-    # share (MoEConfig.ep_capacity_factor), routing-bias step, load-balancing loss weight.
-    ep_capacity_factor: float = 0.0
-    routing_bias_rate: float = 0.0
-    aux_loss_coef: float = 0.0
-
-    def __post_init__(self):
-        if self.hf_path and self.checkpoint:
-            raise ConfigError(
-                f"model.hf_path={self.hf_path!r} and model.checkpoint={self.checkpoint!r} are both "
-                "set; start from one of them"
-            )
-
-    def overrides(self) -> dict:
-        names = ("attention", "remat", "compute_dtype", "param_dtype")
-        return {n: getattr(self, n) for n in names if getattr(self, n)}
-
-    def model_config(self) -> ModelConfig:
-        if self.hf_path:
-            config = load_hf_config(self.hf_path, **self.overrides())
-        elif self.checkpoint:
-            saved = checkpoint_json(self.checkpoint)
-            config = dataclasses.replace(
-                build(ModelConfig, saved["model_config"]), **self.overrides()
-            )
-        else:
-            config = get_preset(self.preset, **self.overrides())
-        names = ("ep_capacity_factor", "routing_bias_rate", "aux_loss_coef")
-        moe = {n: getattr(self, n) for n in names if getattr(self, n)}
-        if moe and config.moe is None:
-            raise ConfigError(f"model.{next(iter(moe))} is set but {config.name} has no MoE layers")
-        return config.replace(moe=dataclasses.replace(config.moe, **moe)) if moe else config
-
-
-def to_json(value) -> Any:
-    """A (nested) dataclass as plain JSON values."""
-    return json.loads(json.dumps(dataclasses.asdict(value), default=str))
-
-
-def checkpoint_json(workdir: str, step: int | None = None) -> dict:
-    """The JSON items (config, model_config, manifest...) saved with a run's checkpoint."""
-    checkpointer = Checkpointer(workdir, CheckpointConfig(async_save=False))
-    try:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(
-                f"no checkpoint under {checkpointer.directory}: is {workdir!r} the workdir of a "
-                "finished (or checkpointed) run?"
-            )
-        return {"step": step, **checkpointer.read_json(step)}
-    finally:
-        checkpointer.close()
-
-
-def restore_params(workdir: str, abstract_params, step: int | None = None):
-    """Only the params of a run's checkpoint (no optimizer state is read), onto the shardings
-    of `abstract_params` (a pytree of `jax.ShapeDtypeStruct` with `sharding`)."""
-    step = checkpoint_json(workdir, step)["step"]
-    manager = ocp.CheckpointManager(paths.path(workdir) / "checkpoints")
-    try:
-        item = {"params": abstract_params}
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item=item,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                    partial_restore=True,
-                )
-            ),
-        )
-    except Exception as e:
-        raise ValueError(
-            f"could not read the params of {workdir} step {step} ({type(e).__name__}: "
-            f"{str(e)[:300]}); is it a checkpoint of the same model?"
-        ) from e
-    finally:
-        manager.close()
-    return restored.state["params"]
-
-
-def with_shardings(shapes, shardings):
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
-    )
-
-
-def start_params(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int):
-    """The transformer params a run starts from, sharded on `mesh`."""
-    if spec.hf_path:
-        return from_hf(spec.hf_path, mesh=mesh, **spec.overrides()).params
-    if spec.checkpoint:
-        shardings = param_shardings(model_config, mesh)
-        if "lora" in checkpoint_json(spec.checkpoint):  # a LoRA run: its merged weights
-            from posttrain.train._lora import load_lora_params
-
-            return jax.device_put(load_lora_params(spec.checkpoint), shardings)
-        return restore_params(
-            spec.checkpoint, with_shardings(param_shapes(model_config), shardings)
-        )
-    return init_params(model_config, jax.random.key(seed), mesh)
 
 
 @dataclasses.dataclass(frozen=True)

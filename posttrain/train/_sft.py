@@ -5,37 +5,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 
 import jax
 
 from posttrain import paths
-from posttrain.config import ConfigError, build
+from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
 from posttrain.lora import LoRAConfig, wrap
 from posttrain.losses import cross_entropy_sums
-from posttrain.models import ModelConfig, Transformer, forward, param_shapes
+from posttrain.models import ModelConfig, Transformer, forward
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
-from posttrain.train._lora import (
-    base_inputs,
-    load_lora_params,
-    lora_json,
-    lora_trainable,
-    merge_jit,
-)
+from posttrain.train._lora import base_inputs, lora_json, lora_trainable
 from posttrain.train._optimizer import OptimizerConfig
-from posttrain.train._run import (
-    ModelSpec,
-    checkpoint_json,
-    model_trainable,
-    restore_params,
-    setup,
-    summed,
-    to_json,
-    train,
-    with_shardings,
-)
+from posttrain.train._params import ModelSpec, merge_jit, to_json
+from posttrain.train._run import model_trainable, setup, summed, train
 from posttrain.train._step import add_moe_aux
 
 log = logging.getLogger(__name__)
@@ -102,7 +88,15 @@ class _Evaluator:
     eval suite's metrics (`SFTConfig.eval_suite`) on the current params."""
 
     def __init__(
-        self, config: SFTConfig, tokenizer, model_config, mesh, shardings, inputs=(), input_sh=()
+        self,
+        config: SFTConfig,
+        tokenizer,
+        model_config,
+        mesh,
+        shardings,
+        inputs=(),
+        input_sh=(),
+        suite: Callable[[Transformer, object], dict] | None = None,
     ):
         self.tokenizer = tokenizer
         self.mesh = mesh
@@ -122,18 +116,7 @@ class _Evaluator:
             jitted = jax.jit(step, in_shardings=(shardings, tuple(input_sh), None))
             self._step = lambda params, batch: jitted(params, tuple(self.inputs), batch)
             make_pipeline(self.data_config, tokenizer)  # fail at startup, not at the first eval
-        self.suite = None
-        if config.eval_suite:
-            from posttrain.eval import check_files, load_eval_config  # (it imports this package)
-
-            if jax.process_count() > 1:
-                raise ConfigError(
-                    "eval_suite runs on one process; in a multi-process run evaluate the "
-                    "checkpoints with `posttrain eval --workdir=...` instead"
-                )
-            suite = load_eval_config(config.eval_suite)
-            check_files(suite)  # fail at startup, not at the first eval
-            self.suite = dataclasses.replace(suite, progress=False)  # under the train bar
+        self.suite = suite
 
     def __call__(self, state) -> dict:
         out = {}
@@ -147,22 +130,34 @@ class _Evaluator:
                 "eval_tokens": totals.get("num_tokens", 0.0),
             }
         if self.suite is not None:
-            from posttrain.eval import evaluate
-
             params = state.params
             if self.lora is not None:
                 params = merge_jit(self.inputs[0], params, lora=self.lora)
-            model = Transformer(params, self.model_config)
-            metrics = evaluate(model, self.tokenizer, self.suite)
+            metrics = self.suite(Transformer(params, self.model_config), self.tokenizer)
             out.update({f"suite/{name}": value for name, value in metrics.items()})
         return out
 
 
-def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
+def run_sft(
+    config: SFTConfig,
+    workdir: str,
+    *,
+    on_metrics=None,
+    suite: Callable[[Transformer, object], dict] | None = None,
+) -> dict:
     """Trains (or resumes) an SFT run in `workdir`; returns the loop summary.
 
-    Everything that can be wrong with the config or data is reported before anything compiles.
+    `suite`: `(model, tokenizer) -> metrics`, the `eval_suite` run at every eval step (built by
+    `posttrain.eval.suite_evaluator`, which `posttrain.train.drivers` passes; eval sits beside
+    train and imports it, so train cannot build it). Everything that can be wrong with the
+    config or data is reported before anything compiles.
     """
+    if config.eval_suite and suite is None:
+        raise ConfigError(
+            f"eval_suite={config.eval_suite!r} needs its evaluator: run SFT through "
+            "posttrain.train.drivers.run_from_config (as `posttrain train` does), or pass "
+            f"suite=posttrain.eval.suite_evaluator({config.eval_suite!r})"
+        )
     mesh, tokenizer, model_config = setup(config, workdir)
     data = make_pipeline(config.data, tokenizer)
     manifest = data.manifest()
@@ -187,8 +182,10 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
                 return sft_loss(model_config, config.z_loss, lora=lora, base_params=base)
 
         evaluate = (
-            _Evaluator(config, tokenizer, model_config, mesh, trainable.shardings, inputs, input_sh)
-            if config.eval_data or config.eval_suite
+            _Evaluator(
+                config, tokenizer, model_config, mesh, trainable.shardings, inputs, input_sh, suite
+            )
+            if config.eval_data or suite is not None
             else None
         )
     summary = train(
@@ -209,16 +206,3 @@ def run_sft(config: SFTConfig, workdir: str, *, on_metrics=None) -> dict:
     if lora is not None:
         summary["base_params"] = inputs[0]
     return summary
-
-
-def load_checkpoint_model(workdir: str, step: int | None = None) -> Transformer:
-    """The model (params + config) of a run's checkpoint (SFT, DPO...), on the default device;
-    a LoRA run's adapters come back merged into its base."""
-    saved = checkpoint_json(workdir, step)
-    model_config = build(ModelConfig, saved["model_config"])
-    if "lora" in saved:
-        return Transformer(load_lora_params(workdir, saved["step"]), model_config)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = param_shapes(model_config)
-    abstract = with_shardings(shapes, jax.tree.map(lambda _: device, shapes))
-    return Transformer(restore_params(workdir, abstract, saved["step"]), model_config)

@@ -4,12 +4,20 @@ ppo)."""
 from __future__ import annotations
 
 from posttrain.config import build, to_plain
+from posttrain.eval import suite_evaluator
 from posttrain.train._dpo import DPOConfig, run_dpo
 from posttrain.train._rm import RewardModelConfig, run_reward_model
 from posttrain.train._sft import SFTConfig, run_sft
 
+
+def _sft(config: SFTConfig, workdir: str, **kwargs) -> dict:
+    """SFT with its periodic eval suite, built here: eval imports train, not the reverse."""
+    suite = suite_evaluator(config.eval_suite) if config.eval_suite else None
+    return run_sft(config, workdir, suite=suite, **kwargs)
+
+
 DRIVERS = {
-    "sft": (SFTConfig, run_sft),
+    "sft": (SFTConfig, _sft),
     "dpo": (DPOConfig, run_dpo),
     "rm": (RewardModelConfig, run_reward_model),
 }

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from posttrain.cli.eval import main as cli
 from posttrain.config import ConfigError, build, load_config_file
 from posttrain.data import load_tokenizer
 from posttrain.data._formats import encode_prompt
@@ -19,7 +20,6 @@ from posttrain.eval import (
     EvalConfig,
     RefusalDetector,
     check_files,
-    cli,
     evaluate,
     evaluate_checkpoints,
     greedy_exact_match,
@@ -28,7 +28,7 @@ from posttrain.eval import (
 )
 from posttrain.rewards import pass_at_k
 from posttrain.sampling import generate
-from posttrain.train import SFTConfig, load_checkpoint_model, read_metrics
+from posttrain.train import SFTConfig, load_checkpoint_model, read_metrics, run_sft
 from posttrain.train.drivers import run_from_config
 from tests.train.conftest import REPO, small_config
 
@@ -265,3 +265,13 @@ def test_configs():
     sft.eval_data, sft.eval_suite = [], "configs/eval.py:demo"
     with pytest.raises(ConfigError, match="eval_suite is set without eval_data"):
         build(SFTConfig, {k: v for k, v in sft.items() if k != "method"})
+
+
+def test_run_sft_without_the_suite_evaluator_says_how_to_get_one(tmp_path):
+    """train cannot import eval (a sibling that imports it): the suite comes from drivers."""
+    sft = small_config(checkpoint__keep_best=0)
+    sft.eval_suite = "configs/eval.py:demo"
+    config = build(SFTConfig, {k: v for k, v in sft.items() if k != "method"})
+    with pytest.raises(ConfigError, match="suite=posttrain.eval.suite_evaluator"):
+        run_sft(config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")  # refused before anything was written

@@ -24,7 +24,8 @@ from posttrain.train import (
     read_metrics,
     sft_loss,
 )
-from posttrain.train._run import checkpoint_json, summed
+from posttrain.train._params import checkpoint_json
+from posttrain.train._run import summed
 from posttrain.train.drivers import run_from_config
 from tests.train.conftest import REPO, small_config
 

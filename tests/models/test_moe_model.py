@@ -8,7 +8,15 @@ import numpy as np
 import optax
 import pytest
 
-from posttrain.models import KVCache, Transformer, forward, get_preset, init_params, param_specs
+from posttrain.models import (
+    KVCache,
+    Transformer,
+    forward,
+    get_preset,
+    init_params,
+    num_params,
+    param_specs,
+)
 from posttrain.models._config import MLAConfig
 from posttrain.models._presets import PUBLISHED_ACTIVE_PARAMS
 from posttrain.parallel import MeshConfig, make_mesh, named_sharding, tree_shardings
@@ -183,4 +191,4 @@ def test_active_parameters_match_the_published_counts(name):
     config = get_preset(name)
     active = config.flops_per_token(0) / 6
     assert abs(active / PUBLISHED_ACTIVE_PARAMS[name] - 1) < 0.03, f"{active / 1e9:.1f}B"
-    assert active < config.num_params() / 10
+    assert active < num_params(config) / 10

@@ -11,9 +11,9 @@ import pickle
 import numpy as np
 import pytest
 
-from posttrain.rewards import RewardPool, RewardRegistry, _model
+from posttrain.rewards import RewardPool, RewardRegistry, _model, arithmetic_reward
 from posttrain.rewards._model import ModelReward
-from posttrain.rewards._registry import arithmetic_reward, resolve_fn
+from posttrain.rewards._registry import resolve_fn
 
 FACTORS = {"chat": 1.0, "safety": -2.0, "only": 0.25}
 REAL_LOAD = _model._load

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from posttrain.config import build, load_config_file
-from posttrain.models import param_shapes
+from posttrain.models import num_params, param_shapes
 from posttrain.rl import RLConfig, rl_loss
 from posttrain.rl._loss import CriticLoss
 from posttrain.train import create_state, make_optimizer, train_step
@@ -22,7 +22,7 @@ def test_qwen3_8b_preset_shape_check(file):
     values = load_config_file(os.path.join(REPO, "configs", file) + ":qwen3_8b_v5p")
     config = build(RLConfig, {k: v for k, v in values.items() if k != "method"})
     model_config = config.model.model_config()
-    assert model_config.num_params() > 7e9 and model_config.remat == "full"
+    assert num_params(model_config) > 7e9 and model_config.remat == "full"
     shapes = param_shapes(model_config)
     critic = None
     if config.ppo:

@@ -13,9 +13,8 @@ from posttrain.data import load_tokenizer, preference_batches
 from posttrain.demo import ASSETS_DIR, make_dataset
 from posttrain.models import get_preset
 from posttrain.rewards import RewardPool, RewardRegistry
-from posttrain.train import load_reward_model, read_metrics, reward_model_loss
+from posttrain.train import ModelSpec, load_reward_model, read_metrics, reward_model_loss
 from posttrain.train._rm import reward_scores, reward_trainable
-from posttrain.train._run import ModelSpec
 from posttrain.train.drivers import run_from_config
 
 from .conftest import REPO
@@ -99,7 +98,7 @@ def test_saved_model_scores_with_the_right_head(trained, held_out):
 def test_registry_and_pool_score_with_the_reward_model(trained, held_out):
     registry = RewardRegistry()
     registry.register("plain", f"rm:{trained[0]}")
-    registry.register("arithmetic", "posttrain.rewards._registry:arithmetic_reward")
+    registry.register("arithmetic", "posttrain.rewards._arithmetic:arithmetic_reward")
     record = {**held_out[0], "domain": "plain"}
     bare, _ = registry.score(record, held_out[0]["answer"])
     loud, info = registry.score(record, held_out[0]["answer"] + "!")

@@ -1,0 +1,71 @@
+"""`posttrain <command>`: thin entry points, one module per command. Each parses its flags and
+calls a library function that a notebook can call the same way."""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import os
+import sys
+
+from posttrain.cli import compile, demo, eval, export, generate, sweep, train
+
+USAGE = """usage: posttrain <command> [flags]
+
+commands:
+  train      train a model (--config=configs/<method>.py[:preset] --workdir=DIR
+             [--config.a.b=value ...])
+  generate   sample from a model (--model=HF_DIR_OR_WORKDIR --prompt=TEXT [--chat]
+             [--max-new-tokens=N] | --prompts-file=FILE [--out=JSONL])
+  eval       evaluate a run's checkpoints or an HF model on a suite (--workdir=DIR |
+             --model=HF_DIR --config=configs/eval.py:demo)
+  export     write a checkpoint as a Hugging Face directory (--workdir=DIR --out=HF_DIR)
+  compile    AOT-compile the train step for a TPU slice and report memory, FLOPs and fit
+             (--config=configs/<method>.py:preset --topology=v5p-1024 [--num-slices=N]
+             [--find-smallest])
+  sweep      run a grid or random search over config keys
+             (--config=configs/sweeps/<name>.py --workdir=DIR [--dry-run])
+  demo       the end-to-end demo on a bundled tiny model and task (--workdir=DIR)
+"""
+
+_COMMANDS = {
+    "train": train.main,
+    "export": export.main,
+    "generate": generate.main,
+    "eval": eval.main,
+    "compile": compile.main,
+    "sweep": sweep.main,
+    "demo": demo.main,
+}
+
+# Commands whose drivers have not landed yet, with the issue that brings each one.
+_PENDING: dict[str, str] = {}
+
+
+def _skip_absent_tpu() -> None:
+    """With libtpu installed (the `tpu`/`dev` extras) but no TPU attached, JAX's TPU probe prints
+    pages of warnings; a machine with no accelerator device files at all runs on the CPU."""
+    devices = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+    if "JAX_PLATFORMS" not in os.environ and not any(glob.glob(d) for d in devices):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _skip_absent_tpu()
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command in _COMMANDS:
+        return _COMMANDS[command]([f"posttrain {command}", *rest])
+    if command in _PENDING:
+        print(
+            f"posttrain {command}: not available yet; it arrives with {_PENDING[command]}.",
+            file=sys.stderr,
+        )
+        return 2
+    near = difflib.get_close_matches(command, [*_COMMANDS, *_PENDING], n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    print(f"posttrain: unknown command {command!r}{hint}\n\n{USAGE}", file=sys.stderr)
+    return 2

@@ -1,0 +1,132 @@
+"""What every command shares: absl flags parsed from an explicit argv (so `main([...])` from
+Python behaves as the shell), `--config=file.py[:preset]` with `--config.a.b=value` overrides,
+`--help` with examples, and joining a multi-process run."""
+
+from __future__ import annotations
+
+import difflib
+
+from absl import flags
+
+
+def _normalize(argv: list[str]) -> list[str]:
+    """Accepts --max-new-tokens as well as absl's --max_new_tokens."""
+    return [argv[0]] + [
+        a.split("=", 1)[0].replace("-", "_").replace("__", "--", 1)
+        + ("=" + a.split("=", 1)[1] if "=" in a else "")
+        if a.startswith("--")
+        else a
+        for a in argv[1:]
+    ]
+
+
+def config_flag(fv, argv: list[str]) -> None:
+    """`--config=configs/<method>.py[:preset]` with `--config.a.b=value` overrides, read from
+    `argv` (not sys.argv, so `main([...])` from Python overrides the same way)."""
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "configs/<method>.py[:preset]",
+        flag_values=fv,
+        lock_config=True,
+        sys_argv=_normalize(argv),
+    )
+
+
+def _help(argv: list[str], values, text: str, examples: list[str]) -> str:
+    lines = [f"usage: {argv[0]} [flags]", "", text, "", "examples:"]
+    lines += [f"  {e}" for e in examples] + ["", "flags:"]
+    for module, defined in values.flags_by_module_dict().items():
+        if module.startswith("absl"):
+            continue  # --flagfile, --undefok
+        for flag in defined:
+            default = "" if flag.default in (None, "") else f" (default: {flag.default})"
+            lines.append(f"  --{flag.name}: {flag.help}{default}")
+    return "\n".join(lines)
+
+
+def _config_key_error(argv: list[str]) -> str:
+    """Which --config.a.b override names no key of the config file, and the nearest key."""
+    from posttrain.config import load_config_file
+
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    overrides = [a[len("--config.") :].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    try:
+        keys = _dotted_keys(load_config_file(spec))
+    except Exception:  # the file itself is broken: its own error is clearer
+        return f"{overrides} names a key the config does not have"
+    for key in overrides:
+        if key not in keys:
+            near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
+            hint = f"; did you mean --config.{near[0]}?" if near else ""
+            return f"--config.{key}: {spec} has no key {key!r}{hint}"
+    return f"{overrides} names a key the config does not have"
+
+
+def _dotted_keys(config, prefix: str = "") -> set[str]:
+    keys = set()
+    for name, value in config.items():
+        keys.add(prefix + name)
+        if hasattr(value, "items"):
+            keys |= _dotted_keys(value, f"{prefix}{name}.")
+    return keys
+
+
+def parse(argv: list[str], define, help: tuple[str, list[str]] = ("", [])) -> flags.FlagValues:
+    """Defines the command's absl flags with `define(flags, flag_values)` and parses `argv`
+    into them; `--help` prints `help` (what the command does, examples) and the flags, and
+    exits."""
+    values = flags.FlagValues()
+    define(flags, values)
+    argv = _normalize(argv)
+    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+        print(_help(argv, values, *help))
+        raise SystemExit(0)
+    try:
+        values(argv)
+    except flags.Error as e:
+        raise SystemExit(f"{argv[0]}: {e}") from None
+    except (KeyError, AttributeError):  # a --config.a.b override naming no config key
+        raise SystemExit(f"{argv[0]}: {_config_key_error(argv)}") from None
+    return values
+
+
+def define_distributed(fv) -> None:
+    """The flags that join a multi-process run (`join`)."""
+    flags.DEFINE_string(
+        "coordinator", "", "multi-process: host:port of process 0 (TPU VMs, Slurm and Open MPI "
+        "are detected without it); env POSTTRAIN_COORDINATOR", flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_integer(
+        "num_processes", 0, "multi-process: number of processes; env POSTTRAIN_NUM_PROCESSES",
+        flag_values=fv,
+    )  # fmt: skip
+    flags.DEFINE_integer(
+        "process_id", -1, "multi-process: this process's id; env POSTTRAIN_PROCESS_ID",
+        flag_values=fv,
+    )  # fmt: skip
+
+
+def join(fv) -> bool:
+    """Joins the multi-process run (no-op alone); True when there are several processes."""
+    from posttrain.parallel import DistributedConfig, DistributedError, initialize
+
+    try:
+        several = initialize(
+            DistributedConfig.from_env(
+                coordinator=fv.coordinator, num_processes=fv.num_processes,
+                process_id=fv.process_id,
+            )
+        )  # fmt: skip
+    except DistributedError as e:
+        raise SystemExit(f"posttrain: {e}") from None
+    if several:
+        import logging
+
+        import jax
+
+        if jax.process_index() > 0:  # one log for the run: process 0's (warnings from all)
+            logging.getLogger("posttrain").setLevel(logging.WARNING)
+    return several

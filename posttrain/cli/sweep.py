@@ -1,0 +1,44 @@
+"""`posttrain sweep`: every trial of a grid or random search, each in its own workdir."""
+
+from __future__ import annotations
+
+from posttrain.cli._flags import config_flag, parse
+
+HELP = (
+    "Run every trial of a sweep file (grid or random search over config keys, once per "
+    "seed), each in DIR/<trial>; print and write DIR/summary.csv. Re-running skips "
+    "finished trials and resumes the others. See docs/sweeps.md.",
+    [
+        "posttrain sweep --config=configs/sweeps/sft_lr_seeds.py --workdir=runs/lr_seeds",
+        "posttrain sweep --config=configs/sweeps/sft_lr_seeds.py --workdir=runs/lr_seeds --dry-run",
+    ],
+)
+
+
+def main(argv: list[str]) -> int:
+    """`argv[0]` is the program name ("posttrain sweep"), then its flags; exit code 1 when a
+    trial did not finish."""
+    if not argv or argv[0].startswith("-"):
+        argv = ["posttrain sweep", *argv]
+
+    def define(flags, fv):
+        config_flag(fv, argv)
+        flags.DEFINE_string("workdir", None, "the sweep's directory", flag_values=fv)
+        flags.DEFINE_bool(
+            "dry_run", False, "print one `posttrain train` command per trial and run nothing",
+            flag_values=fv,
+        )  # fmt: skip
+
+    fv = parse(argv, define, HELP)
+    if fv.config is None or not fv.workdir:
+        raise SystemExit(
+            "posttrain sweep: --config=configs/sweeps/<name>.py and --workdir=DIR are required"
+        )
+    from posttrain.config import ConfigError
+    from posttrain.sweep import run_sweep
+
+    try:
+        rows = run_sweep(fv.config, fv.workdir, dry_run=fv.dry_run)
+    except ConfigError as e:
+        raise SystemExit(f"posttrain sweep: {e}") from None
+    return 0 if fv.dry_run or all(r["status"] == "finished" for r in rows) else 1

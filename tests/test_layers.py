@@ -1,0 +1,205 @@
+"""The import layers of DESIGN.md "Layout and layers": no module imports one from a layer above
+its own, not even inside a function, and no modules import each other in a circle.
+
+Imports are read from the source (every `import` statement, wherever it sits); nothing is run.
+`from a.b import c` counts as importing `a.b.c` when that is a module, else `a.b`, and also
+`a.b` itself (the package's `__init__` runs), as Python does.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "posttrain"
+
+# Top layer first; a name is a sub-package or top-level module of posttrain. A module imports
+# its own layer or lower ones only; what two siblings both need moves down a layer.
+LAYERS = (
+    {"cli", "__main__"},
+    {"methods", "demo"},
+    {"train", "rl", "envs", "eval", "sweep", "aot", "_aot_methods", "_sweep_report", "config_docs"},
+    {"losses", "sampling", "rewards", "data", "lora", "serve"},
+    {"models", "_flops"},
+    {"parallel", "config", "paths", "testing"},
+)
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: pathlib.Path, name: str):
+    """`(dotted name, line)` of everything `path` imports, at any depth of its code."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: up from this module's package
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            yield base, node.lineno
+            for alias in node.names:
+                yield f"{base}.{alias.name}", node.lineno
+
+
+def import_graph(root: pathlib.Path) -> dict[str, dict[str, int]]:
+    """{module: {module of this package it imports: line}}."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in files.items():
+        edges = graph.setdefault(name, {})
+        for target, line in imported_names(path, name):
+            while target and target not in files:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.setdefault(target, line)
+    return graph
+
+
+def layer(module: str, layers=LAYERS) -> int | None:
+    """The layer index of a module (None for the root package itself)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    return next((i for i, names in enumerate(layers) if parts[1] in names), -1)
+
+
+def violations(root: pathlib.Path, layers=LAYERS) -> list[str]:
+    """Every upward import, module without a layer, and circle of modules, as messages."""
+    graph = import_graph(root)
+    problems = []
+    for name, edges in graph.items():
+        own = layer(name, layers)
+        if own == -1:
+            problems.append(f"{name} is in no layer: add its package to LAYERS (and DESIGN.md)")
+            continue
+        for target, line in edges.items():
+            theirs = layer(target, layers)
+            if own is None and target != name:
+                problems.append(f"{name}:{line} imports {target}: the root package imports none")
+            elif theirs is not None and theirs != -1 and theirs < own:
+                problems.append(f"{name}:{line} imports {target}, a layer above")
+    problems += [f"circle: {' -> '.join(c)}" for c in circles(graph)]
+    return problems
+
+
+def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One circle through each group of modules that import each other (Tarjan's strongly
+    connected components), as the path `a -> b -> ... -> a`."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:  # recursion depth is bounded by the number of modules
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(_path(graph, group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _path(graph, group: set[str]) -> list[str]:
+    """A circle inside `group`: follow edges from its first module until one repeats."""
+    path = [min(group)]
+    while True:
+        step = min(w for w in graph[path[-1]] if w in group)
+        if step in path:
+            return [*path[path.index(step) :], step]
+        path.append(step)
+
+
+def test_posttrain_imports_only_down_and_without_circles():
+    assert violations(ROOT) == []
+
+
+def _tree(tmp_path, files: dict[str, str]) -> pathlib.Path:
+    root = tmp_path / "posttrain"
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_a_synthetic_tree_with_each_kind_of_violation_fails(tmp_path):
+    """The check itself: an upward import hidden in a function, a relative one, a circle of
+    siblings through a package `__init__`, and a package with no layer are each reported."""
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "cli/__init__.py": "from posttrain.train import run\n",
+            "train/__init__.py": "from posttrain.train._run import run\n",
+            "train/_run.py": "def run():\n    from posttrain.cli import main\n",
+            "eval/__init__.py": "from ..models import forward\nfrom posttrain.train import run\n",
+            "models/__init__.py": "def f():\n    from .. import eval\n",
+            "rl/__init__.py": "import posttrain.eval\n",
+            "rl/_loss.py": "from posttrain import models\n",
+            "train/_eval.py": "from posttrain.rl import x\n",
+            "widgets/__init__.py": "",
+        },
+    )
+    problems = violations(root)
+    assert "posttrain.train._run:2 imports posttrain.cli, a layer above" in problems
+    assert "posttrain.models:2 imports posttrain.eval, a layer above" in problems
+    assert "posttrain.widgets is in no layer: add its package to LAYERS (and DESIGN.md)" in (
+        problems
+    )
+    circles_found = [p for p in problems if p.startswith("circle")]
+    assert circles_found == [
+        "circle: posttrain.cli -> posttrain.train -> posttrain.train._run -> posttrain.cli",
+        "circle: posttrain.eval -> posttrain.models -> posttrain.eval",
+    ]
+    # Same-layer and downward imports, relative or not, are fine.
+    assert not any(p.startswith(("posttrain.rl", "posttrain.eval:", "posttrain.train._eval"))
+                   for p in problems)  # fmt: skip
+    assert len(problems) == 5
+
+
+PKG, SANDBOX = "posttrain.rewards", "posttrain.rewards.sandbox"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import posttrain.rewards.sandbox as sandbox\n", {SANDBOX}),
+        ("from posttrain.rewards import sandbox\n", {PKG, SANDBOX}),
+        ("from posttrain.rewards import RewardPool\n", {PKG}),
+        ("from . import sandbox\n", {PKG, SANDBOX}),
+        ("from .sandbox import run\n", {SANDBOX}),
+        ("def f():\n    if x:\n        import posttrain.rewards\n", {PKG}),
+    ],
+)
+def test_what_counts_as_an_import(tmp_path, source, expected):
+    root = _tree(
+        tmp_path,
+        {"__init__.py": "", "rewards/__init__.py": "", "rewards/sandbox.py": "",
+         "rewards/_code.py": source},
+    )  # fmt: skip
+    assert set(import_graph(root)["posttrain.rewards._code"]) == expected
