@@ -130,3 +130,30 @@ def join(fv) -> bool:
         if jax.process_index() > 0:  # one log for the run: process 0's (warnings from all)
             logging.getLogger("posttrain").setLevel(logging.WARNING)
     return several
+
+
+def define_mesh(fv) -> None:
+    """`--mesh=fsdp=4,tensor=2`: the device mesh a command loads its model onto."""
+    flags.DEFINE_string(
+        "mesh", "", "shard the model over a device mesh, e.g. fsdp=4,tensor=2 (axes: data, "
+        "fsdp, expert, sequence, tensor; -1 takes the remaining devices); default one device",
+        flag_values=fv,
+    )  # fmt: skip
+
+
+def mesh(value: str, command: str):
+    """The `jax.sharding.Mesh` of a `--mesh` value, or None for an empty one."""
+    if not value:
+        return None
+    from posttrain.parallel import MeshConfig, make_mesh
+
+    try:
+        sizes = {}
+        for part in value.split(","):
+            axis, _, size = part.partition("=")
+            sizes[axis.strip()] = int(size)
+        return make_mesh(MeshConfig.from_dict(sizes))
+    except ValueError as e:
+        raise SystemExit(
+            f"{command}: --mesh={value!r}: {e} (write axis=size pairs, e.g. fsdp=4,tensor=2)"
+        ) from None

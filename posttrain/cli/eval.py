@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.cli._flags import config_flag, parse
+from posttrain.cli._flags import config_flag, define_mesh, mesh, parse
 
 HELP = (
     "Evaluate every checkpoint of a run (or one --step, or an HF model directory) on a "
@@ -13,6 +13,8 @@ HELP = (
         "posttrain eval --workdir=runs/demo/sft --config=configs/eval.py:demo",
         "posttrain eval --model=HF_DIR --config=configs/eval.py:template "
         "--config.target.arithmetic.max_examples=100",
+        "posttrain eval --workdir=gs://bucket/run --config=configs/eval.py:demo "
+        "--mesh=fsdp=4,tensor=2",
     ],
 )
 
@@ -37,6 +39,7 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_string(
             "out", None, "report directory (default: <workdir or model>/eval)", flag_values=fv
         )
+        define_mesh(fv)
 
     fv = parse(argv, define, HELP)
     if fv.config is None or bool(fv.workdir) == bool(fv.model):
@@ -48,7 +51,12 @@ def main(argv: list[str]) -> int:
 
     try:
         evaluate_checkpoints(
-            fv.workdir or fv.model, fv.config, fv.step, tokenizer=fv.tokenizer, out_dir=fv.out
+            fv.workdir or fv.model,
+            fv.config,
+            fv.step,
+            tokenizer=fv.tokenizer,
+            out_dir=fv.out,
+            mesh=mesh(fv.mesh, argv[0]),
         )
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"{argv[0]}: {e}") from None

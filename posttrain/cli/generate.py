@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from posttrain.cli._flags import parse
+import contextlib
+
+from posttrain.cli._flags import define_mesh, mesh, parse
 
 HELP = (
     "Sample from an HF model directory or a training workdir: one streamed prompt, or a "
     "JSONL of prompts in batch.",
     [
         'posttrain generate --model=runs/sft_tiny --chat --prompt="What is 12 + 30?"',
+        "posttrain generate --model=gs://bucket/run --prompts-file=prompts.jsonl "
+        "--mesh=fsdp=4,tensor=2",
         "posttrain generate --model=HF_DIR --prompts-file=prompts.jsonl --out=out.jsonl --n=4 "
         "--temperature=1.0",
     ],
@@ -30,16 +34,30 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_integer("top_k", 0, "keep the k most likely tokens (0: all)", flag_values=fv)
         flags.DEFINE_integer("n", 1, "samples per prompt (batch mode)", flag_values=fv)
         flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
+        define_mesh(fv)
 
     fv = parse(argv, define, HELP)
     if not fv.model or not (fv.prompt or fv.prompts_file):
         raise SystemExit(
             "posttrain generate: --model and one of --prompt / --prompts-file are required"
         )
-    from posttrain.sampling import run_generate
+    import jax
+
     from posttrain.train import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(fv.model)
+    devices = mesh(fv.mesh, "posttrain generate")
+    try:
+        with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():
+            model, tokenizer = load_model_and_tokenizer(fv.model, mesh=devices)
+            _generate(fv, model, tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"posttrain generate: {e}") from None
+    return 0
+
+
+def _generate(fv, model, tokenizer) -> None:
+    from posttrain.sampling import run_generate
+
     run_generate(
         model,
         tokenizer,
@@ -54,4 +72,3 @@ def main(argv: list[str]) -> int:
         n=fv.n,
         seed=fv.seed,
     )
-    return 0

@@ -11,6 +11,7 @@ column per metric), so a regression between checkpoints shows as a column that d
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -113,6 +114,7 @@ def evaluate_checkpoints(
     tokenizer: str | None = None,
     out_dir: str | None = None,
     console=None,
+    mesh=None,
 ) -> list[dict]:
     """Evaluates checkpoints of a run (or an HF model directory) and writes the report.
 
@@ -123,6 +125,8 @@ def evaluate_checkpoints(
       tokenizer: tokenizer directory; default the config's, else the run's (or the HF dir).
       out_dir: where the report goes; default `<path>/eval`.
       console: a `rich.console.Console` for the tables (default: stdout).
+      mesh: a device mesh to shard each model over (fsdp x tensor...), for a checkpoint too
+        big for one device; default the first device.
 
     Returns:
       One `{"step", "model", "metrics"}` per checkpoint evaluated (step None for an HF dir).
@@ -142,12 +146,12 @@ def evaluate_checkpoints(
         if not steps:
             raise ValueError(f"{path}/checkpoints holds no checkpoint")
         tokenizer = tokenizer or config.tokenizer or _run_tokenizer(path)
-        loads = [(s, lambda s=s: load_checkpoint_model(path, s)) for s in steps]
+        loads = [(s, lambda s=s: load_checkpoint_model(path, s, mesh=mesh)) for s in steps]
     elif (paths.path(path) / "config.json").is_file():
         if steps:
             raise ValueError(f"{path} is an HF model directory: it has no steps to choose")
         tokenizer = tokenizer or config.tokenizer or path
-        loads = [(None, lambda: from_hf(path))]
+        loads = [(None, lambda: from_hf(path, mesh=mesh))]
     else:
         raise FileNotFoundError(
             f"{path!r} is neither a training workdir (checkpoints/) nor an HF model directory "
@@ -157,10 +161,12 @@ def evaluate_checkpoints(
     tokenizer = load_tokenizer(tokenizer)
     scorer = Scorer(config)
     rows = []
+    on_mesh = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     try:
-        for step, load in loads:
-            metrics = evaluate(load(), tokenizer, config, scorer=scorer)
-            rows.append({"step": step, "model": str(paths.path(path)), "metrics": metrics})
+        with on_mesh:
+            for step, load in loads:
+                metrics = evaluate(load(), tokenizer, config, scorer=scorer)
+                rows.append({"step": step, "model": str(paths.path(path)), "metrics": metrics})
     finally:
         scorer.close()
     every = write_report(out_dir or paths.join(path, "eval"), rows)

@@ -51,8 +51,16 @@ def run_generate(
         sys.stdout.write("\n")
         return
     lines = paths.path(prompts_file).read_text().splitlines()
-    rows = [json.loads(line) for line in lines if line.strip()]
-    texts = [r if isinstance(r, str) else r["prompt"] for r in rows]
+    texts = []
+    for number, line in enumerate(lines, 1):
+        row = json.loads(line) if line.strip() else None
+        text = row.get("prompt") if isinstance(row, dict) else row
+        if line.strip() and not isinstance(text, str):
+            raise ValueError(
+                f"{prompts_file}:{number}: a line must be a JSON string or an object with a "
+                f'string "prompt", got {line[:80]!r}'
+            )
+        texts += [text] if line.strip() else []
     ids = [_render(tokenizer, t, chat) for t in texts]
     results = generate(model, tokenizer, ids, n=n, seed=seed, **settings)
     out = out or os.path.splitext(prompts_file)[0] + ".completions.jsonl"

@@ -216,27 +216,35 @@ def start_params_single(spec: ModelSpec, model_config: ModelConfig):
     return restore_params(spec.checkpoint, on_default_device(param_shapes(model_config)))
 
 
-def load_checkpoint_model(workdir: str, step: int | None = None) -> Transformer:
-    """The model (params + config) of a run's checkpoint (SFT, DPO...), on the default device;
-    a LoRA run's adapters come back merged into its base."""
+def load_checkpoint_model(workdir: str, step: int | None = None, *, mesh=None) -> Transformer:
+    """The model (params + config) of a run's checkpoint (SFT, DPO...); a LoRA run's adapters
+    come back merged into its base. With `mesh` the params are read straight onto the model's
+    shardings over it (each device reads only its shards), else onto the default device."""
     saved = checkpoint_json(workdir, step)
     model_config = build(ModelConfig, saved["model_config"])
+    shardings = param_shardings(model_config, mesh) if mesh is not None else None
     if "lora" in saved:
-        return Transformer(load_lora_params(workdir, saved["step"]), model_config)
-    abstract = on_default_device(param_shapes(model_config))
+        params = load_lora_params(workdir, saved["step"])
+        return Transformer(
+            params if mesh is None else jax.device_put(params, shardings), model_config
+        )
+    if mesh is None:
+        abstract = on_default_device(param_shapes(model_config))
+    else:
+        abstract = with_shardings(param_shapes(model_config), shardings)
     return Transformer(restore_params(workdir, abstract, saved["step"]), model_config)
 
 
-def load_model_and_tokenizer(path: str):
+def load_model_and_tokenizer(path: str, *, mesh=None):
     """`(Transformer, Tokenizer)` of an HF model directory (config.json + safetensors +
     tokenizer files) or a training workdir (its latest checkpoint and the tokenizer its config
-    names)."""
+    names); with `mesh`, the params sharded over it."""
     if (paths.path(path) / "checkpoints").is_dir():
         config = json.loads((paths.path(path) / "config.json").read_text())
         tokenizer_dir = config.get("tokenizer") or config.get("model", {}).get("hf_path")
-        return load_checkpoint_model(path), load_tokenizer(tokenizer_dir)
+        return load_checkpoint_model(path, mesh=mesh), load_tokenizer(tokenizer_dir)
     if (paths.path(path) / "config.json").is_file():
-        return from_hf(path), load_tokenizer(path)
+        return from_hf(path, mesh=mesh), load_tokenizer(path)
     raise FileNotFoundError(
         f"{path!r} is neither an HF model directory (config.json) nor a "
         f"training workdir (checkpoints/)"

@@ -275,3 +275,50 @@ def test_run_sft_without_the_suite_evaluator_says_how_to_get_one(tmp_path):
     with pytest.raises(ConfigError, match="suite=posttrain.eval.suite_evaluator"):
         run_sft(config, str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run")  # refused before anything was written
+
+
+def test_a_checkpoint_sharded_over_fsdp_and_tensor_evaluates_and_generates_as_on_one_device(
+    run, tmp_path
+):
+    """`posttrain eval` and `posttrain generate --mesh=fsdp=4,tensor=2` (8 fake devices) read the
+    checkpoint onto the mesh and give the one-device greedy results."""
+    from posttrain.cli.generate import main as generate_cli
+    from posttrain.parallel import MeshConfig, make_mesh
+
+    mesh = make_mesh(MeshConfig.from_dict({"fsdp": 4, "tensor": 2}))
+    sharded = load_checkpoint_model(run["workdir"], 8, mesh=mesh)
+    q = sharded.params["layers"]["attn"]["q"]
+    assert q.sharding.mesh.shape == mesh.shape and len({d for d in q.sharding.device_set}) == 8
+    assert q.addressable_shards[0].data.size * 4 <= q.size  # each device holds a part
+
+    one = evaluate_checkpoints(run["workdir"], run["suite"], 8, out_dir=str(tmp_path / "one"))
+    config = run["suite"]
+    cli(["posttrain eval", f"--config={config}", f"--workdir={run['workdir']}", "--step=8",
+         f"--out={tmp_path / 'mesh'}", "--mesh=fsdp=4,tensor=2"])  # fmt: skip
+    mesh_rows = [json.loads(line) for line in open(tmp_path / "mesh" / "metrics.jsonl")]
+    a, b = one[0]["metrics"], mesh_rows[0]["metrics"]
+    assert a.keys() == b.keys()
+    for key in a:
+        if key.endswith(("accuracy", "prefers_chosen", "examples", "tokens", "rate")):
+            assert a[key] == b[key], key  # greedy answers, counts
+        else:
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
+
+    prompts = tmp_path / "prompts.jsonl"
+    questions = [f"What is {i} + {2 * i + 3}?" for i in range(5)]
+    prompts.write_text("".join(json.dumps(q) + "\n" for q in questions) + '{"prompt": "7 - 2"}\n')
+    outs = {}
+    for name, extra in (("one", []), ("mesh", ["--mesh=fsdp=4,tensor=2"])):
+        out = tmp_path / f"{name}.jsonl"
+        flags = [f"--prompts-file={prompts}", f"--out={out}", "--max-new-tokens=12", *extra]
+        generate_cli(["posttrain generate", f"--model={run['workdir']}", "--chat", *flags])
+        outs[name] = [json.loads(line) for line in open(out)]
+    assert len(outs["one"]) == 6 and outs["one"] == outs["mesh"]
+    prompts.write_text('{"question": "1 + 1"}\n')
+    with pytest.raises(SystemExit, match=r"prompts.jsonl:1: a line must be a JSON string"):
+        generate_cli(
+            ["posttrain generate", f"--model={run['workdir']}", f"--prompts-file={prompts}"]
+        )
+    with pytest.raises(SystemExit, match="--mesh='fsdp=3'"):
+        generate_cli(["posttrain generate", f"--model={run['workdir']}", "--prompt=1",
+                      "--mesh=fsdp=3"])  # fmt: skip
