@@ -122,3 +122,19 @@ def make_mesh(
             # Partial TPU slices or odd shapes: fall back to the plain device order.
             device_array = np.asarray(devices).reshape(ici)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def process_meshes(config: MeshConfig = MeshConfig()) -> tuple[Mesh, Mesh]:
+    """(this process's mesh of its own devices, every process's such mesh stacked on a leading
+    "processes" axis): a sharding on the stacked mesh whose spec leaves "processes" out keeps a
+    whole copy on each process's devices, laid out as on its own mesh."""
+    per_process = [
+        make_mesh(config, [d for d in jax.devices() if d.process_index == p])
+        for p in range(jax.process_count())
+    ]
+    stacked = Mesh(
+        np.stack([m.devices for m in per_process]),
+        ("processes", *MESH_AXES),
+        axis_types=(AxisType.Auto,) * (1 + len(MESH_AXES)),
+    )
+    return per_process[jax.process_index()], stacked

@@ -53,12 +53,19 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
       {"final_step", "stopped", "train" (last metrics), "eval" (last eval), "state",
       "model_config", "data" (prompt stats)}.
     """
-    if jax.process_count() > 1:
-        raise ConfigError(
-            "RL runs in one process for now (SFT, DPO and reward models run on several); "
-            "run it on one host"
-        )
     c = config
+    if jax.process_count() > 1:
+        # (every process draws every prompt and samples its share on its own devices)
+        offline = {
+            "rollout.sampler_devices": c.rollout.sampler_devices,
+            "rft.steps": c.rft.steps,
+            "difficulty.samples": c.difficulty.samples,
+        }
+        if unsupported := [k for k, v in offline.items() if v]:
+            raise ConfigError(
+                f"{', '.join(unsupported)} run in one process for now (co-located GRPO/PPO runs "
+                "on several); set them to 0 or run on one host"
+            )
     devices, sampler_devices = jax.devices(), None
     if c.rollout.sampler_devices:
         n = c.rollout.sampler_devices
@@ -72,8 +79,14 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     adaptive = None
     if c.domains.adaptive:
         adaptive = AdaptiveDomains(smoothing=c.domains.smoothing, floor=c.domains.floor)
+    # Every process draws the whole prompt stream (the same on all): see rl/_shares.py.
     prompts = PromptData(
-        c.data, tokenizer, max_prompt_len=c.rollout.max_prompt_len, adaptive=adaptive
+        c.data,
+        tokenizer,
+        max_prompt_len=c.rollout.max_prompt_len,
+        adaptive=adaptive,
+        process_index=0,
+        process_count=1,
     )
     if c.rft.steps:
         c = rejection_sampling(c, workdir, prompts, tokenizer, model_config, mesh)
@@ -82,7 +95,13 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     eval_prompts = None
     if c.eval_data:
         eval_config = dataclasses.replace(c.data, sources=c.eval_data, shuffle=False)
-        eval_prompts = PromptData(eval_config, tokenizer, max_prompt_len=c.rollout.max_prompt_len)
+        eval_prompts = PromptData(
+            eval_config,
+            tokenizer,
+            max_prompt_len=c.rollout.max_prompt_len,
+            process_index=0,
+            process_count=1,
+        )
     registry = c.rewards.registry()
     domains = prompts.domains
     registry.check(set(domains) | set(eval_prompts.domains if eval_prompts else ()))
