@@ -105,6 +105,11 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     registry = c.rewards.registry()
     domains = prompts.domains
     registry.check(set(domains) | set(eval_prompts.domains if eval_prompts else ()))
+    if jax.process_count() > 1 and any(t.is_model for d in domains for t in registry.terms(d)):
+        raise ConfigError(
+            "rm: reward models score in one process for now (each process would score its "
+            "share with a model on every process's devices); run on one host"
+        )
     max_len = c.rollout.max_prompt_len + c.rollout.max_new_tokens
     if max_len > model_config.max_seq_len:
         raise ConfigError(

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from posttrain.demo import ASSETS_DIR
 from posttrain.train import load_checkpoint_model, read_metrics
 from tests.tolerance import assert_close
 
@@ -26,6 +27,16 @@ OVERRIDES = {
     "rollout__max_new_tokens": 4,
     "kl__coef": 0.05,  # the reference pass too
     "algorithm__minibatches": 2,  # strided minibatches of the global batch, as in one process
+    # Greedy eval of 8 held-out prompts, shared over the processes as well (steps 0 and 3).
+    "eval_data": [
+        {
+            "path": str(ASSETS_DIR / "eval.jsonl"),
+            "weight": 1.0,
+            "domain": "arithmetic",
+            "format": "auto",
+        }
+    ],  # fmt: skip
+    "train__eval_batches": 1,
 }
 
 _RUNNER = """
@@ -90,6 +101,10 @@ def test_grpo_on_two_processes_matches_one_and_restores_in_one(tmp_path):
         # them in its own reward pool; the batch, and so every loss term, is the same.
         assert_close(a, b, rtol=1e-5, err_msg=key)
     assert len({r["reward"] for r in one}) > 1  # the steps differ: they are not all trivial
+    evals = [read_metrics(str(tmp_path / w), split="eval") for w in ("two", "one")]
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [0, STEPS]
+    for key in ("eval_reward", "eval_pass_rate", "eval_prompts"):
+        assert_close([r[key] for r in evals[0]], [r[key] for r in evals[1]], rtol=1e-5)
 
     # Written by both processes (each its shards and its prompt position), read by this one.
     restored = load_checkpoint_model(str(tmp_path / "two"))
