@@ -105,10 +105,13 @@ def split_rows(batch: dict[str, np.ndarray], parts: int) -> list[dict[str, np.nd
 class Rollouts:
     """Sampling and scoring of prompt batches with the current weights."""
 
-    def __init__(self, config: RLConfig, tokenizer, model_config, pool, domains):
+    def __init__(self, config: RLConfig, tokenizer, model_config, pool, domains, devices=None):
         self.config, self.tokenizer, self.model_config = config, tokenizer, model_config
         self.pool, self.domains = pool, domains
         self.max_len = config.rollout.max_prompt_len + config.rollout.max_new_tokens
+        # Several processes: the devices it samples on (every process's), where they exchange
+        # the sampled groups.
+        self.stacked = process_meshes(devices)[1] if jax.process_count() > 1 else None
 
     def sample(
         self, params, prompts, seed: int = 0, *, seeds=None, greedy: bool = False, timings=None
@@ -131,7 +134,9 @@ class Rollouts:
                 completions, rewards = self._sample(
                     params, prompts[share], seed, seeds and seeds[share], greedy, timings
                 )
-        return gather_groups(completions, rewards, len(prompts), self.config.rollout.max_new_tokens)
+        G = 1 if greedy else self.config.rollout.num_generations
+        r = self.config.rollout
+        return gather_groups(completions, rewards, len(prompts), G, r.max_new_tokens, self.stacked)
 
     def _sample(self, params, prompts, seed, seeds, greedy, timings):
         r = self.config.rollout
@@ -304,7 +309,7 @@ class SamplerWeights:
             self._merge = self._merger(mesh)
         self._local = None
         if jax.process_count() > 1:  # each process samples its prompts on its own devices
-            local_mesh, self._stacked = process_meshes()
+            local_mesh, self._stacked = process_meshes(mesh.devices.flat)
             self._local = param_shardings(model_config, local_mesh)
 
     def _merger(self, mesh):
@@ -324,6 +329,15 @@ class SamplerWeights:
         """The decoupled sampler's side: what is sent (`published`), how it is placed on
         `sampler_mesh` and turned into weights there."""
         published = lambda params: policy_params(self.c, params)  # noqa: E731
+        if self._local is not None:  # each process's sampler gets its own copy, device to device
+            if self.lora is not None:
+                raise ValueError("a decoupled LoRA sampler runs in one process for now")
+            shardings = param_shardings(self.model_config, sampler_mesh)
+            return SamplerSide(
+                lambda params: to_process_local(published(params), self._local, self._stacked),
+                shardings,
+                prepare=lambda weights: weights,
+            )
         if self.lora is None:
             shardings = param_shardings(self.model_config, sampler_mesh)
             return SamplerSide(published, shardings, prepare=lambda weights: weights)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.sampling import Completion
 
@@ -24,13 +24,15 @@ def prompt_share(prompts: int) -> slice:
     return slice(start, min(prompts, start + per))
 
 
-def gather_groups(completions, rewards: np.ndarray, prompts: int, max_new_tokens: int):
+def gather_groups(
+    completions, rewards: np.ndarray, prompts: int, G: int, max_new_tokens: int, mesh
+):
     """Every process's `(completions per prompt, rewards [share, G])`, concatenated in prompt
     order: `(completions, rewards [prompts, G])` on every process. The gathered completions
-    carry ids, log-probs and finish reasons, not text (scoring has used it)."""
+    carry ids, log-probs and finish reasons, not text (scoring has used it). The exchange runs
+    on `mesh` (the sampler's devices, stacked by `process_meshes`), so a decoupled sampler's
+    thread never queues a collective on the devices the trainer's steps use."""
     per = -(-prompts // jax.process_count())
-    G = rewards.shape[1] if len(completions) else 0
-    G = int(multihost_utils.process_allgather(np.asarray(G)).max())
     ids = np.zeros((per, G, max_new_tokens), np.int32)
     logps = np.zeros((per, G, max_new_tokens), np.float32)
     lengths = np.zeros((per, G), np.int32)
@@ -43,7 +45,7 @@ def gather_groups(completions, rewards: np.ndarray, prompts: int, max_new_tokens
             truncated[i, j] = c.finish_reason == "length"
         scores[i] = rewards[i]
     local = {"ids": ids, "logps": logps, "lengths": lengths, "truncated": truncated}
-    every = multihost_utils.process_allgather({**local, "scores": scores}, tiled=True)
+    every = _allgather({**local, "scores": scores}, mesh)
     out = []
     for i in range(prompts):  # (the tiled gather is in process order: prompt order)
         group = []
@@ -61,8 +63,27 @@ def gather_groups(completions, rewards: np.ndarray, prompts: int, max_new_tokens
     return out, every["scores"][:prompts]
 
 
+def _allgather(tree, stacked_mesh):
+    """Each process's arrays, concatenated in process order, on every process."""
+    by_process = NamedSharding(stacked_mesh, PartitionSpec("processes"))
+    n = jax.process_count()
+    placed = jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            by_process, x, (x.shape[0] * n, *x.shape[1:])
+        ),
+        tree,
+    )
+    return jax.tree.map(host_array, placed)
+
+
 def host_array(x: jax.Array) -> np.ndarray:
-    """The whole value of a (batch-sharded) global array on every process."""
+    """The whole value of a (batch-sharded) global array on every process, gathered on the
+    devices that hold it."""
     if jax.process_count() == 1:
         return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    everywhere = NamedSharding(x.sharding.mesh, PartitionSpec())
+    return np.asarray(jax.jit(_identity, out_shardings=everywhere)(x).addressable_data(0))
+
+
+def _identity(x):
+    return x

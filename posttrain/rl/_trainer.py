@@ -57,9 +57,9 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     if jax.process_count() > 1:
         # (every process draws every prompt and samples its share on its own devices)
         offline = {
-            "rollout.sampler_devices": c.rollout.sampler_devices,
             "rft.steps": c.rft.steps,
             "difficulty.samples": c.difficulty.samples,
+            "rollout.sampler_devices with lora": c.rollout.sampler_devices and c.lora,
         }
         if unsupported := [k for k, v in offline.items() if v]:
             raise ConfigError(
@@ -68,12 +68,18 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             )
     devices, sampler_devices = jax.devices(), None
     if c.rollout.sampler_devices:
-        n = c.rollout.sampler_devices
-        if n >= len(devices):
+        # Each process samples on its own last N devices (one process: the last N of all).
+        n, local = c.rollout.sampler_devices, jax.local_devices()
+        if n >= len(local):
             raise ConfigError(
-                f"rollout.sampler_devices={n} leaves no device to train on (of {len(devices)})"
+                f"rollout.sampler_devices={n} leaves no device to train on (of {len(local)} "
+                "on each process)"
             )
-        devices, sampler_devices = devices[:-n], devices[-n:]
+        last = {
+            p: [d for d in devices if d.process_index == p][-n:] for p in range(jax.process_count())
+        }
+        sampler_devices = [d for p in sorted(last) for d in last[p]]
+        devices = [d for d in devices if d not in sampler_devices]
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
     adaptive = None
@@ -165,13 +171,16 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 )
                 for _ in range(2 if sampler_devices else 1)
             ]
-            rollouts = Rollouts(c, tokenizer, model_config, pools[0], domains)
+            rollouts = Rollouts(c, tokenizer, model_config, pools[0], domains, devices)
             producer = None
             if sampler_devices:
                 # The sampler scores in its own thread: evaluation gets the other pool.
-                sampler_side = sampler.on(make_mesh(MeshConfig(), sampler_devices))
-                sampler_rollouts = rollouts
-                rollouts = Rollouts(c, tokenizer, model_config, pools[1], domains)
+                mine = [d for d in sampler_devices if d.process_index == jax.process_index()]
+                sampler_side = sampler.on(make_mesh(MeshConfig(), mine))
+                sampler_rollouts = Rollouts(
+                    c, tokenizer, model_config, pools[0], domains, sampler_devices
+                )
+                rollouts = Rollouts(c, tokenizer, model_config, pools[1], domains, devices)
 
                 def producer(start: int) -> RolloutProducer:
                     return RolloutProducer(c, prompts, sampler_rollouts, sampler_side, start)

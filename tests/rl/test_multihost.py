@@ -56,7 +56,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _start(workdir, devices, process_id=None, num_processes=None, port=None):
+def _start(workdir, devices, overrides, process_id=None, num_processes=None, port=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "POSTTRAIN_"))}
     env.update(
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
@@ -70,7 +70,7 @@ def _start(workdir, devices, process_id=None, num_processes=None, port=None):
             POSTTRAIN_PROCESS_ID=str(process_id),
         )
     return subprocess.Popen(
-        [sys.executable, "-c", _RUNNER, str(workdir), json.dumps(OVERRIDES)],
+        [sys.executable, "-c", _RUNNER, str(workdir), json.dumps({**OVERRIDES, **overrides})],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -86,10 +86,21 @@ def _finish(process, timeout=900) -> str:
     return out
 
 
-def test_grpo_on_two_processes_matches_one_and_restores_in_one(tmp_path):
+# Decoupled: each of 2 processes samples on its last device and trains on its other 3; one
+# process samples on its last 2 and trains on 6 (6 prompts x 4 samples: 12 rows a minibatch).
+DECOUPLED = ({"rollout__sampler_devices": 1}, {"rollout__sampler_devices": 2})
+DECOUPLED = tuple({**d, "data__batch_size": 6} for d in DECOUPLED)
+
+
+@pytest.mark.parametrize(
+    "two_config, one_config",
+    [({}, {}), pytest.param(*DECOUPLED, marks=pytest.mark.slow)],
+    ids=["co-located", "decoupled"],
+)
+def test_grpo_on_two_processes_matches_one_and_restores_in_one(tmp_path, two_config, one_config):
     port = _port()
-    pair = [_start(tmp_path / "two", 4, i, 2, port) for i in range(2)]
-    single = _start(tmp_path / "one", 8)
+    pair = [_start(tmp_path / "two", 4, two_config, i, 2, port) for i in range(2)]
+    single = _start(tmp_path / "one", 8, one_config)
     for p in [*pair, single]:
         assert f"STOPPED completed {STEPS}" in _finish(p)
 
