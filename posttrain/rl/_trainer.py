@@ -56,15 +56,15 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     c = config
     if jax.process_count() > 1:
         # (every process draws every prompt and samples its share on its own devices)
-        offline = {
+        one_process_only = {
             "rft.steps": c.rft.steps,
             "difficulty.samples": c.difficulty.samples,
             "rollout.sampler_devices with lora": c.rollout.sampler_devices and c.lora,
         }
-        if unsupported := [k for k, v in offline.items() if v]:
+        if unsupported := [k for k, v in one_process_only.items() if v]:
             raise ConfigError(
-                f"{', '.join(unsupported)} run in one process for now (co-located GRPO/PPO runs "
-                "on several); set them to 0 or run on one host"
+                f"{', '.join(unsupported)} run in one process for now (RL without them runs on "
+                "several); turn them off or run on one host"
             )
     devices, sampler_devices = jax.devices(), None
     if c.rollout.sampler_devices:
