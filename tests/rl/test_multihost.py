@@ -128,3 +128,26 @@ def test_grpo_on_two_processes_matches_one_and_restores_in_one(tmp_path, two_con
         jax.tree.leaves(restored.params), jax.tree.leaves(reference.params), strict=True
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=lr / 100)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"rft__steps": 2}, "rft.steps"),
+        ({"difficulty__samples": 4}, "difficulty.samples"),
+        (
+            {"rollout__sampler_devices": 2, "lora__enabled": True},
+            "rollout.sampler_devices with lora",
+        ),
+    ],
+)
+def test_what_runs_in_one_process_only_is_refused_on_several(
+    monkeypatch, tmp_path, overrides, named
+):
+    from posttrain.config import ConfigError
+    from posttrain.rl import run_rl
+    from tests.rl.toy import toy_config
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match=f"{named} run in one process for now"):
+        run_rl(toy_config(**overrides), str(tmp_path))
