@@ -6,7 +6,7 @@ from posttrain.parallel._distributed import (
     Watchdog,
     initialize,
 )
-from posttrain.parallel._mesh import MESH_AXES, MeshConfig, make_mesh
+from posttrain.parallel._mesh import MESH_AXES, MeshConfig, make_mesh, process_meshes
 from posttrain.parallel._rules import (
     DEFAULT_RULES,
     LogicalAxes,
@@ -18,7 +18,7 @@ from posttrain.parallel._rules import (
     named_sharding,
     tree_shardings,
 )
-from posttrain.parallel._shard import shard_batch
+from posttrain.parallel._shard import process_rows, shard_batch, to_process_local
 
 __all__ = [
     "DEFAULT_RULES",
@@ -36,6 +36,9 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "named_sharding",
+    "process_meshes",
+    "process_rows",
     "shard_batch",
+    "to_process_local",
     "tree_shardings",
 ]

@@ -122,3 +122,22 @@ def make_mesh(
             # Partial TPU slices or odd shapes: fall back to the plain device order.
             device_array = np.asarray(devices).reshape(ici)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def process_meshes(
+    devices: Sequence[jax.Device] | None = None, config: MeshConfig = MeshConfig()
+) -> tuple[Mesh, Mesh]:
+    """(this process's mesh of its own `devices` (default: all), every process's such mesh
+    stacked on a leading "processes" axis): a sharding on the stacked mesh whose spec leaves
+    "processes" out keeps a whole copy on each process's devices, laid out as on its own mesh."""
+    devices = list(jax.devices() if devices is None else devices)
+    per_process = [
+        make_mesh(config, [d for d in devices if d.process_index == p])
+        for p in range(jax.process_count())
+    ]
+    stacked = Mesh(
+        np.stack([m.devices for m in per_process]),
+        ("processes", *MESH_AXES),
+        axis_types=(AxisType.Auto,) * (1 + len(MESH_AXES)),
+    )
+    return per_process[jax.process_index()], stacked

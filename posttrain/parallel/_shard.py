@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from posttrain.parallel._rules import LogicalAxes, named_sharding
 
@@ -25,3 +26,35 @@ def shard_batch(batch, mesh, axes: LogicalAxes = BATCH_AXES):
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     return jax.tree.map(place, batch)
+
+
+def process_rows(rows: int, mesh, axes: LogicalAxes = BATCH_AXES) -> slice:
+    """The rows of a global batch of `rows` that this process feeds with `shard_batch`."""
+    sharding = named_sharding(tuple(axes[:1]), (rows,), mesh)
+    starts, stops = set(), set()
+    for index in sharding.addressable_devices_indices_map((rows,)).values():
+        starts.add(index[0].start or 0)
+        stops.add(rows if index[0].stop is None else index[0].stop)
+    local = slice(min(starts), max(stops))
+    if (local.stop - local.start) * jax.process_count() != rows:
+        raise ValueError(
+            f"this process's devices do not hold one contiguous 1/{jax.process_count()} of "
+            "the batch: lay the mesh's batch axes out process by process"
+        )
+    return local
+
+
+def to_process_local(tree, shardings, stacked_mesh):
+    """This process's own copy of globally sharded arrays, laid out by `shardings` (on its
+    local mesh, one of `stacked_mesh`'s): one collective reshard to the same specs on the
+    stacked mesh (a copy per process, device to device), then each process keeps its shards;
+    no host ever holds the tree."""
+    stacked = jax.tree.map(lambda s: NamedSharding(stacked_mesh, s.spec), shardings)
+    copies = jax.device_put(tree, stacked)
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_single_device_arrays(
+            x.shape, s, [shard.data for shard in x.addressable_shards]
+        ),
+        copies,
+        shardings,
+    )

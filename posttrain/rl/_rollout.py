@@ -23,11 +23,13 @@ import numpy as np
 
 from posttrain.lora import adapter_shardings, merge, param_bytes
 from posttrain.models import Transformer, param_shardings
+from posttrain.parallel import process_meshes, to_process_local
 from posttrain.rewards import (
     overlong_penalty,
 )
 from posttrain.rl._config import RLConfig
 from posttrain.rl._scorer import policy_params
+from posttrain.rl._shares import gather_groups, prompt_share
 from posttrain.sampling import Completion, generate
 from posttrain.train._lora import base_shardings
 
@@ -103,14 +105,40 @@ def split_rows(batch: dict[str, np.ndarray], parts: int) -> list[dict[str, np.nd
 class Rollouts:
     """Sampling and scoring of prompt batches with the current weights."""
 
-    def __init__(self, config: RLConfig, tokenizer, model_config, pool, domains):
+    def __init__(self, config: RLConfig, tokenizer, model_config, pool, domains, devices=None):
         self.config, self.tokenizer, self.model_config = config, tokenizer, model_config
         self.pool, self.domains = pool, domains
         self.max_len = config.rollout.max_prompt_len + config.rollout.max_new_tokens
+        # Several processes: the devices it samples on (every process's), where they exchange
+        # the sampled groups.
+        self.stacked = process_meshes(devices)[1] if jax.process_count() > 1 else None
 
-    def sample(self, params, prompts, seed: int, *, greedy: bool = False, timings=None):
+    def sample(
+        self, params, prompts, seed: int = 0, *, seeds=None, greedy: bool = False, timings=None
+    ):
         """(completions per prompt, rewards `[prompts, n]`); adds the seconds spent to
-        `timings["generate_s"]` and `timings["reward_s"]` when given."""
+        `timings["generate_s"]` and `timings["reward_s"]` when given.
+
+        `seeds` (one per prompt, instead of `seed`) make each prompt's samples its own, which
+        is how several processes share the prompts: each samples and scores its share with its
+        own copy of the weights (`SamplerWeights`), and every process gets all of them back.
+        """
+        if jax.process_count() == 1:
+            return self._sample(params, prompts, seed, seeds, greedy, timings)
+        if seeds is None and not greedy:
+            raise ValueError("sampling across processes needs a seed per prompt (seeds)")
+        share = prompt_share(len(prompts))
+        completions, rewards = [], np.zeros((0, 0), np.float32)
+        if share.stop > share.start:
+            with jax.set_mesh(_mesh_of(params)):  # (the sampler's own devices)
+                completions, rewards = self._sample(
+                    params, prompts[share], seed, seeds and seeds[share], greedy, timings
+                )
+        G = 1 if greedy else self.config.rollout.num_generations
+        r = self.config.rollout
+        return gather_groups(completions, rewards, len(prompts), G, r.max_new_tokens, self.stacked)
+
+    def _sample(self, params, prompts, seed, seeds, greedy, timings):
         r = self.config.rollout
         start = time.perf_counter()
         model = Transformer(params, self.model_config)
@@ -124,6 +152,7 @@ class Rollouts:
             top_k=r.top_k,
             n=1 if greedy else r.num_generations,
             seed=seed,
+            seeds=seeds,
         )
         generated = time.perf_counter()
         records = [p["record"] for p in prompts for _ in completions[0]]
@@ -141,6 +170,10 @@ class Rollouts:
         return completions, rewards
 
 
+def _mesh_of(params):
+    return jax.tree.leaves(params)[0].sharding.mesh
+
+
 def draw_groups(c: RLConfig, prompts, rollouts: Rollouts, params, step: int):
     """This step's prompt groups with their completions and rewards (refilled when dynamic
     sampling drops groups with no learning signal) and the counts behind it."""
@@ -151,8 +184,12 @@ def draw_groups(c: RLConfig, prompts, rollouts: Rollouts, params, step: int):
     for attempt in range(1 + (c.rollout.max_refills if c.rollout.dynamic_sampling else 0)):
         batch = next(prompts)
         drawn += len(batch)
-        seed = int(np.random.SeedSequence([c.train.seed, step, attempt]).generate_state(1)[0])
-        comps, rews = rollouts.sample(params, batch, seed, timings=timings)
+        # Per prompt: the same samples however the prompts are split across processes.
+        seeds = [
+            int(np.random.SeedSequence([c.train.seed, step, attempt, i]).generate_state(1)[0])
+            for i in range(len(batch))
+        ]
+        comps, rews = rollouts.sample(params, batch, seeds=seeds, timings=timings)
         for p, g, r in zip(batch, comps, rews, strict=True):
             if c.rollout.dynamic_sampling and np.all(r == r[0]):
                 dropped += 1
@@ -270,6 +307,10 @@ class SamplerWeights:
         self.c, self.model_config, self.base, self.lora = c, model_config, base, c.lora
         if self.lora is not None:
             self._merge = self._merger(mesh)
+        self._local = None
+        if jax.process_count() > 1:  # each process samples its prompts on its own devices
+            local_mesh, self._stacked = process_meshes(mesh.devices.flat)
+            self._local = param_shardings(model_config, local_mesh)
 
     def _merger(self, mesh):
         lora = self.lora
@@ -279,12 +320,24 @@ class SamplerWeights:
     def __call__(self, params):
         """The sampler's weights from the trained params (co-located)."""
         policy = policy_params(self.c, params)
-        return policy if self.lora is None else self._merge(self.base, policy)
+        weights = policy if self.lora is None else self._merge(self.base, policy)
+        if self._local is None:
+            return weights
+        return to_process_local(weights, self._local, self._stacked)
 
     def on(self, sampler_mesh) -> SamplerSide:
         """The decoupled sampler's side: what is sent (`published`), how it is placed on
         `sampler_mesh` and turned into weights there."""
         published = lambda params: policy_params(self.c, params)  # noqa: E731
+        if self._local is not None:  # each process's sampler gets its own copy, device to device
+            if self.lora is not None:
+                raise ValueError("a decoupled LoRA sampler runs in one process for now")
+            shardings = param_shardings(self.model_config, sampler_mesh)
+            return SamplerSide(
+                lambda params: to_process_local(published(params), self._local, self._stacked),
+                shardings,
+                prepare=lambda weights: weights,
+            )
         if self.lora is None:
             shardings = param_shardings(self.model_config, sampler_mesh)
             return SamplerSide(published, shardings, prepare=lambda weights: weights)

@@ -10,10 +10,11 @@ import numpy as np
 
 from posttrain.lora import wrap
 from posttrain.losses import gae, group_advantages, kl_estimate, whiten
-from posttrain.parallel import shard_batch
+from posttrain.parallel import process_rows, shard_batch
 from posttrain.rl._config import RLConfig
 from posttrain.rl._critic import token_values
 from posttrain.rl._loss import sequence_log_probs
+from posttrain.rl._shares import host_array
 
 
 def policy_params(c: RLConfig, params):
@@ -45,11 +46,13 @@ class Scorer:
 
     def __call__(self, params, batch: dict, kl_coef: float) -> None:
         """Adds `old_logps`, `ref_logps`, `kl_coefs`, `advantages` (and with a critic
-        `old_values`, `returns`) to the host batch."""
+        `old_values`, `returns`) to the host batch (the whole step's, on every process: each
+        feeds its own rows and gets every row's results back)."""
         c = self.c
-        device_batch = shard_batch(batch, self.mesh)
+        rows = process_rows(len(batch["rewards"]), self.mesh)
+        device_batch = shard_batch({k: v[rows] for k, v in batch.items()}, self.mesh)
         policy = policy_params(c, params)
-        batch["old_logps"] = np.asarray(self.logps(policy, self.base, device_batch))
+        batch["old_logps"] = host_array(self.logps(policy, self.base, device_batch))
         batch["kl_coefs"] = (kl_coef * self.scale[batch["domain_ids"]]).astype(np.float32)
         mask = batch["loss_mask"]
         penalty = np.zeros_like(mask)
@@ -58,9 +61,9 @@ class Scorer:
                 ref = self.logps(self.ref_params, None, device_batch)
             else:
                 ref = self.logps(None, self.base, device_batch, adapters=False)
-            batch["ref_logps"] = np.asarray(ref)
+            batch["ref_logps"] = host_array(ref)
             if c.kl.mode == "reward":
-                kl = kl_estimate(batch["old_logps"], ref, c.loss.kl_estimator, mask)
+                kl = kl_estimate(batch["old_logps"], batch["ref_logps"], c.loss.kl_estimator, mask)
                 penalty = batch["kl_coefs"][:, None] * np.asarray(kl)
         if self.critic is None:
             # Within each prompt's group (fillers: all-zero groups, advantage 0).
@@ -76,7 +79,7 @@ class Scorer:
                 np.float32,
             )
             return
-        values = np.asarray(self.values(params["value"], self.critic.model_config, device_batch))
+        values = host_array(self.values(params["value"], self.critic.model_config, device_batch))
         # The outcome reward lands on each completion's last token, the KL penalty on every one.
         token_rewards = -penalty
         rows = np.flatnonzero(mask.any(axis=1))

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from posttrain.losses import adaptive_kl_update
+from posttrain.parallel import process_rows
 from posttrain.rl._config import RLConfig
 from posttrain.rl._prompts import PromptData
 from posttrain.rl._rollout import (
@@ -48,6 +49,10 @@ def _group_stats(rewards: np.ndarray, lengths: np.ndarray, domains, domain_ids, 
 
 class RolloutSource:
     """This process's RL batches, one per step, for `train_loop` (see the module docstring).
+
+    With several processes, each one draws the same prompts and holds the whole step's
+    rollouts (it samples its share, `Rollouts.sample`), so the host metrics are the global
+    ones on every process; it returns its own rows of the global batch.
 
     Args:
       c: the run's config.
@@ -131,7 +136,7 @@ class RolloutSource:
             max_len=self.rollouts.max_len,
             pad_id=self.rollouts.tokenizer.pad_id or 0,
         )
-        self.score(self._params, batch, self.kl_coef)
+        self.score(self._params, batch, self.kl_coef)  # (every process: the whole batch)
         real = batch["domain_ids"] >= 0
         mask = batch["loss_mask"] > 0
         threshold = c.rewards.pass_threshold
@@ -171,7 +176,10 @@ class RolloutSource:
             weights = self.prompts.domain_weights
             metrics.update({f"domain_weight/{d}": w for d, w in weights.items()})
         self._metrics = metrics
-        return batch
+        if jax.process_count() == 1:
+            return batch
+        rows = process_rows(len(batch["rewards"]), self.score.mesh)
+        return {k: v[rows] for k, v in batch.items()}  # this process's rows of the global batch
 
     def batch_metrics(self) -> dict[str, float]:
         """Host metrics of the batch last drawn."""

@@ -53,27 +53,46 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
       {"final_step", "stopped", "train" (last metrics), "eval" (last eval), "state",
       "model_config", "data" (prompt stats)}.
     """
-    if jax.process_count() > 1:
-        raise ConfigError(
-            "RL runs in one process for now (SFT, DPO and reward models run on several); "
-            "run it on one host"
-        )
     c = config
+    if jax.process_count() > 1:
+        # (every process draws every prompt and samples its share on its own devices)
+        one_process_only = {
+            "rft.steps": c.rft.steps,
+            "difficulty.samples": c.difficulty.samples,
+            "rollout.sampler_devices with lora": c.rollout.sampler_devices and c.lora,
+        }
+        if unsupported := [k for k, v in one_process_only.items() if v]:
+            raise ConfigError(
+                f"{', '.join(unsupported)} run in one process for now (RL without them runs on "
+                "several); turn them off or run on one host"
+            )
     devices, sampler_devices = jax.devices(), None
     if c.rollout.sampler_devices:
-        n = c.rollout.sampler_devices
-        if n >= len(devices):
+        # Each process samples on its own last N devices (one process: the last N of all).
+        n, local = c.rollout.sampler_devices, jax.local_devices()
+        if n >= len(local):
             raise ConfigError(
-                f"rollout.sampler_devices={n} leaves no device to train on (of {len(devices)})"
+                f"rollout.sampler_devices={n} leaves no device to train on (of {len(local)} "
+                "on each process)"
             )
-        devices, sampler_devices = devices[:-n], devices[-n:]
+        last = {
+            p: [d for d in devices if d.process_index == p][-n:] for p in range(jax.process_count())
+        }
+        sampler_devices = [d for p in sorted(last) for d in last[p]]
+        devices = [d for d in devices if d not in sampler_devices]
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
     adaptive = None
     if c.domains.adaptive:
         adaptive = AdaptiveDomains(smoothing=c.domains.smoothing, floor=c.domains.floor)
+    # Every process draws the whole prompt stream (the same on all): see rl/_shares.py.
     prompts = PromptData(
-        c.data, tokenizer, max_prompt_len=c.rollout.max_prompt_len, adaptive=adaptive
+        c.data,
+        tokenizer,
+        max_prompt_len=c.rollout.max_prompt_len,
+        adaptive=adaptive,
+        process_index=0,
+        process_count=1,
     )
     if c.rft.steps:
         c = rejection_sampling(c, workdir, prompts, tokenizer, model_config, mesh)
@@ -82,10 +101,21 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     eval_prompts = None
     if c.eval_data:
         eval_config = dataclasses.replace(c.data, sources=c.eval_data, shuffle=False)
-        eval_prompts = PromptData(eval_config, tokenizer, max_prompt_len=c.rollout.max_prompt_len)
+        eval_prompts = PromptData(
+            eval_config,
+            tokenizer,
+            max_prompt_len=c.rollout.max_prompt_len,
+            process_index=0,
+            process_count=1,
+        )
     registry = c.rewards.registry()
     domains = prompts.domains
     registry.check(set(domains) | set(eval_prompts.domains if eval_prompts else ()))
+    if jax.process_count() > 1 and any(t.is_model for d in domains for t in registry.terms(d)):
+        raise ConfigError(
+            "rm: reward models score in one process for now (each process would score its "
+            "share with a model on every process's devices); run on one host"
+        )
     max_len = c.rollout.max_prompt_len + c.rollout.max_new_tokens
     if max_len > model_config.max_seq_len:
         raise ConfigError(
@@ -140,13 +170,16 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 )
                 for _ in range(2 if sampler_devices else 1)
             ]
-            rollouts = Rollouts(c, tokenizer, model_config, pools[0], domains)
+            rollouts = Rollouts(c, tokenizer, model_config, pools[0], domains, devices)
             producer = None
             if sampler_devices:
                 # The sampler scores in its own thread: evaluation gets the other pool.
-                sampler_side = sampler.on(make_mesh(MeshConfig(), sampler_devices))
-                sampler_rollouts = rollouts
-                rollouts = Rollouts(c, tokenizer, model_config, pools[1], domains)
+                mine = [d for d in sampler_devices if d.process_index == jax.process_index()]
+                sampler_side = sampler.on(make_mesh(MeshConfig(), mine))
+                sampler_rollouts = Rollouts(
+                    c, tokenizer, model_config, pools[0], domains, sampler_devices
+                )
+                rollouts = Rollouts(c, tokenizer, model_config, pools[1], domains, devices)
 
                 def producer(start: int) -> RolloutProducer:
                     return RolloutProducer(c, prompts, sampler_rollouts, sampler_side, start)

@@ -58,7 +58,8 @@ def _generate_padded(
     n: int,
 ):
     """Prefill left-padded prompts, repeat each row n times, decode; returns
-    (tokens `[B*n, max_new_tokens]`, logprobs, number generated `[B*n]`, hit EOS `[B*n]`)."""
+    (tokens `[B*n, max_new_tokens]`, logprobs, number generated `[B*n]`, hit EOS `[B*n]`).
+    `rng` is one key for the batch or a key per prompt `[B]` (see `generate`'s `seeds`)."""
     config, params = model.config, model.params
     B, P = tokens_BP.shape
     pad_B1 = (P - lengths_B)[:, None]
@@ -81,7 +82,16 @@ def _generate_padded(
     )
     logits_BV = jnp.repeat(logits_BV, n, axis=0)
     lengths_B = jnp.repeat(lengths_B, n, axis=0)
+    if rng.ndim:  # sample j of prompt i draws from fold_in(key_i, j), whatever else is batched
+        rng = jax.vmap(jax.random.fold_in)(jnp.repeat(rng, n), jnp.tile(jnp.arange(n), B))
     B *= n
+
+    def draw(key, logits_BV):
+        kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        if key.ndim == 0:
+            return sample_tokens(key, logits_BV, **kwargs)
+        one = lambda k, l_V: sample_tokens(k, l_V[None], **kwargs)[0]  # noqa: E731
+        return jax.vmap(one)(key, logits_BV)
 
     def cond(state):
         step, _, _, _, _, _, done_B = state
@@ -89,13 +99,8 @@ def _generate_padded(
 
     def body(state):
         step, cache, logits_BV, tokens_BN, logprobs_BN, num_B, done_B = state
-        token_B = sample_tokens(
-            jax.random.fold_in(rng, step),
-            logits_BV,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-        )
+        fold = jax.vmap(jax.random.fold_in, (0, None)) if rng.ndim else jax.random.fold_in
+        token_B = draw(fold(rng, step), logits_BV)
         logprob_B = jnp.take_along_axis(
             jax.nn.log_softmax(logits_BV, axis=-1), token_B[:, None], axis=-1
         )[:, 0]
@@ -200,6 +205,14 @@ def _finish(tokenizer, ids, logprobs, hit_eos, stop) -> Completion:
     return Completion(text[:cut], tuple(ids[:lo]), tuple(logprobs[:lo]), "stop")
 
 
+def _keys(seed: int, seeds: Sequence[int] | None, prompts: int):
+    if seeds is None:
+        return jax.random.key(seed)
+    if len(seeds) != prompts:
+        raise ValueError(f"{len(seeds)} seeds for {prompts} prompts")
+    return jax.vmap(jax.random.key)(jnp.asarray(np.asarray(seeds, np.uint32)))
+
+
 def generate(
     model: Transformer,
     tokenizer,
@@ -211,6 +224,7 @@ def generate(
     top_k: int = 0,
     n: int = 1,
     seed: int = 0,
+    seeds: Sequence[int] | None = None,
     stop: str | Sequence[str] | None = None,
     eos_ids: Sequence[int] | None = None,
     length_bucket: int = 64,
@@ -230,6 +244,9 @@ def generate(
       top_k: keep only the k most likely tokens; 0 keeps all.
       n: samples per prompt; they share the prompt's prefill.
       seed: PRNG seed; the same seed, prompts and settings give the same outputs.
+      seeds: one seed per prompt instead of `seed`: a prompt's samples then depend only on
+        its own seed, not on the other prompts of the batch or its row (RL across processes
+        samples each process's share of a step's prompts and must draw what one process does).
       stop: string(s) that end a sample; the text is cut before the first one.
       eos_ids: ids that end a sample; default `tokenizer.eos_ids` (none without a tokenizer).
       length_bucket: prompts are left-padded to a multiple of this, so prompt lengths in the
@@ -266,7 +283,7 @@ def generate(
             jnp.asarray(tokens_BP),
             jnp.asarray([len(p) for p in ids], jnp.int32),
             jnp.asarray(list(eos_ids) or [-1], jnp.int32),
-            jax.random.key(seed),
+            _keys(seed, seeds, len(ids)),
             jnp.float32(temperature),
             jnp.int32(top_k),
             jnp.float32(top_p),

@@ -223,3 +223,22 @@ def test_new_params_do_not_recompile(tiny):
     second = generate(fresh, None, PROMPTS, max_new_tokens=6, temperature=0.5, top_k=4, top_p=0.9)
     assert _generate_padded._cache_size() == size
     assert first != second
+
+
+def test_per_prompt_seeds_make_each_prompts_samples_independent_of_its_batch(tiny):
+    """With `seeds`, a prompt's samples are the same alone or batched with others, at any row
+    (RL across processes samples each process's share of the prompts)."""
+    settings = dict(max_new_tokens=6, temperature=1.0, n=3)
+    together = generate(tiny, None, PROMPTS, seeds=[11, 12, 13], **settings)
+    alone = generate(tiny, None, PROMPTS[2:], seeds=[13], **settings)
+    reordered = generate(tiny, None, [PROMPTS[2], PROMPTS[0]], seeds=[13, 11], **settings)
+    # Sampled ids are exact; a row's log-probs may differ in the last bits with the batch.
+    assert [c.token_ids for c in alone[0]] == [c.token_ids for c in together[2]]
+    assert [c.token_ids for c in reordered[0]] == [c.token_ids for c in together[2]]
+    assert [c.token_ids for c in reordered[1]] == [c.token_ids for c in together[0]]
+    # The n samples of a prompt differ from each other (their own keys), and from a new seed.
+    assert len({c.token_ids for c in together[0]}) > 1
+    other = generate(tiny, None, PROMPTS[:1], seeds=[99], **settings)
+    assert [c.token_ids for c in other[0]] != [c.token_ids for c in together[0]]
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        generate(tiny, None, PROMPTS, seeds=[1, 2], **settings)
