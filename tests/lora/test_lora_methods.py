@@ -142,9 +142,12 @@ def test_policy_gradient_on_adapters_is_the_chain_rule_of_the_full_one(preset):
         a2 = a.reshape(*a.shape[: lead + 1], -1)  # [*lead, r, in]
         g2 = g_w.reshape(*a2.shape[:lead], a2.shape[-1], -1)  # [*lead, in, out]
         expected = lora.scale * jnp.einsum("...ri,...io->...ro", a2, g2)
+        # Two contractions of the same terms in other orders: exact to a small multiple of eps
+        # times the terms' size, which the leaf's largest gradient bounds (tests/README.md).
+        expected = np.asarray(expected)
         np.testing.assert_allclose(
-            np.asarray(grads["b"]).reshape(expected.shape), expected, rtol=1e-4, atol=1e-7,
-            err_msg="/".join(path),
+            np.asarray(grads["b"]).reshape(expected.shape), expected, rtol=1e-4,
+            atol=1e-5 * np.abs(expected).max(), err_msg="/".join(path),
         )  # fmt: skip
         assert not np.any(np.asarray(grads["a"]))
 
