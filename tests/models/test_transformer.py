@@ -17,6 +17,7 @@ from posttrain.models import (
     param_shapes,
 )
 from posttrain.models._presets import PUBLISHED_PARAMS
+from tests.tolerance import ulp
 
 TINY = get_preset("tiny", attention="xla")
 
@@ -74,7 +75,7 @@ def test_remat_policies_keep_gradients(remat):
     base = jax.grad(loss)(params, TINY)
     got = jax.grad(loss)(params, TINY.replace(remat=remat))
     for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(got), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=8 * ulp(b))  # grads up to ~1.6
 
 
 def test_bfloat16_compute_tracks_float32():
