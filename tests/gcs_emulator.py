@@ -26,7 +26,7 @@ def _download_with_generation(request, response, storage, *args, **kwargs):
         response["x-goog-generation"] = obj["generation"]
         response["x-goog-metageneration"] = obj["metageneration"]
     except NotFound:
-        pass
+        pass  # no such object: the emulator's own download answers 404
     return _download(request, response, storage, *args, **kwargs)
 
 
