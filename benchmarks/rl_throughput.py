@@ -25,7 +25,7 @@ import numpy as np
 
 from posttrain.config import load_config_file
 from posttrain.demo import ASSETS_DIR
-from posttrain.train.drivers import run_from_config
+from posttrain.methods import run_from_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of a run's train step for a TPU slice, from a CPU host.
 
     posttrain compile --config=configs/sft.py:llama3_8b_v5p --topology=v5p-64
-    report = compile_plan(load_config_file("configs/sft.py:llama3_8b_v5p"), "v5p-64")
+    report = compile_plan(load_config_file("configs/sft.py:llama3_8b_v5p"), "v5p-64")  # methods
 
 The real step of the configured method (SFT, DPO or GRPO/PPO) is lowered with abstract params,
 optimizer state and batch (nothing is allocated) onto the devices of
@@ -18,13 +18,15 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from posttrain._aot_methods import frozen_inputs, method_loss, trainable_shapes
 from posttrain._flops import _expected_ratio, _expert_buffer, matmul_flops
-from posttrain.config import ConfigError, build, to_plain
+from posttrain.config import ConfigError
+from posttrain.parallel import axis_rules
 
 GiB = 1024**3
 FIT_FRACTION = 0.95  # of HBM; the rest is the runtime's (programs, buffers, fragmentation)
@@ -151,57 +153,62 @@ class CompileReport:
         return out
 
 
-def _method_parts(config) -> tuple[str, object]:
-    """(method, built config) of a loaded ConfigDict."""
-    from posttrain.train.drivers import _driver
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """A method's train step, ready to lower onto a mesh (built by `posttrain.methods`).
 
-    values = dict(to_plain(config))
-    method = values.pop("method", "sft")
-    cls, _ = _driver(method)
-    return method, build(cls, values)
+    Attributes:
+      method: the label the report gives ("sft", "dpo (LoRA r=16, ...)").
+      mesh: the step's device mesh; axis_rules: the config's logical-axis rules.
+      step: `(state, frozen inputs, batch) -> (state, metrics)`, the function a run jits.
+      state, state_shardings: the train state's abstract arrays and their shardings.
+      inputs: the step's frozen inputs (abstract, sharded); batch: one step's global batch.
+      tokens, length: tokens of one step, and the sequence length (for model FLOPs).
+      resident: bytes per device the method keeps beside the step, by name.
+      model_config: the trained model's config.
+    """
+
+    method: str
+    mesh: Any
+    axis_rules: Any
+    step: Callable
+    state: Any
+    state_shardings: Any
+    inputs: tuple
+    batch: dict
+    tokens: int
+    length: int
+    resident: dict
+    model_config: Any
+
+    def jitted(self):
+        """The step as a run jits it (donated state; frozen inputs keep their shardings)."""
+        return jax.jit(self.step, out_shardings=(self.state_shardings, None), donate_argnums=0)
+
+    def arguments(self) -> tuple:
+        return (self.state, self.inputs, self.batch)
 
 
-def _abstract_batch(method: str, c, model_config, mesh):
-    """Abstract, sharded batch of one optimizer update, and the tokens it trains on."""
-    from posttrain.parallel import named_sharding
+def topology_devices(topology: str, num_slices: int = 1):
+    """(generation, devices) of a TPU slice from libtpu's topologies (nothing runs on them).
 
-    if method in ("grpo", "ppo"):
-        rows = c.rows // c.algorithm.minibatches
-        length = c.rollout.max_prompt_len + c.rollout.max_new_tokens
-        ints = ("tokens", "targets", "positions", "segment_ids")
-        floats = ("loss_mask", "sampler_logps", "old_logps", "ref_logps", "returns", "old_values")
-        per_row = {"rewards": jnp.float32, "truncated": jnp.float32, "kl_coefs": jnp.float32,
-                   "lengths": jnp.float32, "domain_ids": jnp.int32}  # fmt: skip
-        shapes = {k: ((rows, length), jnp.int32) for k in ints}
-        shapes |= {k: ((rows, length), jnp.float32) for k in floats}
-        shapes |= {k: ((rows,), t) for k, t in per_row.items()}
-        shapes["advantages"] = ((rows, length) if c.ppo else (rows,), jnp.float32)
-        tokens = rows * length
-    elif method in ("dpo", "rm"):
-        rows, length = c.data.batch_size, c.data.max_len
-        shapes = {}
-        for side in ("chosen", "rejected"):
-            for k in ("tokens", "targets", "positions", "segment_ids"):
-                shapes[f"{side}_{k}"] = ((rows, length), jnp.int32)
-            shapes[f"{side}_loss_mask"] = ((rows, length), jnp.float32)
-        shapes |= {"domain_ids": ((rows,), jnp.int32), "margins": ((rows,), jnp.float32)}
-        shapes |= {k: ((rows,), jnp.float32) for k in ("ref_chosen_logps", "ref_rejected_logps")}
-        tokens = 2 * rows * length
-    else:
-        rows, length = c.data.batch_size, c.data.max_len
-        shapes = {k: ((rows, length), jnp.int32) for k in ("tokens", "targets", "positions",
-                                                             "segment_ids")}  # fmt: skip
-        shapes["loss_mask"] = ((rows, length), jnp.float32)
-        tokens = rows * length
-    batch = {
-        k: jax.ShapeDtypeStruct(
-            shape,
-            dtype,
-            sharding=named_sharding(("act_batch", "act_length")[: len(shape)], shape, mesh),
-        )  # fmt: skip
-        for k, (shape, dtype) in shapes.items()
-    }
-    return batch, tokens, length
+    Raises:
+      ConfigError: an unknown topology.
+      ImportError: libtpu is not installed (install the `tpu` extra).
+    """
+    from jax.experimental import topologies
+
+    try:
+        import libtpu  # noqa: F401
+    except ImportError as e:
+        raise ImportError("posttrain compile needs libtpu: pip install 'posttrain[tpu]'") from e
+    # libtpu takes a host-wide lock when loaded; compiling from several processes at once (a
+    # sweep of plans) needs it shared. Nothing here drives a real TPU.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    generation, _, name = parse_topology(topology)
+    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    return generation, topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                                    **kwargs).devices  # fmt: skip
 
 
 def _bytes_per_device(shapes, shardings) -> float:
@@ -217,75 +224,21 @@ class _TooLarge(Exception):
     """The step's arguments alone exceed HBM: no compile is needed to know it does not fit."""
 
 
-def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport:
-    """Compiles the configured method's train step for `topology` and measures it.
-
-    Args:
-      config: a loaded config (`load_config_file("configs/<method>.py:<preset>")`).
-      topology: e.g. "v5p-1024" (512 chips), "v6e-256", "v5e-8".
-      num_slices: slices joined over DCN (the config's `mesh.dcn` spans them).
-
-    Raises:
-      ConfigError: an unknown topology, or a mesh that does not fit its devices.
-      ImportError: libtpu is not installed (install the `tpu` extra).
-    """
+def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport:
+    """Compiles `lowering` (on a slice of `generation`, named `topology` in the report) and
+    measures its memory, FLOPs and roofline step time."""
     import time
 
-    from jax.experimental import topologies
-
-    from posttrain.parallel import axis_rules, make_mesh
-    from posttrain.train._run import (
-        Trainable,
-        check_batching,
-        optimizer_and_abstract_state,
-        with_shardings,
-    )
-    from posttrain.train._state import state_shardings
-    from posttrain.train._step import train_step
-
-    try:
-        import libtpu  # noqa: F401
-    except ImportError as e:
-        raise ImportError("posttrain compile needs libtpu: pip install 'posttrain[tpu]'") from e
-    # libtpu takes a host-wide lock when loaded; compiling from several processes at once (a
-    # sweep of plans) needs it shared. Nothing here drives a real TPU.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    method, c = _method_parts(config)
-    generation, chips, name = parse_topology(topology)
-    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
-    devices = topologies.get_topology_desc(platform="tpu", topology_name=name, **kwargs).devices
-    model_config = c.model.model_config()
-    mesh = make_mesh(c.mesh, devices)
-    rows = c.rows // c.algorithm.minibatches if method in ("grpo", "ppo") else c.data.batch_size
-    check_batching(rows, c.train.micro_batches, mesh)  # as a run would, before compiling
-    updates = c.updates if method in ("grpo", "ppo") else c.train.steps
-    with axis_rules(c.mesh.axis_rules):
-        # Outside the TPU mesh context: optax builds the state's tree on the host.
-        shapes, shardings, mask = trainable_shapes(method, c, model_config, mesh)
-        trainable = Trainable(shapes, shardings, mask, init=None)
-        optimizer, abstract = optimizer_and_abstract_state(c, trainable, updates)
-        state_sh = state_shardings(optimizer, abstract, shardings, mesh)
-        batch, tokens, length = _abstract_batch(method, c, model_config, mesh)
-        # LoRA: the frozen base is an argument of the step beside the adapters' state.
-        inputs = frozen_inputs(method, c, model_config, mesh)
-    with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
-
-        def run_step(state, inputs, batch):
-            return train_step(
-                state,
-                batch,
-                loss_fn=method_loss(method, c, model_config, *inputs),
-                optimizer=optimizer,
-                micro_batches=c.train.micro_batches,
-            )
-
-        step = jax.jit(run_step, out_shardings=(state_sh, None), donate_argnums=0)
+    low = lowering
+    sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+    with axis_rules(low.axis_rules), jax.set_mesh(low.mesh):
+        step = low.jitted()
         start = time.perf_counter()
-        lowered = step.lower(with_shardings(abstract, state_sh), inputs, batch)
+        lowered = step.lower(*low.arguments())
         kernels = lowered.as_text().count("tpu_custom_call")  # Pallas kernels (splash)
-        state_bytes = _bytes_per_device(abstract, state_sh)
-        state_bytes += _bytes_per_device(inputs, jax.tree.map(lambda x: x.sharding, inputs))
-        batch_bytes = _bytes_per_device(batch, jax.tree.map(lambda x: x.sharding, batch))
+        state_bytes = _bytes_per_device(low.state, low.state_shardings)
+        state_bytes += _bytes_per_device(low.inputs, sharding_of(low.inputs))
+        batch_bytes = _bytes_per_device(low.batch, sharding_of(low.batch))
         chip, compiled_ok = CHIPS[generation], True
         try:
             if state_bytes + batch_bytes > FIT_FRACTION * chip.hbm_bytes:
@@ -312,32 +265,27 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
             sizes = (state_bytes + batch_bytes, state_bytes, temporaries, state_bytes)
             cost = {}
         seconds = time.perf_counter() - start
-        program = matmul_flops(
-            jax.make_jaxpr(step)(with_shardings(abstract, state_sh), inputs, batch).jaxpr
-        )
-        resident = _resident(method, c, model_config, mesh)
-        with axis_rules(c.mesh.axis_rules):
-            expert_buffer = _expert_buffer(model_config, mesh)
+        program = matmul_flops(jax.make_jaxpr(step)(*low.arguments()).jaxpr)
+        expert_buffer = _expert_buffer(low.model_config, low.mesh)
+    model_config, tokens, length = low.model_config, low.tokens, low.length
     model_flops = model_config.flops_per_token(length) * tokens
     attention = model_flops - model_config.flops_per_token(0) * tokens
     # A fused attention kernel's FLOPs are not matmuls in the program: add the formula's.
     program_flops = program + (attention if kernels else 0.0)
-    if c.lora is not None:
-        stored = f", {c.lora.quantize} base" if c.lora.quantize else ""
-        method = f"{method} (LoRA r={c.lora.rank}{stored}, frozen base in the arguments)"
+    devices = low.mesh.devices.size
     return CompileReport(
-        topology=topology if num_slices == 1 else f"{num_slices} x {topology}",
-        chips=len(devices),
+        topology=topology,
+        chips=devices,
         chip=chip,
-        method=method,
+        method=low.method,
         arguments=float(sizes[0]),
         outputs=float(sizes[1]),
         temporaries=float(sizes[2]),
         aliased=float(sizes[3]),
-        resident=resident,
+        resident=low.resident,
         model_flops=model_flops,
         compiled_flops=program_flops,
-        xla_flops=float(cost.get("flops", 0.0)) * len(devices),
+        xla_flops=float(cost.get("flops", 0.0)) * devices,
         expected_ratio=_expected_ratio(model_config, length, expert_buffer),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         compile_seconds=seconds,
@@ -345,38 +293,11 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> CompileReport
     )
 
 
-def _resident(method: str, c, model_config, mesh) -> dict:
-    """Bytes per device the method holds beside the step: GRPO's frozen reference and the
-    rollout KV cache (co-located sampler), with LoRA the merged weights it samples with; DPO's
-    reference when computed on the fly."""
-    from posttrain.models import param_shapes, param_shardings
-
-    out = {}
-    full = param_shardings(model_config, mesh)
-    reference = (method in ("grpo", "ppo") and c.kl.enabled) or (
-        method == "dpo" and c.loss.resolved_reference == "on_the_fly"
-    )
-    if reference and c.lora is None:  # (LoRA: the reference is the base, in the arguments)
-        out["reference"] = _bytes_per_device(param_shapes(model_config), full)
-    if c.lora is not None and method in ("grpo", "ppo") and not c.rollout.sampler_devices:
-        out["sampler weights (merged)"] = _bytes_per_device(param_shapes(model_config), full)
-    if method in ("grpo", "ppo") and not c.rollout.sampler_devices:
-        m = model_config
-        rows = c.rows
-        length = c.rollout.max_prompt_len + c.rollout.max_new_tokens
-        sizes = dict(mesh.shape)
-        batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-        heads, k_dim, v_dim = m.cache_dims()  # MLA: one latent per token
-        heads_split = min(sizes["tensor"], heads)
-        itemsize = jnp.dtype(m.compute_dtype).itemsize
-        cache = m.num_layers * rows * length * heads * (k_dim + v_dim) * itemsize
-        out["KV cache"] = cache / (min(batch_split, rows) * heads_split)
-    return out
-
-
-def smallest_fit(config, generation: str, *, start_chips: int = 4, max_chips: int = 8192):
+def smallest_fit(compile_plan: Callable, config, generation: str, *, start_chips: int = 4,
+                 max_chips: int = 8192):  # fmt: skip
     """The smallest slice of `generation` (doubling from `start_chips`) the plan fits on, with
-    its report, or (None, last report). The config's mesh must adapt (an axis of -1)."""
+    its report, or (None, last report); `compile_plan(config, topology)` makes each report.
+    The config's mesh must adapt (an axis of -1)."""
     chip = CHIPS[generation]
     chips, report = start_chips, None
     while chips <= max_chips:

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import pytest
 
 from posttrain import cli
-from posttrain.aot import compile_plan, matmul_flops, parse_topology
+from posttrain.aot import matmul_flops, parse_topology
 from posttrain.config import ConfigError, load_config_file, override
+from posttrain.methods import compile_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("libtpu")

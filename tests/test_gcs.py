@@ -14,9 +14,9 @@ import pytest
 
 from posttrain import paths
 from posttrain.demo import ASSETS_DIR
+from posttrain.methods import run_from_config
 from posttrain.models import from_hf
 from posttrain.train import load_checkpoint_model, read_metrics
-from posttrain.train.drivers import run_from_config
 from tests.rl.toy import toy_config
 from tests.train.conftest import REPO, finish, start_run
 

@@ -29,7 +29,8 @@ def main(argv: list[str]) -> int:
             "posttrain compile: --config=configs/<method>.py:preset and --topology=v5p-1024 "
             "are required"
         )
-    from posttrain.aot import compile_plan, smallest_fit, suggestion
+    from posttrain.aot import suggestion
+    from posttrain.methods import compile_plan, smallest_fit
 
     report = compile_plan(fv.config, fv.topology, num_slices=fv.num_slices)
     print("\n".join(report.lines()))

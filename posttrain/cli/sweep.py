@@ -34,11 +34,12 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             "posttrain sweep: --config=configs/sweeps/<name>.py and --workdir=DIR are required"
         )
+    from posttrain import methods
     from posttrain.config import ConfigError
     from posttrain.sweep import run_sweep
 
     try:
-        rows = run_sweep(fv.config, fv.workdir, dry_run=fv.dry_run)
+        rows = run_sweep(fv.config, fv.workdir, methods=methods, dry_run=fv.dry_run)
     except ConfigError as e:
         raise SystemExit(f"posttrain sweep: {e}") from None
     return 0 if fv.dry_run or all(r["status"] == "finished" for r in rows) else 1

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
             "posttrain train: --config=configs/<method>.py[:preset] and --workdir=DIR are required"
         )
     several = join(fv)
-    from posttrain.train.drivers import run_from_config
+    from posttrain.methods import run_from_config
 
     try:
         summary = run_from_config(fv.config, fv.workdir)

@@ -23,12 +23,14 @@ import contextlib
 import dataclasses
 import json
 import logging
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from posttrain import paths
 from posttrain.config import ConfigError
+from posttrain.models import ModelConfig
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
 from posttrain.rewards import RewardPool
 from posttrain.rl._config import RLConfig
@@ -40,10 +42,68 @@ from posttrain.rl._rollout import RolloutProducer, Rollouts, SamplerWeights
 from posttrain.rl._scorer import Scorer
 from posttrain.rl._source import RolloutSource
 from posttrain.train._lora import base_inputs, lora_json, lora_trainable
-from posttrain.train._run import Trainable, model_trainable, setup, to_json, train
+from posttrain.train._run import StepPlan, Trainable, model_trainable, setup, to_json, train
 from posttrain.train._step import BatchPasses
 
 log = logging.getLogger(__name__)
+
+
+def split_devices(c: RLConfig, devices) -> tuple[list, list | None]:
+    """(training devices, sampler devices or None): with `rollout.sampler_devices` = N, each
+    process samples on its own last N devices (one process: the last N of all)."""
+    if not c.rollout.sampler_devices:
+        return list(devices), None
+    n = c.rollout.sampler_devices
+    processes = sorted({d.process_index for d in devices})
+    mine = [d for d in devices if d.process_index == processes[0]]
+    if n >= len(mine):
+        raise ConfigError(
+            f"rollout.sampler_devices={n} leaves no device to train on (of {len(mine)} on each "
+            "process)"
+        )
+    sampler = [d for p in processes for d in [d for d in devices if d.process_index == p][-n:]]
+    return [d for d in devices if d not in sampler], sampler
+
+
+def rl_plan(
+    c: RLConfig, model_config: ModelConfig, mesh, domains: Sequence[str] = ()
+) -> tuple[StepPlan, Trainable, CriticLoss | None]:
+    """The RL step (`algorithm.epochs` x `algorithm.minibatches` updates per rollout batch)
+    under the policy loss with every option of `c.loss` and `c.kl`; PPO trains
+    `{"policy", "value"}` (the critic from `critic.init`). Also returns the policy's own
+    `Trainable` (its start is the KL reference) and the critic's loss (None without PPO). The
+    loss's input with LoRA: (the frozen base,)."""
+    lora, seed = c.lora, c.train.seed
+    if lora is None:
+        policy = model_trainable(c.model, model_config, mesh, seed)
+    else:
+        policy = lora_trainable(lora, model_config, mesh, seed)
+    trainable, critic = policy, None
+    if c.ppo:
+        value, value_config = value_trainable(c.critic.init, c.model, model_config, mesh, seed)
+        trainable = Trainable(
+            shapes={"policy": policy.shapes, "value": value.shapes},
+            shardings={"policy": policy.shardings, "value": value.shardings},
+            decay_mask={"policy": policy.decay_mask, "value": value.decay_mask},
+            init=lambda: {"policy": policy.init(), "value": value.init()},
+        )
+        critic = CriticLoss(value_config, coef=c.critic.coef, clip=c.critic.clip)
+
+    def loss(*inputs):
+        return rl_loss(
+            model_config,
+            c.loss,
+            max_new_tokens=c.rollout.max_new_tokens,
+            use_reference=c.kl.enabled,
+            kl_in_loss=c.kl.mode == "loss",
+            domains=domains,
+            critic=critic,
+            lora=lora,
+            base_params=inputs[0] if inputs else None,
+        )
+
+    passes = BatchPasses(c.algorithm.epochs, c.algorithm.minibatches)
+    return StepPlan(trainable, loss, passes), policy, critic
 
 
 def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
@@ -66,20 +126,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 f"{', '.join(unsupported)} run in one process for now (RL without them runs on "
                 "several); turn them off or run on one host"
             )
-    devices, sampler_devices = jax.devices(), None
-    if c.rollout.sampler_devices:
-        # Each process samples on its own last N devices (one process: the last N of all).
-        n, local = c.rollout.sampler_devices, jax.local_devices()
-        if n >= len(local):
-            raise ConfigError(
-                f"rollout.sampler_devices={n} leaves no device to train on (of {len(local)} "
-                "on each process)"
-            )
-        last = {
-            p: [d for d in devices if d.process_index == p][-n:] for p in range(jax.process_count())
-        }
-        sampler_devices = [d for p in sorted(last) for d in last[p]]
-        devices = [d for d in devices if d not in sampler_devices]
+    devices, sampler_devices = split_devices(c, jax.devices())
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
     adaptive = None
@@ -127,39 +174,12 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
         lora, base, inputs, input_sh = c.lora, None, (), ()
         extras = {"config": to_json(c), "model_config": to_json(model_config)}
-        if lora is None:
-            policy = model_trainable(c.model, model_config, mesh, c.train.seed)
-        else:  # adapters on a frozen base, which is also the reference (adapters off)
-            policy = lora_trainable(lora, model_config, mesh, c.train.seed)
+        plan, policy, critic = rl_plan(c, model_config, mesh, domains)
+        if lora is not None:  # adapters on a frozen base, which is also the reference
             inputs, input_sh = base_inputs(lora, c.model, model_config, mesh, c.train.seed)
             base = inputs[0]
             extras["lora"] = lora_json(lora, c.model, c.train.seed, ("policy",) if c.ppo else ())
-        trainable, critic = policy, None
-        if c.ppo:
-            value, value_config = value_trainable(
-                c.critic.init, c.model, model_config, mesh, c.train.seed
-            )
-            trainable = Trainable(
-                shapes={"policy": policy.shapes, "value": value.shapes},
-                shardings={"policy": policy.shardings, "value": value.shardings},
-                decay_mask={"policy": policy.decay_mask, "value": value.decay_mask},
-                init=lambda: {"policy": policy.init(), "value": value.init()},
-            )
-            critic = CriticLoss(value_config, coef=c.critic.coef, clip=c.critic.clip)
         ref_params = policy.init() if c.kl.enabled and lora is None else None
-
-        def loss(*inputs):
-            return rl_loss(
-                model_config,
-                c.loss,
-                max_new_tokens=c.rollout.max_new_tokens,
-                use_reference=c.kl.enabled,
-                kl_in_loss=c.kl.mode == "loss",
-                domains=domains,
-                critic=critic,
-                lora=lora,
-                base_params=inputs[0] if inputs else None,
-            )
 
         sampler = SamplerWeights(c, model_config, mesh, base)
         score = Scorer(c, model_config, critic, ref_params, mesh, domains, base)
@@ -196,18 +216,16 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 c,
                 workdir,
                 mesh=mesh,
-                trainable=trainable,
+                plan=plan,
                 data=source,
-                loss=loss,
                 loss_inputs=inputs,
                 loss_input_shardings=input_sh,
                 evaluate=evaluate,
                 extras=extras,
                 on_metrics=on_metrics,
-                passes=BatchPasses(c.algorithm.epochs, c.algorithm.minibatches),
                 eval_first=True,
             )
-    summary["model_config"] = model_config
+    summary.update(model_config=model_config, domains=domains)
     return summary
 
 

@@ -59,7 +59,7 @@ from posttrain.train._lora import base_inputs, lora_json, lora_trainable
 from posttrain.train._optimizer import OptimizerConfig
 from posttrain.train._params import ModelSpec, checkpoint_json, to_json
 from posttrain.train._preference import PreferenceEvaluator, attach_reference, preference_data
-from posttrain.train._run import model_trainable, setup, train
+from posttrain.train._run import StepPlan, model_trainable, setup, train
 from posttrain.train._step import add_moe_aux
 
 log = logging.getLogger(__name__)
@@ -316,6 +316,38 @@ class DPOConfig(PreferenceRunConfig):
     loss: PreferenceLossConfig = PreferenceLossConfig()
 
 
+def dpo_plan(
+    config: DPOConfig, model_config: ModelConfig, mesh, domains: Sequence[str] = ()
+) -> StepPlan:
+    """A DPO-family step: the policy (or LoRA adapters) under `config.loss`, every option of
+    it. The loss's inputs: (the on-the-fly reference,), or with LoRA (the frozen base,), whose
+    adapters-off pass is the reference; else () (precomputed, or reference-free)."""
+    lc, lora, seed = config.loss, config.lora, config.train.seed
+    reference = lc.resolved_reference
+    if lora is None:
+        trainable = model_trainable(config.model, model_config, mesh, seed)
+    else:
+        trainable = lora_trainable(lora, model_config, mesh, seed)
+
+    def loss(*inputs):
+        ref_params = inputs[0] if reference == "on_the_fly" and lora is None else None
+        base = dict(lora=lora, base_params=inputs[0]) if lora is not None else {}
+        return dpo_loss(
+            model_config,
+            loss_type=lc.type,
+            beta=lc.beta,
+            label_smoothing=lc.label_smoothing,
+            gamma=lc.gamma,
+            reference=reference,
+            ref_params=ref_params,
+            sft_weight=lc.sft_weight,
+            domains=domains,
+            **base,
+        )
+
+    return StepPlan(trainable, loss)
+
+
 def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
     """Trains (or resumes) a DPO-family run in `workdir`; returns the loop summary.
 
@@ -328,26 +360,9 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
     """
     mesh, tokenizer, model_config = setup(config, workdir)
     data, eval_data, manifest = preference_data(config, tokenizer, workdir)
-    lc, lora, seed = config.loss, config.lora, config.train.seed
-    reference = lc.resolved_reference
+    lora, seed = config.lora, config.train.seed
+    reference = config.loss.resolved_reference
     on_the_fly = reference == "on_the_fly"
-
-    def loss(*inputs):
-        # inputs: (the on-the-fly reference,) or, with LoRA, (the frozen base,); else ().
-        ref_params = inputs[0] if on_the_fly and lora is None else None
-        base = dict(lora=lora, base_params=inputs[0]) if lora is not None else {}
-        return dpo_loss(
-            model_config,
-            loss_type=lc.type,
-            beta=lc.beta,
-            label_smoothing=lc.label_smoothing,
-            gamma=lc.gamma,
-            reference=reference,
-            ref_params=ref_params,
-            sft_weight=lc.sft_weight,
-            domains=data.domains,
-            **base,
-        )
 
     extras = {
         "config": to_json(config),
@@ -357,13 +372,13 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
     }
     inputs, input_sh = (), ()
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
+        plan = dpo_plan(config, model_config, mesh, data.domains)
+        loss, trainable = plan.loss, plan.trainable
         if lora is None:
-            trainable = model_trainable(config.model, model_config, mesh, seed)
             reference_weights = functools.cache(trainable.init)  # loaded only if needed
             if on_the_fly:
                 inputs, input_sh = (reference_weights(),), (trainable.shardings,)
         else:  # the reference is the frozen base with the adapters off: no second copy
-            trainable = lora_trainable(lora, model_config, mesh, seed)
             inputs, input_sh = base_inputs(lora, config.model, model_config, mesh, seed)
             reference_weights = lambda: inputs[0]  # noqa: E731
             extras["lora"] = lora_json(lora, config.model, seed)
@@ -397,9 +412,8 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
         config,
         workdir,
         mesh=mesh,
-        trainable=trainable,
+        plan=plan,
         data=data,
-        loss=loss,
         loss_inputs=inputs,
         loss_input_shardings=input_sh,
         evaluate=evaluate,
@@ -409,7 +423,7 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
         * (4 / 3 if on_the_fly else 1),
         on_metrics=on_metrics,
     )
-    summary["model_config"] = model_config
+    summary.update(model_config=model_config, domains=data.domains)
     if eval_data is not None:
         summary["eval_data"] = dict(eval_data.stats)
     return summary

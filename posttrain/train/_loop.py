@@ -201,7 +201,12 @@ def train_loop(
             host_batch = next(data)
             source_metrics = batch_metrics() if batch_metrics is not None else {}
             tokens = _tokens(host_batch) * jax.process_count()
-            state, metrics = step_fn(state, shard_batch(host_batch, mesh))
+            batch = shard_batch(host_batch, mesh)
+            if "batch_shapes" not in summary:  # what the step ran on (checked by compile's)
+                summary["batch_shapes"] = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch
+                )
+            state, metrics = step_fn(state, batch)
             if observe is not None:
                 observe(step, state, metrics)
             if pending is not None:

@@ -45,7 +45,7 @@ from posttrain.train._params import (
     to_json,
 )
 from posttrain.train._preference import PreferenceEvaluator, preference_data
-from posttrain.train._run import Trainable, decay_mask, setup, train
+from posttrain.train._run import StepPlan, Trainable, decay_mask, setup, train
 
 
 def _trunk(tree: dict) -> dict:
@@ -201,6 +201,31 @@ def reward_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int
     )
 
 
+def rm_plan(
+    config: RewardModelConfig, model_config: ModelConfig, mesh, heads: Sequence[str]
+) -> StepPlan:
+    """A reward model's step: the trunk and one head per domain in `heads` (or LoRA adapters
+    and the heads; the loss's one input is then the frozen base's trunk) under the
+    Bradley-Terry loss with every option of `config.loss`."""
+    lora, seed = config.lora, config.train.seed
+    if lora is None:
+        trainable = reward_trainable(config.model, model_config, mesh, seed, len(heads))
+    else:
+        trainable = lora_reward_trainable(lora, model_config, mesh, seed, len(heads))
+
+    def loss(*inputs):  # (LoRA's frozen base trunk,) or ()
+        return reward_model_loss(
+            model_config,
+            center_coefficient=config.loss.center_coefficient,
+            use_margins=config.loss.use_margins,
+            domains=heads,
+            lora=lora,
+            base_trunk=inputs[0] if inputs else None,
+        )
+
+    return StepPlan(trainable, loss)
+
+
 def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None) -> dict:
     """Trains (or resumes) a multi-domain reward model in `workdir`; returns the loop summary.
 
@@ -212,16 +237,6 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
     data, eval_data, manifest = preference_data(config, tokenizer, workdir)
     heads, lora, seed = data.domains, config.lora, config.train.seed
 
-    def loss(*inputs):  # inputs: (LoRA's frozen base trunk,) or ()
-        return reward_model_loss(
-            model_config,
-            center_coefficient=config.loss.center_coefficient,
-            use_margins=config.loss.use_margins,
-            domains=heads,
-            lora=lora,
-            base_trunk=inputs[0] if inputs else None,
-        )
-
     extras = {
         "config": to_json(config),
         "model_config": to_json(model_config),
@@ -231,10 +246,9 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
     }
     inputs, input_sh = (), ()
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        if lora is None:
-            trainable = reward_trainable(config.model, model_config, mesh, seed, len(heads))
-        else:
-            trainable = lora_reward_trainable(lora, model_config, mesh, seed, len(heads))
+        plan = rm_plan(config, model_config, mesh, heads)
+        loss, trainable = plan.loss, plan.trainable
+        if lora is not None:
             (base,), (base_sh,) = base_inputs(lora, config.model, model_config, mesh, seed)
             inputs, input_sh = (_trunk(base),), (_trunk(base_sh),)
             del base  # (its lm_head is not needed)
@@ -255,9 +269,8 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
         config,
         workdir,
         mesh=mesh,
-        trainable=trainable,
+        plan=plan,
         data=data,
-        loss=loss,
         loss_inputs=inputs,
         loss_input_shardings=input_sh,
         evaluate=evaluate,
@@ -266,7 +279,7 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
         on_metrics=on_metrics,
     )
     summary["model_config"] = model_config
-    summary["heads"] = heads
+    summary["heads"] = summary["domains"] = heads
     return summary
 
 

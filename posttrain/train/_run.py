@@ -141,21 +141,57 @@ def optimizer_and_abstract_state(config, trainable: Trainable, updates: int | No
     return optimizer, abstract
 
 
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One method's train step, as both a run and `posttrain compile` build it: what it trains,
+    its loss (`(*frozen inputs) -> loss_fn`, called inside the jitted step so that frozen inputs
+    such as a LoRA base or an on-the-fly reference are traced arguments with their own
+    shardings, not constants baked into the executable), and how each batch is used."""
+
+    trainable: Trainable
+    loss: Callable[..., LossFn]
+    passes: BatchPasses = BatchPasses()
+
+
+def make_step(config, plan: StepPlan, mesh):
+    """`(step, optimizer, abstract state, state shardings)`: the unjitted
+    `step(state, frozen inputs, batch) -> (state, metrics)` of `plan` under `config`'s optimizer
+    (its schedule spans every update), micro-batches and the trainable's `post_update`. A run
+    jits it (`train`); `posttrain compile` lowers the same function for a TPU slice."""
+    passes = plan.passes
+    updates = config.train.steps * passes.updates
+    optimizer, abstract = optimizer_and_abstract_state(config, plan.trainable, updates)
+    schedule = learning_rate_schedule(config.optimizer, updates)
+    shardings = state_shardings(optimizer, abstract, plan.trainable.shardings, mesh)
+
+    def step(state, inputs, batch):
+        kwargs = dict(
+            loss_fn=plan.loss(*inputs),
+            optimizer=optimizer,
+            schedule=schedule,
+            micro_batches=config.train.micro_batches,
+            post_update=plan.trainable.post_update,
+        )
+        if passes.updates == 1:
+            return train_step(state, batch, **kwargs)
+        return passes_step(state, batch, passes=passes, **kwargs)
+
+    return step, optimizer, abstract, shardings
+
+
 def train(
     config,
     workdir: str,
     *,
     mesh,
-    trainable: Trainable,
+    plan: StepPlan,
     data,
-    loss: Callable[..., LossFn],
     loss_inputs: tuple = (),
     loss_input_shardings: tuple = (),
     evaluate: Callable | None = None,
     extras: dict | None = None,
     flops_per_token: float | None = None,
     on_metrics=None,
-    passes: BatchPasses | None = None,
     eval_first: bool = False,
 ) -> dict:
     """Resumes (or starts) the run in `workdir` and trains it to `config.train.steps`.
@@ -164,55 +200,35 @@ def train(
       config: the method's config (`optimizer`, `train`, `checkpoint`, `mesh`, `data`).
       workdir: the run directory.
       mesh: the device mesh.
-      trainable: what is trained (shapes, shardings, decay mask, initial values).
+      plan: the step (what is trained, the loss, how each batch is used: see `make_step`).
       data: this process's batch iterator, with get_state/set_state (a source that samples
         with the trained model, such as RL's, also observes each new state: see `train_loop`).
-      loss: `(*loss_inputs) -> loss_fn`, called inside the jitted step, so that inputs such as
-        a frozen reference model are traced arguments with their own shardings rather than
-        constants baked into the executable.
-      loss_inputs, loss_input_shardings: those inputs and their shardings.
+      loss_inputs, loss_input_shardings: the loss's frozen inputs and their shardings.
       evaluate: `state -> eval metrics` (its `eval_loss` ranks checkpoints for keep-best).
       extras: JSON items saved with every checkpoint (config, model_config, manifest...).
       flops_per_token: for the MFU estimate.
       on_metrics: `(step, metrics)` callback.
-      passes: how each step's batch is used (several optimizer updates per RL step); the
-        learning-rate schedule spans every update.
       eval_first: a fresh run also evaluates its starting params (step 0).
 
     Returns:
-      The loop summary plus `state` (the final train state) and `data` (the data stats).
+      The loop summary plus `state` (the final train state), `data` (the data stats), and
+      what ran: `step` (the jitted `(state, loss_inputs, batch)` function), `loss_inputs` and
+      `batch_shapes` (the first global batch's shapes and dtypes).
     """
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        passes = passes or BatchPasses()
-        updates = config.train.steps * passes.updates
-        optimizer, abstract = optimizer_and_abstract_state(config, trainable, updates)
-        schedule = learning_rate_schedule(config.optimizer, updates)
-        shardings = state_shardings(optimizer, abstract, trainable.shardings, mesh)
+        step, optimizer, abstract, shardings = make_step(config, plan, mesh)
         checkpointer = Checkpointer(workdir, config.checkpoint)
         restored = checkpointer.restore(with_shardings(abstract, shardings))
         if restored is not None:
-            step, state, data_state, _ = restored
+            resumed, state, data_state, _ = restored
             if data_state is not None:
                 data.set_state(data_state)
-            log.info("resumed from step %d in %s", step, checkpointer.directory)
+            log.info("resumed from step %d in %s", resumed, checkpointer.directory)
         else:
             state = jax.jit(
                 functools.partial(create_state, optimizer=optimizer, seed=config.train.seed),
                 out_shardings=shardings,
-            )(trainable.init())
-
-        def step(state, inputs, batch):
-            kwargs = dict(
-                loss_fn=loss(*inputs),
-                optimizer=optimizer,
-                schedule=schedule,
-                micro_batches=config.train.micro_batches,
-                post_update=trainable.post_update,
-            )
-            if passes.updates == 1:
-                return train_step(state, batch, **kwargs)
-            return passes_step(state, batch, passes=passes, **kwargs)
-
+            )(plan.trainable.init())
         jitted = jax.jit(
             step,
             in_shardings=(shardings, tuple(loss_input_shardings), None),
@@ -231,12 +247,12 @@ def train(
             checkpoint_json=extras,
             flops_per_token=flops_per_token,
             on_metrics=on_metrics,
-            updates_per_step=passes.updates,
+            updates_per_step=plan.passes.updates,
             eval_first=eval_first,
         )
         checkpointer.close()
     summary["data"] = dict(getattr(data, "stats", {}) or {})
-    summary["state"] = state
+    summary.update(state=state, step=jitted, loss_inputs=tuple(loss_inputs))
     return summary
 
 

@@ -21,7 +21,7 @@ from posttrain.train._loop import LoopConfig
 from posttrain.train._lora import base_inputs, lora_json, lora_trainable
 from posttrain.train._optimizer import OptimizerConfig
 from posttrain.train._params import ModelSpec, merge_jit, to_json
-from posttrain.train._run import model_trainable, setup, summed, train
+from posttrain.train._run import StepPlan, model_trainable, setup, summed, train
 from posttrain.train._step import add_moe_aux
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,22 @@ def sft_loss(
         return add_moe_aux(sums, aux)
 
     return loss_fn
+
+
+def sft_plan(config: SFTConfig, model_config: ModelConfig, mesh) -> StepPlan:
+    """SFT's step: the model (or LoRA adapters on the frozen base, the loss's one input)
+    under the cross-entropy loss with `z_loss`."""
+    lora = config.lora
+    if lora is None:
+        trainable = model_trainable(config.model, model_config, mesh, config.train.seed)
+    else:
+        trainable = lora_trainable(lora, model_config, mesh, config.train.seed)
+
+    def loss(*inputs):  # (the frozen base,) with LoRA, else ()
+        base = dict(lora=lora, base_params=inputs[0]) if lora is not None else {}
+        return sft_loss(model_config, config.z_loss, **base)
+
+    return StepPlan(trainable, loss)
 
 
 class _Evaluator:
@@ -148,14 +164,14 @@ def run_sft(
     """Trains (or resumes) an SFT run in `workdir`; returns the loop summary.
 
     `suite`: `(model, tokenizer) -> metrics`, the `eval_suite` run at every eval step (built by
-    `posttrain.eval.suite_evaluator`, which `posttrain.train.drivers` passes; eval sits beside
+    `posttrain.eval.suite_evaluator`, which `posttrain.methods` passes; eval sits beside
     train and imports it, so train cannot build it). Everything that can be wrong with the
     config or data is reported before anything compiles.
     """
     if config.eval_suite and suite is None:
         raise ConfigError(
             f"eval_suite={config.eval_suite!r} needs its evaluator: run SFT through "
-            "posttrain.train.drivers.run_from_config (as `posttrain train` does), or pass "
+            "posttrain.methods.run_from_config (as `posttrain train` does), or pass "
             f"suite=posttrain.eval.suite_evaluator({config.eval_suite!r})"
         )
     mesh, tokenizer, model_config = setup(config, workdir)
@@ -169,21 +185,15 @@ def run_sft(
         "manifest": manifest,
     }
     inputs, input_sh = (), ()
-    loss = lambda: sft_loss(model_config, config.z_loss)  # noqa: E731
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        if lora is None:
-            trainable = model_trainable(config.model, model_config, mesh, seed)
-        else:
-            trainable = lora_trainable(lora, model_config, mesh, seed)
+        plan = sft_plan(config, model_config, mesh)
+        if lora is not None:
             inputs, input_sh = base_inputs(lora, config.model, model_config, mesh, seed)
             extras["lora"] = lora_json(lora, config.model, seed)
-
-            def loss(base):
-                return sft_loss(model_config, config.z_loss, lora=lora, base_params=base)
-
         evaluate = (
             _Evaluator(
-                config, tokenizer, model_config, mesh, trainable.shardings, inputs, input_sh, suite
+                config, tokenizer, model_config, mesh, plan.trainable.shardings, inputs, input_sh,
+                suite,
             )
             if config.eval_data or suite is not None
             else None
@@ -192,9 +202,8 @@ def run_sft(
         config,
         workdir,
         mesh=mesh,
-        trainable=trainable,
+        plan=plan,
         data=data,
-        loss=loss,
         loss_inputs=inputs,
         loss_input_shardings=input_sh,
         evaluate=evaluate,

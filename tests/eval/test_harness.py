@@ -26,10 +26,10 @@ from posttrain.eval import (
     load_eval_config,
     prefers_chosen,
 )
+from posttrain.methods import run_from_config
 from posttrain.rewards import pass_at_k
 from posttrain.sampling import generate
 from posttrain.train import SFTConfig, load_checkpoint_model, read_metrics, run_sft
-from posttrain.train.drivers import run_from_config
 from tests.train.conftest import REPO, small_config
 
 EVAL_JSONL = str(ASSETS_DIR / "eval.jsonl")

@@ -13,9 +13,9 @@ import pytest
 from posttrain.data import load_tokenizer
 from posttrain.demo import ASSETS_DIR
 from posttrain.eval import greedy_exact_match
+from posttrain.methods import run_from_config
 from posttrain.models import Transformer, init_params
 from posttrain.train import load_checkpoint_model
-from posttrain.train.drivers import run_from_config
 from tests.train.conftest import small_config
 
 pytestmark = pytest.mark.slow

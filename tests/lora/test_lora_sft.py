@@ -14,6 +14,7 @@ from posttrain import cli
 from posttrain.config import build, load_config_file, to_plain
 from posttrain.data import load_tokenizer, make_pipeline
 from posttrain.lora import adapter_kwargs, adapter_shapes
+from posttrain.methods import run_from_config
 from posttrain.models import forward, init_params
 from posttrain.parallel import make_mesh
 from posttrain.testing import hf_logits
@@ -26,7 +27,6 @@ from posttrain.train import (
 )
 from posttrain.train._params import checkpoint_json
 from posttrain.train._run import summed
-from posttrain.train.drivers import run_from_config
 from tests.train.conftest import REPO, small_config
 
 LORA = {"lora__enabled": True, "lora__rank": 8, "optimizer__learning_rate": 1e-2}

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from posttrain.methods import run_from_config
 from posttrain.train import read_metrics
-from posttrain.train.drivers import run_from_config
 
 from .toy import TWO_DOMAIN_REWARDS, toy_config, two_domain_prompts
 

@@ -9,8 +9,8 @@ import pytest
 
 from posttrain.config import load_config_file
 from posttrain.demo import ASSETS_DIR
+from posttrain.methods import run_from_config
 from posttrain.train import read_metrics
-from posttrain.train.drivers import run_from_config
 
 from .toy import REPO, digit_share, toy_config
 

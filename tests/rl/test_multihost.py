@@ -45,7 +45,7 @@ import json, sys
 from posttrain.parallel import initialize
 initialize()
 from tests.rl.toy import toy_config
-from posttrain.train.drivers import run_from_config
+from posttrain.methods import run_from_config
 overrides = json.loads(sys.argv[2])
 summary = run_from_config(toy_config("tiny", overrides.pop("file"), **overrides), sys.argv[1])
 print("STOPPED", summary["stopped"], summary["final_step"], flush=True)

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
+from posttrain.methods import run_from_config
 from posttrain.models import init_params
 from posttrain.train import TrainingDiverged, load_checkpoint_model, read_metrics
-from posttrain.train.drivers import run_from_config
 
 from .toy import REPO, TWO_DOMAIN_REWARDS, toy_config, two_domain_prompts
 
@@ -24,7 +24,7 @@ _TIMES = {"generate_s", "reward_s", "wait_s", "prepare_s", "train_s", "step_s", 
 _RUNNER = """
 import json, os, sys, time
 from tests.rl.toy import toy_config
-from posttrain.train.drivers import run_from_config
+from posttrain.methods import run_from_config
 delay = float(os.environ["STEP_DELAY"])
 summary = run_from_config(toy_config(**json.loads(sys.argv[2])), sys.argv[1],
                           on_metrics=lambda step, m: time.sleep(delay))

@@ -38,7 +38,7 @@ _RUNNER = """
 import json, os, sys, time
 sys.path.insert(0, {tests!r})
 from train.conftest import small_config
-from posttrain.train.drivers import run_from_config
+from posttrain.methods import run_from_config
 delay = float(os.environ.get("STEP_DELAY", "0"))
 config = small_config(**json.loads(sys.argv[2]))
 summary = run_from_config(config, sys.argv[1],

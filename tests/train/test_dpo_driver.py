@@ -9,8 +9,8 @@ import pytest
 from posttrain.config import ConfigError, load_config_file, override
 from posttrain.data import PairError
 from posttrain.demo import ASSETS_DIR, make_dataset
+from posttrain.methods import run_from_config
 from posttrain.train import read_metrics
-from posttrain.train.drivers import run_from_config
 
 from .conftest import REPO
 
@@ -49,8 +49,9 @@ def pair_files(tmp_path_factory):
     return root
 
 
-def _config(pair_files, **overrides):
-    config = load_config_file(os.path.join(REPO, "configs", "dpo.py") + ":tiny")
+def _config(pair_files, file: str = "dpo.py", **overrides):
+    """configs/<file>:tiny (dpo.py, or rm.py) on the pair files, shrunk to seconds."""
+    config = load_config_file(os.path.join(REPO, "configs", file) + ":tiny")
     source = {
         "path": str(pair_files / "train.jsonl"),
         "weight": 1.0,
@@ -59,7 +60,7 @@ def _config(pair_files, **overrides):
     }
     values = {
         "model.checkpoint": "",  # the tiny preset from random init
-        "loss.sft_weight": 0.0,  # plain DPO
+        **({"loss.sft_weight": 0.0} if file == "dpo.py" else {}),  # plain DPO
         "tokenizer": str(ASSETS_DIR / "tokenizer"),
         "data.sources": [source],
         "eval_data": [{**source, "path": str(pair_files / "eval.jsonl")}],

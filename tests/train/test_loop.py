@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from posttrain.config import ConfigError, build
+from posttrain.methods import run_from_config
 from posttrain.models import get_preset, init_params
 from posttrain.parallel import MeshConfig, make_mesh
 from posttrain.train import (
@@ -24,7 +25,6 @@ from posttrain.train import (
     train_loop,
     train_step,
 )
-from posttrain.train.drivers import run_from_config
 from tests.train.conftest import small_config
 
 CONFIG = get_preset("tiny", attention="xla")

@@ -10,6 +10,7 @@ import pytest
 
 from posttrain import cli
 from posttrain.config import build, load_config_file
+from posttrain.methods import run_from_config
 from posttrain.testing import hf_logits
 from posttrain.train import (
     SFTConfig,
@@ -20,7 +21,6 @@ from posttrain.train import (
     sft_loss,
     train_step,
 )
-from posttrain.train.drivers import run_from_config
 from tests.train.conftest import REPO, small_config
 
 

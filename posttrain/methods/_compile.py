@@ -1,0 +1,71 @@
+"""`posttrain compile` of a method: the step its run jits, lowered for a TPU slice."""
+
+from __future__ import annotations
+
+from posttrain import aot
+from posttrain.methods._record import config_domains, method_config
+from posttrain.parallel import axis_rules, make_mesh
+from posttrain.train._params import with_shardings
+from posttrain.train._run import check_batching, make_step
+
+
+def lowering(config, devices, domains=None) -> aot.Lowering:
+    """The configured method's train step on a mesh of `devices` (TPU topology devices for a
+    plan, or real ones), with abstract state, frozen inputs and batch: the function
+    `posttrain.train._run.train` jits, from the method's own `StepPlan`. `domains`: those
+    the step names (default: the config's sources'; a run adds those its records name).
+
+    Raises:
+      ConfigError: the config, or a mesh or batch that does not fit the devices.
+    """
+    method, c = method_config(config)
+    model_config = c.model.model_config()
+    mesh = make_mesh(c.mesh, method.devices(c, devices))
+    check_batching(method.rows(c), c.train.micro_batches, mesh)  # as a run would
+    with axis_rules(c.mesh.axis_rules):
+        # Outside the TPU mesh context: optax builds the state's tree on the host.
+        plan = method.plan(c, model_config, mesh, domains or config_domains(c))
+        step, _, abstract, shardings = make_step(c, plan, mesh)
+        batch, tokens, length = method.batch(c, mesh)
+        inputs = method.frozen(c, model_config, mesh)
+        resident = method.resident(c, model_config, mesh)
+    label = method.name
+    if c.lora is not None:
+        stored = f", {c.lora.quantize} base" if c.lora.quantize else ""
+        label = f"{label} (LoRA r={c.lora.rank}{stored}, frozen base in the arguments)"
+    return aot.Lowering(
+        method=label,
+        mesh=mesh,
+        axis_rules=c.mesh.axis_rules,
+        step=step,
+        state=with_shardings(abstract, shardings),
+        state_shardings=shardings,
+        inputs=inputs,
+        batch=batch,
+        tokens=tokens,
+        length=length,
+        resident=resident,
+        model_config=model_config,
+    )
+
+
+def compile_plan(config, topology: str, *, num_slices: int = 1) -> aot.CompileReport:
+    """Compiles the configured method's train step for `topology` and measures it.
+
+    Args:
+      config: a loaded config (`load_config_file("configs/<method>.py:<preset>")`).
+      topology: e.g. "v5p-1024" (512 chips), "v6e-256", "v5e-8".
+      num_slices: slices joined over DCN (the config's `mesh.dcn` spans them).
+
+    Raises:
+      ConfigError: an unknown topology, or a mesh that does not fit its devices.
+      ImportError: libtpu is not installed (install the `tpu` extra).
+    """
+    generation, devices = aot.topology_devices(topology, num_slices)
+    name = topology if num_slices == 1 else f"{num_slices} x {topology}"
+    return aot.measure(lowering(config, devices), name, generation)
+
+
+def smallest_fit(config, generation: str, **kwargs):
+    """`posttrain.aot.smallest_fit` of the configured method."""
+    return aot.smallest_fit(compile_plan, config, generation, **kwargs)
