@@ -1,5 +1,5 @@
 """Training: the state, the pure step, the shared loop, checkpoints, metrics, and the drivers of
-every method (SFT, DPO family, reward models)."""
+SFT, the DPO family and reward models (`posttrain.methods` holds every method's record)."""
 
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._dpo import DPOConfig, PreferenceLossConfig, dpo_loss, reference_logps, run_dpo
