@@ -162,7 +162,7 @@ class Lowering:
       mesh: the step's device mesh; axis_rules: the config's logical-axis rules.
       step: `(state, frozen inputs, batch) -> (state, metrics)`, the function a run jits.
       state, state_shardings: the train state's abstract arrays and their shardings.
-      inputs: the step's frozen inputs (abstract, sharded); batch: one step's global batch.
+      inputs: the step's named frozen inputs (abstract, sharded); batch: one global batch.
       tokens, length: tokens of one step, and the sequence length (for model FLOPs).
       resident: bytes per device the method keeps beside the step, by name.
       model_config: the trained model's config.
@@ -174,7 +174,7 @@ class Lowering:
     step: Callable
     state: Any
     state_shardings: Any
-    inputs: tuple
+    inputs: dict
     batch: dict
     tokens: int
     length: int

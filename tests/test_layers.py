@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -203,3 +204,52 @@ def test_what_counts_as_an_import(tmp_path, source, expected):
          "rewards/_code.py": source},
     )  # fmt: skip
     assert set(import_graph(root)["posttrain.rewards._code"]) == expected
+
+
+# Every loss function the methods train with, and the module where it lives.
+LOSSES = {
+    "train/_sft.py": ("sft_loss",),
+    "train/_dpo.py": ("dpo_loss", "reference_logps", "_logps"),
+    "train/_rm.py": ("reward_model_loss", "reward_scores"),
+    "rl/_loss.py": ("rl_loss", "sequence_log_probs"),
+}
+_LORA = re.compile(r"lora|adapter|quantiz", re.IGNORECASE)
+
+
+def lora_mentions(path: pathlib.Path, functions) -> list[str]:
+    """`function:line name` of every identifier, argument or keyword inside `functions` (or
+    the whole module when None) that names LoRA, adapters or quantisation."""
+    tree = ast.parse(path.read_text(), str(path))
+    scopes = [tree] if functions is None else [
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in functions
+    ]  # fmt: skip
+    found = []
+    for scope in scopes:
+        for node in ast.walk(scope):
+            names = {
+                ast.Name: lambda n: [n.id],
+                ast.Attribute: lambda n: [n.attr],
+                ast.arg: lambda n: [n.arg],
+                ast.keyword: lambda n: [n.arg or ""],
+                ast.alias: lambda n: [n.name],
+            }.get(type(node), lambda n: [])(node)
+            found += [f"{getattr(scope, 'name', path.name)}:{node.lineno} {name}"
+                      for name in names if _LORA.search(name)]  # fmt: skip
+    return found
+
+
+def test_no_loss_function_mentions_lora(tmp_path):
+    """A `posttrain.lora.Policy` runs the trained model for every loss: none of them knows
+    whether it trains full weights or adapters on a frozen, possibly quantised base."""
+    found = []
+    for file, names in LOSSES.items():
+        source = (ROOT / file).read_text()
+        assert all(f"def {n}(" in source for n in names), file  # (the list is current)
+        found += lora_mentions(ROOT / file, names)
+    for path in sorted((ROOT / "losses").glob("*.py")):
+        found += lora_mentions(path, None)
+    assert found == []
+    # The check itself: a loss that takes a LoRA config is caught.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def sft_loss(model_config, lora=None):\n    return wrap(lora, None, {})\n")
+    assert lora_mentions(probe, ("sft_loss",)) == ["sft_loss:1 lora", "sft_loss:2 lora"]

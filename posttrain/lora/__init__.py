@@ -18,6 +18,7 @@ from posttrain.lora._adapters import (
 )
 from posttrain.lora._config import DEFAULT_TARGETS, LoRAConfig
 from posttrain.lora._peft import save_peft
+from posttrain.lora._policy import Policy
 from posttrain.lora._quant import (
     QUANT_FORMATS,
     QuantizedWeight,
@@ -31,6 +32,7 @@ from posttrain.lora._quant import (
 
 __all__ = [
     "DEFAULT_TARGETS",
+    "Policy",
     "QUANT_FORMATS",
     "QuantizedWeight",
     "dequantize",

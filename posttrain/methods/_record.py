@@ -44,8 +44,9 @@ class Method:
       plan: `(config, model_config, mesh, domains) -> StepPlan`, the step the run jits;
         `domains` name its per-domain metrics and a reward model's heads (a run's are its
         data's: the sources' domains, then those records name).
-      frozen: `(config, model_config, mesh) -> tuple`, the step's frozen inputs as abstract
-        sharded arrays (a LoRA base, an on-the-fly reference).
+      frozen: `(config, model_config, mesh) -> {name: abstract sharded arrays}`, the step's
+        named frozen inputs ("base": a LoRA run's frozen base; "reference": DPO's on-the-fly
+        reference).
       batch: `(config, mesh) -> (abstract global batch, tokens, sequence length)` of one step.
       rows: `config -> rows of one optimizer update` (what the mesh must divide).
       devices: `(config, devices) -> the devices the step runs on` (RL's decoupled sampler
@@ -58,7 +59,7 @@ class Method:
     config: type
     run: Callable[..., dict]
     plan: Callable[[Any, Any, Any, tuple], StepPlan]
-    frozen: Callable[[Any, Any, Any], tuple]
+    frozen: Callable[[Any, Any, Any], dict]
     batch: Callable[[Any, Any], tuple[dict, int, int]]
     rows: Callable[[Any], int]
     devices: Callable[[Any, list], list] = lambda c, devices: list(devices)
@@ -80,23 +81,24 @@ def _lora_base(c, model_config, mesh):
     return with_shardings(shapes, base_shardings(lora, model_config, mesh))
 
 
-def _policy_frozen(c, model_config, mesh) -> tuple:
+def _policy_frozen(c, model_config, mesh) -> dict:
     """SFT and RL: the LoRA base, or nothing."""
-    return (_lora_base(c, model_config, mesh),) if c.lora is not None else ()
+    return {"base": _lora_base(c, model_config, mesh)} if c.lora is not None else {}
 
 
-def _dpo_frozen(c, model_config, mesh) -> tuple:
+def _dpo_frozen(c, model_config, mesh) -> dict:
     """The LoRA base (whose adapters-off pass is the reference), else the on-the-fly reference
     (a second copy of the policy's weights), else nothing."""
     if c.lora is not None:
-        return (_lora_base(c, model_config, mesh),)
+        return {"base": _lora_base(c, model_config, mesh)}
     if c.loss.resolved_reference == "on_the_fly":
-        return (with_shardings(param_shapes(model_config), param_shardings(model_config, mesh)),)
-    return ()
+        full = with_shardings(param_shapes(model_config), param_shardings(model_config, mesh))
+        return {"reference": full}
+    return {}
 
 
-def _rm_frozen(c, model_config, mesh) -> tuple:
-    return (_trunk(_lora_base(c, model_config, mesh)),) if c.lora is not None else ()
+def _rm_frozen(c, model_config, mesh) -> dict:
+    return {"base": _trunk(_lora_base(c, model_config, mesh))} if c.lora is not None else {}
 
 
 def _abstract(shapes: dict, mesh) -> dict:

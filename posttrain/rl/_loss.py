@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from posttrain.lora import LoRAConfig, wrap
+from posttrain.lora import Policy
 from posttrain.losses import (
     AGGREGATIONS,
     KL_KINDS,
@@ -66,7 +66,7 @@ class PolicyLossConfig:
 
 def sequence_log_probs(params, model_config: ModelConfig, batch: dict, **kwargs) -> jax.Array:
     """The log-prob `[B, L]` of every target token (old-policy and reference passes);
-    `kwargs`: LoRA's forward arguments (`posttrain.lora.wrap`)."""
+    `kwargs`: the model's forward arguments (a `posttrain.lora.Policy`'s)."""
     logits = forward(
         params, batch["tokens"], model_config, batch["positions"], batch["segment_ids"], **kwargs
     )
@@ -91,16 +91,16 @@ def rl_loss(
     kl_in_loss: bool = True,
     domains: Sequence[str] = (),
     critic: CriticLoss | None = None,
-    lora: LoRAConfig | None = None,
-    base_params: dict | None = None,
+    policy: Policy | None = None,
 ):
     """`(params, batch, rng) -> sums` of the policy loss (plus KL, entropy and value terms).
 
     Without a critic, `params` is the policy's and `batch["advantages"]` is `[B]` (one per
     sequence, GRPO family). With one (PPO), `params` is `{"policy", "value"}`, the advantages
     are per token `[B, L]` (GAE) and the batch carries `returns` and `old_values`; the value loss
-    is aggregated like the policy loss (same normaliser), times `critic.coef`. With `lora`, the
-    policy's params are its adapters on the frozen `base_params`.
+    is aggregated like the policy loss (same normaliser), times `critic.coef`. `policy` runs
+    the trained model from `params` (default: they, or with a critic `params["policy"]`, are
+    the model's own).
 
     Sums: `loss_sum` / `num_tokens` (the aggregation's numerator / normaliser), and token means
     as `X_sum` / `X_count`: `kl`, `entropy`, `clip_fraction`, `ratio`, `approx_kl_old`,
@@ -108,11 +108,13 @@ def rl_loss(
     `value_loss`, `value_clip_fraction`, `value`.
     """
 
+    policy = policy or Policy(key="policy" if critic else None)
+
     def loss_fn(params, batch, rng):
         del rng
-        policy, kwargs = wrap(lora, base_params, params["policy"] if critic else params)
+        model_params, kwargs = policy.apply(params)
         logits, aux = forward(
-            policy,
+            model_params,
             batch["tokens"],
             model_config,
             batch["positions"],

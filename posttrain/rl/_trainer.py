@@ -30,6 +30,7 @@ import numpy as np
 
 from posttrain import paths
 from posttrain.config import ConfigError
+from posttrain.lora import Policy
 from posttrain.models import ModelConfig
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
 from posttrain.rewards import RewardPool
@@ -72,7 +73,7 @@ def rl_plan(
     under the policy loss with every option of `c.loss` and `c.kl`; PPO trains
     `{"policy", "value"}` (the critic from `critic.init`). Also returns the policy's own
     `Trainable` (its start is the KL reference) and the critic's loss (None without PPO). The
-    loss's input with LoRA: (the frozen base,)."""
+    loss's named input with LoRA: {"base": the frozen base}."""
     lora, seed = c.lora, c.train.seed
     if lora is None:
         policy = model_trainable(c.model, model_config, mesh, seed)
@@ -89,7 +90,7 @@ def rl_plan(
         )
         critic = CriticLoss(value_config, coef=c.critic.coef, clip=c.critic.clip)
 
-    def loss(*inputs):
+    def loss(frozen: dict):
         return rl_loss(
             model_config,
             c.loss,
@@ -98,8 +99,7 @@ def rl_plan(
             kl_in_loss=c.kl.mode == "loss",
             domains=domains,
             critic=critic,
-            lora=lora,
-            base_params=inputs[0] if inputs else None,
+            policy=Policy(lora, frozen.get("base"), key="policy" if c.ppo else None),
         )
 
     passes = BatchPasses(c.algorithm.epochs, c.algorithm.minibatches)
@@ -172,12 +172,12 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     paths.write_text(paths.join(workdir, "prompts.json"), json.dumps(prompts.stats, indent=2))
 
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
-        lora, base, inputs, input_sh = c.lora, None, (), ()
+        lora, base, inputs, input_sh = c.lora, None, {}, {}
         extras = {"config": to_json(c), "model_config": to_json(model_config)}
         plan, policy, critic = rl_plan(c, model_config, mesh, domains)
         if lora is not None:  # adapters on a frozen base, which is also the reference
             inputs, input_sh = base_inputs(lora, c.model, model_config, mesh, c.train.seed)
-            base = inputs[0]
+            base = inputs["base"]
             extras["lora"] = lora_json(lora, c.model, c.train.seed, ("policy",) if c.ppo else ())
         ref_params = policy.init() if c.kl.enabled and lora is None else None
 

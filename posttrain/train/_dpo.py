@@ -25,8 +25,9 @@ Reference log-probs come from one of:
     micro-batches along its first axis.) The reference must not share buffers with the policy
     it starts from (`jax.tree.map(jnp.copy, params)`): the step donates the policy's.
   - "none": reference-free variants (simpo, orpo).
-With LoRA (`lora`, `base_params`), `params` are the adapters and the on-the-fly reference is
-the frozen base with the adapters off: no second copy of the weights.
+A `posttrain.lora.Policy` runs the trained model: with LoRA, `params` are adapters on a frozen
+base and the on-the-fly reference is that base with the adapters off (no second copy of the
+weights); the loss does not know which.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig
-from posttrain.lora import LoRAConfig, wrap
+from posttrain.lora import LoRAConfig, Policy
 from posttrain.losses import (
     LENGTH_NORMALISED,
     LOSS_TYPES,
@@ -101,27 +102,23 @@ def domain_accuracy_sums(accuracies_B, valid_B, domain_ids_B, domains: Sequence[
 
 
 def reference_logps(
-    ref_params: dict, model_config: ModelConfig, batch: dict, lora: LoRAConfig | None = None
+    ref_params: dict, model_config: ModelConfig, batch: dict, **forward_kwargs
 ) -> dict:
     """The reference model's summed response log-probs, to store in the batch ("precomputed").
 
     Args:
       ref_params: the reference model's params (usually the SFT checkpoint the policy starts
-        from); with `lora`, the frozen base the adapters wrap (possibly quantised): the
-        reference is that base with the adapters off.
+        from), with `forward_kwargs` (a `Policy`'s `reference()` gives both: a LoRA run's
+        frozen base with the adapters off).
       model_config: its config.
       batch: a preference batch.
-      lora: the run's LoRA config, if any.
 
     Returns:
       {"ref_chosen_logps": `[B]`, "ref_rejected_logps": `[B]`} (float32, gradients stopped);
       jittable.
     """
     ref_params = jax.lax.stop_gradient(ref_params)
-    kwargs = {}
-    if lora is not None:  # the frozen base with the adapters off
-        ref_params, kwargs = wrap(lora, ref_params, None, adapters=False)
-    logps_2B, _, _ = _logps(ref_params, model_config, batch, **kwargs)
+    logps_2B, _, _ = _logps(ref_params, model_config, batch, **forward_kwargs)
     chosen_B, rejected_B = jnp.split(jax.lax.stop_gradient(logps_2B), 2)
     return {"ref_chosen_logps": chosen_B, "ref_rejected_logps": rejected_B}
 
@@ -137,8 +134,7 @@ def dpo_loss(
     ref_params: dict | None = None,
     sft_weight: float = 0.0,
     domains: Sequence[str] = (),
-    lora: LoRAConfig | None = None,
-    base_params: dict | None = None,
+    policy: Policy | None = None,
 ):
     """`(params, batch, rng) -> sums` of a pairwise preference loss, for `train_step`.
 
@@ -149,13 +145,15 @@ def dpo_loss(
       reference: "on_the_fly" (reference forward pass on `ref_params` each step),
         "precomputed" (`batch["ref_chosen_logps"]`, `batch["ref_rejected_logps"]`), or "none"
         (reference-free loss types only). See the module docstring.
-      ref_params: the reference params, for "on_the_fly" without LoRA only.
+      ref_params: the reference params, for "on_the_fly" when the policy has no frozen model
+        of its own (a LoRA policy's base with the adapters off is its reference).
       sft_weight: adds `sft_weight` x the chosen response's per-token NLL to each pair's loss
         (RPO, TRL's `rpo_alpha`; TRL averages the NLL over the batch's tokens, we over each
         pair's). Not for orpo, whose loss already holds that term.
       domains: domain names (the data's `domain_ids` index them); each adds
         `accuracy/<name>_sum` and `accuracy/<name>_count`, which `train_step` turns into that
         domain's accuracy.
+      policy: runs the trained model from `params` (default: they are the model's own).
 
     Returns:
       The loss function. Its sums: `loss_sum` (per-pair losses; for orpo each pair's chosen
@@ -178,12 +176,11 @@ def dpo_loss(
             f"{'none' if loss_type in REFERENCE_FREE else 'on_the_fly or precomputed'}, "
             f"got {reference!r}"
         )
-    if (lora is None) != (base_params is None):
-        raise ValueError("pass base_params exactly when lora is set")
-    if (reference == "on_the_fly" and lora is None) != (ref_params is not None):
+    policy = policy or Policy()
+    if (reference == "on_the_fly" and policy.frozen() is None) != (ref_params is not None):
         raise ValueError(
-            "pass ref_params exactly when reference='on_the_fly' without LoRA (with LoRA the "
-            "reference is base_params with the adapters off)"
+            "pass ref_params exactly when reference='on_the_fly' and the policy has no frozen "
+            "model (a LoRA policy's reference is its base with the adapters off)"
         )
     if sft_weight < 0 or (sft_weight and loss_type == "orpo"):
         raise ValueError(
@@ -194,7 +191,7 @@ def dpo_loss(
 
     def loss_fn(params, batch, rng):
         del rng
-        model_params, kwargs = wrap(lora, base_params, params)
+        model_params, kwargs = policy.apply(params)
         logps_2B, lengths_2B, aux = _logps(model_params, model_config, batch, **kwargs)
         chosen_B, rejected_B = jnp.split(logps_2B, 2)
         len_c_B, len_r_B = jnp.split(lengths_2B, 2)
@@ -210,9 +207,8 @@ def dpo_loss(
                 "ref_rejected_logps_B": jax.lax.stop_gradient(batch["ref_rejected_logps"]),
             }
         elif reference == "on_the_fly":
-            ref = reference_logps(
-                base_params if lora else ref_params, model_config, batch, lora=lora
-            )
+            ref_model, ref_kwargs = policy.reference(ref_params)
+            ref = reference_logps(ref_model, model_config, batch, **ref_kwargs)
             refs = {
                 "ref_chosen_logps_B": ref["ref_chosen_logps"],
                 "ref_rejected_logps_B": ref["ref_rejected_logps"],
@@ -320,8 +316,9 @@ def dpo_plan(
     config: DPOConfig, model_config: ModelConfig, mesh, domains: Sequence[str] = ()
 ) -> StepPlan:
     """A DPO-family step: the policy (or LoRA adapters) under `config.loss`, every option of
-    it. The loss's inputs: (the on-the-fly reference,), or with LoRA (the frozen base,), whose
-    adapters-off pass is the reference; else () (precomputed, or reference-free)."""
+    it. The loss's named inputs: {"reference": the on-the-fly reference}, or with LoRA
+    {"base": the frozen base}, whose adapters-off pass is the reference; else {} (precomputed,
+    or reference-free)."""
     lc, lora, seed = config.loss, config.lora, config.train.seed
     reference = lc.resolved_reference
     if lora is None:
@@ -329,9 +326,7 @@ def dpo_plan(
     else:
         trainable = lora_trainable(lora, model_config, mesh, seed)
 
-    def loss(*inputs):
-        ref_params = inputs[0] if reference == "on_the_fly" and lora is None else None
-        base = dict(lora=lora, base_params=inputs[0]) if lora is not None else {}
+    def loss(frozen: dict):  # {"base": LoRA's frozen base} or {"reference": ...} or {}
         return dpo_loss(
             model_config,
             loss_type=lc.type,
@@ -339,10 +334,10 @@ def dpo_plan(
             label_smoothing=lc.label_smoothing,
             gamma=lc.gamma,
             reference=reference,
-            ref_params=ref_params,
+            ref_params=frozen.get("reference"),
             sft_weight=lc.sft_weight,
             domains=domains,
-            **base,
+            policy=Policy(lora, frozen.get("base")),
         )
 
     return StepPlan(trainable, loss)
@@ -370,17 +365,18 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
         "manifest": manifest,
         "domains": list(data.domains),
     }
-    inputs, input_sh = (), ()
+    inputs, input_sh = {}, {}
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
         plan = dpo_plan(config, model_config, mesh, data.domains)
         loss, trainable = plan.loss, plan.trainable
         if lora is None:
             reference_weights = functools.cache(trainable.init)  # loaded only if needed
             if on_the_fly:
-                inputs, input_sh = (reference_weights(),), (trainable.shardings,)
+                inputs = {"reference": reference_weights()}
+                input_sh = {"reference": trainable.shardings}
         else:  # the reference is the frozen base with the adapters off: no second copy
             inputs, input_sh = base_inputs(lora, config.model, model_config, mesh, seed)
-            reference_weights = lambda: inputs[0]  # noqa: E731
+            reference_weights = lambda: inputs["base"]  # noqa: E731
             extras["lora"] = lora_json(lora, config.model, seed)
         if reference == "precomputed":
             identity = {"model": to_json(config.model), "seed": seed}
@@ -389,7 +385,11 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
             if config.model.checkpoint:  # that run may have saved newer params since
                 identity["step"] = checkpoint_json(config.model.checkpoint)["step"]
             process = f"process_{jax.process_index()}"
-            score = jax.jit(lambda params, b: reference_logps(params, model_config, b, lora))
+            def score(params, batch):  # (params: the reference, or LoRA's frozen base)
+                ref_model, kwargs = Policy(lora, params if lora else None).reference(params)
+                return reference_logps(ref_model, model_config, batch, **kwargs)
+
+            score = jax.jit(score)
             for name, d in (("train", data), ("eval", eval_data)):
                 if d is not None:
                     path = paths.join(workdir, "reference", f"{name}.{process}.npz")

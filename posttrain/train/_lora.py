@@ -56,8 +56,8 @@ def base_shardings(lora: LoRAConfig, model_config: ModelConfig, mesh):
 
 
 def base_inputs(lora: LoRAConfig, spec: ModelSpec, model_config: ModelConfig, mesh, seed: int):
-    """`((base params,), (their shardings,))`: the frozen base (quantised for QLoRA) as the
-    loss's traced input."""
+    """`({"base": params}, {"base": shardings})`: the frozen base (quantised for QLoRA) as the
+    loss's named traced input."""
     params = start_params(spec, model_config, mesh, seed)
     if lora.quantize:
         full = param_bytes(params)
@@ -69,7 +69,7 @@ def base_inputs(lora: LoRAConfig, spec: ModelSpec, model_config: ModelConfig, me
             full / 2**30,
             model_config.param_dtype,
         )
-    return (params,), (base_shardings(lora, model_config, mesh),)
+    return {"base": params}, {"base": base_shardings(lora, model_config, mesh)}
 
 
 def lora_json(lora: LoRAConfig, spec: ModelSpec, seed: int, under: tuple[str, ...] = ()) -> dict:

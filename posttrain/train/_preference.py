@@ -83,15 +83,16 @@ def preference_data(config, tokenizer, workdir: str):
 class PreferenceEvaluator:
     """Held-out pairs: mean loss, accuracy, margin and per-domain accuracy (a full pass).
 
-    `loss(*inputs)` builds the loss function, as for `train` (`inputs`: an on-the-fly
-    reference, a LoRA run's frozen base)."""
+    `loss(inputs)` builds the loss function, as for `train` (`inputs`: named frozen inputs,
+    an on-the-fly reference or a LoRA run's frozen base)."""
 
-    def __init__(self, data, loss, mesh, shardings, max_batches, domains, inputs=(), input_sh=()):
+    def __init__(self, data, loss, mesh, shardings, max_batches, domains, inputs=None,
+                 input_sh=None):  # fmt: skip
         self.data, self.mesh, self.max_batches = data, mesh, max_batches
-        self.domains, self.inputs = domains, tuple(inputs)
+        self.domains, self.inputs = domains, dict(inputs or {})
         self._step = jax.jit(
-            lambda params, inputs, batch: loss(*inputs)(params, batch, None),
-            in_shardings=(shardings, tuple(input_sh), None),
+            lambda params, inputs, batch: loss(inputs)(params, batch, None),
+            in_shardings=(shardings, dict(input_sh or {}), None),
         )
 
     def __call__(self, state) -> dict:

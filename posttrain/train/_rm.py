@@ -22,7 +22,7 @@ from posttrain import paths
 from posttrain.config import ConfigError, build
 from posttrain.data import Tokenizer, load_tokenizer
 from posttrain.data._formats import RecordError, encode_record
-from posttrain.lora import LoRAConfig, adapter_shapes, wrap
+from posttrain.lora import LoRAConfig, Policy, adapter_shapes
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import (
     ModelConfig,
@@ -70,8 +70,8 @@ def reward_scores(
     """`[B]` float32 rewards: each row's last real token's hidden state through its head.
 
     Rows are right-padded, one sequence each (segment id > 0 on tokens); `head_ids_B` picks each
-    row's head (negative ids, filler rows, read head 0). `trunk_kwargs`: LoRA's
-    (`posttrain.lora.wrap`).
+    row's head (negative ids, filler rows, read head 0). `trunk_kwargs`: the trunk's forward
+    arguments (a `posttrain.lora.Policy`'s).
     """
     hidden_BLD = hidden_states(
         params["trunk"], tokens_BL, model_config, positions_BL, segment_ids_BL, **trunk_kwargs
@@ -88,8 +88,7 @@ def reward_model_loss(
     center_coefficient: float = 0.0,
     use_margins: bool = True,
     domains: Sequence[str] = (),
-    lora: LoRAConfig | None = None,
-    base_trunk: dict | None = None,
+    policy: Policy | None = None,
 ):
     """`(params, batch, rng) -> sums` of the Bradley-Terry loss, for `train_step`.
 
@@ -99,17 +98,25 @@ def reward_model_loss(
     `accuracy_sum`, `rewards/chosen_sum`, `rewards/rejected_sum`, `rewards/margins_sum`, and
     `accuracy/<domain>_sum` / `_count` per domain.
 
-    With `lora`, `params` are `{"adapters", "head"}`: the adapters run on the frozen
-    `base_trunk` (the head is trained in full, like PEFT's `modules_to_save`).
+    `params` are `{<policy.key>: the trunk's trained params, "head"}`; `policy` (default: a
+    full trunk under "trunk") runs the trunk from them (LoRA: adapters on a frozen trunk, the
+    head trained in full, like PEFT's `modules_to_save`).
     """
+    policy = policy or Policy(key="trunk")
 
     def loss_fn(params, batch, rng):
         del rng
         x = _stacked(batch)
         heads_2B = jnp.concatenate([batch["domain_ids"], batch["domain_ids"]])
-        params, kwargs = lora_view(lora, base_trunk, params)
+        trunk, kwargs = policy.apply(params)
         rewards_2B = reward_scores(
-            params, model_config, x["tokens"], x["positions"], x["segment_ids"], heads_2B, **kwargs
+            {"trunk": trunk, "head": params["head"]},
+            model_config,
+            x["tokens"],
+            x["positions"],
+            x["segment_ids"],
+            heads_2B,
+            **kwargs,
         )
         chosen_B, rejected_B = jnp.split(rewards_2B, 2)
         lengths_c_B, lengths_r_B = jnp.split(jnp.sum(x["loss_mask"], axis=-1), 2)
@@ -151,15 +158,6 @@ class RewardModelConfig(PreferenceRunConfig):
     """A reward-model run: the trunk starts from `model`; each data domain gets a head."""
 
     loss: RewardLossConfig = RewardLossConfig()
-
-
-def lora_view(lora: LoRAConfig | None, base_trunk: dict | None, params: dict):
-    """`(reward params {"trunk", "head"}, trunk kwargs)`: LoRA's `{"adapters", "head"}` on
-    the frozen `base_trunk`; other params as they are."""
-    if lora is None:
-        return params, {}
-    trunk, kwargs = wrap(lora, base_trunk, params["adapters"])
-    return {"trunk": trunk, "head": params["head"]}, kwargs
 
 
 def _head_init(model_config: ModelConfig, mesh, seed: int, heads: int):
@@ -213,14 +211,14 @@ def rm_plan(
     else:
         trainable = lora_reward_trainable(lora, model_config, mesh, seed, len(heads))
 
-    def loss(*inputs):  # (LoRA's frozen base trunk,) or ()
+    def loss(frozen: dict):  # {"base": LoRA's frozen base trunk} or {}
+        base = frozen.get("base")
         return reward_model_loss(
             model_config,
             center_coefficient=config.loss.center_coefficient,
             use_margins=config.loss.use_margins,
             domains=heads,
-            lora=lora,
-            base_trunk=inputs[0] if inputs else None,
+            policy=Policy(lora, base, key="adapters" if lora else "trunk"),
         )
 
     return StepPlan(trainable, loss)
@@ -244,13 +242,13 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
         "heads": list(heads),
         "tokenizer": str(paths.path(config.tokenizer or config.model.hf_path)),
     }
-    inputs, input_sh = (), ()
+    inputs, input_sh = {}, {}
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
         plan = rm_plan(config, model_config, mesh, heads)
         loss, trainable = plan.loss, plan.trainable
         if lora is not None:
-            (base,), (base_sh,) = base_inputs(lora, config.model, model_config, mesh, seed)
-            inputs, input_sh = (_trunk(base),), (_trunk(base_sh),)
+            base, base_sh = base_inputs(lora, config.model, model_config, mesh, seed)
+            inputs, input_sh = {"base": _trunk(base["base"])}, {"base": _trunk(base_sh["base"])}
             del base  # (its lm_head is not needed)
             extras["lora"] = lora_json(lora, config.model, seed, ("adapters",))
         evaluate = None

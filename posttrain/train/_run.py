@@ -144,20 +144,21 @@ def optimizer_and_abstract_state(config, trainable: Trainable, updates: int | No
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     """One method's train step, as both a run and `posttrain compile` build it: what it trains,
-    its loss (`(*frozen inputs) -> loss_fn`, called inside the jitted step so that frozen inputs
-    such as a LoRA base or an on-the-fly reference are traced arguments with their own
-    shardings, not constants baked into the executable), and how each batch is used."""
+    its loss (`frozen -> loss_fn`, called inside the jitted step with the named frozen inputs,
+    such as a LoRA run's `{"base": ...}` or DPO's `{"reference": ...}`, so that they are
+    traced arguments with their own shardings, not constants baked into the executable), and
+    how each batch is used."""
 
     trainable: Trainable
-    loss: Callable[..., LossFn]
+    loss: Callable[[dict], LossFn]
     passes: BatchPasses = BatchPasses()
 
 
 def make_step(config, plan: StepPlan, mesh):
     """`(step, optimizer, abstract state, state shardings)`: the unjitted
-    `step(state, frozen inputs, batch) -> (state, metrics)` of `plan` under `config`'s optimizer
-    (its schedule spans every update), micro-batches and the trainable's `post_update`. A run
-    jits it (`train`); `posttrain compile` lowers the same function for a TPU slice."""
+    `step(state, frozen inputs {name: array}, batch) -> (state, metrics)` of `plan` under
+    `config`'s optimizer (its schedule spans every update), micro-batches and the trainable's
+    `post_update`. A run jits it (`train`); `posttrain compile` lowers the same function."""
     passes = plan.passes
     updates = config.train.steps * passes.updates
     optimizer, abstract = optimizer_and_abstract_state(config, plan.trainable, updates)
@@ -166,7 +167,7 @@ def make_step(config, plan: StepPlan, mesh):
 
     def step(state, inputs, batch):
         kwargs = dict(
-            loss_fn=plan.loss(*inputs),
+            loss_fn=plan.loss(inputs),
             optimizer=optimizer,
             schedule=schedule,
             micro_batches=config.train.micro_batches,
@@ -186,8 +187,8 @@ def train(
     mesh,
     plan: StepPlan,
     data,
-    loss_inputs: tuple = (),
-    loss_input_shardings: tuple = (),
+    loss_inputs: dict | None = None,
+    loss_input_shardings: dict | None = None,
     evaluate: Callable | None = None,
     extras: dict | None = None,
     flops_per_token: float | None = None,
@@ -203,7 +204,7 @@ def train(
       plan: the step (what is trained, the loss, how each batch is used: see `make_step`).
       data: this process's batch iterator, with get_state/set_state (a source that samples
         with the trained model, such as RL's, also observes each new state: see `train_loop`).
-      loss_inputs, loss_input_shardings: the loss's frozen inputs and their shardings.
+      loss_inputs, loss_input_shardings: the loss's named frozen inputs and their shardings.
       evaluate: `state -> eval metrics` (its `eval_loss` ranks checkpoints for keep-best).
       extras: JSON items saved with every checkpoint (config, model_config, manifest...).
       flops_per_token: for the MFU estimate.
@@ -215,6 +216,7 @@ def train(
       what ran: `step` (the jitted `(state, loss_inputs, batch)` function), `loss_inputs` and
       `batch_shapes` (the first global batch's shapes and dtypes).
     """
+    loss_inputs = dict(loss_inputs or {})
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
         step, optimizer, abstract, shardings = make_step(config, plan, mesh)
         checkpointer = Checkpointer(workdir, config.checkpoint)
@@ -231,13 +233,13 @@ def train(
             )(plan.trainable.init())
         jitted = jax.jit(
             step,
-            in_shardings=(shardings, tuple(loss_input_shardings), None),
+            in_shardings=(shardings, dict(loss_input_shardings or {}), None),
             out_shardings=(shardings, None),
             donate_argnums=0,
         )
         state, summary = train_loop(
             state=state,
-            step_fn=lambda state, batch: jitted(state, tuple(loss_inputs), batch),
+            step_fn=lambda state, batch: jitted(state, loss_inputs, batch),
             data=data,
             mesh=mesh,
             workdir=workdir,
@@ -252,7 +254,7 @@ def train(
         )
         checkpointer.close()
     summary["data"] = dict(getattr(data, "stats", {}) or {})
-    summary.update(state=state, step=jitted, loss_inputs=tuple(loss_inputs))
+    summary.update(state=state, step=jitted, loss_inputs=loss_inputs)
     return summary
 
 

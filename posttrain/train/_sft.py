@@ -12,7 +12,7 @@ import jax
 from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
-from posttrain.lora import LoRAConfig, wrap
+from posttrain.lora import LoRAConfig, Policy
 from posttrain.losses import cross_entropy_sums
 from posttrain.models import ModelConfig, Transformer, forward
 from posttrain.parallel import MeshConfig, axis_rules
@@ -55,19 +55,14 @@ class SFTConfig:
             )
 
 
-def sft_loss(
-    model_config: ModelConfig,
-    z_loss: float,
-    *,
-    lora: LoRAConfig | None = None,
-    base_params: dict | None = None,
-):
-    """`(params, batch, rng) -> sums` for the shared train step; with `lora`, `params` are the
-    adapters and `base_params` the frozen model they wrap."""
+def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None = None):
+    """`(params, batch, rng) -> sums` for the shared train step; `policy` runs the trained
+    model from `params` (default: they are the model's own)."""
+    policy = policy or Policy()
 
     def loss_fn(params, batch, rng):
         del rng
-        params, kwargs = wrap(lora, base_params, params)
+        params, kwargs = policy.apply(params)
         logits, aux = forward(
             params,
             batch["tokens"],
@@ -92,9 +87,8 @@ def sft_plan(config: SFTConfig, model_config: ModelConfig, mesh) -> StepPlan:
     else:
         trainable = lora_trainable(lora, model_config, mesh, config.train.seed)
 
-    def loss(*inputs):  # (the frozen base,) with LoRA, else ()
-        base = dict(lora=lora, base_params=inputs[0]) if lora is not None else {}
-        return sft_loss(model_config, config.z_loss, **base)
+    def loss(frozen: dict):  # {"base": the frozen base} with LoRA, else {}
+        return sft_loss(model_config, config.z_loss, policy=Policy(lora, frozen.get("base")))
 
     return StepPlan(trainable, loss)
 
@@ -110,15 +104,15 @@ class _Evaluator:
         model_config,
         mesh,
         shardings,
-        inputs=(),
-        input_sh=(),
+        inputs=None,
+        input_sh=None,
         suite: Callable[[Transformer, object], dict] | None = None,
     ):
         self.tokenizer = tokenizer
         self.mesh = mesh
         self.model_config = model_config
         self.max_batches = config.train.eval_batches
-        self.lora, self.inputs = config.lora, inputs  # LoRA: inputs = (the frozen base,)
+        self.lora, self.inputs = config.lora, dict(inputs or {})  # LoRA: {"base": ...}
         self.data_config = None
         if config.eval_data:
             self.data_config = dataclasses.replace(
@@ -126,11 +120,11 @@ class _Evaluator:
             )
 
             def step(params, inputs, batch):
-                base = dict(lora=self.lora, base_params=inputs[0]) if self.lora else {}
-                return sft_loss(model_config, 0.0, **base)(params, batch, None)
+                policy = Policy(self.lora, inputs.get("base"))
+                return sft_loss(model_config, 0.0, policy=policy)(params, batch, None)
 
-            jitted = jax.jit(step, in_shardings=(shardings, tuple(input_sh), None))
-            self._step = lambda params, batch: jitted(params, tuple(self.inputs), batch)
+            jitted = jax.jit(step, in_shardings=(shardings, dict(input_sh or {}), None))
+            self._step = lambda params, batch: jitted(params, self.inputs, batch)
             make_pipeline(self.data_config, tokenizer)  # fail at startup, not at the first eval
         self.suite = suite
 
@@ -148,7 +142,7 @@ class _Evaluator:
         if self.suite is not None:
             params = state.params
             if self.lora is not None:
-                params = merge_jit(self.inputs[0], params, lora=self.lora)
+                params = merge_jit(self.inputs["base"], params, lora=self.lora)
             metrics = self.suite(Transformer(params, self.model_config), self.tokenizer)
             out.update({f"suite/{name}": value for name, value in metrics.items()})
         return out
@@ -184,7 +178,7 @@ def run_sft(
         "model_config": to_json(model_config),
         "manifest": manifest,
     }
-    inputs, input_sh = (), ()
+    inputs, input_sh = {}, {}
     with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
         plan = sft_plan(config, model_config, mesh)
         if lora is not None:
@@ -213,5 +207,5 @@ def run_sft(
     )
     summary["model_config"] = model_config
     if lora is not None:
-        summary["base_params"] = inputs[0]
+        summary["base_params"] = inputs["base"]
     return summary

@@ -13,6 +13,7 @@ from posttrain.config import load_config_file, override
 from posttrain.demo import ASSETS_DIR
 from posttrain.lora import (
     LoRAConfig,
+    Policy,
     adapter_shapes,
     init_adapters,
     param_bytes,
@@ -129,7 +130,7 @@ def test_policy_gradient_on_adapters_is_the_chain_rule_of_the_full_one(preset):
     batch = _rl_batch(model_config, base)
     common = dict(max_new_tokens=7, use_reference=False)
     full = rl_loss(model_config, PolicyLossConfig(), **common)
-    wrapped = rl_loss(model_config, PolicyLossConfig(), **common, lora=lora, base_params=base)
+    wrapped = rl_loss(model_config, PolicyLossConfig(), **common, policy=Policy(lora, base))
     g_full = jax.grad(lambda p: full(p, batch, None)["loss_sum"])(base)
     g_lora = jax.grad(lambda a: wrapped(a, batch, None)["loss_sum"])(adapters)
     for path in target_paths(model_config, lora):
