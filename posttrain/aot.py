@@ -211,7 +211,8 @@ def topology_devices(topology: str, num_slices: int = 1):
                                                     **kwargs).devices  # fmt: skip
 
 
-def _bytes_per_device(shapes, shardings) -> float:
+def bytes_per_device(shapes, shardings) -> float:
+    """Bytes one device holds of `shapes` laid out by `shardings`."""
     total = 0.0
     for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True):
         if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
@@ -236,9 +237,9 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         start = time.perf_counter()
         lowered = step.lower(*low.arguments())
         kernels = lowered.as_text().count("tpu_custom_call")  # Pallas kernels (splash)
-        state_bytes = _bytes_per_device(low.state, low.state_shardings)
-        state_bytes += _bytes_per_device(low.inputs, sharding_of(low.inputs))
-        batch_bytes = _bytes_per_device(low.batch, sharding_of(low.batch))
+        state_bytes = bytes_per_device(low.state, low.state_shardings)
+        state_bytes += bytes_per_device(low.inputs, sharding_of(low.inputs))
+        batch_bytes = bytes_per_device(low.batch, sharding_of(low.batch))
         chip, compiled_ok = CHIPS[generation], True
         try:
             if state_bytes + batch_bytes > FIT_FRACTION * chip.hbm_bytes:

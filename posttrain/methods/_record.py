@@ -11,13 +11,13 @@ frozen inputs and batch as abstract arrays, and what the method keeps in memory 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from posttrain.aot import bytes_per_device
 from posttrain.config import ConfigError, build, to_plain
 from posttrain.eval import suite_evaluator
 from posttrain.lora import quantized_shapes
@@ -154,15 +154,6 @@ def _rl_batch(c, mesh):
     shapes |= {k: ((rows,), t) for k, t in per_row.items()}
     shapes["advantages"] = ((rows, length) if c.ppo else (rows,), jnp.float32)
     return _abstract(shapes, mesh), rows * length, length
-
-
-def bytes_per_device(shapes, shardings) -> float:
-    total = 0.0
-    for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True):
-        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
-            continue  # the PRNG key: a few bytes
-        total += math.prod(sh.shard_shape(s.shape)) * jnp.dtype(s.dtype).itemsize
-    return total
 
 
 def _rl_resident(c, model_config, mesh) -> dict:

@@ -129,6 +129,15 @@ def restore_params(workdir: str, abstract_params, step: int | None = None):
     return restored.state["params"]
 
 
+def model_params(workdir: str, abstract_params, step: int | None = None):
+    """The trained model's params of a run's checkpoint (`restore_params`), wherever the run
+    kept them: a PPO run saves `{"policy", "value"}`, and only the policy is read."""
+    saved = checkpoint_json(workdir, step)
+    if saved.get("config", {}).get("algorithm", {}).get("advantage") == "gae":  # PPO
+        return restore_params(workdir, {"policy": abstract_params}, saved["step"])["policy"]
+    return restore_params(workdir, abstract_params, saved["step"])
+
+
 def with_shardings(shapes, shardings):
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
@@ -149,9 +158,7 @@ def start_params(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int):
         shardings = param_shardings(model_config, mesh)
         if "lora" in checkpoint_json(spec.checkpoint):  # a LoRA run: its merged weights
             return jax.device_put(load_lora_params(spec.checkpoint), shardings)
-        return restore_params(
-            spec.checkpoint, with_shardings(param_shapes(model_config), shardings)
-        )
+        return model_params(spec.checkpoint, with_shardings(param_shapes(model_config), shardings))
     return init_params(model_config, jax.random.key(seed), mesh)
 
 
@@ -213,13 +220,14 @@ def start_params_single(spec: ModelSpec, model_config: ModelConfig):
     """A base restored from another run's checkpoint (itself possibly a LoRA run)."""
     if "lora" in checkpoint_json(spec.checkpoint):
         return load_lora_params(spec.checkpoint)
-    return restore_params(spec.checkpoint, on_default_device(param_shapes(model_config)))
+    return model_params(spec.checkpoint, on_default_device(param_shapes(model_config)))
 
 
 def load_checkpoint_model(workdir: str, step: int | None = None, *, mesh=None) -> Transformer:
-    """The model (params + config) of a run's checkpoint (SFT, DPO...); a LoRA run's adapters
-    come back merged into its base. With `mesh` the params are read straight onto the model's
-    shardings over it (each device reads only its shards), else onto the default device."""
+    """The model (params + config) of a run's checkpoint (SFT, DPO, GRPO, PPO's policy); a
+    LoRA run's adapters come back merged into its base. With `mesh` the params are read
+    straight onto the model's shardings over it (each device reads only its shards), else onto
+    the default device."""
     saved = checkpoint_json(workdir, step)
     model_config = build(ModelConfig, saved["model_config"])
     shardings = param_shardings(model_config, mesh) if mesh is not None else None
@@ -232,7 +240,7 @@ def load_checkpoint_model(workdir: str, step: int | None = None, *, mesh=None) -
         abstract = on_default_device(param_shapes(model_config))
     else:
         abstract = with_shardings(param_shapes(model_config), shardings)
-    return Transformer(restore_params(workdir, abstract, saved["step"]), model_config)
+    return Transformer(model_params(workdir, abstract, saved["step"]), model_config)
 
 
 def load_model_and_tokenizer(path: str, *, mesh=None):

@@ -4,13 +4,14 @@ import json
 import os
 import signal
 
+import jax
 import numpy as np
 import pytest
 
 from posttrain.config import load_config_file
 from posttrain.demo import ASSETS_DIR
 from posttrain.methods import run_from_config
-from posttrain.train import read_metrics
+from posttrain.train import load_checkpoint_model, read_metrics
 
 from .toy import REPO, digit_share, toy_config
 
@@ -49,8 +50,13 @@ def test_reward_rises_on_the_toy_task(preset, tmp_path):
 
 def test_ppo_with_a_critic_raises_the_reward(tmp_path):
     config = toy_config("tiny", "ppo.py", train__steps=25, data__batch_size=16)
-    run_from_config(config, str(tmp_path))
+    summary = run_from_config(config, str(tmp_path))
     rows = read_metrics(str(tmp_path))
+    # The checkpoint holds {"policy", "value"}: generate, eval and export read the policy.
+    model = load_checkpoint_model(str(tmp_path))
+    trained = summary["state"].params["policy"]
+    for saved, final in zip(jax.tree.leaves(model.params), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(np.asarray(saved), np.asarray(final))
     first, last = (
         np.mean([r["reward"] for r in rows[:5]]),
         np.mean([r["reward"] for r in rows[-5:]]),
