@@ -31,6 +31,8 @@ RL_LOSS = {  # every policy-loss option away from its default
     "kl.coef": 0.05,
     "algorithm.epochs": 2,
     "algorithm.minibatches": 2,
+    "data.batch_size": 4,  # 16 rows: two updates of 8, one row per device
+    "rollout.num_generations": 4,
 }
 
 
