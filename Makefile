@@ -20,9 +20,11 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 -m slow --durations=15
 
 # The default suite with XLA:CPU held to 128-bit vectors: reductions sum in another order, as on
-# another CPU (tests/README.md). Not part of CI: it doubles the suite's time.
+# another CPU (tests/README.md). Not part of CI: it doubles the suite's time. XLA:CPU cannot
+# convert float16 below AVX (no F16C): the float16 test is left out.
 test-perturbed: $(STAMP)
-	XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 $(PY) -m pytest -n 2 --durations=15
+	XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 $(PY) -m pytest -n 2 --durations=15 \
+		--deselect tests/losses/test_reward.py::test_low_precision_inputs_compute_in_float32
 
 demo: $(STAMP)
 	$(VENV)/bin/posttrain demo
