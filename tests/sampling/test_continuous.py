@@ -78,9 +78,15 @@ def test_stop_strings_match_generate():
     stop = free[0].text[3:5]
     kwargs = dict(max_new_tokens=12, stop=[stop], eos_ids=())
     prompts = ["abc", "hello", "abc"]
-    assert generate_continuous(model, tok, prompts, slots=2, **kwargs) == generate(
-        model, tok, prompts, **kwargs
-    )
+    a = generate_continuous(model, tok, prompts, slots=2, **kwargs)
+    b = generate(model, tok, prompts, **kwargs)
+    # Two programs (slots vs one batch) sum in different orders: log-probs agree to float32
+    # rounding, not bitwise (they differed by 1 ulp of 3.1 with XLA:CPU held to 128-bit vectors).
+    fields = lambda out: [[(c.text, c.token_ids, c.finish_reason) for c in row] for row in out]  # noqa: E731
+    assert fields(a) == fields(b)
+    for row_a, row_b in zip(a, b, strict=True):
+        for ca, cb in zip(row_a, row_b, strict=True):
+            np.testing.assert_allclose(ca.logprobs, cb.logprobs, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
