@@ -1,5 +1,5 @@
 """Training methods (sft, dpo, rm, grpo, ppo): one `Method` record each, which `posttrain train`,
-`posttrain compile`, `posttrain sweep`, eval and the notebooks read (see `_record.py`)."""
+`posttrain compile`, `posttrain sweep` and the notebooks read (see `_record.py`)."""
 
 from posttrain.methods._compile import compile_plan, lowering, smallest_fit
 from posttrain.methods._record import (

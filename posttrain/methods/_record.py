@@ -1,5 +1,6 @@
-"""One record per method: everything `posttrain train`, `posttrain compile`, `posttrain sweep`,
-eval and the notebooks need to know about it, in one place.
+"""One record per method: everything `posttrain train`, `posttrain compile`, `posttrain sweep`
+and the notebooks need to know about it, in one place (eval reads checkpoints, whatever made
+them).
 
 A `Method` names its config class, its run (the driver: data or rollout source, evaluation,
 checkpoints, on the shared loop), and its step as a `StepPlan` (what it trains, its loss with
