@@ -86,6 +86,7 @@ def test_kl_to_the_reference_is_logged_and_adapted(tmp_path):
     assert coefs[0] == 0.05 and coefs[-1] != coefs[0]  # the controller moved it
 
 
+@pytest.mark.slow  # tests/rl/test_resume.py resumes the same RL state after a SIGKILL
 def test_resume_continues_exactly(tmp_path):
     overrides = {
         "train__steps": 6,
