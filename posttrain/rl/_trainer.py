@@ -42,8 +42,8 @@ from posttrain.rl._prompts import AdaptiveDomains, PromptData
 from posttrain.rl._rollout import RolloutProducer, Rollouts, SamplerWeights
 from posttrain.rl._scorer import Scorer
 from posttrain.rl._source import RolloutSource
-from posttrain.train._lora import base_inputs, lora_json, lora_trainable
-from posttrain.train._run import StepPlan, Trainable, model_trainable, setup, to_json, train
+from posttrain.train._lora import base_inputs, lora_json, policy_trainable
+from posttrain.train._run import StepPlan, Trainable, setup, to_json, train
 from posttrain.train._step import BatchPasses
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,9 @@ def split_devices(c: RLConfig, devices) -> tuple[list, list | None]:
             f"rollout.sampler_devices={n} leaves no device to train on (of {len(mine)} on each "
             "process)"
         )
-    sampler = [d for p in processes for d in [d for d in devices if d.process_index == p][-n:]]
+    sampler = []
+    for p in processes:
+        sampler += [d for d in devices if d.process_index == p][-n:]
     return [d for d in devices if d not in sampler], sampler
 
 
@@ -74,14 +76,13 @@ def rl_plan(
     `{"policy", "value"}` (the critic from `critic.init`). Also returns the policy's own
     `Trainable` (its start is the KL reference) and the critic's loss (None without PPO). The
     loss's named input with LoRA: {"base": the frozen base}."""
-    lora, seed = c.lora, c.train.seed
-    if lora is None:
-        policy = model_trainable(c.model, model_config, mesh, seed)
-    else:
-        policy = lora_trainable(lora, model_config, mesh, seed)
+    lora = c.lora
+    policy = policy_trainable(c, model_config, mesh)
     trainable, critic = policy, None
     if c.ppo:
-        value, value_config = value_trainable(c.critic.init, c.model, model_config, mesh, seed)
+        value, value_config = value_trainable(
+            c.critic.init, c.model, model_config, mesh, c.train.seed
+        )
         trainable = Trainable(
             shapes={"policy": policy.shapes, "value": value.shapes},
             shardings={"policy": policy.shardings, "value": value.shardings},

@@ -56,11 +56,11 @@ from posttrain.models import ModelConfig, forward
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
-from posttrain.train._lora import base_inputs, lora_json, lora_trainable
+from posttrain.train._lora import base_inputs, lora_json, policy_trainable
 from posttrain.train._optimizer import OptimizerConfig
 from posttrain.train._params import ModelSpec, checkpoint_json, to_json
 from posttrain.train._preference import PreferenceEvaluator, attach_reference, preference_data
-from posttrain.train._run import StepPlan, model_trainable, setup, train
+from posttrain.train._run import StepPlan, setup, train
 from posttrain.train._step import add_moe_aux
 
 log = logging.getLogger(__name__)
@@ -319,12 +319,8 @@ def dpo_plan(
     it. The loss's named inputs: {"reference": the on-the-fly reference}, or with LoRA
     {"base": the frozen base}, whose adapters-off pass is the reference; else {} (precomputed,
     or reference-free)."""
-    lc, lora, seed = config.loss, config.lora, config.train.seed
+    lc, lora = config.loss, config.lora
     reference = lc.resolved_reference
-    if lora is None:
-        trainable = model_trainable(config.model, model_config, mesh, seed)
-    else:
-        trainable = lora_trainable(lora, model_config, mesh, seed)
 
     def loss(frozen: dict):  # {"base": LoRA's frozen base} or {"reference": ...} or {}
         return dpo_loss(
@@ -340,7 +336,7 @@ def dpo_plan(
             policy=Policy(lora, frozen.get("base")),
         )
 
-    return StepPlan(trainable, loss)
+    return StepPlan(policy_trainable(config, model_config, mesh), loss)
 
 
 def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:

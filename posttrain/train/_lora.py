@@ -30,7 +30,7 @@ from posttrain.train._params import (
     start_params,
     to_json,
 )
-from posttrain.train._run import Trainable
+from posttrain.train._run import Trainable, model_trainable
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,15 @@ def lora_trainable(lora: LoRAConfig, model_config: ModelConfig, mesh, seed: int)
         # (seed + 1: the adapters' draws differ from a random-init base's)
         init=lambda: init_adapters(model_config, lora, jax.random.key(seed + 1), mesh),
     )
+
+
+def policy_trainable(config, model_config: ModelConfig, mesh) -> Trainable:
+    """What a method's policy trains: the model (`config.model`), or with `config.lora` only
+    the adapters on it."""
+    seed = config.train.seed
+    if config.lora is None:
+        return model_trainable(config.model, model_config, mesh, seed)
+    return lora_trainable(config.lora, model_config, mesh, seed)
 
 
 def base_shardings(lora: LoRAConfig, model_config: ModelConfig, mesh):

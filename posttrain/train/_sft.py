@@ -18,10 +18,10 @@ from posttrain.models import ModelConfig, Transformer, forward
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
-from posttrain.train._lora import base_inputs, lora_json, lora_trainable
+from posttrain.train._lora import base_inputs, lora_json, policy_trainable
 from posttrain.train._optimizer import OptimizerConfig
 from posttrain.train._params import ModelSpec, merge_jit, to_json
-from posttrain.train._run import StepPlan, model_trainable, setup, summed, train
+from posttrain.train._run import StepPlan, setup, summed, train
 from posttrain.train._step import add_moe_aux
 
 log = logging.getLogger(__name__)
@@ -81,16 +81,11 @@ def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None 
 def sft_plan(config: SFTConfig, model_config: ModelConfig, mesh) -> StepPlan:
     """SFT's step: the model (or LoRA adapters on the frozen base, the loss's one input)
     under the cross-entropy loss with `z_loss`."""
-    lora = config.lora
-    if lora is None:
-        trainable = model_trainable(config.model, model_config, mesh, config.train.seed)
-    else:
-        trainable = lora_trainable(lora, model_config, mesh, config.train.seed)
-
     def loss(frozen: dict):  # {"base": the frozen base} with LoRA, else {}
-        return sft_loss(model_config, config.z_loss, policy=Policy(lora, frozen.get("base")))
+        policy = Policy(config.lora, frozen.get("base"))
+        return sft_loss(model_config, config.z_loss, policy=policy)
 
-    return StepPlan(trainable, loss)
+    return StepPlan(policy_trainable(config, model_config, mesh), loss)
 
 
 class _Evaluator:
