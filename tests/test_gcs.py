@@ -1,7 +1,8 @@
 """Runs whose workdir is a gs:// URL, against the GCS emulator the `gcs_bucket` fixture starts
 (found through STORAGE_EMULATOR_HOST only): SFT killed and resumed from the bucket, exported
-from it; GRPO reading its prompts and tokenizer from the bucket and checkpointing into it."""
+from it; GRPO reading its prompts and tokenizer from the bucket, preempted and resumed from it."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -78,25 +79,32 @@ def test_sft_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path):
     np.testing.assert_array_equal(from_hf(f"{url}/hf")(tokens), model(tokens))
 
 
-def test_grpo_reads_from_and_checkpoints_into_a_bucket(gcs_bucket, tmp_path):
+def test_grpo_in_a_bucket_resumes_exactly(gcs_bucket, tmp_path):
     url = f"{gcs_bucket}/grpo"
     paths.upload(ASSETS_DIR / "tokenizer", f"{url}/inputs/tokenizer")
     paths.upload(ASSETS_DIR / "train.jsonl", f"{url}/inputs/train.jsonl")
     source = {"weight": 1.0, "domain": "arithmetic", "format": "auto"}
     in_bucket = toy_config(
-        train__steps=2,
+        train__steps=3,
         tokenizer=f"{url}/inputs/tokenizer",
         data__sources=[{"path": f"{url}/inputs/train.jsonl", **source}],
     )
-    summary = run_from_config(in_bucket, f"{url}/run")
-    assert summary["final_step"] == 2
+
+    def preempt(step, metrics):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    # Step 1's metrics reach the host after step 2 is dispatched: the save is at step 2.
+    stopped = run_from_config(in_bucket, f"{url}/run", on_metrics=preempt)
+    assert stopped["stopped"] == "preempted" and stopped["final_step"] == 2
     names = _names(f"{url}/run")
     assert {"config.json", "prompts.json", "metrics.jsonl"} <= names
-    assert "checkpoints/2/state/_METADATA" in names
+    assert _committed(f"{url}/run", 2)
+    assert run_from_config(in_bucket, f"{url}/run")["final_step"] == 3  # resumed from the bucket
 
-    run_from_config(toy_config(train__steps=2), str(tmp_path))  # the same run on local disk
+    run_from_config(toy_config(train__steps=3), str(tmp_path))  # uninterrupted, on local disk
     remote, local = read_metrics(f"{url}/run"), read_metrics(str(tmp_path))
-    assert [r["step"] for r in remote] == [1, 2]
+    assert [r["step"] for r in remote] == [1, 2, 3]
     for key in ("reward", "loss"):
         assert [r[key] for r in remote] == [r[key] for r in local], key
     restored = load_checkpoint_model(f"{url}/run")
