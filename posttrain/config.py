@@ -15,8 +15,10 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
+from posttrain.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config the user can fix; the message names the field and what to change."""
 
 

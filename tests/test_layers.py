@@ -24,7 +24,7 @@ LAYERS = (
     {"train", "rl", "envs", "eval", "sweep", "aot", "_sweep_report", "config_docs"},
     {"losses", "sampling", "rewards", "data", "lora", "serve"},
     {"models", "_flops"},
-    {"parallel", "config", "paths", "testing"},
+    {"parallel", "config", "paths", "errors", "testing"},
 )
 
 

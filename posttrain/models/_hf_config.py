@@ -7,6 +7,7 @@ import json
 import os
 
 from posttrain import paths
+from posttrain.errors import UserError
 from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
@@ -22,7 +23,7 @@ _ARCHITECTURES = {
 _ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
-class HFFormatError(ValueError):
+class HFFormatError(UserError, ValueError):
     """A model directory that cannot be loaded; the message says which file and what to change."""
 
 

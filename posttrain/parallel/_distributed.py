@@ -24,12 +24,14 @@ import time
 
 import jax
 
+from posttrain.errors import UserError
+
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "POSTTRAIN_"
 
 
-class DistributedError(RuntimeError):
+class DistributedError(UserError, RuntimeError):
     """A multi-process setup that cannot start; the message says what to set."""
 
 
