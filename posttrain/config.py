@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import types
 import typing
@@ -34,7 +35,10 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     module_spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"{path} has no get_config(preset) function")
-    return module.get_config(preset) if preset else module.get_config()
+    try:
+        return module.get_config(preset) if preset else module.get_config()
+    except (KeyError, ValueError) as e:  # e.g. an unknown preset: the file's own message
+        raise ConfigError(f"{spec}: {e}") from None
 
 
 def override(config, values: Mapping[str, typing.Any] | None):
@@ -90,6 +94,8 @@ def _convert(tp, value, where: str):
     if tp is typing.Any:
         return value
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):  # a NaN learning rate would train NaN weights
+            raise ConfigError(f"{where}: {value!r} is not a finite number")
         return float(value)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value

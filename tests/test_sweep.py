@@ -14,6 +14,7 @@ from posttrain import methods, sweep
 from posttrain.cli._flags import config_flag, parse
 from posttrain.cli.sweep import main as sweep_cli
 from posttrain.config import ConfigError
+from posttrain.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "sft.py") + ":tiny"
@@ -212,7 +213,7 @@ def test_cli_dry_run_of_the_bundled_sweep_and_help(tmp_path, capsys, monkeypatch
     with pytest.raises(SystemExit) as exit_:
         sweep_cli(["--help"])
     assert exit_.value.code == 0 and "examples:" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--workdir=DIR are required"):
+    with pytest.raises(UserError, match="--workdir=DIR are required"):
         sweep_cli(["posttrain sweep", config])
 
 

@@ -7,7 +7,9 @@ import difflib
 import glob
 import os
 import sys
+import traceback
 
+from posttrain import errors
 from posttrain.cli import compile, demo, eval, export, generate, sweep, train
 
 USAGE = """usage: posttrain <command> [flags]
@@ -26,6 +28,9 @@ commands:
   sweep      run a grid or random search over config keys
              (--config=configs/sweeps/<name>.py --workdir=DIR [--dry-run])
   demo       the end-to-end demo on a bundled tiny model and task (--workdir=DIR)
+
+--debug (or POSTTRAIN_DEBUG=1) prints the traceback of an error. Exit codes: 0 done, 1 internal
+error, 2 user error, 3 watchdog, 4 diverged, 75 preempted and saved: rerun to resume.
 """
 
 _COMMANDS = {
@@ -52,20 +57,69 @@ def _skip_absent_tpu() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     _skip_absent_tpu()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
     if command in _COMMANDS:
-        return _COMMANDS[command]([f"posttrain {command}", *rest])
+        return _run(f"posttrain {command}", _COMMANDS[command], rest, debug)
     if command in _PENDING:
         print(
             f"posttrain {command}: not available yet; it arrives with {_PENDING[command]}.",
             file=sys.stderr,
         )
-        return 2
+        return errors.EXIT_USER
     near = difflib.get_close_matches(command, [*_COMMANDS, *_PENDING], n=1)
     hint = f"; did you mean {near[0]!r}?" if near else ""
     print(f"posttrain: unknown command {command!r}{hint}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    return errors.EXIT_USER
+
+
+def _run(name: str, command, rest: list[str], debug: bool) -> int:
+    """Runs a command; an error the user can fix is one line and exit code 2 (see errors.py)."""
+    try:
+        return command([name, *rest])
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        code = _exit_code(e)
+        if code == errors.EXIT_BUG or debug:
+            traceback.print_exc()
+        if code != errors.EXIT_BUG:
+            print(f"{name}: {_message(e)}", file=sys.stderr)
+            if not debug:
+                print("(--debug shows the traceback)", file=sys.stderr)
+        return code
+
+
+def _exit_code(e: Exception) -> int:
+    from posttrain.train import TrainingDiverged
+
+    if isinstance(e, TrainingDiverged):
+        return errors.EXIT_DIVERGED
+    if isinstance(e, errors.UserError):
+        return errors.EXIT_USER
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+        return errors.EXIT_USER
+    if isinstance(e, ValueError) and _raised_by_posttrain(e):
+        return errors.EXIT_USER  # posttrain raises ValueError only for input it refuses
+    return errors.EXIT_BUG
+
+
+def _raised_by_posttrain(e: BaseException) -> bool:
+    """Whether the innermost frame of `e`'s traceback is posttrain's own code (not a library's)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
+
+
+def _message(e: Exception) -> str:
+    if isinstance(e, OSError) and e.filename and e.strerror:
+        return f"{e.strerror}: {e.filename}"
+    return str(e) or type(e).__name__

@@ -8,6 +8,8 @@ import difflib
 
 from absl import flags
 
+from posttrain.errors import UserError
+
 
 def _normalize(argv: list[str]) -> list[str]:
     """Accepts --max-new-tokens as well as absl's --max_new_tokens."""
@@ -23,8 +25,13 @@ def _normalize(argv: list[str]) -> list[str]:
 def config_flag(fv, argv: list[str]) -> None:
     """`--config=configs/<method>.py[:preset]` with `--config.a.b=value` overrides, read from
     `argv` (not sys.argv, so `main([...])` from Python overrides the same way)."""
+    import os
+
     from ml_collections import config_flags
 
+    for spec in (a.split("=", 1)[1] for a in _normalize(argv) if a.startswith("--config=")):
+        if not os.path.isfile(spec.partition(":")[0]):
+            raise UserError(f"--config={spec}: no such config file (configs/<method>.py[:preset])")
     config_flags.DEFINE_config_file(
         "config",
         None,
@@ -74,6 +81,15 @@ def _dotted_keys(config, prefix: str = "") -> set[str]:
     return keys
 
 
+def _without_traceback(message: str) -> str:
+    """ml_collections puts the traceback of a config file's error in its flag error; keep its
+    first line (which flag) and last (the error)."""
+    if "Traceback (most recent call last)" not in message:
+        return message
+    lines = [line for line in message.splitlines() if line.strip()]
+    return f"{lines[0]} {lines[-1]}"
+
+
 def parse(argv: list[str], define, help: tuple[str, list[str]] = ("", [])) -> flags.FlagValues:
     """Defines the command's absl flags with `define(flags, flag_values)` and parses `argv`
     into them; `--help` prints `help` (what the command does, examples) and the flags, and
@@ -87,9 +103,9 @@ def parse(argv: list[str], define, help: tuple[str, list[str]] = ("", [])) -> fl
     try:
         values(argv)
     except flags.Error as e:
-        raise SystemExit(f"{argv[0]}: {e}") from None
+        raise UserError(_without_traceback(str(e))) from None
     except (KeyError, AttributeError):  # a --config.a.b override naming no config key
-        raise SystemExit(f"{argv[0]}: {_config_key_error(argv)}") from None
+        raise UserError(_config_key_error(argv)) from None
     return values
 
 
@@ -111,17 +127,13 @@ def define_distributed(fv) -> None:
 
 def join(fv) -> bool:
     """Joins the multi-process run (no-op alone); True when there are several processes."""
-    from posttrain.parallel import DistributedConfig, DistributedError, initialize
+    from posttrain.parallel import DistributedConfig, initialize
 
-    try:
-        several = initialize(
-            DistributedConfig.from_env(
-                coordinator=fv.coordinator, num_processes=fv.num_processes,
-                process_id=fv.process_id,
-            )
-        )  # fmt: skip
-    except DistributedError as e:
-        raise SystemExit(f"posttrain: {e}") from None
+    several = initialize(  # a DistributedError is a user error: the CLI prints its message
+        DistributedConfig.from_env(
+            coordinator=fv.coordinator, num_processes=fv.num_processes, process_id=fv.process_id
+        )
+    )
     if several:
         import logging
 
@@ -141,7 +153,7 @@ def define_mesh(fv) -> None:
     )  # fmt: skip
 
 
-def mesh(value: str, command: str):
+def mesh(value: str):
     """The `jax.sharding.Mesh` of a `--mesh` value, or None for an empty one."""
     if not value:
         return None
@@ -154,6 +166,6 @@ def mesh(value: str, command: str):
             sizes[axis.strip()] = int(size)
         return make_mesh(MeshConfig.from_dict(sizes))
     except ValueError as e:
-        raise SystemExit(
-            f"{command}: --mesh={value!r}: {e} (write axis=size pairs, e.g. fsdp=4,tensor=2)"
+        raise UserError(
+            f"--mesh={value!r}: {e} (write axis=size pairs, e.g. fsdp=4,tensor=2)"
         ) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from posttrain.cli._flags import config_flag, parse
+from posttrain.errors import UserError
 
 HELP = (
     "AOT-compile the configured method's train step for a TPU slice from this host and "
@@ -25,10 +26,7 @@ def main(argv: list[str]) -> int:
 
     fv = parse(argv, define, HELP)
     if fv.config is None or not fv.topology:
-        raise SystemExit(
-            "posttrain compile: --config=configs/<method>.py:preset and --topology=v5p-1024 "
-            "are required"
-        )
+        raise UserError("--config=configs/<method>.py:preset and --topology=v5p-1024 are required")
     from posttrain.aot import suggestion
     from posttrain.methods import compile_plan, smallest_fit
 

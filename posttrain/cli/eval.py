@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from posttrain.cli._flags import config_flag, define_mesh, mesh, parse
+from posttrain.errors import UserError
 
 HELP = (
     "Evaluate every checkpoint of a run (or one --step, or an HF model directory) on a "
@@ -43,21 +44,18 @@ def main(argv: list[str]) -> int:
 
     fv = parse(argv, define, HELP)
     if fv.config is None or bool(fv.workdir) == bool(fv.model):
-        raise SystemExit(
-            f"{argv[0]}: --config=configs/eval.py:<preset> and one of --workdir=DIR or "
-            f"--model=HF_DIR are required (see --help)"
+        raise UserError(
+            "--config=configs/eval.py:<preset> and one of --workdir=DIR or --model=HF_DIR are "
+            "required (see --help)"
         )
     from posttrain.eval import evaluate_checkpoints
 
-    try:
-        evaluate_checkpoints(
-            fv.workdir or fv.model,
-            fv.config,
-            fv.step,
-            tokenizer=fv.tokenizer,
-            out_dir=fv.out,
-            mesh=mesh(fv.mesh, argv[0]),
-        )
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"{argv[0]}: {e}") from None
+    evaluate_checkpoints(
+        fv.workdir or fv.model,
+        fv.config,
+        fv.step,
+        tokenizer=fv.tokenizer,
+        out_dir=fv.out,
+        mesh=mesh(fv.mesh),
+    )
     return 0

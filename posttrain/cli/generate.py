@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from posttrain.cli._flags import define_mesh, mesh, parse
+from posttrain.errors import UserError
 
 HELP = (
     "Sample from an HF model directory or a training workdir: one streamed prompt, or a "
@@ -38,20 +39,24 @@ def main(argv: list[str]) -> int:
 
     fv = parse(argv, define, HELP)
     if not fv.model or not (fv.prompt or fv.prompts_file):
-        raise SystemExit(
-            "posttrain generate: --model and one of --prompt / --prompts-file are required"
-        )
+        raise UserError("--model and one of --prompt / --prompts-file are required")
     import jax
 
+    from posttrain import paths
+    from posttrain.sampling import check_settings
     from posttrain.train import load_model_and_tokenizer
 
-    devices = mesh(fv.mesh, "posttrain generate")
-    try:
-        with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():
-            model, tokenizer = load_model_and_tokenizer(fv.model, mesh=devices)
-            _generate(fv, model, tokenizer)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"posttrain generate: {e}") from None
+    check_settings(  # before the model loads
+        max_new_tokens=fv.max_new_tokens, temperature=fv.temperature, top_p=fv.top_p,
+        top_k=fv.top_k, n=fv.n,
+    )  # fmt: skip
+    if fv.prompts_file and not paths.path(fv.prompts_file).is_file():
+        raise UserError(f"--prompts-file={fv.prompts_file}: no such file")
+
+    devices = mesh(fv.mesh)
+    with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():
+        model, tokenizer = load_model_and_tokenizer(fv.model, mesh=devices)
+        _generate(fv, model, tokenizer)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from posttrain.cli._flags import config_flag, parse
+from posttrain.errors import UserError
 
 HELP = (
     "Run every trial of a sweep file (grid or random search over config keys, once per "
@@ -31,15 +32,9 @@ def main(argv: list[str]) -> int:
 
     fv = parse(argv, define, HELP)
     if fv.config is None or not fv.workdir:
-        raise SystemExit(
-            "posttrain sweep: --config=configs/sweeps/<name>.py and --workdir=DIR are required"
-        )
+        raise UserError("--config=configs/sweeps/<name>.py and --workdir=DIR are required")
     from posttrain import methods
-    from posttrain.config import ConfigError
     from posttrain.sweep import run_sweep
 
-    try:
-        rows = run_sweep(fv.config, fv.workdir, methods=methods, dry_run=fv.dry_run)
-    except ConfigError as e:
-        raise SystemExit(f"posttrain sweep: {e}") from None
+    rows = run_sweep(fv.config, fv.workdir, methods=methods, dry_run=fv.dry_run)
     return 0 if fv.dry_run or all(r["status"] == "finished" for r in rows) else 1

@@ -6,6 +6,7 @@ import os
 import sys
 
 from posttrain.cli._flags import config_flag, define_distributed, join, parse
+from posttrain.errors import UserError
 
 HELP = (
     "Train with the method the config names (sft, dpo, rm, grpo, ppo); resumes from the "
@@ -34,9 +35,7 @@ def main(argv: list[str]) -> int:
 
     fv = parse(argv, define, HELP)
     if fv.config is None or not fv.workdir:
-        raise SystemExit(
-            "posttrain train: --config=configs/<method>.py[:preset] and --workdir=DIR are required"
-        )
+        raise UserError("--config=configs/<method>.py[:preset] and --workdir=DIR are required")
     several = join(fv)
     from posttrain.methods import run_from_config
 

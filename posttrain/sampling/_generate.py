@@ -133,6 +133,15 @@ def _generate_padded(
 def _check(prompts, *, max_new_tokens, temperature, top_p, top_k, n, length_bucket):
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+    check_settings(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n
+    )
+    if length_bucket < 1:
+        raise ValueError(f"length_bucket must be >= 1, got {length_bucket}")
+
+
+def check_settings(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int, n: int):
+    """Raises a ValueError naming the first sampling setting out of range."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -143,8 +152,6 @@ def _check(prompts, *, max_new_tokens, temperature, top_p, top_k, n, length_buck
         raise ValueError(f"top_k must be >= 0 (0 keeps every token), got {top_k}")
     if n < 1:
         raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
-    if length_bucket < 1:
-        raise ValueError(f"length_bucket must be >= 1, got {length_bucket}")
 
 
 def _encode(tokenizer, prompts) -> list[list[int]]:

@@ -8,7 +8,7 @@ import os
 import sys
 
 from posttrain import paths
-from posttrain.sampling._generate import generate
+from posttrain.sampling._generate import check_settings, generate
 from posttrain.sampling._stream import stream
 
 
@@ -40,6 +40,7 @@ def run_generate(
     settings = dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k
     )
+    check_settings(**settings, n=n)
     if prompts_file is None:
         if prompt is None:
             raise ValueError("give --prompt=TEXT or --prompts-file=FILE")
@@ -53,7 +54,10 @@ def run_generate(
     lines = paths.path(prompts_file).read_text().splitlines()
     texts = []
     for number, line in enumerate(lines, 1):
-        row = json.loads(line) if line.strip() else None
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError as e:
+            raise ValueError(f"{prompts_file}:{number}: not JSON ({e})") from None
         text = row.get("prompt") if isinstance(row, dict) else row
         if line.strip() and not isinstance(text, str):
             raise ValueError(

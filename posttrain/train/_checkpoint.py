@@ -11,6 +11,7 @@ import json
 import logging
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
@@ -19,12 +20,32 @@ from posttrain import paths
 log = logging.getLogger(__name__)
 
 
+class NonFiniteStateError(RuntimeError):
+    """A train state with NaN or infinite values, which is never saved."""
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    """Whether every floating-point value in `tree` is finite (one fused device reduction)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else True
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 500  # save every N steps (and at the end, on SIGTERM and on a NaN stop)
-    keep_last: int = 3  # most recent checkpoints kept
+    keep_last: int = 3  # most recent checkpoints kept (0: keep every checkpoint)
     keep_best: int = 1  # checkpoints with the lowest eval loss kept in addition (0: none)
     async_save: bool = True  # write in a background thread while training continues
+
+    def __post_init__(self):
+        if self.every < 1:
+            raise ValueError(f"checkpoint.every={self.every}: save every N >= 1 steps")
+        if self.keep_last < 0 or self.keep_best < 0:
+            raise ValueError(
+                "checkpoint.keep_last and checkpoint.keep_best must be >= 0 (keep_last=0 keeps "
+                "every checkpoint; the newest is always kept)"
+            )
 
 
 class Checkpointer:
@@ -33,7 +54,7 @@ class Checkpointer:
     def __init__(self, workdir: str, config: CheckpointConfig):
         self.directory = paths.path(workdir) / "checkpoints"  # local or gs://
         self.every = config.every
-        keep = [policies.LatestN(n=config.keep_last)]
+        keep = [policies.LatestN(n=config.keep_last or None)]  # None: all; never fewer than 1
         if config.keep_best:
             keep.append(
                 policies.BestN(
@@ -66,7 +87,15 @@ class Checkpointer:
         """Starts writing `state` at `step` (async); `extra` holds JSON items (config, manifest).
 
         Every process calls this; each contributes its shards and its own data-iterator state.
+        A state holding a NaN or an infinity is refused (`NonFiniteStateError`): a resume would
+        continue from it.
         """
+        if not bool(_all_finite(state)):
+            raise NonFiniteStateError(
+                f"refusing to save step {step}: the train state holds NaN or infinite values "
+                "(the updates that made them were skipped, so they came with the starting "
+                "weights: check model.checkpoint / model.hf_path)"
+            )
         items = {"state": ocp.args.StandardSave(state)}
         data = {f"process_{jax.process_index()}": data_state} if data_state is not None else {}
         items["data"] = ocp.args.JsonSave(data)
@@ -84,16 +113,16 @@ class Checkpointer:
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with shardings, possibly on a
         different mesh than the one that saved: Orbax reads each device's shard directly. A
-        checkpoint that fails to load (corrupt or partial) is skipped with a warning and the
-        previous one is tried; none readable raises.
+        checkpoint that fails to load (any file: arrays, JSON, metadata; corrupt or partial) is
+        moved aside to `checkpoints/<step>.corrupt` with a warning and the previous one is
+        tried, so the run re-saves that step normally and `keep_last` never counts it; none
+        readable raises. An explicit `step` is never moved aside: its error is raised.
 
         Returns:
           (step, state, data_state of this process or None, extra JSON items) or None when the
           directory holds no checkpoint.
         """
-        steps = sorted(self.manager.all_steps(), reverse=True)
-        if step is not None:
-            steps = [step]
+        steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
         errors = []
         for candidate in steps:
             try:
@@ -104,21 +133,39 @@ class Checkpointer:
                         data=ocp.args.JsonRestore(),
                     ),
                 )
-            except Exception as e:  # orbax/tensorstore raise many types for damaged files
-                log.warning(
-                    "checkpoint %d in %s is unreadable (%s: %s); trying the previous one",
-                    candidate,
-                    self.directory,
-                    type(e).__name__,
-                    str(e)[:200],
-                )
-                errors.append(f"step {candidate}: {type(e).__name__}: {str(e)[:200]}")
+                extra = self.read_json(candidate)
+            except Exception as e:  # orbax/tensorstore/json raise many types for damaged files
+                if step is not None:
+                    raise
+                reason = f"{type(e).__name__}: {str(e)[:300]}"
+                errors.append(f"step {candidate}: {reason}")
+                self._quarantine(candidate, reason)
                 continue
             data = (restored.data or {}).get(f"process_{jax.process_index()}")
-            return candidate, restored.state, data, self.read_json(candidate)
+            return candidate, restored.state, data, extra
         if errors:
-            raise RuntimeError(f"no readable checkpoint in {self.directory}:\n" + "\n".join(errors))
+            raise RuntimeError(
+                f"no readable checkpoint in {self.directory} (each was moved aside to "
+                "<step>.corrupt):\n" + "\n".join(errors)
+            )
         return None
+
+    def _quarantine(self, step: int, reason: str) -> None:
+        """Moves checkpoint `step` to `<step>.corrupt` (process 0; the others wait for it)."""
+        target = self.directory / f"{step}.corrupt"
+        log.warning(
+            "checkpoint %d in %s is unreadable (%s); moved it to %s and trying the previous one",
+            step, self.directory, reason, target,
+        )  # fmt: skip
+        if jax.process_index() == 0:
+            if target.exists():
+                target.rmtree()  # an older quarantine of the same step
+            (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"quarantine checkpoint {step}")
+        self.manager.reload()  # forget the step, so it is saved again normally
 
     def read_json(self, step: int) -> dict:
         """The JSON items (config, manifest, ...) saved with `step`, read without orbax args."""

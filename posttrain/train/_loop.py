@@ -49,6 +49,10 @@ class LoopConfig:
     def __post_init__(self):
         if self.steps <= 0 or self.micro_batches <= 0 or self.log_every <= 0:
             raise ValueError("train.steps, train.micro_batches and train.log_every must be > 0")
+        if self.eval_every < 0 or self.eval_batches < 0 or self.max_bad_steps < 1:
+            raise ValueError(
+                "train.eval_every and train.eval_batches must be >= 0, train.max_bad_steps >= 1"
+            )
         if self.step_timeout_s < 0:
             raise ValueError("train.step_timeout_s must be >= 0 (0 turns the watchdog off)")
 

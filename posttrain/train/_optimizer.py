@@ -28,6 +28,12 @@ class OptimizerConfig:
             )
         if self.learning_rate <= 0 or self.warmup_steps < 0 or self.grad_clip < 0:
             raise ValueError("optimizer.learning_rate must be > 0, warmup_steps and grad_clip >= 0")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1) or self.eps <= 0:
+            raise ValueError("optimizer.b1 and optimizer.b2 must be in [0, 1), optimizer.eps > 0")
+        if not 0 <= self.end_lr_ratio <= 1 or self.weight_decay < 0:
+            raise ValueError(
+                "optimizer.end_lr_ratio must be in [0, 1] and optimizer.weight_decay >= 0"
+            )
 
 
 def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:

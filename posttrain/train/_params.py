@@ -102,6 +102,35 @@ def checkpoint_json(workdir: str, step: int | None = None) -> dict:
         checkpointer.close()
 
 
+def check_same_model(workdir: str, model_config: ModelConfig) -> None:
+    """Refuses (`ConfigError`) a workdir whose newest readable checkpoint holds another model
+    (other parameter shapes or dtype), before the run rewrites anything in it."""
+    directory = paths.path(workdir) / "checkpoints"
+    if not directory.is_dir():
+        return
+    steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True)
+    for step in steps:
+        try:
+            saved = build(
+                ModelConfig,
+                json.loads((directory / str(step) / "model_config" / "metadata").read_text()),
+            )
+        except (OSError, ValueError):
+            continue  # unreadable: the restore moves it aside and tries the previous one
+        shapes = lambda c: jax.tree.map(lambda s: (s.shape, str(s.dtype)), param_shapes(c))
+        if shapes(saved) == shapes(model_config):
+            return
+        old, new = to_json(saved), to_json(model_config)
+        runtime = ("attention", "remat", "compute_dtype", "name")  # may change between runs
+        changed = [k for k in new if k not in runtime and old.get(k) != new[k]]
+        details = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed)
+        raise ConfigError(
+            f"{workdir} holds checkpoints of another model ({details or 'other parameters'}; "
+            f"newest: step {step}); train this model in a new --workdir, or restore the model "
+            "settings of that run to resume it"
+        )
+
+
 def restore_params(workdir: str, abstract_params, step: int | None = None):
     """Only the params of a run's checkpoint (no optimizer state is read), onto the shardings
     of `abstract_params` (a pytree of `jax.ShapeDtypeStruct` with `sharding`)."""

@@ -77,8 +77,8 @@ def train_step(
 ) -> tuple[TrainState, dict]:
     """One optimizer update from `batch` (the global batch, sharded over the data axes).
 
-    Non-finite loss, gradients or update (a learning rate that overflows) skip the update
-    (params and optimizer state unchanged) and count it in `bad_steps` (consecutive) and
+    Non-finite loss, gradients, update (a learning rate that overflows) or updated params skip
+    the update (params and optimizer state unchanged) and count it in `bad_steps` (consecutive) and
     `skipped_steps` (total); the loop decides when to stop. `post_update(params, sums) ->
     params` changes the updated params outside the optimizer (the MoE routing bias).
     """
@@ -108,11 +108,13 @@ def train_step(
     loss = sums["loss_sum"] / denom
     grad_norm = optax.global_norm(grads)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-    # Finite gradients can still make non-finite params (an inf or huge learning rate).
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
     new_params = optax.apply_updates(state.params, updates)
     if post_update is not None:
         new_params = post_update(new_params, sums)
+    # Finite gradients can still make non-finite params (an inf learning rate, post_update).
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.global_norm(updates))
+    for leaf in jax.tree.leaves(new_params):
+        finite &= jnp.all(jnp.isfinite(leaf))
     keep = lambda new, old: jnp.where(finite, new, old)
     new_state = state.replace(
         step=state.step + 1,

@@ -15,6 +15,7 @@ from posttrain.config import ConfigError, build, load_config_file
 from posttrain.data import load_tokenizer
 from posttrain.data._formats import encode_prompt
 from posttrain.demo import ASSETS_DIR, is_correct
+from posttrain.errors import UserError
 from posttrain.eval import (
     REFUSAL_PHRASES,
     EvalConfig,
@@ -240,9 +241,9 @@ def test_cli_usage(capsys, tmp_path):
         capsys.readouterr().out
     )
     config = os.path.join(REPO, "configs", "eval.py") + ":demo"
-    with pytest.raises(SystemExit, match="one of --workdir"):
+    with pytest.raises(UserError, match="one of --workdir"):
         cli(["posttrain eval", f"--config={config}"])
-    with pytest.raises(SystemExit, match="neither a training workdir"):
+    with pytest.raises(ValueError, match="neither a training workdir"):
         cli(["posttrain eval", f"--config={config}", f"--model={tmp_path}"])
 
 
@@ -315,10 +316,10 @@ def test_a_checkpoint_sharded_over_fsdp_and_tensor_evaluates_and_generates_as_on
         outs[name] = [json.loads(line) for line in open(out)]
     assert len(outs["one"]) == 6 and outs["one"] == outs["mesh"]
     prompts.write_text('{"question": "1 + 1"}\n')
-    with pytest.raises(SystemExit, match=r"prompts.jsonl:1: a line must be a JSON string"):
+    with pytest.raises(ValueError, match=r"prompts.jsonl:1: a line must be a JSON string"):
         generate_cli(
             ["posttrain generate", f"--model={run['workdir']}", f"--prompts-file={prompts}"]
         )
-    with pytest.raises(SystemExit, match="--mesh='fsdp=3'"):
+    with pytest.raises(UserError, match="--mesh='fsdp=3'"):
         generate_cli(["posttrain generate", f"--model={run['workdir']}", "--prompt=1",
                       "--mesh=fsdp=3"])  # fmt: skip

@@ -212,3 +212,18 @@ def test_an_overflowing_learning_rate_skips_the_update():
     )
     assert np.isfinite(float(metrics["loss"])) and int(metrics["bad_step"]) == 1  # finite grads
     np.testing.assert_array_equal(new.params["w"], state.params["w"])
+
+
+def test_an_update_making_non_finite_params_is_skipped():
+    # Finite loss, gradients and update; post_update (e.g. the MoE routing bias) makes a NaN.
+    sgd = optax.sgd(0.1)
+    state = create_state({"w": jnp.ones(3), "b": jnp.zeros(2)}, sgd, seed=0)
+    batch = {"x": np.eye(3, dtype=np.float32), "y": np.zeros(3, np.float32)}
+    poison = lambda params, sums: {**params, "b": params["b"].at[1].set(jnp.nan)}
+    step = jax.jit(
+        functools.partial(train_step, loss_fn=_least_squares, optimizer=sgd, post_update=poison)
+    )
+    new, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["grad_norm"])) and int(metrics["bad_step"]) == 1
+    for key in ("w", "b"):
+        np.testing.assert_array_equal(new.params[key], state.params[key])
