@@ -11,6 +11,7 @@ import traceback
 
 from posttrain import errors
 from posttrain.cli import compile, demo, eval, export, generate, sweep, train
+from posttrain.cli._errors import exit_code, message
 
 USAGE = """usage: posttrain <command> [flags]
 
@@ -86,40 +87,11 @@ def _run(name: str, command, rest: list[str], debug: bool) -> int:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        code = _exit_code(e)
+        code = exit_code(e)
         if code == errors.EXIT_BUG or debug:
             traceback.print_exc()
         if code != errors.EXIT_BUG:
-            print(f"{name}: {_message(e)}", file=sys.stderr)
+            print(f"{name}: {message(e)}", file=sys.stderr)
             if not debug:
                 print("(--debug shows the traceback)", file=sys.stderr)
         return code
-
-
-def _exit_code(e: Exception) -> int:
-    from posttrain.train import TrainingDiverged
-
-    if isinstance(e, TrainingDiverged):
-        return errors.EXIT_DIVERGED
-    if isinstance(e, errors.UserError):
-        return errors.EXIT_USER
-    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
-        return errors.EXIT_USER
-    if isinstance(e, ValueError) and _raised_by_posttrain(e):
-        return errors.EXIT_USER  # posttrain raises ValueError only for input it refuses
-    return errors.EXIT_BUG
-
-
-def _raised_by_posttrain(e: BaseException) -> bool:
-    """Whether the innermost frame of `e`'s traceback is posttrain's own code (not a library's)."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
-
-
-def _message(e: Exception) -> str:
-    if isinstance(e, OSError) and e.filename and e.strerror:
-        return f"{e.strerror}: {e.filename}"
-    return str(e) or type(e).__name__

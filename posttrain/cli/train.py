@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
+from posttrain import errors
 from posttrain.cli._flags import config_flag, define_distributed, join, parse
-from posttrain.errors import UserError
+from posttrain.errors import EXIT_PREEMPTED, UserError
 
 HELP = (
     "Train with the method the config names (sft, dpo, rm, grpo, ppo); resumes from the "
@@ -45,6 +46,9 @@ def main(argv: list[str]) -> int:
         if not several:
             raise
         _leave_the_run()
+    if summary["stopped"] == "preempted":  # not done: a scheduler should requeue the job
+        print(f"saved at step {summary['final_step']} after SIGTERM; rerun to resume: {fv.workdir}")
+        return EXIT_PREEMPTED
     print(f"finished at step {summary['final_step']} ({summary['stopped']}); workdir: {fv.workdir}")
     return 0
 
@@ -56,8 +60,14 @@ def _leave_the_run() -> None:
 
     import jax
 
-    traceback.print_exc()
+    from posttrain.cli._errors import exit_code, message
+
     error, where = sys.exc_info()[1], f"process {jax.process_index()} of {jax.process_count()}"
+    code = exit_code(error)
+    if code != errors.EXIT_BUG:  # the same user error (or stop) on every process
+        print(f"posttrain train: {where}: {message(error)}", file=sys.stderr, flush=True)
+        os._exit(code)
+    traceback.print_exc()
     if isinstance(error, jax.errors.JaxRuntimeError) and any(k in str(error) for k in _LOST_PEER):
         print(
             f"posttrain: {where} lost contact with another process (it probably died: see "

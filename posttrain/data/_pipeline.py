@@ -7,7 +7,7 @@ A Grain graph, so that its iterator state is a checkpointable dict and resume is
     MapDataset.mix(sources, weights)               # num_epochs=None: weighted, forever
       or concatenate(sources).shuffle().repeat(n)  # num_epochs=n: every record n times
     .to_iter_dataset()                             # decoding and tokenizing in threads
-    _Tally                                         # filters skipped/dropped records, counts
+    Tally                                          # filters skipped/dropped records, counts
     FirstFitPackIterDataset                        # rows of max_len, segment ids, positions
     .batch(rows)                                   # rows = batch_size // process_count
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,12 @@ import grain
 import jax
 import numpy as np
 
+from posttrain.data._accounting import Tally, find_tally, log_source, source_names
+from posttrain.data._accounting import metrics as count_metrics
 from posttrain.data._formats import ExampleEncoder
 from posttrain.data._sources import Records, SourceConfig, canonical_identity
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
 
-_log = logging.getLogger(__name__)
-_COUNTERS = ("read", "used", "skipped", "truncated", "dropped", "no_loss")
-_LOGGED_SKIPS = 10
 # Fields that do not change which batches come out (kept out of the state's identity check).
 _RUNTIME_FIELDS = ("read_threads", "read_buffer")
 
@@ -150,99 +148,12 @@ def make_pipeline(
                 f"data source {source.path} has {len(recs)} records, fewer than the "
                 f"{pc} processes that each read a share"
             )
+        if config.on_error == "raise":  # a file in the wrong format fails now, not mid-run
+            ExampleEncoder(
+                tokenizer, source.format, config.max_len, source=0, domain=0,
+                add_eos=config.add_eos, on_error="raise", overlong="truncate",
+            )(recs[0])  # fmt: skip
     return SFTData(config, tokenizer, records, pi, pc)
-
-
-class _Tally(grain.IterDataset):
-    """Passes examples on, leaving out skipped/dropped records and counting everything."""
-
-    def __init__(self, parent: grain.IterDataset, *, names, sizes, domains):
-        super().__init__(parent)
-        self.names, self.sizes, self.domains = names, sizes, domains
-
-    def __iter__(self) -> _TallyIterator:
-        self.live = _TallyIterator(self._parent.__iter__(), self)
-        return self.live
-
-
-class _TallyIterator(grain.DatasetIterator):
-    """The counters live in the iterator state, so they are checkpointed with the data."""
-
-    def __init__(self, parent: grain.DatasetIterator, spec: _Tally):
-        super().__init__(parent)
-        self._spec = spec
-        self._last_error = None
-        self.set_tally(
-            {
-                "counts": dict.fromkeys(_COUNTERS, 0),
-                "domains": [0] * len(spec.domains),
-                "streak": [0] * len(spec.sizes),
-            }
-        )
-
-    def tally(self) -> dict[str, Any]:
-        return {"counts": dict(self._counts), "domains": self._domains, "streak": self._streak}
-
-    def set_tally(self, tally: dict[str, Any]):
-        self._counts, self._domains = dict(tally["counts"]), list(tally["domains"])
-        # Records in a row of each source that gave no example: a full pass means none can.
-        self._streak = list(tally["streak"])
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        counts = self._counts
-        while True:
-            try:
-                item = next(self._parent)
-            except StopIteration:
-                if counts["used"] == 0:
-                    raise ValueError(self._empty_message("the data")) from None
-                raise
-            counts["read"] += 1
-            counts["truncated"] += item.get("truncated", False)
-            source = item["source"]
-            if (example := item.get("example")) is not None:
-                counts["used"] += 1
-                self._domains[int(example["domain_ids"][0])] += 1
-                self._streak[source] = 0
-                return example
-            counts[item["status"]] += 1
-            if "error" in item:
-                self._last_error = item["error"]
-                if counts["skipped"] <= _LOGGED_SKIPS:
-                    _log.warning("skipped malformed record: %s", item["error"])
-            self._streak[source] += 1
-            if self._streak[source] >= 2 * self._spec.sizes[source]:
-                raise ValueError(self._empty_message(f"data source {self._spec.names[source]}"))
-
-    def _empty_message(self, what: str) -> str:
-        last = f" Last skipped: {self._last_error}" if self._last_error else ""
-        return (
-            f"{what} yields no example: every record read was skipped as malformed "
-            "(on_error='skip'), dropped as longer than max_len (overlong='drop'), or has no "
-            f"token to train on. Counts so far: {self._counts}.{last}"
-        )
-
-    def get_state(self) -> dict[str, Any]:
-        return {"parent": self._parent.get_state(), "tally": json.loads(json.dumps(self.tally()))}
-
-    def set_state(self, state: dict[str, Any]):
-        self._parent.set_state(state["parent"])
-        self.set_tally(state["tally"])
-
-
-def _find_tally(state: Any) -> dict[str, Any] | None:
-    """The tally inside a (nested) iterator state."""
-    if isinstance(state, dict):
-        if "tally" in state:
-            return state["tally"]
-        for value in state.values():
-            if (found := _find_tally(value)) is not None:
-                return found
-    elif isinstance(state, list | tuple):
-        for value in state:
-            if (found := _find_tally(value)) is not None:
-                return found
-    return None
 
 
 def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -351,6 +262,8 @@ class SFTData:
     Attributes:
       config, tokenizer, process_index, process_count: as given to `make_pipeline`.
       domains: domain names, in order of first appearance in `config.sources`.
+      source_names: each source's name in `stats["sources"]` and in metrics (its file's name
+        without the suffix; `posttrain.data._source_names`).
       rows: rows per batch on this process.
     """
 
@@ -358,6 +271,7 @@ class SFTData:
         self.config, self.tokenizer, self._records = config, tokenizer, records
         self.process_index, self.process_count = process_index, process_count
         self.domains = tuple(dict.fromkeys(s.domain for s in config.sources))
+        self.source_names = tuple(source_names([s.path for s in config.sources]))
         self.rows = config.batch_size // process_count
         self._manifest, self._exhausted = None, False
         fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
@@ -400,11 +314,12 @@ class SFTData:
             ds = parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)
             ds = (ds.shuffle(seed=_seed(c.seed)) if c.shuffle else ds).repeat(c.num_epochs)
         options = grain.ReadOptions(num_threads=c.read_threads, prefetch_buffer_size=c.read_buffer)
-        self._tally = tally = _Tally(
+        self._tally = tally = Tally(
             ds.to_iter_dataset(options),
-            names=[s.path for s in c.sources],
+            paths=[s.path for s in c.sources],
             sizes=[len(range(pi, len(r), pc)) for r in self._records],
             domains=self.domains,
+            max_len=c.max_len,
         )
         pad_id = self.tokenizer.pad_id or 0
         length = dict.fromkeys(("tokens", "targets", "loss_mask", "domain_ids"), c.max_len)
@@ -462,17 +377,33 @@ class SFTData:
 
         Keys: read (records read), used (examples in batches), skipped (malformed), truncated,
         dropped (overlong), no_loss (no trained token, e.g. no assistant turn, or truncation cut
-        every one), and domains ({name: examples used}). A record counts each time it is read
-        (once per epoch). They are part of `get_state()`, so they resume with it.
+        every one), domains ({name: examples used}) and sources ({source name: the same six
+        counts of its records}). A record counts each time it is read (once per epoch). They are
+        part of `get_state()`, so they resume with it.
         """
         if self._exhausted:  # the state leaves out records read after the last example
             tally = self._tally.live.tally()
         else:
-            tally = _find_tally(self._iterator.get_state())
+            tally = find_tally(self._iterator.get_state())
         return {
             **tally["counts"],
             "domains": dict(zip(self.domains, tally["domains"], strict=True)),
+            "sources": {
+                n: dict(c) for n, c in zip(self.source_names, tally["sources"], strict=True)
+            },
         }
+
+    def batch_metrics(self) -> dict[str, float]:
+        """`stats` as train metrics, which the loop logs with each step: data/truncated,
+        data/dropped, data/skipped and data/no_loss (this process's counts so far), and the same
+        per source, data/<source name>/truncated etc., once non-zero (`_accounting`)."""
+        return count_metrics(self.stats)
+
+    def log_stats(self, when: str = "at the end of the run") -> None:
+        """Logs one line per source that cut or left out records (as each epoch's end does)."""
+        counts = self.stats["sources"]
+        for source, name in zip(self.config.sources, self.source_names, strict=True):
+            log_source(source.path, counts[name], max_len=self.config.max_len, when=when)
 
     def manifest(self) -> dict[str, Any]:
         """What the batches are made of: the files (with sha256 and record counts), the config and

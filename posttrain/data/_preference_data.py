@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from posttrain.data._accounting import log_source, source_names, zero_counts
+from posttrain.data._accounting import metrics as count_metrics
 from posttrain.data._pipeline import (
     _RUNTIME_FIELDS,
     DataConfig,
@@ -41,11 +43,12 @@ _log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class _Source:
     """Records of one source: a sequence of (raw record, location), the domain of records that
-    name none, and the source's mixture weight."""
+    name none, the source's mixture weight and its path (what log lines call it)."""
 
     records: Sequence[tuple[Any, str]]
     domain: str | None = None
     weight: float = 1.0
+    path: str = "records"
 
 
 class PreferenceData:
@@ -70,8 +73,12 @@ class PreferenceData:
       domains: domain names; `domain_ids` index them.
       rows: rows per batch on this process.
       stats: counts of read, used (kept), truncated, dropped and each bad-record reason
-        (malformed, empty, identical, no_loss), `domains` ({name: pairs kept}) and the first
-        error messages.
+        (malformed, empty, identical, no_loss), skipped (malformed, empty or identical),
+        `domains` ({name: pairs kept}), `sources` ({source name: its read, used, skipped,
+        truncated, dropped and no_loss}) and the first error messages. Each record of the share
+        counts once: pairs are encoded once, before the first batch.
+      source_names: each source's name in `stats["sources"]` and in metrics
+        (`posttrain.data._source_names`).
     """
 
     def __init__(
@@ -100,17 +107,20 @@ class PreferenceData:
             raise ValueError(f"num_epochs must be None or >= 1, got {num_epochs}")
         self.max_len, self.rows, self.seed = max_len, rows, seed
         self.shuffle, self.num_epochs = shuffle, num_epochs
+        self.source_names = tuple(source_names([s.path for s in sources]))
         counts = dict.fromkeys(("read", "used", "truncated", *_REASONS), 0)
+        per_source = [zero_counts() for _ in sources]
         errors: list[str] = []
         self.pairs: list[dict[str, Any]] = []
         members: list[list[int]] = []  # indices into self.pairs, per source
         total = sum(len(range(process_index, len(s.records), process_count)) for s in sources)
         bar = tqdm(total=total, desc="encoding pairs", disable=total < 20_000, leave=False)
-        for source in sources:
+        for source, mine in zip(sources, per_source, strict=True):
             members.append([])
             for i in range(process_index, len(source.records), process_count):
                 raw, where = source.records[i]
                 counts["read"] += 1
+                mine["read"] += 1
                 bar.update(1)
                 try:
                     pair = encode_pair(
@@ -124,14 +134,18 @@ class PreferenceData:
                             e.reason,
                         ) from None
                     counts[e.reason] += 1
+                    mine[e.reason if e.reason in ("dropped", "no_loss") else "skipped"] += 1
                     if len(errors) < _KEPT_ERRORS:
                         errors.append(f"{where}: {e}")
                     continue
                 if pair is None:
                     counts["dropped"] += 1
+                    mine["dropped"] += 1
                     continue
                 counts["used"] += 1
                 counts["truncated"] += pair["truncated"]
+                mine["used"] += 1
+                mine["truncated"] += pair["truncated"]
                 pair["domain"] = pair["domain"] or source.domain or ""
                 members[-1].append(len(self.pairs))
                 self.pairs.append(pair)
@@ -163,7 +177,16 @@ class PreferenceData:
                 )
             pair["domain_id"] = index_of[pair["domain"]]
             per_domain[pair["domain"]] += 1
-        self.stats = {**counts, "domains": per_domain, "errors": errors}
+        self.stats = {
+            **counts,
+            "skipped": sum(c["skipped"] for c in per_source),
+            "domains": per_domain,
+            "sources": dict(zip(self.source_names, per_source, strict=True)),
+            "errors": errors,
+        }
+        self._paths = [s.path for s in sources]
+        self._metrics = count_metrics(self.stats)
+        self.log_stats("when encoding its pairs")
         self._reference: tuple[np.ndarray, np.ndarray] | None = None
         self._identity = canonical_identity(
             {
@@ -196,6 +219,24 @@ class PreferenceData:
 
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self._iterator)
+
+    def batch_metrics(self) -> dict[str, float]:
+        """`stats` as train metrics, which the loop logs with each step: data/truncated,
+        data/dropped, data/skipped, data/no_loss, and the same per source, data/<source
+        name>/truncated etc., once non-zero (`_accounting`); fixed from the start, since every
+        pair is encoded up front."""
+        return dict(self._metrics)
+
+    def log_stats(self, when: str = "at the end of the run") -> None:
+        """Logs one line per source that cut or left out records."""
+        for path, name in zip(self._paths, self.source_names, strict=True):
+            log_source(
+                path,
+                self.stats["sources"][name],
+                max_len=self.max_len,
+                when=when,
+                skipped_as="malformed or with an empty or identical response",
+            )
 
     def get_state(self) -> dict[str, Any]:
         """The iterator position (a JSON-serialisable dict) to save with a checkpoint."""
@@ -305,7 +346,9 @@ def make_preference_pipeline(
     pi, pc, tokenizer = process_share(config, tokenizer, process_index, process_count)
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
     records = [Records(s.path) for s in config.sources]
-    sources = [_Source(r, s.domain, s.weight) for s, r in zip(config.sources, records, strict=True)]
+    sources = [
+        _Source(r, s.domain, s.weight, s.path) for s, r in zip(config.sources, records, strict=True)
+    ]
     data = PreferenceData(
         sources,
         tokenizer,
@@ -361,8 +404,9 @@ def preference_batches(
     Returns:
       A `PreferenceData` iterator (see there for the arrays and `stats`).
     """
+    path = str(records) if isinstance(records, str | Path) else "records"
     return PreferenceData(
-        [_Source(_MemoryRecords(records))],
+        [_Source(_MemoryRecords(records), path=path)],
         tokenizer,
         max_len=max_len,
         rows=batch_size,

@@ -27,6 +27,7 @@ from posttrain.parallel import named_sharding
 from posttrain.rl import RLConfig, run_rl
 from posttrain.rl._trainer import rl_plan, split_devices
 from posttrain.train._dpo import DPOConfig, dpo_plan, run_dpo
+from posttrain.train._lock import run_lock
 from posttrain.train._lora import base_shardings
 from posttrain.train._params import with_shardings
 from posttrain.train._rm import RewardModelConfig, _trunk, rm_plan, run_reward_model
@@ -252,4 +253,5 @@ def method_config(config) -> tuple[Method, Any]:
 def run_from_config(config, workdir: str, **kwargs) -> dict:
     """Runs the method the config names in `workdir` (`kwargs`: the run's, e.g. on_metrics)."""
     method, built = method_config(config)
-    return method.run(built, workdir, **kwargs)
+    with run_lock(workdir):  # released however the run ends, even before its loop starts
+        return method.run(built, workdir, **kwargs)

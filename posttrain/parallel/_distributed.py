@@ -24,7 +24,7 @@ import time
 
 import jax
 
-from posttrain.errors import UserError
+from posttrain.errors import EXIT_WATCHDOG, UserError
 
 log = logging.getLogger(__name__)
 
@@ -210,5 +210,5 @@ class Watchdog:
                     file=sys.stderr,
                     flush=True,
                 )
-                self._exit(3)
+                self._exit(EXIT_WATCHDOG)
                 return

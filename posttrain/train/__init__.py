@@ -3,6 +3,7 @@ SFT, the DPO family and reward models (`posttrain.methods` holds every method's 
 
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 from posttrain.train._dpo import DPOConfig, PreferenceLossConfig, dpo_loss, reference_logps, run_dpo
+from posttrain.train._lock import WorkdirLock
 from posttrain.train._loop import LoopConfig, TrainingDiverged, train_loop
 from posttrain.train._lora import export_peft
 from posttrain.train._metrics import MetricsWriter, read_metrics
@@ -38,6 +39,7 @@ __all__ = [
     "SFTConfig",
     "TrainState",
     "TrainingDiverged",
+    "WorkdirLock",
     "create_state",
     "dpo_loss",
     "export_peft",

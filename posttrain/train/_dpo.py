@@ -381,6 +381,7 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
             if config.model.checkpoint:  # that run may have saved newer params since
                 identity["step"] = checkpoint_json(config.model.checkpoint)["step"]
             process = f"process_{jax.process_index()}"
+
             def score(params, batch):  # (params: the reference, or LoRA's frozen base)
                 ref_model, kwargs = Policy(lora, params if lora else None).reference(params)
                 return reference_logps(ref_model, model_config, batch, **kwargs)

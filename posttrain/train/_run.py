@@ -26,9 +26,16 @@ from posttrain.models import ModelConfig, param_shapes, param_shardings, param_s
 from posttrain.models._moe import update_routing_bias
 from posttrain.parallel import axis_rules, make_mesh, shard_batch
 from posttrain.train._checkpoint import Checkpointer
+from posttrain.train._lock import claim, run_lock
 from posttrain.train._loop import train_loop
 from posttrain.train._optimizer import learning_rate_schedule, make_optimizer
-from posttrain.train._params import ModelSpec, start_params, to_json, with_shardings
+from posttrain.train._params import (
+    ModelSpec,
+    check_same_model,
+    start_params,
+    to_json,
+    with_shardings,
+)
 from posttrain.train._state import create_state, state_shardings
 from posttrain.train._step import (
     EXPERT_COUNTS,
@@ -110,9 +117,13 @@ def setup(config, workdir: str, rows: int | None = None, devices=None):
 
     `config` has `mesh`, `data`, `train`, `tokenizer` and `model` (a `ModelSpec`); `rows` is
     the rows of one optimizer update (default `data.batch_size`); `devices` those the run
-    trains on (default all). Writes `config.json` into
-    `workdir`. Everything that can be wrong is reported before any compile.
+    trains on (default all). Everything that can be wrong is reported before any compile,
+    and before anything is written (a workdir holding another model's checkpoints is refused).
+
+    First takes the workdir's lock (`WorkdirBusyError` while another run holds it), which the
+    `train` that follows releases.
     """
+    claim(workdir)
     mesh = make_mesh(config.mesh, devices)
     check_batching(rows or config.data.batch_size, config.train.micro_batches, mesh)
     tokenizer_dir = config.tokenizer or config.model.hf_path
@@ -125,7 +136,7 @@ def setup(config, workdir: str, rows: int | None = None, devices=None):
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
             f"vocab_size is {model_config.vocab_size}"
         )
-    paths.write_text(paths.join(workdir, "config.json"), json.dumps(to_json(config), indent=2))
+    check_same_model(workdir, model_config)  # before `train` rewrites config.json
     return mesh, tokenizer, model_config
 
 
@@ -195,7 +206,8 @@ def train(
     on_metrics=None,
     eval_first: bool = False,
 ) -> dict:
-    """Resumes (or starts) the run in `workdir` and trains it to `config.train.steps`.
+    """Resumes (or starts) the run in `workdir` and trains it to `config.train.steps`, holding
+    the workdir's lock (`WorkdirLock`, taken by `setup` or here) until it returns or raises.
 
     Args:
       config: the method's config (`optimizer`, `train`, `checkpoint`, `mesh`, `data`).
@@ -217,7 +229,9 @@ def train(
       `batch_shapes` (the first global batch's shapes and dtypes).
     """
     loss_inputs = dict(loss_inputs or {})
-    with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
+    with run_lock(workdir), axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
+        # Written once the method has checked its config and data (nothing before it writes).
+        paths.write_text(paths.join(workdir, "config.json"), json.dumps(to_json(config), indent=2))
         step, optimizer, abstract, shardings = make_step(config, plan, mesh)
         checkpointer = Checkpointer(workdir, config.checkpoint)
         restored = checkpointer.restore(with_shardings(abstract, shardings))
@@ -254,6 +268,8 @@ def train(
         )
         checkpointer.close()
     summary["data"] = dict(getattr(data, "stats", {}) or {})
+    if hasattr(data, "log_stats"):  # one line per source that cut or left out records
+        data.log_stats("at the end of the run")
     summary.update(state=state, step=jitted, loss_inputs=loss_inputs)
     return summary
 

@@ -81,6 +81,7 @@ def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None 
 def sft_plan(config: SFTConfig, model_config: ModelConfig, mesh) -> StepPlan:
     """SFT's step: the model (or LoRA adapters on the frozen base, the loss's one input)
     under the cross-entropy loss with `z_loss`."""
+
     def loss(frozen: dict):  # {"base": the frozen base} with LoRA, else {}
         policy = Policy(config.lora, frozen.get("base"))
         return sft_loss(model_config, config.z_loss, policy=policy)
@@ -181,7 +182,13 @@ def run_sft(
             extras["lora"] = lora_json(lora, config.model, seed)
         evaluate = (
             _Evaluator(
-                config, tokenizer, model_config, mesh, plan.trainable.shardings, inputs, input_sh,
+                config,
+                tokenizer,
+                model_config,
+                mesh,
+                plan.trainable.shardings,
+                inputs,
+                input_sh,
                 suite,
             )
             if config.eval_data or suite is not None

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
+from posttrain.data._accounting import find_tally, source_names
 from tests.data.conftest import write_records
 
 KEYS = ("tokens", "targets", "loss_mask", "positions", "segment_ids", "domain_ids")
@@ -186,6 +187,15 @@ def test_resume_reproduces_the_next_batches_and_stats(tmp_path, chatml):
             np.testing.assert_array_equal(x[k], y[k])
     assert resumed.stats == expected_stats
     assert expected_stats["skipped"] >= 1 and expected_stats["truncated"] >= 1
+    per_source = expected_stats["sources"]
+    assert per_source["a"]["skipped"] == expected_stats["skipped"]  # the bad record is a's
+    assert sum(c["read"] for c in per_source.values()) == expected_stats["read"]
+
+    del find_tally(state)["sources"]  # a state saved before per-source counts: they restart
+    legacy = _pipeline(config, chatml)
+    legacy.set_state(state)
+    assert legacy.stats["read"] == stats["read"]
+    assert all(c["read"] == 0 for c in legacy.stats["sources"].values())
 
     other = _pipeline(_config(*config.sources, max_len=12, on_error="skip", seed=3), chatml)
     with pytest.raises(ValueError, match=r"different pipeline \(differs in \['seed'\]\)"):
@@ -254,6 +264,9 @@ def test_skipped_records_are_counted(tmp_path, chatml):
         "dropped": 0,
         "no_loss": 0,
         "domains": {"default": 6},
+        "sources": {
+            "t": {"read": 8, "used": 6, "skipped": 2, "truncated": 0, "dropped": 0, "no_loss": 0}
+        },
     }
 
 
@@ -271,6 +284,66 @@ def test_overlong_examples_are_truncated_or_dropped(tmp_path, chatml, overlong):
         assert docs.count(full[:12]) == 2 and data.stats["truncated"] == 2
     else:
         assert len(docs) == 2 and data.stats["dropped"] == 2 and data.stats["truncated"] == 0
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_each_source_counts_and_reports_what_it_cut_or_left_out(tmp_path, chatml, caplog, overlong):
+    long = {"text": " ".join(WORDS * 2)}
+    short = [{"text": "short one"}, {"text": "short two"}, {"text": "short three"}]
+    a = write_records(tmp_path / "a.jsonl", [long, *short[:2], "{bad json", long, short[2]])
+    b = write_records(tmp_path / "sub" / "b.parquet", [short[0], long, short[1]])
+    config = _config(
+        a, b, max_len=12, num_epochs=2, shuffle=False, on_error="skip", overlong=overlong
+    )
+    with caplog.at_level("INFO", logger="posttrain.data"):
+        data = _pipeline(config, chatml)
+        assert data.source_names == ("a", "b")
+        batches = list(data)
+        data.log_stats()
+
+    # Two epochs of a (6 records: 2 long, 1 malformed) and of b (3 records: 1 long).
+    cut = "truncated" if overlong == "truncate" else "dropped"
+    kept = 1 if overlong == "truncate" else 0
+    zero = dict.fromkeys(("skipped", "truncated", "dropped", "no_loss"), 0)
+    expected = {
+        "a": {**zero, "read": 12, "used": 6 + 4 * kept, "skipped": 2, cut: 4},
+        "b": {**zero, "read": 6, "used": 4 + 2 * kept, cut: 2},
+    }
+    stats = data.stats
+    assert stats["sources"] == expected
+    for key in ("read", "used", "skipped", "truncated", "dropped", "no_loss"):
+        assert stats[key] == expected["a"][key] + expected["b"][key]
+    assert len(list(_documents(batches))) == stats["used"]
+    assert data.batch_metrics() == {
+        "data/truncated": 6.0 * kept,
+        "data/dropped": 6.0 * (1 - kept),
+        "data/skipped": 2.0,
+        "data/no_loss": 0.0,
+        f"data/a/{cut}": 4.0,
+        "data/a/skipped": 2.0,
+        f"data/b/{cut}": 2.0,
+    }
+
+    how = (
+        "truncated to max_len=12" if kept else "dropped as longer than max_len=12 (overlong='drop')"
+    )
+    bad = "skipped as malformed (on_error='skip')"
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "data source" in r.message]
+    b_level = "INFO" if kept else "WARNING"  # truncation alone is not a warning
+    assert lines == [
+        ("WARNING", f"data source {a}, after epoch 1: 2 of 6 records {how}, 1 {bad}"),
+        (b_level, f"data source {b}, after epoch 1: 1 of 3 records {how}"),
+        ("WARNING", f"data source {a}, after epoch 2: 4 of 12 records {how}, 2 {bad}"),
+        (b_level, f"data source {b}, after epoch 2: 2 of 6 records {how}"),
+        ("WARNING", f"data source {a}, at the end of the run: 4 of 12 records {how}, 2 {bad}"),
+        (b_level, f"data source {b}, at the end of the run: 2 of 6 records {how}"),
+    ]
+
+
+def test_source_names_are_file_names_made_unique():
+    paths = ["d/train.jsonl", "gs://b/x/train.jsonl", "d/math/*.parquet", "d/web-[0-9].jsonl"]
+    assert source_names(paths) == ["train_0", "train_1", "math", "web"]
+    assert source_names(["chat v2.jsonl", "**/*.jsonl"]) == ["chat_v2", "source"]
 
 
 @pytest.mark.parametrize("num_epochs", [None, 1])

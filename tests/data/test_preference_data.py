@@ -5,7 +5,15 @@ import json
 import numpy as np
 import pytest
 
-from posttrain.data import PairError, encode_pair, load_tokenizer, preference_batches
+from posttrain.data import (
+    DataConfig,
+    PairError,
+    SourceConfig,
+    encode_pair,
+    load_tokenizer,
+    make_preference_pipeline,
+    preference_batches,
+)
 from posttrain.demo import ASSETS_DIR
 
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -120,6 +128,57 @@ def test_bad_pairs_are_counted_or_raised(tok):
     assert len(stats["errors"]) == 7 and stats["errors"][0].startswith("record 1:")
     with pytest.raises(PairError, match=r"preference record 1: .*same tokens.*on_error='skip'"):
         preference_batches(records, tok, max_len=32, batch_size=2, on_error="raise")
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_each_source_counts_and_reports_what_it_cut_or_left_out(tok, tmp_path, caplog, overlong):
+    good = {"prompt": PROMPT, "chosen": "5", "rejected": "6"}
+    long = {"prompt": PROMPT, "chosen": "5 " * 40, "rejected": "6"}
+    files = {"math": [good, long, "not json", long], "chat": [good, long, {**good, "chosen": ""}]}
+    sources = []
+    for name, records in files.items():
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+        )
+        sources.append(SourceConfig(str(tmp_path / f"{name}.jsonl")))
+    config = DataConfig(
+        sources=tuple(sources), max_len=32, batch_size=2, packing=False, on_error="skip",
+        overlong=overlong,
+    )  # fmt: skip
+    with caplog.at_level("INFO", logger="posttrain.data"):
+        data = make_preference_pipeline(config, tok, process_index=0, process_count=1)
+        data.log_stats()
+
+    cut = "truncated" if overlong == "truncate" else "dropped"
+    kept = int(overlong == "truncate")
+    zero = dict.fromkeys(("skipped", "truncated", "dropped", "no_loss"), 0)
+    assert data.stats["sources"] == {
+        "math": {**zero, "read": 4, "used": 1 + 2 * kept, "skipped": 1, cut: 2},
+        "chat": {**zero, "read": 3, "used": 1 + kept, "skipped": 1, cut: 1},
+    }
+    assert data.stats["skipped"] == 2 and data.stats[cut] == 3
+    assert data.batch_metrics() == {
+        "data/truncated": 3.0 * kept,
+        "data/dropped": 3.0 * (1 - kept),
+        "data/skipped": 2.0,
+        "data/no_loss": 0.0,
+        f"data/math/{cut}": 2.0,
+        "data/math/skipped": 1.0,
+        f"data/chat/{cut}": 1.0,
+        "data/chat/skipped": 1.0,
+    }
+    how = (
+        "truncated to max_len=32" if kept else "dropped as longer than max_len=32 (overlong='drop')"
+    )
+    bad = "skipped as malformed or with an empty or identical response (on_error='skip')"
+    lines = [r.getMessage() for r in caplog.records if "data source" in r.message]
+    math, chat = sources[0].path, sources[1].path
+    assert lines == [
+        f"data source {math}, when encoding its pairs: 2 of 4 records {how}, 1 {bad}",
+        f"data source {chat}, when encoding its pairs: 1 of 3 records {how}, 1 {bad}",
+        f"data source {math}, at the end of the run: 2 of 4 records {how}, 1 {bad}",
+        f"data source {chat}, at the end of the run: 1 of 3 records {how}, 1 {bad}",
+    ]
 
 
 def test_truncation_keeps_or_counts(tok):

@@ -93,6 +93,7 @@ def test_dpo_run_reports_bad_pairs_and_learns(pair_files, tmp_path):
     assert [r["step"] for r in train] == list(range(1, 11))
     first = train[0]
     assert first["loss"] == pytest.approx(np.log(2), abs=1e-5)  # policy == reference at step 1
+    assert first["data/skipped"] == 3 and first["data/train/skipped"] == 3  # the BAD records
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "accuracy"):
         assert key in first and np.isfinite(first[key])
     assert any("accuracy/add" in r for r in train) and any("accuracy/sub" in r for r in train)

@@ -45,6 +45,8 @@ def test_training_lowers_the_loss_and_logs_everything(trained):
     manifest = (workdir / "manifest.json").read_text()
     assert "sha256" in manifest and "train.jsonl" in manifest
     assert summary["stopped"] == "completed" and summary["data"]["used"] > 0
+    counts = {k: summary["data"][k] for k in ("truncated", "dropped", "skipped", "no_loss")}
+    assert {k: train[-1][f"data/{k}"] for k in counts} == counts  # the records' accounting
 
 
 def test_export_writes_an_hf_model_with_the_same_logits(trained, tmp_path):
