@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from posttrain.cli._flags import parse
+from posttrain.errors import UserError
 
 HELP = (
     "Write a run's checkpoint as a Hugging Face directory (config.json + safetensors).",
@@ -23,18 +24,26 @@ def main(argv: list[str]) -> int:
             "--nomerge-lora writes the unmerged adapters in HF PEFT's layout",
             flag_values=fv,
         )
+        flags.DEFINE_bool(
+            "overwrite",
+            False,
+            "export into --out even if it holds files but no previous export (its config.json "
+            "and *.safetensors are replaced, other files stay); a previous export there is "
+            "always replaced whole",
+            flag_values=fv,
+        )
 
     fv = parse(argv, define, HELP)
     if not fv.workdir or not fv.out:
-        raise SystemExit("posttrain export: --workdir=DIR and --out=HF_DIR are required")
+        raise UserError("--workdir=DIR and --out=HF_DIR are required")
     from posttrain.models import to_hf
     from posttrain.train import export_peft, load_checkpoint_model
 
     if not fv.merge_lora:
-        export_peft(fv.workdir, fv.out, fv.step)
+        export_peft(fv.workdir, fv.out, fv.step, overwrite=fv.overwrite)
         print(f"wrote the LoRA adapters (PEFT layout) to {fv.out}")
         return 0
     model = load_checkpoint_model(fv.workdir, fv.step)
-    to_hf(model, fv.out, dtype=fv.dtype)
+    to_hf(model, fv.out, dtype=fv.dtype, overwrite=fv.overwrite)
     print(f"wrote {fv.out}")
     return 0

@@ -6,20 +6,24 @@ a mesh never assembles a full replica of a weight on one device.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from posttrain import paths
+from posttrain.errors import UserError
 from posttrain.models._config import ModelConfig
 from posttrain.models._hf_config import (
     HFFormatError,
@@ -37,6 +41,9 @@ log = logging.getLogger(__name__)
 
 # Tensors HF checkpoints may carry that the model recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# What makes an export folder load (merged, PEFT): transformers and PEFT read nothing without it.
+_CONFIGS = ("config.json", "adapter_config.json")
+_INDEX = "model.safetensors.index.json"  # which shard holds each tensor
 
 
 def _get(tree: dict, path: tuple[str, ...]):
@@ -59,7 +66,7 @@ class _SafetensorsDir:
 
     def __init__(self, path: str):
         self.path = path
-        index_path = os.path.join(path, "model.safetensors.index.json")
+        index_path = os.path.join(path, _INDEX)
         if os.path.exists(index_path):
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -260,34 +267,46 @@ def _hf_tensors(entry: HFTensor, param: jax.Array) -> Iterator[tuple[str, np.nda
             yield entry.name((t, *rest)), entry.to_hf(layer[rest])
 
 
-def to_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int = 5 * 1024**3) -> None:
+def to_hf(
+    model: Transformer,
+    path: str,
+    *,
+    dtype=None,
+    max_shard_bytes: int = 5 * 1024**3,
+    overwrite: bool = False,
+) -> None:
     """Writes `model` as an HF directory (`config.json` + safetensors) that transformers loads.
 
     Shards are written as they fill, so host memory holds at most one shard (plus one layer of
-    one weight).
+    one weight). The export is whole: it replaces a previous export at `path` (its weights,
+    index and configs; tokenizer files stay), so `path` never loads a mix of the two.
 
     Args:
       model: the model to export.
       path: output directory (created), local or gs:// (written locally, then uploaded).
       dtype: storage dtype (default: the params' dtype), e.g. "bfloat16".
       max_shard_bytes: larger checkpoints are split into shards with an index file.
+      overwrite: export into `path` even if it holds files but no previous export (e.g. a
+        training workdir): its config.json and *.safetensors are replaced, other files stay.
 
     Raises:
       ValueError: the model has no exact HF equivalent (e.g. MoE routing HF cannot express).
+      UserError: `path` is not empty and holds no export, and `overwrite` is False.
     """
-    if paths.is_remote(path):
-        # safetensors writes local files; each process stages its own (only process 0 writes).
-        with tempfile.TemporaryDirectory(prefix="posttrain-export-") as local:
-            to_hf(model, local, dtype=dtype, max_shard_bytes=max_shard_bytes)
-            if jax.process_index() == 0:
-                paths.upload(local, path)
-        return
     config = model.config
     np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
     hf_config = config_to_hf(config, jnp.dtype(np_dtype).name)  # fails before writing anything
+    with staged_export(path, overwrite=overwrite) as staging:
+        _write_hf(model, hf_config, staging, np_dtype, max_shard_bytes)
+
+
+def _write_hf(
+    model: Transformer, hf_config: dict, path: str, np_dtype, max_shard_bytes: int
+) -> None:
+    """Writes the export into the empty local folder `path`: every process joins the gathers,
+    process 0 writes."""
+    config = model.config
     process_zero = jax.process_index() == 0
-    if process_zero:
-        os.makedirs(path, exist_ok=True)
     shard: dict[str, np.ndarray] = {}
     written: list[tuple[str, list[str]]] = []  # (temporary file, tensor names)
 
@@ -319,5 +338,100 @@ def to_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int = 5
         file = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
         os.replace(tmp, os.path.join(path, file))
         weight_map.update(dict.fromkeys(names, file))
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+    with open(os.path.join(path, _INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+# ----------------------------------------------------------------------------- whole exports
+
+
+def _is_export_file(name: str) -> bool:
+    """Whether an export (merged or PEFT) owns `name`. Tokenizer files and
+    generation_config.json are not owned: no export writes them (users copy them in beside the
+    weights, and posttrain's tokenizer reads its eos ids from generation_config.json)."""
+    return name in _CONFIGS or name == _INDEX or name.endswith(".safetensors")
+
+
+def _check_destination(dest: epath.Path, overwrite: bool) -> None:
+    """Refuses a destination that is a file, or a non-empty folder holding no export."""
+    if dest.exists() and not dest.is_dir():
+        raise UserError(f"{dest} is a file; export into a directory")
+    if overwrite or not dest.exists():
+        return
+    names = [p.name for p in dest.iterdir()]
+    # A previous export is known by its weights, not its config: a kill midway through
+    # `_replace_export` leaves weights without config.json, and the rerun must be accepted.
+    if names and not any(n == _INDEX or n.endswith(".safetensors") for n in names):
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        raise UserError(
+            f"{dest} is not empty ({shown}) and holds no exported model; pick an empty "
+            f"directory (e.g. {dest / 'hf'}) or pass --overwrite (overwrite=True) to export "
+            "into it anyway"
+        )
+
+
+@contextlib.contextmanager
+def staged_export(path: str, *, overwrite: bool = False) -> Iterator[str]:
+    """An empty local folder to write an export into; on success its files replace the export
+    at `path` (`_replace_export`), on error it is removed and `path` is left as it was.
+
+    Raises:
+      UserError: `path` is not empty and holds no export, and `overwrite` is False.
+    """
+    dest = paths.path(path)
+    _check_destination(dest, overwrite)
+    beside = not paths.is_remote(path) and jax.process_index() == 0
+    if beside:  # on the destination's filesystem, so files move in by rename
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    # gs:// (and processes other than 0, which write nothing): any local folder.
+    staging = tempfile.mkdtemp(
+        prefix=f".{dest.name}.export-", dir=os.fspath(dest.parent) if beside else None
+    )
+    try:
+        yield staging
+        if jax.process_index() == 0:
+            _replace_export(staging, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _replace_export(staging: str, dest: epath.Path) -> None:
+    """Moves the export in `staging` into `dest` and removes the previous export's files that
+    the new one lacks; files no export owns (tokenizer, README) stay.
+
+    The order makes a kill at any point leave `dest` loading the old export whole, the new one
+    whole, or failing loudly (no config.json), never a silent mix:
+      1. the old configs go first: without them nothing loads the folder;
+      2. the old index goes next: it could name a new shard (same file name) beside old ones;
+      3. the new weights move in, replacing same-named old ones;
+      4. the old weights the new export lacks go (some *.safetensors is in the folder at every
+         step, so a rerun after a kill is accepted as a previous export);
+      5. the new index, then the new configs last: they make the folder load.
+    On gs:// each step is an upload or a delete (objects have no rename), in the same order.
+    """
+    remote = paths.is_remote(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    listed = dest.iterdir() if dest.exists() else ()  # gs:// has no empty folders
+    old = {p.name for p in listed if _is_export_file(p.name) and p.is_file()}
+    new = set(os.listdir(staging))
+    loaders = {_INDEX, *_CONFIGS}
+    weights = new - loaders
+
+    def remove(names) -> None:
+        for name in sorted(names):
+            (dest / name).unlink(missing_ok=True)
+
+    def move_in(name: str) -> None:
+        if remote:
+            paths.upload(os.path.join(staging, name), dest / name)
+        else:
+            os.replace(os.path.join(staging, name), dest / name)
+
+    remove(old & set(_CONFIGS))
+    remove(old & {_INDEX})
+    for name in sorted(weights):
+        move_in(name)
+    remove(old - new - loaders)
+    for name in [_INDEX, *_CONFIGS]:
+        if name in new:
+            move_in(name)

@@ -1,7 +1,7 @@
 """Training: the state, the pure step, the shared loop, checkpoints, metrics, and the drivers of
 SFT, the DPO family and reward models (`posttrain.methods` holds every method's record)."""
 
-from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
+from posttrain.train._checkpoint import CheckpointConfig, Checkpointer, NonFiniteStateError
 from posttrain.train._dpo import DPOConfig, PreferenceLossConfig, dpo_loss, reference_logps, run_dpo
 from posttrain.train._lock import WorkdirLock
 from posttrain.train._loop import LoopConfig, TrainingDiverged, train_loop
@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointConfig",
     "DPOConfig",
     "Checkpointer",
+    "NonFiniteStateError",
     "LoopConfig",
     "MetricsWriter",
     "ModelSpec",

@@ -22,6 +22,7 @@ from posttrain.lora import (
     save_peft,
 )
 from posttrain.models import ModelConfig, param_shardings
+from posttrain.models._hf import staged_export
 from posttrain.train._params import (
     ModelSpec,
     checkpoint_json,
@@ -88,15 +89,26 @@ def lora_json(lora: LoRAConfig, spec: ModelSpec, seed: int, under: tuple[str, ..
     return {"config": to_json(lora), "base": to_json(spec), "seed": seed, "under": list(under)}
 
 
-def export_peft(workdir: str, out: str, step: int | None = None) -> None:
-    """Writes a LoRA run's adapters unmerged, in HF PEFT's layout (`posttrain.lora.save_peft`)."""
-    saved = checkpoint_json(workdir, step)
-    if "lora" not in saved:
-        raise ConfigError(
-            f"{workdir} is not a LoRA run (its checkpoint holds full weights); export it "
-            "without --nomerge-lora"
+def export_peft(
+    workdir: str, out: str, step: int | None = None, *, overwrite: bool = False
+) -> None:
+    """Writes a LoRA run's adapters unmerged, in HF PEFT's layout (`posttrain.lora.save_peft`),
+    replacing a previous export at `out` whole (as `posttrain.models.to_hf` does); `overwrite`
+    exports into a non-empty folder that holds no export."""
+    with staged_export(out, overwrite=overwrite) as staging:  # refuses a bad `out` first
+        saved = checkpoint_json(workdir, step)
+        if "lora" not in saved:
+            raise ConfigError(
+                f"{workdir} is not a LoRA run (its checkpoint holds full weights); export it "
+                "without --nomerge-lora"
+            )
+        _, adapters, lora = load_lora_params(workdir, saved["step"], merged=False)
+        model_config = build(ModelConfig, saved["model_config"])
+        base = saved["lora"]["base"]
+        save_peft(
+            model_config,
+            adapters,
+            lora,
+            staging,
+            base_model=base["hf_path"] or base["checkpoint"],
         )
-    _, adapters, lora = load_lora_params(workdir, saved["step"], merged=False)
-    model_config = build(ModelConfig, saved["model_config"])
-    base = saved["lora"]["base"]
-    save_peft(model_config, adapters, lora, out, base_model=base["hf_path"] or base["checkpoint"])

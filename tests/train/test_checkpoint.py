@@ -12,6 +12,7 @@ from posttrain.parallel import MeshConfig, make_mesh
 from posttrain.train import (
     CheckpointConfig,
     Checkpointer,
+    NonFiniteStateError,
     OptimizerConfig,
     create_state,
     make_optimizer,
@@ -78,25 +79,65 @@ def _corrupt(step_dir):
     assert hits
 
 
-def test_corrupt_latest_falls_back_to_previous(tmp_path, devices, caplog):
+def _corrupt_json(step_dir):
+    """Cuts the JSON item saved with the checkpoint (the run config) in half."""
+    path = step_dir / "config" / "metadata"
+    path.write_text(path.read_text()[: len(path.read_text()) // 2])
+
+
+def _corrupt_metadata(step_dir):
+    """Garbles Orbax's description of the arrays (the state item's _METADATA)."""
+    (step_dir / "state" / "_METADATA").write_text("{not json")
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt, _corrupt_json, _corrupt_metadata])
+def test_unreadable_latest_is_moved_aside_and_the_previous_restored(
+    corrupt, tmp_path, devices, caplog
+):
     mesh = make_mesh(MeshConfig.from_dict({"fsdp": 8}))
     first, second = _state(mesh, seed=0), _state(mesh, seed=1)
     checkpointer = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
-    checkpointer.save(1, first)
-    checkpointer.save(2, second)
+    checkpointer.save(1, first, extra={"config": {"a": 1}})
+    checkpointer.save(2, second, extra={"config": {"a": 2}})
     checkpointer.close()
-    _corrupt(tmp_path / "checkpoints" / "2")
+    corrupt(tmp_path / "checkpoints" / "2")
     target, _ = _abstract(mesh)
+    checkpointer = Checkpointer(str(tmp_path), CheckpointConfig(keep_last=1, async_save=False))
     with caplog.at_level("WARNING"):
-        step, restored, _, _ = Checkpointer(str(tmp_path), CheckpointConfig()).restore(target)
-    assert step == 1
-    assert "checkpoint 2" in caplog.text and "trying the previous one" in caplog.text
+        step, restored, _, extra = checkpointer.restore(target)
+    assert step == 1 and extra["config"] == {"a": 1}
+    assert "checkpoint 2" in caplog.text and "2.corrupt" in caplog.text
     _assert_equal(restored.params, first.params)
-    assert os.path.isdir(tmp_path / "checkpoints" / "2")  # nothing deleted
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2.corrupt"]  # kept, aside
+    # The run goes on and saves step 2 again; keep_last=1 then drops step 1, not the new 2.
+    checkpointer.save(2, restored)
+    checkpointer.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "2.corrupt"]
+    step, again, _, _ = Checkpointer(str(tmp_path), CheckpointConfig()).restore(target)
+    assert step == 2
+    _assert_equal(again.params, first.params)
 
+
+def test_no_readable_checkpoint_is_an_error_naming_each(tmp_path, devices):
+    mesh = make_mesh(MeshConfig.from_dict({"fsdp": 8}))
+    checkpointer = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    checkpointer.save(1, _state(mesh))
+    checkpointer.close()
     _corrupt(tmp_path / "checkpoints" / "1")
-    with pytest.raises(RuntimeError, match="no readable checkpoint"):
+    target, _ = _abstract(mesh)
+    with pytest.raises(RuntimeError, match="no readable checkpoint(.|\n)*step 1: "):
         Checkpointer(str(tmp_path), CheckpointConfig()).restore(target)
+
+
+def test_a_state_with_a_nan_is_never_saved(tmp_path, devices):
+    mesh = make_mesh(MeshConfig.from_dict({"fsdp": 8}))
+    state = _state(mesh)
+    params = dict(state.params, final_norm=state.params["final_norm"].at[3].set(np.nan))
+    checkpointer = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    with pytest.raises(NonFiniteStateError, match="refusing to save step 7"):
+        checkpointer.save(7, state.replace(params=params))
+    checkpointer.close()
+    assert checkpointer.latest_step() is None
 
 
 def test_keep_last_and_keep_best(tmp_path, devices):
@@ -109,3 +150,14 @@ def test_keep_last_and_keep_best(tmp_path, devices):
         checkpointer.save(step, state, metrics={"eval_loss": loss})
     checkpointer.close()
     assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit()) == [2, 4, 5]
+
+
+def test_keep_last_zero_keeps_every_checkpoint(tmp_path, devices):
+    state = _state(make_mesh(MeshConfig.from_dict({"fsdp": 8})))
+    checkpointer = Checkpointer(
+        str(tmp_path), CheckpointConfig(keep_last=0, keep_best=0, async_save=False)
+    )
+    for step in range(1, 5):
+        checkpointer.save(step, state)
+    checkpointer.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2", "3", "4"]

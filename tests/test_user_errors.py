@@ -1,0 +1,275 @@
+"""Bad input through the CLI, as a new user would type it: each case exits with the documented
+code (posttrain/errors.py; 2 for a user error), prints one message naming the offending key,
+flag or file and no traceback, and leaves the workdir it was given as it was.
+
+The commands run in this process (`posttrain.cli.main`, what `python -m posttrain` calls); one
+case runs as a real subprocess for the exit status and stderr the shell sees. Every case fails
+before anything compiles, so the table costs seconds.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from posttrain import cli
+from posttrain.demo import ASSETS_DIR
+from posttrain.models import get_preset
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SFT = f"--config={REPO}/configs/sft.py:tiny"
+GRPO = f"--config={REPO}/configs/grpo.py:tiny"
+DPO = f"--config={REPO}/configs/dpo.py:tiny"
+EVAL = f"--config={REPO}/configs/eval.py:demo"
+
+# A config file whose preset names which data problem to build (paths under $BAD_INPUTS).
+_DATA_CONFIG = """
+import os
+from posttrain.config import load_config_file
+
+def get_config(case):
+    c = load_config_file({sft!r})
+    c.eval_data = []
+    c.mesh.ici = {{"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}}
+    source = c.data.sources[0]
+    source.path = os.path.join(os.environ["BAD_INPUTS"], case + ".jsonl")
+    if case == "unknown_format":
+        source.format = "parquet-ish"
+    return c
+"""
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Bad files and a workdir of a finished run (a "tiny" model with other widths)."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    (root / "malformed.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}\n')
+    (root / "no_text.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
+    (root / "unknown_format.jsonl").write_text((ASSETS_DIR / "train.jsonl").read_text()[:2000])
+    (root / "data.py").write_text(_DATA_CONFIG.format(sft=f"{REPO}/configs/sft.py:tiny"))
+    (root / "not_a_model").mkdir()
+    (root / "not_a_model" / "notes.txt").write_text("not weights")
+    (root / "broken_hf").mkdir()
+    (root / "broken_hf" / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    (root / "prompts.jsonl").write_text('"What is 1 + 1?"\n{"question": 2}\n')
+
+    run = root / "run"  # what a finished run leaves, with a model of other widths
+    model = dataclasses.replace(get_preset("tiny"), embed_dim=96)
+    saved = run / "checkpoints" / "4" / "model_config"
+    saved.mkdir(parents=True)
+    (saved / "metadata").write_text(json.dumps(dataclasses.asdict(model), default=str))
+    (run / "config.json").write_text('{"method": "sft"}')
+    (run / "metrics.jsonl").write_text('{"step": 4, "split": "train", "loss": 1.5}\n')
+    os.environ["BAD_INPUTS"] = str(root)
+    return root
+
+
+def _tree(path) -> dict[str, bytes]:
+    """Every file under `path` (relative name -> contents)."""
+    out = {}
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            full = os.path.join(dirpath, f)
+            out[os.path.relpath(full, path)] = open(full, "rb").read()
+    return out
+
+
+# (id, argv with {root} for the inputs folder and {run} for the finished run, what stderr names)
+CASES = [
+    # flags and config files
+    ("no-flags", ["train"], "--workdir=DIR are required"),
+    ("unknown-flag", ["train", SFT, "--workdir={run}", "--wrkdir=x"], "Did you mean: workdir"),
+    (
+        "missing-config-file",
+        ["train", "--config=configs/nope.py", "--workdir={run}"],
+        "configs/nope.py: no such config file",
+    ),
+    (
+        "unknown-preset",
+        ["train", f"--config={REPO}/configs/sft.py:huge", "--workdir={run}"],
+        "sft.py:huge",
+    ),
+    (
+        "unknown-key",
+        ["train", SFT, "--workdir={run}", "--config.train.stepz=3"],
+        "did you mean --config.train.steps",
+    ),
+    (
+        "not-a-number",
+        ["train", SFT, "--workdir={run}", "--config.optimizer.learning_rate=fast"],
+        "--config.optimizer.learning_rate=fast",
+    ),
+    (
+        "nan-learning-rate",
+        ["train", SFT, "--workdir={run}", "--config.optimizer.learning_rate=nan"],
+        "config.optimizer.learning_rate: nan is not a finite number",
+    ),
+    (
+        "inf-beta",
+        ["train", DPO, "--workdir={run}", "--config.loss.beta=inf"],
+        "config.loss.beta: inf is not a finite number",
+    ),
+    (
+        "negative-learning-rate",
+        ["train", SFT, "--workdir={run}", "--config.optimizer.learning_rate=-0.1"],
+        "optimizer.learning_rate must be > 0",
+    ),
+    (
+        "adam-beta",
+        ["train", SFT, "--workdir={run}", "--config.optimizer.b2=1.5"],
+        "optimizer.b1 and optimizer.b2 must be in [0, 1)",
+    ),
+    (
+        "schedule",
+        ["train", SFT, "--workdir={run}", "--config.optimizer.schedule=cosin"],
+        "optimizer.schedule='cosin'",
+    ),
+    ("zero-steps", ["train", SFT, "--workdir={run}", "--config.train.steps=0"], "train.steps"),
+    (
+        "keep-last",
+        ["train", SFT, "--workdir={run}", "--config.checkpoint.keep_last=-1"],
+        "checkpoint.keep_last",
+    ),
+    (
+        "save-every",
+        ["train", SFT, "--workdir={run}", "--config.checkpoint.every=0"],
+        "checkpoint.every=0",
+    ),
+    (
+        "max-bad-steps",
+        ["train", SFT, "--workdir={run}", "--config.train.max_bad_steps=0"],
+        "train.max_bad_steps >= 1",
+    ),
+    (
+        "micro-batches",
+        ["train", SFT, "--workdir={run}", "--config.train.micro_batches=3"],
+        "not divisible by train.micro_batches=3",
+    ),
+    ("mesh-axes", ["train", SFT, "--workdir={run}", "--config.mesh.ici.tensor=3"], "mesh"),
+    (
+        "rl-group",
+        ["train", GRPO, "--workdir={run}", "--config.rollout.num_generations=0"],
+        "num_generations",
+    ),
+    # paths: tokenizer, model directories, data files
+    (
+        "tokenizer-dir",
+        ["train", SFT, "--workdir={run}", "--config.tokenizer={root}/nothing"],
+        "{root}/nothing",
+    ),
+    (
+        "hf-path-not-a-model",
+        ["train", SFT, "--workdir={run}", "--config.model.hf_path={root}/not_a_model"],
+        "not_a_model",
+    ),
+    (
+        "hf-config-broken",
+        ["train", SFT, "--workdir={run}", "--config.model.hf_path={root}/broken_hf"],
+        "broken_hf/config.json",
+    ),
+    (
+        "start-checkpoint",
+        ["train", SFT, "--workdir={run}", "--config.model.checkpoint={root}/nothing"],
+        "{root}/nothing",
+    ),
+    (
+        "data-missing",
+        ["train", "--config={root}/data.py:missing", "--workdir={root}/fresh"],
+        "missing.jsonl",
+    ),
+    (
+        "data-malformed",
+        ["train", "--config={root}/data.py:malformed", "--workdir={root}/fresh"],
+        "malformed.jsonl line 1: invalid JSON",
+    ),
+    (
+        "data-no-text",
+        ["train", "--config={root}/data.py:no_text", "--workdir={root}/fresh"],
+        "no_text.jsonl",
+    ),
+    (
+        "data-format",
+        ["train", "--config={root}/data.py:unknown_format", "--workdir={root}/fresh"],
+        "parquet-ish",
+    ),
+    (
+        "other-model-in-workdir",
+        ["train", SFT, "--workdir={run}", f"--config.tokenizer={ASSETS_DIR}/tokenizer"],
+        "embed_dim: 96 -> 64",
+    ),
+    # generate
+    ("generate-no-model", ["generate", "--prompt=hi"], "--model and one of --prompt"),
+    (
+        "generate-negative-tokens",
+        ["generate", "--model={run}", "--prompt=hi", "--max_new_tokens=-5"],
+        "max_new_tokens must be >= 1, got -5",
+    ),
+    (
+        "generate-zero-tokens",
+        ["generate", "--model={run}", "--prompt=hi", "--max-new-tokens=0"],
+        "max_new_tokens must be >= 1, got 0",
+    ),
+    ("generate-top-p", ["generate", "--model={run}", "--prompt=hi", "--top_p=0"], "top_p"),
+    (
+        "generate-temperature",
+        ["generate", "--model={run}", "--prompt=hi", "--temperature=-1"],
+        "temperature must be >= 0",
+    ),
+    (
+        "generate-prompts-file",
+        ["generate", "--model={run}", "--prompts-file={root}/nothing.jsonl"],
+        "nothing.jsonl: no such file",
+    ),
+    (
+        "generate-not-a-model",
+        ["generate", "--model={root}/not_a_model", "--prompt=hi"],
+        "not_a_model",
+    ),
+    (
+        "generate-mesh",
+        ["generate", "--model={run}", "--prompt=hi", "--mesh=fsdp=3"],
+        "--mesh='fsdp=3'",
+    ),
+    # eval, export, compile, sweep
+    ("eval-no-target", ["eval", EVAL], "one of --workdir=DIR or --model=HF_DIR"),
+    ("eval-not-a-run", ["eval", EVAL, "--model={root}/not_a_model"], "neither a training workdir"),
+    ("eval-missing-workdir", ["eval", EVAL, "--workdir={root}/nothing"], "{root}/nothing"),
+    ("export-no-out", ["export", "--workdir={run}"], "--out=HF_DIR are required"),
+    (
+        "export-no-checkpoint",
+        ["export", "--workdir={root}/not_a_model", "--out={root}/hf"],
+        "no checkpoint",
+    ),
+    ("compile-topology", ["compile", SFT, "--topology=v9z-8"], "v9z-8"),
+    (
+        "sweep-no-workdir",
+        ["sweep", f"--config={REPO}/configs/sweeps/sft_lr_seeds.py"],
+        "--workdir=DIR are required",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_message(argv, expected, inputs, capsys):
+    run = inputs / "run"
+    names = {"root": str(inputs), "run": str(run)}
+    before = _tree(inputs)
+    assert cli.main([a.format(**names) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert expected.format(**names) in err, err
+    assert len(err.strip().splitlines()) <= 3, err  # the message and the --debug hint
+    assert _tree(inputs) == before  # nothing written, nothing rewritten
+
+
+def test_the_shell_sees_exit_code_2_and_debug_shows_the_traceback(inputs):
+    argv = [sys.executable, "-m", "posttrain", "train", SFT, f"--workdir={inputs}/run",
+            "--config.optimizer.learning_rate=nan"]  # fmt: skip
+    quiet = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    assert quiet.stderr.startswith("posttrain train: config.optimizer.learning_rate: nan")
+    loud = subprocess.run([*argv, "--debug"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert loud.returncode == 2 and "Traceback (most recent call last)" in loud.stderr
