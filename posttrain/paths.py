@@ -78,7 +78,8 @@ def local_copy(p: str | os.PathLike) -> str:
     object or of every object under the prefix (a model or tokenizer directory).
 
     A cached file is downloaded again when its size or modification time differs from the
-    object's, so a changed object is never read stale.
+    object's, and a cached file whose object is gone is deleted, so a changed prefix is never
+    read stale.
     """
     src = path(p)
     if not is_remote(p):
@@ -86,8 +87,12 @@ def local_copy(p: str | os.PathLike) -> str:
     scheme, rest = os.fspath(p).split("://", 1)
     dst = cache_dir() / scheme / rest.strip("/")
     if src.is_dir():
+        wanted = {dst / child.relative_to(src) for child in _files_under(src)}
         for child in _files_under(src):
             _download(child, dst / child.relative_to(src))
+        for cached in _files_under(dst):  # objects deleted since (a re-export's old shards)
+            if cached not in wanted:
+                cached.unlink()
     else:
         _download(src, dst)
     return os.fspath(dst)

@@ -90,6 +90,7 @@ def test_reexport_replaces_the_previous_export(models, tmp_path, first, second):
 def test_reexport_to_gcs_replaces_the_objects(models, gcs_bucket, first, second):
     url = f"{gcs_bucket}/{uuid.uuid4().hex[:8]}/hf"
     to_hf(models[0], url, **first)
+    _assert_loads_as(url, models[0])  # a reader's download cache now holds the first export
     to_hf(models[1], url, **second)
     new = _weight_files(url)
     assert (len(new) == 1) == (second is SINGLE)
