@@ -1,13 +1,17 @@
-"""Exact resume after SIGKILL and after SIGTERM (preemption), against an uninterrupted run."""
+"""Exact resume after SIGKILL, after SIGTERM (preemption) and past damaged checkpoints, against
+an uninterrupted run."""
 
 import os
+import shutil
 import signal
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posttrain.models import from_hf, to_hf
 from posttrain.train import load_checkpoint_model
 from tests.train.conftest import finish, start_run, train_losses
 
@@ -78,3 +82,31 @@ def test_sigterm_saves_at_the_signal_then_resumes_exactly(straight, tmp_path):
     out = finish(start_run(tmp_path))
     assert f"STOPPED completed {STEPS}" in out
     _assert_same_run(straight, tmp_path)
+
+
+def test_a_run_whose_newest_checkpoints_are_damaged_resumes_from_the_last_good_one(
+    straight, tmp_path
+):
+    """Arrays of step 12 truncated and the JSON saved with step 8 cut: the next run moves both
+    aside, resumes from step 4, ends as the uninterrupted run did, and its checkpoint exports."""
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    checkpoints = workdir / "checkpoints"
+    for root, _, files in os.walk(checkpoints / "12" / "state"):
+        for name in files:
+            if os.path.getsize(os.path.join(root, name)) > 1000:
+                with open(os.path.join(root, name), "r+b") as f:
+                    f.truncate(100)
+    config = checkpoints / "8" / "config" / "metadata"
+    config.write_text(config.read_text()[:40])
+
+    out = finish(start_run(workdir))
+    assert f"STOPPED completed {STEPS}" in out
+    assert "checkpoint 12 in" in out and "checkpoint 8 in" in out  # the warnings say so
+    assert {"4", "8", "12", "8.corrupt", "12.corrupt"} <= set(os.listdir(checkpoints))
+    _assert_same_run(straight, workdir)
+
+    model = load_checkpoint_model(str(workdir))
+    to_hf(model, str(tmp_path / "hf"))
+    tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
+    np.testing.assert_array_equal(from_hf(str(tmp_path / "hf"))(tokens), model(tokens))
