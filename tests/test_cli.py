@@ -65,3 +65,34 @@ def test_module_entry_point_runs():
         [sys.executable, "-m", "posttrain", "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and "usage: posttrain" in result.stdout
+
+
+def test_exit_codes_tell_a_scheduler_what_happened(monkeypatch, tmp_path, capsys):
+    """0 finished, 75 preempted and saved (requeue it), 4 diverged, 1 a bug (traceback)."""
+    from posttrain import errors, methods
+    from posttrain.train import TrainingDiverged
+
+    argv = ["train", "--config=configs/sft.py:tiny", f"--workdir={tmp_path}"]
+    outcomes = {
+        "completed": lambda c, w: {"stopped": "completed", "final_step": 9},
+        "preempted": lambda c, w: {"stopped": "preempted", "final_step": 4},
+    }
+    for stopped, run in outcomes.items():
+        monkeypatch.setattr(methods, "run_from_config", run)
+        code = {"completed": errors.EXIT_OK, "preempted": errors.EXIT_PREEMPTED}[stopped]
+        assert cli.main(argv) == code
+    assert "rerun to resume" in capsys.readouterr().out
+
+    def diverged(c, w):
+        raise TrainingDiverged("5 consecutive steps had a non-finite loss")
+
+    monkeypatch.setattr(methods, "run_from_config", diverged)
+    assert cli.main(argv) == errors.EXIT_DIVERGED == 4
+    assert "non-finite loss" in capsys.readouterr().err
+
+    def bug(c, w):
+        return {}["a key the code forgot"]
+
+    monkeypatch.setattr(methods, "run_from_config", bug)
+    assert cli.main(argv) == errors.EXIT_BUG
+    assert "Traceback" in capsys.readouterr().err  # a bug keeps its traceback
