@@ -102,7 +102,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 200  # save every N steps (also at the end and on SIGTERM)
-    c.checkpoint.keep_last = 3  # newest checkpoints kept
+    c.checkpoint.keep_last = 3  # newest checkpoints kept (0: all of them)
     c.checkpoint.keep_best = 1  # lowest-eval-loss checkpoints kept in addition
     c.checkpoint.async_save = True  # write in the background
 
