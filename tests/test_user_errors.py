@@ -10,14 +10,16 @@ before anything compiles, so the table costs seconds.
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from posttrain import cli
 from posttrain.demo import ASSETS_DIR
-from posttrain.models import get_preset
+from posttrain.models import Transformer, get_preset, init_params, to_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT = f"--config={REPO}/configs/sft.py:tiny"
@@ -55,6 +57,12 @@ def inputs(tmp_path_factory):
     (root / "broken_hf").mkdir()
     (root / "broken_hf" / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
     (root / "prompts.jsonl").write_text('"What is 1 + 1?"\n{"question": 2}\n')
+    damaged = root / "damaged_hf"  # a model directory whose weights file was cut short
+    tiny = get_preset("tiny")
+    to_hf(Transformer(init_params(tiny, jax.random.key(0)), tiny), str(damaged))
+    shutil.copytree(ASSETS_DIR / "tokenizer", damaged, dirs_exist_ok=True)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
 
     run = root / "run"  # what a finished run leaves, with a model of other widths
     model = dataclasses.replace(get_preset("tiny"), embed_dim=96)
@@ -227,6 +235,11 @@ CASES = [
         "generate-not-a-model",
         ["generate", "--model={root}/not_a_model", "--prompt=hi"],
         "not_a_model",
+    ),
+    (
+        "generate-damaged-weights",
+        ["generate", "--model={root}/damaged_hf", "--prompt=hi"],
+        "damaged_hf/model.safetensors is not a readable safetensors file",
     ),
     (
         "generate-mesh",

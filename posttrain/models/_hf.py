@@ -66,6 +66,7 @@ class _SafetensorsDir:
 
     def __init__(self, path: str):
         self.path = path
+        self._handles: dict[str, object] = {}
         index_path = os.path.join(path, _INDEX)
         if os.path.exists(index_path):
             weight_map = read_json(index_path).get("weight_map")
@@ -87,12 +88,7 @@ class _SafetensorsDir:
                     f"{path} holds no *.safetensors file (PyTorch .bin checkpoints "
                     f"are not read: convert them to safetensors first)"
                 )
-            self.file_of = {}
-            for f in files:
-                with safe_open(os.path.join(path, f), framework="numpy") as handle:
-                    for name in handle.keys():
-                        self.file_of[name] = f
-        self._handles: dict[str, object] = {}
+            self.file_of = {name: f for f in files for name in self._handle(f).keys()}
 
     def _handle(self, file: str):
         if file not in self._handles:
@@ -119,7 +115,14 @@ class _SafetensorsDir:
             )
 
     def read(self, name: str) -> np.ndarray:
-        return self._handle(self.file_of[name]).get_tensor(name)
+        file = self.file_of[name]
+        try:
+            return self._handle(file).get_tensor(name)
+        except Exception as e:  # a file cut short after its header
+            raise HFFormatError(
+                f"tensor {name!r} in {os.path.join(self.path, file)} is unreadable ({e}); the "
+                "file is damaged or incomplete: download or export it again"
+            ) from None
 
 
 def _load_param(entry: HFTensor, files: _SafetensorsDir, shape, dtype, sharding) -> jax.Array:

@@ -243,7 +243,7 @@ def test_cli_usage(capsys, tmp_path):
     config = os.path.join(REPO, "configs", "eval.py") + ":demo"
     with pytest.raises(UserError, match="one of --workdir"):
         cli(["posttrain eval", f"--config={config}"])
-    with pytest.raises(ValueError, match="neither a training workdir"):
+    with pytest.raises(FileNotFoundError, match="neither a training workdir"):
         cli(["posttrain eval", f"--config={config}", f"--model={tmp_path}"])
 
 
