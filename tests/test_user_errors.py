@@ -252,6 +252,11 @@ CASES = [
     ("eval-missing-workdir", ["eval", EVAL, "--workdir={root}/nothing"], "{root}/nothing"),
     ("export-no-out", ["export", "--workdir={run}"], "--out=HF_DIR are required"),
     (
+        "export-into-a-workdir",
+        ["export", "--workdir={run}", "--out={run}"],
+        "holds no exported model; pick an empty directory",
+    ),
+    (
         "export-no-checkpoint",
         ["export", "--workdir={root}/not_a_model", "--out={root}/hf"],
         "no checkpoint",
@@ -278,11 +283,12 @@ def test_bad_input_is_one_clear_message(argv, expected, inputs, capsys):
     assert _tree(inputs) == before  # nothing written, nothing rewritten
 
 
-def test_the_shell_sees_exit_code_2_and_debug_shows_the_traceback(inputs):
-    argv = [sys.executable, "-m", "posttrain", "train", SFT, f"--workdir={inputs}/run",
-            "--config.optimizer.learning_rate=nan"]  # fmt: skip
-    quiet = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
-    assert quiet.stderr.startswith("posttrain train: config.optimizer.learning_rate: nan")
-    loud = subprocess.run([*argv, "--debug"], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert loud.returncode == 2 and "Traceback (most recent call last)" in loud.stderr
+def test_the_shell_sees_exit_code_2_and_debug_shows_the_traceback(inputs, capsys):
+    argv = ["train", SFT, f"--workdir={inputs}/run", "--config.optimizer.learning_rate=nan"]
+    shell = subprocess.run(
+        [sys.executable, "-m", "posttrain", *argv], capture_output=True, text=True, cwd=REPO
+    )
+    assert shell.returncode == 2 and "Traceback" not in shell.stderr
+    assert shell.stderr.startswith("posttrain train: config.optimizer.learning_rate: nan")
+    assert cli.main([*argv, "--debug"]) == 2
+    assert "Traceback (most recent call last)" in capsys.readouterr().err

@@ -36,8 +36,10 @@ def main(argv: list[str]) -> int:
     fv = parse(argv, define, HELP)
     if not fv.workdir or not fv.out:
         raise UserError("--workdir=DIR and --out=HF_DIR are required")
-    from posttrain.models import to_hf
+    from posttrain.models import check_export_destination, to_hf
     from posttrain.train import export_peft, load_checkpoint_model
+
+    check_export_destination(fv.out, overwrite=fv.overwrite)  # before a large checkpoint loads
 
     if not fv.merge_lora:
         export_peft(fv.workdir, fv.out, fv.step, overwrite=fv.overwrite)

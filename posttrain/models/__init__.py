@@ -2,7 +2,7 @@
 
 from posttrain.models._attention import attention, attention_mask
 from posttrain.models._config import ModelConfig, RopeScaling
-from posttrain.models._hf import from_hf, to_hf
+from posttrain.models._hf import check_export_destination, from_hf, to_hf
 from posttrain.models._hf_config import HFFormatError, load_hf_config
 from posttrain.models._presets import PRESETS, get_preset
 from posttrain.models._transformer import (
@@ -30,6 +30,7 @@ __all__ = [
     "Transformer",
     "attention",
     "attention_mask",
+    "check_export_destination",
     "forward",
     "from_hf",
     "get_preset",

@@ -355,6 +355,12 @@ def _is_export_file(name: str) -> bool:
     return name in _CONFIGS or name == _INDEX or name.endswith(".safetensors")
 
 
+def check_export_destination(path: str, *, overwrite: bool = False) -> None:
+    """Raises `UserError` unless an export may go to `path` (what `to_hf` checks first; a
+    command calls it before loading a large checkpoint)."""
+    _check_destination(paths.path(path), overwrite)
+
+
 def _check_destination(dest: epath.Path, overwrite: bool) -> None:
     """Refuses a destination that is a file, or a non-empty folder holding no export."""
     if dest.exists() and not dest.is_dir():
