@@ -122,6 +122,21 @@ def upload(local: str | os.PathLike, dst: str | os.PathLike) -> None:
         upload(child, out / child.relative_to(local))
 
 
+def move(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Moves a file or folder: a rename locally; on object storage a server-side copy of every
+    object, then their deletion (stores have no rename; gcsfs's move first tries an API only
+    hierarchical-namespace buckets have)."""
+    if not is_remote(src):
+        os.replace(path(src), path(dst))
+        return
+    from etils.epath import backend
+
+    # epath's own filesystem, whose cached listings (which Orbax reads) the change updates.
+    fs = backend.fsspec_backend.fs(os.fspath(path(src)))
+    fs.copy(os.fspath(src), os.fspath(dst), recursive=True)
+    fs.rm(os.fspath(src), recursive=True)
+
+
 def write_text(p: str | os.PathLike, text: str) -> None:
     """`write_bytes` of `text` in UTF-8."""
     write_bytes(p, text.encode())

@@ -160,7 +160,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             if target.exists():
                 target.rmtree()  # an older quarantine of the same step
-            (self.directory / str(step)).rename(target)
+            paths.move(self.directory / str(step), target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
