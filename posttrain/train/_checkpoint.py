@@ -114,16 +114,18 @@ class Checkpointer:
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with shardings, possibly on a
         different mesh than the one that saved: Orbax reads each device's shard directly. A
         checkpoint that fails to load (any file: arrays, JSON, metadata; corrupt or partial) is
-        moved aside to `checkpoints/<step>.corrupt` with a warning and the previous one is
-        tried, so the run re-saves that step normally and `keep_last` never counts it; none
-        readable raises. An explicit `step` is never moved aside: its error is raised.
+        skipped with a warning and the previous one is tried; once one loads, those that did
+        not are moved aside to `checkpoints/<step>.corrupt`, so the run saves their steps again
+        normally and `keep_last` never counts them. When none loads nothing is moved (the state
+        the run expects may be what changed, e.g. the LoRA rank) and the error names each. An
+        explicit `step` is never moved aside: its error is raised.
 
         Returns:
           (step, state, data_state of this process or None, extra JSON items) or None when the
           directory holds no checkpoint.
         """
         steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
-        errors = []
+        failed: dict[int, str] = {}
         for candidate in steps:
             try:
                 restored = self.manager.restore(
@@ -137,26 +139,29 @@ class Checkpointer:
             except Exception as e:  # orbax/tensorstore/json raise many types for damaged files
                 if step is not None:
                     raise
-                reason = f"{type(e).__name__}: {str(e)[:300]}"
-                errors.append(f"step {candidate}: {reason}")
-                self._quarantine(candidate, reason)
+                failed[candidate] = f"{type(e).__name__}: {str(e)[:300]}"
+                log.warning(
+                    "checkpoint %d in %s is unreadable (%s); trying the previous one",
+                    candidate, self.directory, failed[candidate],
+                )  # fmt: skip
                 continue
+            for bad, reason in failed.items():
+                self._quarantine(bad, reason)
             data = (restored.data or {}).get(f"process_{jax.process_index()}")
             return candidate, restored.state, data, extra
-        if errors:
+        if failed:
             raise RuntimeError(
-                f"no readable checkpoint in {self.directory} (each was moved aside to "
-                "<step>.corrupt):\n" + "\n".join(errors)
+                f"no checkpoint in {self.directory} restores onto this run's state (left in "
+                "place; if the config changed what is trained, e.g. model or LoRA settings, "
+                "restore them or train in a new workdir):\n"
+                + "\n".join(f"step {s}: {reason}" for s, reason in failed.items())
             )
         return None
 
     def _quarantine(self, step: int, reason: str) -> None:
         """Moves checkpoint `step` to `<step>.corrupt` (process 0; the others wait for it)."""
         target = self.directory / f"{step}.corrupt"
-        log.warning(
-            "checkpoint %d in %s is unreadable (%s); moved it to %s and trying the previous one",
-            step, self.directory, reason, target,
-        )  # fmt: skip
+        log.warning("moved unreadable checkpoint %d (%s) to %s", step, reason, target)
         if jax.process_index() == 0:
             if target.exists():
                 target.rmtree()  # an older quarantine of the same step

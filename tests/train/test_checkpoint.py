@@ -121,13 +121,16 @@ def test_unreadable_latest_is_moved_aside_and_the_previous_restored(corrupt, tmp
     _assert_equal(again, _small(1.0))
 
 
-def test_no_readable_checkpoint_is_an_error_naming_each(tmp_path):
+def test_when_none_restores_nothing_is_moved_and_the_error_names_each(tmp_path):
     checkpointer = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
     checkpointer.save(1, _small(1.0))
+    checkpointer.save(2, _small(2.0))
     checkpointer.close()
-    _corrupt(tmp_path / "checkpoints" / "1")
-    with pytest.raises(RuntimeError, match="no readable checkpoint(.|\n)*step 1: "):
-        Checkpointer(str(tmp_path), CheckpointConfig()).restore(SMALL)
+    _corrupt(tmp_path / "checkpoints" / "2")
+    other = {"w": jax.ShapeDtypeStruct((8,), np.float32), "b": SMALL["b"]}  # e.g. a new rank
+    with pytest.raises(RuntimeError, match="left in place(.|\n)*step 2: (.|\n)*step 1: "):
+        Checkpointer(str(tmp_path), CheckpointConfig()).restore(other)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
 
 
 def test_a_state_with_a_nan_is_never_saved(tmp_path):
