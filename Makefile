@@ -8,9 +8,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# --no-compile: byte-compiling every installed file (torch, jax) took a minute of CI; Python
-	# compiles what it imports, when it first imports it.
-	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 test: $(STAMP)
