@@ -1,12 +1,12 @@
 """Models: one decoder-only transformer, its presets and HF import/export."""
 
 from posttrain.models._attention import attention, attention_mask
+from posttrain.models._cache import KV_DTYPES, KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig, RopeScaling
 from posttrain.models._hf import check_export_destination, from_hf, to_hf
 from posttrain.models._hf_config import HFFormatError, load_hf_config
 from posttrain.models._presets import PRESETS, get_preset
 from posttrain.models._transformer import (
-    KVCache,
     ParamSpec,
     Transformer,
     forward,
@@ -22,6 +22,8 @@ from posttrain.models._transformer import (
 
 __all__ = [
     "KVCache",
+    "KV_DTYPES",
+    "PagedKVCache",
     "HFFormatError",
     "PRESETS",
     "ModelConfig",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from posttrain.models._attention import attention
@@ -79,10 +78,11 @@ def mla_attention(
     cache_BS1C=None,
     kv_positions_BS=None,
     kv_segment_ids_BS=None,
-    cache_index=None,
+    cache_update=None,
 ):
-    """The attention output `[B, L, D]` of normed inputs `h_BLD`; with a latent cache
-    `[B, S, 1, kv_lora_rank + qk_rope_head_dim]`, also the updated cache (else None)."""
+    """The attention output `[B, L, D]` of normed inputs `h_BLD`; with a latent cache store
+    (entries of `kv_lora_rank + qk_rope_head_dim` as one head, written and read back by
+    `cache_update(store, new)`), also the updated store (else None)."""
     m, dt = config.mla, config.dtype
     if m.q_lora_rank:
         q_lat = rms_norm(dense(h_BLD, a["q_a"].astype(dt)), a["q_norm"], LATENT_NORM_EPS)
@@ -123,13 +123,11 @@ def mla_attention(
         q_lat_BLNR = jnp.einsum("BLNn,RNn->BLNR", q_nope, k_up_RNn)
         q = constrain(jnp.concatenate([q_lat_BLNR, q_rope], axis=-1), heads)
         entry_BL1C = jnp.concatenate([c_BLR[:, :, None], k_rope_BL1r], axis=-1)
-        new_cache = jax.lax.dynamic_update_slice_in_dim(
-            cache_BS1C, entry_BL1C.astype(cache_BS1C.dtype), cache_index, axis=1
-        )
+        new_cache, entries_BS1C = cache_update(cache_BS1C, entry_BL1C)
         o_lat_BLNR = attention(
             q,
-            new_cache,
-            new_cache[..., : m.kv_lora_rank],
+            entries_BS1C,
+            entries_BS1C[..., : m.kv_lora_rank],
             q_positions_BL=positions_BL,
             kv_positions_BS=kv_positions_BS,
             q_segment_ids_BL=segment_ids_BL,

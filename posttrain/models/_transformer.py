@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.models._attention import attention, resolve_impl
+from posttrain.models._cache import KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig
 from posttrain.models._mla import mla_attention, mla_param_specs
 from posttrain.models._moe import moe_aux, moe_forward, moe_param_specs
@@ -152,41 +153,6 @@ _REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["k_TBSKH", "v_TBSKH", "positions_BS", "segment_ids_BS", "index"],
-    meta_fields=[],
-)
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Keys and values of every layer for S slots per row, for incremental decoding.
-
-    A forward pass with a cache writes its L tokens' keys, values, positions and segment ids at
-    slots `index .. index+L-1` of every row and attends over all S slots (masked by position and
-    segment id, so slots never written, with segment id -1, are never seen). MLA models store
-    their latent as one key "head" and no values (`ModelConfig.cache_dims`).
-    """
-
-    k_TBSKH: jax.Array
-    v_TBSKH: jax.Array
-    positions_BS: jax.Array  # int32 position of the token in each slot
-    segment_ids_BS: jax.Array  # int32; -1 marks a slot never written
-    index: jax.Array  # int32 scalar: the slot the next tokens are written at
-
-    @classmethod
-    def init(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
-        """An empty cache of `length` slots per row, in the compute dtype."""
-        heads, k_dim, v_dim = config.cache_dims()
-        shape = (config.num_layers, batch, length, heads)
-        return cls(
-            k_TBSKH=jnp.zeros((*shape, k_dim), config.dtype),
-            v_TBSKH=jnp.zeros((*shape, v_dim), config.dtype),
-            positions_BS=jnp.zeros((batch, length), jnp.int32),
-            segment_ids_BS=jnp.full((batch, length), -1, jnp.int32),
-            index=jnp.zeros((), jnp.int32),
-        )
-
-
 def _attention(
     h_BLD,
     a,
@@ -203,7 +169,7 @@ def _attention(
     segment_ids_BL,
     kv_positions_BS=None,
     kv_segment_ids_BS=None,
-    cache_index=None,
+    cache_update=None,
 ):
     """Grouped-query self-attention of normed `h_BLD`: `(out_BLD, (k, v) cache or None)`."""
     dt = config.dtype
@@ -227,10 +193,9 @@ def _attention(
     if k_cache_BSKH is None:
         kv_positions_BS, kv_segment_ids_BS = positions_BL, segment_ids_BL
     else:  # the fused kernels assume self-attention; cache attention uses the XLA reference
-        write = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=cache_index)
-        k_BLKH = write(k_cache_BSKH, k_BLKH.astype(k_cache_BSKH.dtype), axis=1)
-        v_BLKH = write(v_cache_BSKH, v_BLKH.astype(v_cache_BSKH.dtype), axis=1)
-        new_cache, impl = (k_BLKH, v_BLKH), "xla"
+        k_store, k_BLKH = cache_update(k_cache_BSKH, k_BLKH)
+        v_store, v_BLKH = cache_update(v_cache_BSKH, v_BLKH)
+        new_cache, impl = (k_store, v_store), "xla"
     attend = [
         functools.partial(
             attention,
@@ -270,13 +235,14 @@ def _layer(
     segment_ids_BL,
     kv_positions_BS=None,
     kv_segment_ids_BS=None,
-    cache_index=None,
+    cache_update=None,
 ):
     """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (or the experts).
 
-    Returns `(x, (cache, aux))`: with a cache (`k_cache_BSKH` ...) the new keys and values are
-    written at `cache_index`, the queries attend over the whole cache and the updated (k, v)
-    cache comes back; `aux` holds the MoE layer's losses and counts (empty for a dense block).
+    Returns `(x, (cache, aux))`: with a cache (this layer's `k_cache_BSKH`, `v_cache_BSKH`
+    stores) `cache_update(store, new)` writes the new keys and values and returns what the
+    queries attend over; the updated (k, v) stores come back; `aux` holds the MoE layer's
+    losses and counts (empty for a dense block).
     """
     dt = config.dtype
     h_BLD = rms_norm(x_BLD, p["attn_norm"], config.norm_eps)
@@ -289,7 +255,7 @@ def _layer(
         segment_ids_BL=segment_ids_BL,
         kv_positions_BS=kv_positions_BS,
         kv_segment_ids_BS=kv_segment_ids_BS,
-        cache_index=cache_index,
+        cache_update=cache_update,
     )
     if config.mla is not None:
         attn_BLD, k_cache = mla_attention(h_BLD, p["attn"], cache_BS1C=k_cache_BSKH, **context)
@@ -335,7 +301,7 @@ def hidden_states(
     config: ModelConfig,
     positions_BL: jax.Array | None = None,
     segment_ids_BL: jax.Array | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedKVCache | None = None,
     *,
     return_aux: bool = False,
     layer_transform: LayerTransform | None = None,
@@ -343,8 +309,8 @@ def hidden_states(
 ):
     """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read).
 
-    With a `cache`, returns `(hidden, cache)`: the tokens' keys and values are written at
-    `cache.index` and attention runs over the cache (see `KVCache`). Else, with `return_aux`,
+    With a `cache`, returns `(hidden, cache)`: the tokens' keys and values are written into it
+    and attention runs over it (see `KVCache`, `PagedKVCache`). Else, with `return_aux`,
     returns `(hidden, aux)` with the MoE layers' losses and counts (see `moe_aux`).
 
     `layer_transform(layer_params, extra)` rewrites each layer's params inside the scan body,
@@ -369,11 +335,11 @@ def hidden_states(
     window_index_T = jnp.asarray([windows.index(w) for w in config.layer_windows], jnp.int32)
     cache_kwargs = {}
     if cache is not None:
-        write = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=cache.index)
+        kv_positions_BS, kv_segment_ids_BS, update = cache.addressing(positions_BL, segment_ids_BL)
         cache_kwargs = dict(
-            kv_positions_BS=write(cache.positions_BS, positions_BL.astype(jnp.int32), axis=1),
-            kv_segment_ids_BS=write(cache.segment_ids_BS, segment_ids_BL.astype(jnp.int32), axis=1),
-            cache_index=cache.index,
+            kv_positions_BS=kv_positions_BS,
+            kv_segment_ids_BS=kv_segment_ids_BS,
+            cache_update=update,
         )
     layer = functools.partial(
         _layer,
@@ -401,22 +367,19 @@ def hidden_states(
         if layer_transform is not None:
             xs = (stack, (layer_extras or {}).get(name), window_index_T[layers])
         if cache is not None:
-            xs += (cache.k_TBSKH[layers], cache.v_TBSKH[layers])
+            k_T, v_T = cache.stores()
+            xs += jax.tree.map(lambda a, layers=layers: a[layers], (k_T, v_T))
         x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
         caches.append(kv)
         aux_T = aux or aux_T
     hidden_BLD = rms_norm(x_BLD, params["final_norm"], config.norm_eps)
     if cache is None:
         return (hidden_BLD, moe_aux(aux_T)) if return_aux else hidden_BLD
-    join = (lambda *a: jnp.concatenate(a)) if len(caches) > 1 else (lambda a: a)
-    cache = KVCache(
-        k_TBSKH=join(*(kv[0] for kv in caches)),
-        v_TBSKH=join(*(kv[1] for kv in caches)),
-        positions_BS=cache_kwargs["kv_positions_BS"],
-        segment_ids_BS=cache_kwargs["kv_segment_ids_BS"],
-        index=cache.index + L,
-    )
-    return hidden_BLD, cache
+    if len(caches) > 1:
+        k_T, v_T = jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
+    else:
+        k_T, v_T = caches[0]
+    return hidden_BLD, cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
 
 
 def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.Array:

@@ -1,0 +1,184 @@
+"""KV caches for incremental decoding: a dense cache of S slots per row, and a paged pool.
+
+Both give the decoder the same three things (`addressing`): the positions and segment ids of
+what the queries may attend, and `update(store, new) -> (store, readable)`, which writes one
+layer's new keys (or values) and returns that layer's keys as the queries see them, `[B, S, K,
+H]`. Attention masks by position and segment id, so the model code is the same for both.
+
+`PagedKVCache` is a pool of fixed-size blocks shared by every sequence (vLLM's PagedAttention,
+as an XLA gather): a sequence's keys live in the blocks its block table names, in order, so the
+key of its j-th token is at pool slot `table[j // block] * block + j % block`. Sequences grow
+a block at a time, free their blocks when they finish, and may share blocks (a prompt's
+prefix). Block 0 is scratch: padding and finished rows write there and nothing reads it.
+
+With `kv_dtype="int8"` the pool holds int8 values with one scale per token and head
+(absmax / 127, stored in float16), dequantised to the compute dtype as they are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.models._config import ModelConfig
+from posttrain.parallel import constrain
+
+KV_DTYPES = ("auto", "int8")
+_SCALE_DTYPE = jnp.float16
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k_TBSKH", "v_TBSKH", "positions_BS", "segment_ids_BS", "index"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer for S slots per row, for incremental decoding.
+
+    A forward pass with a cache writes its L tokens' keys, values, positions and segment ids at
+    slots `index .. index+L-1` of every row and attends over all S slots (masked by position and
+    segment id, so slots never written, with segment id -1, are never seen). MLA models store
+    their latent as one key "head" and no values (`ModelConfig.cache_dims`).
+    """
+
+    k_TBSKH: jax.Array
+    v_TBSKH: jax.Array
+    positions_BS: jax.Array  # int32 position of the token in each slot
+    segment_ids_BS: jax.Array  # int32; -1 marks a slot never written
+    index: jax.Array  # int32 scalar: the slot the next tokens are written at
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
+        """An empty cache of `length` slots per row, in the compute dtype."""
+        heads, k_dim, v_dim = config.cache_dims()
+        shape = (config.num_layers, batch, length, heads)
+        return cls(
+            k_TBSKH=jnp.zeros((*shape, k_dim), config.dtype),
+            v_TBSKH=jnp.zeros((*shape, v_dim), config.dtype),
+            positions_BS=jnp.zeros((batch, length), jnp.int32),
+            segment_ids_BS=jnp.full((batch, length), -1, jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def stores(self):
+        return self.k_TBSKH, self.v_TBSKH
+
+    def addressing(self, positions_BL, segment_ids_BL):
+        write = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=self.index)
+
+        def update(store_BSKH, new_BLKH):
+            store_BSKH = write(store_BSKH, new_BLKH.astype(store_BSKH.dtype), axis=1)
+            return store_BSKH, store_BSKH
+
+        return (
+            write(self.positions_BS, positions_BL.astype(jnp.int32), axis=1),
+            write(self.segment_ids_BS, segment_ids_BL.astype(jnp.int32), axis=1),
+            update,
+        )
+
+    def updated(self, k_TBSKH, v_TBSKH, positions_BS, segment_ids_BS, written: int) -> KVCache:
+        return KVCache(k_TBSKH, v_TBSKH, positions_BS, segment_ids_BS, self.index + written)
+
+
+def quantize_int8(x_NKH):
+    """Symmetric int8 with one scale per leading index and head: `(values, scales [..., K])`."""
+    absmax = jnp.max(jnp.abs(x_NKH.astype(jnp.float32)), axis=-1)
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0).astype(_SCALE_DTYPE)
+    q = jnp.round(x_NKH.astype(jnp.float32) / scale.astype(jnp.float32)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+def dequantize_int8(q, scale, dtype):
+    return (q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k_TNKH", "v_TNKH", "write_slots_BL", "read_slots_BS", "lengths_B"],
+    meta_fields=["dtype"],
+)
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """Every layer's keys and values in a shared pool of N = blocks x block_size slots, plus
+    where this forward pass writes and reads (filled in by the engine for each call).
+
+    Attributes:
+      k_TNKH, v_TNKH: the pool, `[layers, N, K, H]`; with int8 a dict of `q` (int8, same shape)
+        and `scale` (`[layers, N, K]`).
+      write_slots_BL: the pool slot of each new token (scratch slots for padding).
+      read_slots_BS: the pool slot of each of a row's first S tokens, in order (S a multiple of
+        the block size; slots past the row's length are masked).
+      lengths_B: tokens each row holds once this pass has written its new ones; the queries
+        attend only to the first `lengths_B` (position j is the row's j-th token).
+      dtype: the dtype keys and values are read back in (the model's compute dtype).
+    """
+
+    k_TNKH: jax.Array | dict
+    v_TNKH: jax.Array | dict
+    write_slots_BL: jax.Array
+    read_slots_BS: jax.Array
+    lengths_B: jax.Array
+    dtype: str = "float32"
+
+    @staticmethod
+    def init_pool(config: ModelConfig, slots: int, kv_dtype: str = "auto"):
+        """An empty pool `(k, v)` of `slots` token slots per layer (block 0's included)."""
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        heads, k_dim, v_dim = config.cache_dims()
+
+        def empty(dim):
+            shape = (config.num_layers, slots, heads, dim)
+            if kv_dtype == "int8":
+                return {
+                    "q": jnp.zeros(shape, jnp.int8),
+                    "scale": jnp.zeros(shape[:-1], _SCALE_DTYPE),
+                }
+            return jnp.zeros(shape, config.dtype)
+
+        return empty(k_dim), empty(v_dim)
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, kv_dtype: str = "auto") -> int:
+        """Pool bytes one cached token takes over all layers (keys, values and scales)."""
+        heads, k_dim, v_dim = config.cache_dims()
+        if kv_dtype == "int8":
+            per_layer = heads * (k_dim + v_dim) + heads * (1 + (v_dim > 0)) * 2
+        else:
+            per_layer = heads * (k_dim + v_dim) * jnp.dtype(config.dtype).itemsize
+        return config.num_layers * per_layer
+
+    def stores(self):
+        return self.k_TNKH, self.v_TNKH
+
+    def addressing(self, positions_BL, segment_ids_BL):
+        B, S = self.read_slots_BS.shape
+        kv_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        kv_segment_ids_BS = jnp.where(kv_positions_BS < self.lengths_B[:, None], 1, -1)
+        write_N = self.write_slots_BL.reshape(-1)
+        read_BS = self.read_slots_BS
+
+        def update(store, new_BLKH):
+            new_NKH = new_BLKH.reshape(-1, *new_BLKH.shape[2:])
+            if isinstance(store, dict):
+                q, scale = quantize_int8(new_NKH)
+                store = {
+                    "q": store["q"].at[write_N].set(q),
+                    "scale": store["scale"].at[write_N].set(scale),
+                }
+                read_BSKH = dequantize_int8(
+                    store["q"][read_BS], store["scale"][read_BS], self.dtype
+                )
+            else:
+                store = store.at[write_N].set(new_NKH.astype(store.dtype))
+                read_BSKH = store[read_BS].astype(self.dtype)
+            return store, constrain(read_BSKH, ("act_batch", None, "act_kv_heads", None))
+
+        return kv_positions_BS, kv_segment_ids_BS, update
+
+    def updated(self, k_TNKH, v_TNKH, positions_BS, segment_ids_BS, written: int):
+        return dataclasses.replace(self, k_TNKH=k_TNKH, v_TNKH=v_TNKH)
