@@ -1,0 +1,57 @@
+"""`posttrain serve`: the OpenAI HTTP API over an HF model directory or a training workdir."""
+
+from __future__ import annotations
+
+import contextlib
+
+from posttrain.cli._flags import define_mesh, mesh, parse
+from posttrain.errors import UserError
+
+HELP = (
+    "Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions with tools "
+    "and streaming, /v1/models, /health) until Ctrl-C. See docs/generation.md.",
+    [
+        "posttrain serve --model=runs/sft_tiny --port=8000",
+        "posttrain serve --model=HF_DIR --host=0.0.0.0 --preset=latency --served-model-name=mine",
+        "posttrain serve --model=gs://bucket/run --mesh=fsdp=4,tensor=2",
+    ],
+)
+
+
+def main(argv: list[str]) -> int:
+    def define(flags, fv):
+        flags.DEFINE_string("model", None, "HF model directory or training workdir", flag_values=fv)
+        flags.DEFINE_string("host", "127.0.0.1", "address to listen on", flag_values=fv)
+        flags.DEFINE_integer("port", 8000, "port to listen on (0: any free one)", flag_values=fv)
+        flags.DEFINE_string(
+            "preset", "throughput", "throughput (64 sequences per device call) or latency (8)",
+            flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_string(
+            "served_model_name", None, "the model id clients name (default: --model)",
+            flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_integer(
+            "max_requests", 64, "requests in flight or waiting; more are answered 429",
+            flag_values=fv,
+        )  # fmt: skip
+        define_mesh(fv)
+
+    fv = parse(argv, define, HELP)
+    if not fv.model:
+        raise UserError("--model=HF_DIR_OR_WORKDIR is required")
+    if fv.max_requests < 1:
+        raise UserError(f"--max-requests must be >= 1, got {fv.max_requests}")
+    import jax
+
+    from posttrain.sampling import ServeConfig, serve
+    from posttrain.train import load_model_and_tokenizer
+
+    config = ServeConfig.from_preset(  # before the model loads
+        fv.preset, model_name=fv.served_model_name or fv.model, max_requests=fv.max_requests
+    )
+    devices = mesh(fv.mesh)
+    with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():
+        model, tokenizer = load_model_and_tokenizer(fv.model, mesh=devices)
+    serve(model, tokenizer, config, host=fv.host, port=fv.port, mesh=devices)
+    return 0

@@ -1,0 +1,127 @@
+"""The paged engine: HF-exact greedy decoding with continuous batching and prefix sharing, the
+static sampler's exact draws, admission bounded by free blocks, and the int8 KV cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.models import PagedKVCache, Transformer, forward, from_hf, get_preset
+from posttrain.sampling import generate, generate_continuous
+from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.testing import save_tiny_hf_model
+
+from .test_generate import TINY, _hf_greedy
+
+_RS = np.random.RandomState(0)
+# Lengths on both sides of block boundaries (block_size 4 below); more requests than slots.
+PROMPTS = [_RS.randint(1, 64, size).tolist() for size in (3, 4, 9, 1, 13, 8, 5)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "deepseek_v3"])
+def test_greedy_matches_hf_generate(arch, tmp_path):
+    """qwen3 (qk-norm), mistral (window 4, decoding runs past it), DeepSeek-V3 (MLA latent cache,
+    MoE): n=2 samples share each prompt's blocks, 3 slots serve 7 prompts, 4-token blocks."""
+    path = save_tiny_hf_model(arch, str(tmp_path / arch))
+    model = from_hf(path, attention="xla")
+    ours = generate_continuous(
+        model, None, PROMPTS, max_new_tokens=10, n=2, slots=3, chunk=4, block_size=4
+    )
+    expected = _hf_greedy(path, PROMPTS, 10)
+    assert [[c.token_ids for c in row] for row in ours] == [[e, e] for e in expected]
+    assert {c.finish_reason for row in ours for c in row} == {"length"}
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    return Transformer.init(TINY, 0)
+
+
+def test_sampled_draws_equal_the_static_sampler(windowed):
+    """With per-prompt seeds both paths key token k of sample j of prompt i by
+    (seed_i, j, k): the engine, sharing prefixes or not, draws exactly what `generate` does
+    (whose distribution tests/sampling/test_generate.py checks against the exact softmax)."""
+    seeds = [11 * i + 5 for i in range(len(PROMPTS))]
+    kwargs = dict(max_new_tokens=9, temperature=1.0, top_p=0.9, n=3, seeds=seeds)
+    static = generate(windowed, None, PROMPTS, **kwargs)
+    for sharing in (True, False):
+        ours = generate_continuous(
+            windowed, None, PROMPTS, slots=4, block_size=4, prefix_sharing=sharing, **kwargs
+        )
+        assert [[c.token_ids for c in r] for r in ours] == [
+            [c.token_ids for c in r] for r in static
+        ]
+        for a, b in zip(sum(ours, []), sum(static, []), strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    assert any(len({c.token_ids for c in row}) > 1 for row in static)  # samples differ
+
+
+def test_prefix_sharing_and_block_bounded_admission(windowed):
+    """A group's prompt is prefilled once and its full blocks are shared; with a pool of only
+    12 blocks (one sequence needs 5) rows wait for blocks, not slots, and outputs stay the
+    same."""
+    prompts = [list(range(1, 15)), list(range(20, 31))]  # 14 and 11 tokens: 3 full blocks, 2
+    runs = {}
+    for sharing, blocks in ((True, 0), (False, 0), (True, 12)):
+        engine = Engine(
+            windowed,
+            EngineConfig(slots=4, block_size=4, num_blocks=blocks, prefix_sharing=sharing),
+            max_len=20,
+        )
+        out = generate_continuous(
+            windowed, None, prompts, max_new_tokens=6, n=4, temperature=1.0, engine=engine
+        )
+        runs[sharing, blocks] = ([[c.token_ids for c in r] for r in out], engine.stats)
+        assert engine.blocks_in_use == 0  # every block returned
+    (shared, s), (plain, p), (small, b) = runs[True, 0], runs[False, 0], runs[True, 12]
+    assert shared == plain == small
+    assert s.prompt_tokens == p.prompt_tokens == p.prefill_tokens == 4 * (14 + 11)
+    assert s.prefill_tokens == 14 + 11  # once per group
+    # The 11-token group in 4 slots: its leader's 5 blocks + 3 x 3 of its own (past the 2
+    # shared full blocks) with sharing; 4 x 5 without.
+    assert (s.peak_blocks, p.peak_blocks) == (14, 20)
+    assert b.peak_blocks <= 11 and b.prefill_calls > s.prefill_calls
+
+
+def test_requests_that_do_not_fit_are_refused(windowed):
+    engine = Engine(windowed, EngineConfig(block_size=4), max_len=16)
+    with pytest.raises(ValueError, match="does not fit the engine"):
+        engine.submit(Request(prompt=[1] * 12, max_new_tokens=5, key=None))
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        Engine(windowed, EngineConfig(block_size=4, num_blocks=4), max_len=16)
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        EngineConfig(kv_dtype="int4")
+
+
+def test_int8_cache_memory_and_agreement():
+    # Bytes per token: int8 values plus a float16 scale per token and head.
+    big = get_preset("llama3_8b")
+    for dtype in ("bfloat16", "float32"):
+        config = big.replace(compute_dtype=dtype)
+        ratio = PagedKVCache.bytes_per_token(config, "int8") / PagedKVCache.bytes_per_token(config)
+        assert ratio <= 0.55, (dtype, ratio)
+    pool = PagedKVCache.init_pool(TINY, 64, "int8")
+    measured = sum(x.nbytes for x in jax.tree.leaves(pool)) / 64
+    assert measured == PagedKVCache.bytes_per_token(TINY, "int8")
+
+    # Teacher-forced: logits through a paged cache (written, then read back) vs the plain
+    # forward, at every position of random sequences; the int8 cache's argmax agrees.
+    same = total = 0
+    for config in (TINY, get_preset("tiny_mla_moe"), get_preset("tiny_moe")):
+        params = Transformer.init(config, 0).params
+        tokens_BL = jax.random.randint(jax.random.key(1), (4, 24), 1, 64)
+        reference = jax.jit(forward, static_argnums=2)(params, tokens_BL, config)
+        slots_BL = jnp.arange(4 * 24, dtype=jnp.int32).reshape(4, 24) + 8  # past scratch
+        for kv_dtype in ("auto", "int8"):
+            k, v = PagedKVCache.init_pool(config, 8 + 4 * 24, kv_dtype)
+            cache = PagedKVCache(k, v, slots_BL, slots_BL, jnp.full((4,), 24), "float32")
+            logits, _ = jax.jit(forward, static_argnums=2)(
+                params, tokens_BL, config, None, None, cache
+            )
+            if kv_dtype == "auto":
+                np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
+            else:
+                same += int((logits.argmax(-1) == reference.argmax(-1)).sum())
+                total += logits.shape[0] * logits.shape[1]
+    print(f"int8 teacher-forced greedy agreement: {same / total:.3f}")
+    assert same / total >= 0.95, same / total

@@ -1,0 +1,190 @@
+"""generate_speculative: greedy output identical to generate's, drafts accepted, sampling
+unbiased (chi-square against the exact distribution), raw-model log-probs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+from posttrain.models import Transformer, forward, get_preset
+from posttrain.sampling import DraftModel, PromptLookup, generate, generate_speculative
+from posttrain.sampling._speculative import _lookup
+
+from .test_generate import TINY, _expected_probs
+
+# Mixed lengths, a one-token prompt (nothing to prefill) and a repetitive one (lookups hit).
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [9], [1, 2, 3, 4] * 4 + [1, 2]]
+NEW = 16
+
+
+def _one_layer(config):
+    return config.replace(num_layers=1, sliding_window=None, sliding_window_layers=None)
+
+
+def _windowed():
+    """TINY (sliding windows on two of three layers). Draft models: an unrelated random one-layer
+    model (its drafts are rejected) and the target's own first layer (often accepted)."""
+    model = Transformer.init(TINY, 0)
+    unrelated = Transformer.init(_one_layer(TINY), 1)
+    first_layer = dict(model.params, layers=jax.tree.map(lambda w: w[:1], model.params["layers"]))
+    drafts = [unrelated, Transformer(first_layer, _one_layer(TINY))]
+    return model, [PromptLookup(ngram=3, k=4)] + [DraftModel(d, k=3) for d in drafts]
+
+
+def _mla_moe():
+    """DeepSeek-V3-like tiny model (MLA, MoE, a dense first layer) with a decisive router, so
+    float rounding between forwards of different lengths does not flip an expert choice. The
+    draft model's side does not depend on the target's architecture: prompt lookup only."""
+    config = get_preset("tiny_mla_moe", attention="xla", max_seq_len=64)
+    model = Transformer.init(config, 0)
+    layers = dict(model.params["layers"])
+    layers["moe"] = dict(layers["moe"], router=layers["moe"]["router"] * 50)
+    return Transformer(dict(model.params, layers=layers), config), [PromptLookup(ngram=3, k=4)]
+
+
+def _teacher_forced(model, prompts, completions):
+    """log p of each completion token under one full forward of prompt + completion."""
+    width = max(len(p) + len(c.token_ids) for p, c in zip(prompts, completions, strict=True))
+    seqs = [p + list(c.token_ids) for p, c in zip(prompts, completions, strict=True)]
+    tokens = jnp.asarray([s + [0] * (width - len(s)) for s in seqs])  # causal: padding unseen
+    logp = jax.nn.log_softmax(
+        jax.jit(forward, static_argnums=2)(model.params, tokens, model.config)
+    )
+    return [
+        np.asarray(logp[b, len(p) - 1 + np.arange(len(c.token_ids)), list(c.token_ids)])
+        for b, (p, c) in enumerate(zip(prompts, completions, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("build", [_windowed, _mla_moe], ids=["windowed", "mla_moe"])
+def test_greedy_matches_generate(build):
+    model, drafters = build()
+    settings = dict(max_new_tokens=NEW, length_bucket=8)
+    plain = generate(model, None, PROMPTS, **settings)
+    # An id some rows emit mid-way: EOS then ends rows at different rounds.
+    eos = plain[0][0].token_ids[5]
+    plain = generate(model, None, PROMPTS, eos_ids=[eos], **settings)
+    reasons = {row[0].finish_reason for row in plain}
+
+    acceptance = []
+    for drafter in drafters:
+        stats = {}
+        ours = generate_speculative(
+            model, None, PROMPTS, drafter=drafter, eos_ids=[eos], stats=stats, **settings
+        )
+        for (s,), (c,) in zip(plain, ours, strict=True):
+            assert c.token_ids == s.token_ids, drafter
+            assert c.finish_reason == s.finish_reason
+            np.testing.assert_allclose(c.logprobs, s.logprobs, atol=1e-4, rtol=0)
+        assert stats["generated"] == sum(len(row[0].token_ids) for row in plain)
+        assert stats["rounds"] <= stats["generated"]
+        acceptance.append(stats["acceptance"])
+
+    assert reasons == {"stop", "length"}  # both endings exercised
+    assert acceptance[0] > 0.05  # prompt lookup hits the repetitive prompt (and greedy loops)
+    if len(acceptance) == 3:  # the target's own first layer agrees more than a random model
+        assert acceptance[2] > 0.05 > acceptance[1], acceptance
+
+
+def test_sampled_logprobs_are_the_models():
+    """Log-probs are the raw model's, as a teacher-forced forward gives them (the same
+    compilations as the greedy test: the sampling settings are traced)."""
+    model, drafters = _windowed()
+    for drafter in drafters:
+        sampled = generate_speculative(
+            model,
+            None,
+            PROMPTS,
+            max_new_tokens=NEW,
+            length_bucket=8,
+            drafter=drafter,
+            temperature=1.0,
+            top_k=20,
+            seed=1,
+        )
+        completions = [row[0] for row in sampled]
+        for c, ref in zip(completions, _teacher_forced(model, PROMPTS, completions), strict=True):
+            assert len(c.token_ids) == NEW
+            np.testing.assert_allclose(c.logprobs, ref, atol=1e-4, rtol=0)
+
+
+def _spread(model):
+    """Logits large enough that the distribution has a few likely tokens, not a flat one."""
+    params = dict(model.params, lm_head=model.params["lm_head"] * 10.0)
+    return Transformer(params, model.config)
+
+
+def test_sampling_matches_the_models_distribution():
+    """The joint distribution of the first two tokens and the marginal of the third (drafts
+    accepted, resampled after a rejection, and the bonus token after k acceptances) equals the
+    exact one computed from the model's logits, for both drafters and two sampling settings."""
+    config = _one_layer(TINY).replace(vocab_size=8)
+    model = _spread(Transformer.init(config, 0))
+    draft = _spread(Transformer.init(config, 5))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    V, M = config.vocab_size, 6000
+    # Every prefix of up to two generated tokens, in one forward: [V*V, len + 2].
+    grid = np.stack(np.meshgrid(np.arange(V), np.arange(V), indexing="ij"), -1).reshape(-1, 2)
+    logits = model(jnp.asarray([prompt + list(g) for g in grid]))[:, len(prompt) - 1 :]
+
+    for drafter in [PromptLookup(ngram=2, k=2), DraftModel(draft, k=2)]:
+        for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.8, 5, 0.9)]:
+            probs = [
+                np.stack([_expected_probs(l, temperature, top_k, top_p) for l in logits[:, i]])
+                for i in range(3)
+            ]  # p(t_i | prompt, grid row's first i tokens)
+            p_first = probs[0][0]
+            joint = p_first[grid[:, 0]] * probs[1][np.arange(V * V), grid[:, 1]]
+            third = (joint[:, None] * probs[2]).sum(0)
+
+            stats = {}
+            (samples,) = generate_speculative(
+                model,
+                None,
+                [prompt],
+                max_new_tokens=3,
+                drafter=drafter,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                n=M,
+                stats=stats,
+            )
+            assert 0.05 < stats["acceptance"] < 0.95, stats  # both branches of the rule ran
+            ids = np.asarray([c.token_ids for c in samples])
+            for counts, expected in [
+                (np.bincount(ids[:, 0] * V + ids[:, 1], minlength=V * V), joint),
+                (np.bincount(ids[:, 2], minlength=V), third),
+            ]:
+                assert counts[expected == 0].sum() == 0
+                live = expected > 0.002
+                assert live.sum() >= 4, expected  # a distribution worth testing
+                stat = scipy.stats.chisquare(
+                    counts[live], expected[live] / expected[live].sum() * counts[live].sum()
+                )
+                assert stat.pvalue > 1e-3, (drafter, temperature, counts, expected * M)
+
+
+def test_lookup_drafts():
+    history = jnp.asarray(
+        [
+            [-1, -1, 7, 1, 2, 3, 9, 1, 2, 3, 0, 0],  # last 3-gram seen before: what followed
+            [-1, 4, 5, 6, 4, 5, 6, 4, 5, 0, 0, 0],  # a loop: continued with its period
+            [-1, -1, -1, 8, 3, 2, 3, 0, 0, 0, 0, 0],  # only a 1-gram matches
+            [-1, -1, -1, -1, 5, 6, 0, 0, 0, 0, 0, 0],  # no match: repeat the last token
+        ]
+    )
+    drafts = _lookup(history, jnp.asarray([10, 9, 7, 6]), ngram=3, k=4)
+    assert drafts.tolist() == [[9, 1, 2, 3], [6, 4, 5, 6], [2, 3, 2, 3], [6, 6, 6, 6]]
+
+
+def test_bad_drafters_raise():
+    model = Transformer({}, TINY)  # the checks read only the config
+    with pytest.raises(ValueError, match="k >= 1"):
+        PromptLookup(k=0)
+    with pytest.raises(ValueError, match="drafter must be"):
+        generate_speculative(model, None, [[1]], max_new_tokens=2, drafter="ngram")
+    other = Transformer({}, _one_layer(TINY).replace(vocab_size=32))
+    with pytest.raises(ValueError, match="vocab_size"):
+        generate_speculative(model, None, [[1]], max_new_tokens=2, drafter=DraftModel(other))
