@@ -13,6 +13,7 @@ import sys
 import time
 
 import nbformat
+import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
@@ -73,11 +74,22 @@ def test_notebooks_are_stored_without_outputs():
         assert not stored, f"{path}: cells {stored} have outputs; clear them before committing"
 
 
-def test_notebooks_run_top_to_bottom(tmp_path):
-    # One test, in order, one workdir: 02 and 03 reuse the SFT run of 01, as a user would.
+def test_sft_and_grpo_notebooks_run_top_to_bottom(tmp_path):
+    # In order, one workdir: 03 reuses the SFT run of 01, as a user would. (02 and 04 run in
+    # `make test-slow`: the default suite pays for two.)
+    _run_notebooks([p for p in NOTEBOOKS if os.path.basename(p)[:2] in ("01", "03")], tmp_path)
+
+
+@pytest.mark.slow
+def test_every_notebook_runs_top_to_bottom(tmp_path):
+    _run_notebooks(NOTEBOOKS, tmp_path)
+
+
+def _run_notebooks(notebooks, tmp_path):
+    # One workdir: 02 and 03 reuse the SFT run of 01, as a user would.
     workdir = str(tmp_path / "runs")
     failures, seconds = [], {}
-    for path in NOTEBOOKS:
+    for path in notebooks:
         name = os.path.basename(path)
         cwd = tmp_path / name.removesuffix(".ipynb")
         cwd.mkdir()

@@ -36,8 +36,21 @@ class RolloutConfig:
     # its own copy of the weights, sent after every step; 0 samples on the training devices.
     sampler_devices: int = 0
     max_staleness: int = 0  # decoupled: rollouts may come from weights this many steps old
+    # "engine": the paged engine (continuous batching; a group's samples share its prompt's
+    # prefill and KV blocks); "static": one padded batch per step (the reference sampler).
+    # Both draw the same tokens for the same seeds (docs/generation.md).
+    sampler: str = "engine"
+    engine_slots: int = 64  # sequences the engine decodes together
+    kv_block_size: int = 16  # tokens per KV block
+    kv_dtype: str = "auto"  # "auto" (compute dtype) or "int8"
 
     def __post_init__(self):
+        if self.sampler not in ("engine", "static"):
+            raise ConfigError(f"rollout.sampler must be 'engine' or 'static', got {self.sampler!r}")
+        if self.engine_slots < 1 or self.kv_block_size < 1:
+            raise ConfigError("rollout.engine_slots and rollout.kv_block_size must be >= 1")
+        if self.kv_dtype not in ("auto", "int8"):
+            raise ConfigError(f"rollout.kv_dtype must be 'auto' or 'int8', got {self.kv_dtype!r}")
         if self.num_generations < 1 or self.max_new_tokens < 1 or self.max_prompt_len < 1:
             raise ConfigError("rollout: num_generations, max_new_tokens, max_prompt_len >= 1")
         if self.overlong_buffer < 0 or self.overlong_buffer > self.max_new_tokens:

@@ -30,7 +30,7 @@ from posttrain.rewards import (
 from posttrain.rl._config import RLConfig
 from posttrain.rl._scorer import policy_params
 from posttrain.rl._shares import gather_groups, prompt_share
-from posttrain.sampling import Completion, generate
+from posttrain.sampling import Completion, Engine, EngineConfig, generate, generate_continuous
 from posttrain.train._lora import base_shardings
 
 
@@ -112,6 +112,7 @@ class Rollouts:
         # Several processes: the devices it samples on (every process's), where they exchange
         # the sampled groups.
         self.stacked = process_meshes(devices)[1] if jax.process_count() > 1 else None
+        self.engine = None  # the paged engine, made at the first sampling (on its devices)
 
     def sample(
         self, params, prompts, seed: int = 0, *, seeds=None, greedy: bool = False, timings=None
@@ -142,10 +143,7 @@ class Rollouts:
         r = self.config.rollout
         start = time.perf_counter()
         model = Transformer(params, self.model_config)
-        completions = generate(
-            model,
-            self.tokenizer,
-            [p["prompt_ids"] for p in prompts],
+        kwargs = dict(
             max_new_tokens=r.max_new_tokens,
             temperature=0.0 if greedy else r.temperature,
             top_p=r.top_p,
@@ -154,6 +152,18 @@ class Rollouts:
             seed=seed,
             seeds=seeds,
         )
+        prompt_ids = [p["prompt_ids"] for p in prompts]
+        if r.sampler == "static":
+            completions = generate(model, self.tokenizer, prompt_ids, **kwargs)
+        else:
+            if self.engine is None:
+                config = EngineConfig(
+                    slots=r.engine_slots, block_size=r.kv_block_size, kv_dtype=r.kv_dtype
+                )
+                self.engine = Engine(model, config, max_len=self.max_len)
+            completions = generate_continuous(
+                model, self.tokenizer, prompt_ids, engine=self.engine, **kwargs
+            )
         generated = time.perf_counter()
         records = [p["record"] for p in prompts for _ in completions[0]]
         texts = [c.text for group in completions for c in group]

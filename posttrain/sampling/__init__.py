@@ -1,6 +1,8 @@
-"""Sampling: the KV-cache generation engine used by RL rollouts, eval and `generate`."""
+"""Sampling: the paged generation engine (RL rollouts, `serve`), the static sampler (the
+reference; eval and `generate`), speculative decoding and the OpenAI-compatible server."""
 
 from posttrain.sampling._continuous import generate_continuous
+from posttrain.sampling._engine import Engine, EngineConfig, EngineStats, Request
 from posttrain.sampling._generate import Completion, check_settings, generate
 from posttrain.sampling._run import run_generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
@@ -11,11 +13,15 @@ __all__ = [
     "check_settings",
     "Completion",
     "DraftModel",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
     "filter_logits",
     "generate",
     "generate_continuous",
     "generate_speculative",
     "PromptLookup",
+    "Request",
     "run_generate",
     "sample_tokens",
     "serve",

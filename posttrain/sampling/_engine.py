@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.models import KV_DTYPES, PagedKVCache, Transformer, hidden_states, lm_logits
+from posttrain.parallel import logical_to_spec
 from posttrain.sampling._sample import sample_tokens
 
 _SCRATCH = 0  # block 0: padding and finished rows write here; nothing reads it
@@ -300,13 +301,16 @@ class Engine:
         self._rows = self._init_rows()
 
     def _init_rows(self) -> _Rows:
+        """Empty rows and pool on the model's devices: replicated, except the pool, whose kv
+        heads split over the mesh's tensor axis like the model's (a single-device model puts
+        everything on its device)."""
         c, B = self.config, self.config.slots
         k, v = PagedKVCache.init_pool(self.model.config, self.num_blocks * c.block_size, c.kv_dtype)
 
         def ints():  # separate buffers: the state is donated
             return jnp.zeros((B,), jnp.int32)
 
-        return _Rows(
+        rows = _Rows(
             k=k,
             v=v,
             tables_BM=jnp.zeros((B, self.blocks_per_seq), jnp.int32),
@@ -320,6 +324,23 @@ class Engine:
             top_k_B=ints(),
             top_p_B=jnp.ones((B,), jnp.float32),
         )
+        placed = jax.tree.leaves(self.model.params)[0].sharding
+        if not isinstance(placed, jax.sharding.NamedSharding):
+            return jax.device_put(rows, placed)
+        mesh = placed.mesh
+
+        def pool_sharding(x):
+            axes = (None, None, "act_kv_heads", None)[: x.ndim]
+            return jax.sharding.NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh))
+
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        shardings = rows._replace(
+            **{f: jax.tree.map(lambda _: replicated, getattr(rows, f)) for f in rows._fields},
+        )
+        shardings = shardings._replace(
+            k=jax.tree.map(pool_sharding, rows.k), v=jax.tree.map(pool_sharding, rows.v)
+        )
+        return jax.device_put(rows, shardings)
 
     @property
     def blocks_in_use(self) -> int:
@@ -461,14 +482,13 @@ class Engine:
             tables[g, : len(head)] = head
             self.stats.prefill_tokens += len(req.prompt)
         self.stats.prompt_tokens += sum(len(req.prompt) for _, req, *_ in starts)
-        X = 1 << (len(starts) - 1).bit_length()
-        padded = starts + starts[-1:] * (X - len(starts))
-        row_tables = np.zeros((X, self.blocks_per_seq), np.int32)
+        # Rows and copies are padded to `slots` (one compilation per prompt count and length).
+        padded = starts + starts[-1:] * (c.slots - len(starts))
+        row_tables = np.zeros((c.slots, self.blocks_per_seq), np.int32)
         for x, (_, _, _, table, _) in enumerate(padded):
             row_tables[x, : len(table)] = table
         copies = copies or [(_SCRATCH, _SCRATCH)]
-        C = 1 << (len(copies) - 1).bit_length()
-        copies = copies + copies[-1:] * (C - len(copies))
+        copies += copies[-1:] * (c.slots - len(copies))
         self._rows = _prefill(
             self.model,
             self._rows,

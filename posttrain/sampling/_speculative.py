@@ -9,7 +9,8 @@ q_i)) instead, and when all k pass it draws a bonus token from p_{k+1}. Every em
 then distributed exactly as plain sampling would draw it. At temperature 0, p and q are point
 masses on their argmaxes: drafts are accepted while they equal the model's argmax, so greedy
 output is token-identical to `generate`'s (up to float rounding between forwards of different
-lengths). A round emits 1 to k+1 tokens per row for one forward of the model.
+lengths). A round emits 1 to k+1 tokens per row for one forward of the model. The prefill
+covers all but each prompt's last token, which the first round feeds ahead of its drafts.
 
 Drafters:
 - `PromptLookup` (prompt-lookup / n-gram decoding): the k tokens that followed the latest
@@ -81,6 +82,36 @@ class _Sampling(NamedTuple):
             return jnp.argmax(probs_BV, axis=-1).astype(jnp.int32)
 
         return jax.lax.cond(self.temperature > 0, sample, greedy)
+
+
+class _Round(NamedTuple):
+    """What a drafter sees at the start of a round, per row."""
+
+    last_B: jax.Array  # the last emitted token, in no cache yet
+    position_B: jax.Array  # its position
+    history_BT: jax.Array  # the left-padded prompt (padding -1), then the tokens emitted
+    length_B: jax.Array  # how much of history_BT is filled
+    sampling: _Sampling
+    vocab: int
+
+
+def _accept(key, p_BLV, drafts_BK, q_BKV, sampling: _Sampling):
+    """The speculative-sampling rule on drafts `[B, k]` drawn from q `[B, k, V]`, given the
+    model's sampling distributions p `[B, k+1, V]`: (drafts accepted `[B]`, the token drawn
+    after them `[B]`: from max(0, p - q) after a rejection, from p after k acceptances)."""
+    B, K = drafts_BK.shape
+    p_BK = jnp.take_along_axis(p_BLV[:, :K], drafts_BK[..., None], axis=-1)[..., 0]
+    q_BK = jnp.take_along_axis(q_BKV, drafts_BK[..., None], axis=-1)[..., 0]
+    key_accept, key_draw = jax.random.split(key)
+    u_BK = jax.random.uniform(key_accept, (B, K))
+    accepted_B = jnp.sum(jnp.cumprod(u_BK * q_BK < p_BK, axis=1), axis=1, dtype=jnp.int32)
+    at_B11 = accepted_B[:, None, None]
+    p_BV = jnp.take_along_axis(p_BLV, at_B11, axis=1)[:, 0]
+    q_BV = jnp.take_along_axis(jnp.pad(q_BKV, ((0, 0), (0, 1), (0, 0))), at_B11, axis=1)[:, 0]
+    residual_BV = jnp.maximum(p_BV - q_BV, 0.0)
+    # A rejection implies p > q somewhere; the fallback only guards float round-off.
+    residual_BV = jnp.where(residual_BV.sum(-1, keepdims=True) > 0, residual_BV, p_BV)
+    return accepted_B, sampling.draw(key_draw, residual_BV)
 
 
 def _prefill(model: Transformer, tokens_BP, positions_BP, segment_ids_BP, slots: int, n: int):
@@ -171,9 +202,9 @@ class PromptLookup:
     def _start(self, tokens_BP, positions_BP, segment_ids_BP, slots: int, n: int):
         return ()
 
-    def _propose(self, state, key, last_B, position_B, history_BT, length_B, sampling, vocab):
-        drafts_BK = _lookup(history_BT, length_B, ngram=self.ngram, k=self.k)
-        return drafts_BK, jax.nn.one_hot(drafts_BK, vocab), state
+    def _propose(self, state, key, now: _Round):
+        drafts_BK = _lookup(now.history_BT, now.length_B, ngram=self.ngram, k=self.k)
+        return drafts_BK, jax.nn.one_hot(drafts_BK, now.vocab), state
 
     def _commit(self, state, live_BL):
         return state
@@ -203,7 +234,7 @@ class DraftModel:
     def _start(self, tokens_BP, positions_BP, segment_ids_BP, slots: int, n: int):
         return _prefill(self.model, tokens_BP, positions_BP, segment_ids_BP, slots, n)
 
-    def _propose(self, cache, key, last_B, position_B, history_BT, length_B, sampling, vocab):
+    def _propose(self, cache, key, now: _Round):
         # k+1 one-token steps feed [last, d_1 .. d_k]: the draft cache then holds the same
         # tokens in the same slots as the model's (the last step's own draw is not used).
         def step(carry, xs):
@@ -211,16 +242,16 @@ class DraftModel:
             key, i = xs
             logits_B1V, cache = self.model(
                 token_B[:, None],
-                (position_B + i)[:, None],
+                (now.position_B + i)[:, None],
                 jnp.ones_like(token_B[:, None]),
                 cache,
             )
-            q_BV = sampling.probs(logits_B1V[:, 0])
-            token_B = sampling.draw(key, q_BV)
+            q_BV = now.sampling.probs(logits_B1V[:, 0])
+            token_B = now.sampling.draw(key, q_BV)
             return (cache, token_B), (token_B, q_BV)
 
         xs = (jax.random.split(key, self.k + 1), jnp.arange(self.k + 1))
-        (cache, _), (drafts_LB, q_LBV) = jax.lax.scan(step, (cache, last_B), xs)
+        (cache, _), (drafts_LB, q_LBV) = jax.lax.scan(step, (cache, now.last_B), xs)
         return drafts_LB[: self.k].T, jnp.swapaxes(q_LBV[: self.k], 0, 1), cache
 
     def _commit(self, cache, live_BL):
@@ -272,31 +303,30 @@ def _speculate_padded(
     j_1L = jnp.arange(K + 1)[None]
     write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))
 
-    def cond(state):
+    def running(state):
         return ~jnp.all(state["done_B"])
+
+    def fits(state):  # the next round's k+1 slots fit in the cache
+        return running(state) & (state["cache"].index + K + 1 <= slots)
+
+    def compact(state):
+        active_B = ~state["done_B"]
+        cache = _compact(state["cache"], active_B)
+        return dict(state, cache=cache, draft=drafter._compact(state["draft"], active_B))
+
+    def rounds_until_full(state):
+        state = jax.lax.cond(fits(state), lambda s: s, compact, state)
+        return jax.lax.while_loop(fits, body, state)
 
     def body(state):
         cache, draft = state["cache"], state["draft"]
         done_B, num_B = state["done_B"], state["num_B"]
         active_B = ~done_B
-        key_draft, key_accept, key_resample = jax.random.split(
-            jax.random.fold_in(rng, state["rounds"]), 3
+        key_draft, key_accept = jax.random.split(jax.random.fold_in(rng, state["rounds"]))
+        now = _Round(
+            state["last_B"], state["position_B"], state["history_BT"], P + num_B, sampling, V
         )
-        cache, draft = jax.lax.cond(
-            cache.index + K + 1 > slots,
-            lambda: (_compact(cache, active_B), drafter._compact(draft, active_B)),
-            lambda: (cache, draft),
-        )
-        drafts_BK, q_BKV, draft = drafter._propose(
-            draft,
-            key_draft,
-            state["last_B"],
-            state["position_B"],
-            state["history_BT"],
-            P + num_B,
-            sampling,
-            V,
-        )
+        drafts_BK, q_BKV, draft = drafter._propose(draft, key_draft, now)
         start = cache.index
         logits_BLV, cache = model(
             jnp.concatenate([state["last_B"][:, None], drafts_BK], axis=1),
@@ -304,20 +334,9 @@ def _speculate_padded(
             jnp.ones((B, K + 1), jnp.int32),
             cache,
         )
-        p_BLV = sampling.probs(logits_BLV)
-        p_BK = jnp.take_along_axis(p_BLV[:, :K], drafts_BK[..., None], axis=-1)[..., 0]
-        q_BK = jnp.take_along_axis(q_BKV, drafts_BK[..., None], axis=-1)[..., 0]
-        u_BK = jax.random.uniform(key_accept, (B, K))
-        accepted_B = jnp.sum(jnp.cumprod(u_BK * q_BK < p_BK, axis=1), axis=1, dtype=jnp.int32)
-        # At the first rejection draw from max(0, p - q); after k acceptances from p (q = 0).
-        p_BV = jnp.take_along_axis(p_BLV, accepted_B[:, None, None], axis=1)[:, 0]
-        q_BV = jnp.take_along_axis(
-            jnp.pad(q_BKV, ((0, 0), (0, 1), (0, 0))), accepted_B[:, None, None], axis=1
-        )[:, 0]
-        residual_BV = jnp.maximum(p_BV - q_BV, 0.0)
-        residual_BV = jnp.where(residual_BV.sum(-1, keepdims=True) > 0, residual_BV, p_BV)
-        next_B = sampling.draw(key_resample, residual_BV)
-
+        accepted_B, next_B = _accept(
+            key_accept, sampling.probs(logits_BLV), drafts_BK, q_BKV, sampling
+        )
         emitted_BL = jnp.where(
             j_1L < accepted_B[:, None], jnp.pad(drafts_BK, ((0, 0), (0, 1))), next_B[:, None]
         )
@@ -341,7 +360,7 @@ def _speculate_padded(
             logprobs_BN=write(state["logprobs_BN"], logprobs_BL, num_B),
             num_B=num_B + count_B,
             done_B=done_B | (first_eos_B < count_B) | (num_B + count_B >= N),
-            hit_eos_B=state["hit_eos_B"] | (active_B & (first_eos_B < count_B)),
+            hit_eos_B=state["hit_eos_B"] | (first_eos_B < count_B),
             proposed=state["proposed"] + K * jnp.sum(active_B),
             accepted=state["accepted"] + jnp.sum(jnp.where(active_B, accepted_B, 0)),
         )
@@ -361,7 +380,9 @@ def _speculate_padded(
         proposed=zero,
         accepted=zero,
     )
-    state = jax.lax.while_loop(cond, body, state)
+    # Compacting is a branch of the outer loop, not of every round: the rounds' loop never
+    # passes the cache through a conditional (which may copy it).
+    state = jax.lax.while_loop(running, rounds_until_full, state)
     stats = {name: state[name] for name in ("rounds", "proposed", "accepted")}
     tokens_BN = state["history_BT"][:, P : P + N]
     return tokens_BN, state["logprobs_BN"][:, :N], state["num_B"], state["hit_eos_B"], stats

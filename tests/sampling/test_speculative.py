@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from posttrain.models import Transformer, forward, get_preset
+from posttrain.models import ParamSpec, Transformer, forward, get_preset, param_specs
 from posttrain.sampling import DraftModel, PromptLookup, generate, generate_speculative
 from posttrain.sampling._speculative import _lookup
 
@@ -18,6 +18,22 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [9], [1, 2, 3, 4] * 4 + [1, 2]]
 NEW = 16
 
 
+def _init(config, seed):
+    """A random model like `Transformer.init`'s, drawn in numpy: compiling an init per config
+    took most of this file's time."""
+    rs = np.random.RandomState(seed)
+
+    def leaf(spec):
+        if spec.init in ("ones", "zeros"):
+            return jnp.full(spec.shape, float(spec.init == "ones"), jnp.float32)
+        return jnp.asarray(0.02 * rs.standard_normal(spec.shape), jnp.float32)
+
+    specs = param_specs(config)
+    return Transformer(
+        jax.tree.map(leaf, specs, is_leaf=lambda x: isinstance(x, ParamSpec)), config
+    )
+
+
 def _one_layer(config):
     return config.replace(num_layers=1, sliding_window=None, sliding_window_layers=None)
 
@@ -25,8 +41,8 @@ def _one_layer(config):
 def _windowed():
     """TINY (sliding windows on two of three layers). Draft models: an unrelated random one-layer
     model (its drafts are rejected) and the target's own first layer (often accepted)."""
-    model = Transformer.init(TINY, 0)
-    unrelated = Transformer.init(_one_layer(TINY), 1)
+    model = _init(TINY, 0)
+    unrelated = _init(_one_layer(TINY), 1)
     first_layer = dict(model.params, layers=jax.tree.map(lambda w: w[:1], model.params["layers"]))
     drafts = [unrelated, Transformer(first_layer, _one_layer(TINY))]
     return model, [PromptLookup(ngram=3, k=4)] + [DraftModel(d, k=3) for d in drafts]
@@ -37,7 +53,7 @@ def _mla_moe():
     float rounding between forwards of different lengths does not flip an expert choice. The
     draft model's side does not depend on the target's architecture: prompt lookup only."""
     config = get_preset("tiny_mla_moe", attention="xla", max_seq_len=64)
-    model = Transformer.init(config, 0)
+    model = _init(config, 0)
     layers = dict(model.params["layers"])
     layers["moe"] = dict(layers["moe"], router=layers["moe"]["router"] * 50)
     return Transformer(dict(model.params, layers=layers), config), [PromptLookup(ngram=3, k=4)]
@@ -120,8 +136,8 @@ def test_sampling_matches_the_models_distribution():
     accepted, resampled after a rejection, and the bonus token after k acceptances) equals the
     exact one computed from the model's logits, for both drafters and two sampling settings."""
     config = _one_layer(TINY).replace(vocab_size=8)
-    model = _spread(Transformer.init(config, 0))
-    draft = _spread(Transformer.init(config, 5))
+    model = _spread(_init(config, 0))
+    draft = _spread(_init(config, 5))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     V, M = config.vocab_size, 6000
     # Every prefix of up to two generated tokens, in one forward: [V*V, len + 2].
