@@ -98,41 +98,42 @@ def dequantize_int8(q, scale, dtype):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k_TNKH", "v_TNKH", "write_slots_BL", "read_slots_BS", "lengths_B"],
+    data_fields=["k_TNbKH", "v_TNbKH", "write_slots_BL", "tables_BM", "lengths_B"],
     meta_fields=["dtype"],
 )
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    """Every layer's keys and values in a shared pool of N = blocks x block_size slots, plus
-    where this forward pass writes and reads (filled in by the engine for each call).
+    """Every layer's keys and values in a shared pool of N blocks of b token slots, plus where
+    this forward pass writes and reads (filled in by the engine for each call).
 
     Attributes:
-      k_TNKH, v_TNKH: the pool, `[layers, N, K, H]`; with int8 a dict of `q` (int8, same shape)
-        and `scale` (`[layers, N, K]`).
-      write_slots_BL: the pool slot of each new token (scratch slots for padding).
-      read_slots_BS: the pool slot of each of a row's first S tokens, in order (S a multiple of
-        the block size; slots past the row's length are masked).
+      k_TNbKH, v_TNbKH: the pool, `[layers, N, b, K, H]`; with int8 a dict of `q` (int8, same
+        shape) and `scale` (`[layers, N, b, K]`).
+      write_slots_BL: the pool slot (`block * b + offset`) of each new token (scratch block 0
+        for padding).
+      tables_BM: the blocks each row reads, in order: its first `M * b` tokens (slots past the
+        row's length are masked).
       lengths_B: tokens each row holds once this pass has written its new ones; the queries
         attend only to the first `lengths_B` (position j is the row's j-th token).
       dtype: the dtype keys and values are read back in (the model's compute dtype).
     """
 
-    k_TNKH: jax.Array | dict
-    v_TNKH: jax.Array | dict
+    k_TNbKH: jax.Array | dict
+    v_TNbKH: jax.Array | dict
     write_slots_BL: jax.Array
-    read_slots_BS: jax.Array
+    tables_BM: jax.Array
     lengths_B: jax.Array
     dtype: str = "float32"
 
     @staticmethod
-    def init_pool(config: ModelConfig, slots: int, kv_dtype: str = "auto"):
-        """An empty pool `(k, v)` of `slots` token slots per layer (block 0's included)."""
+    def init_pool(config: ModelConfig, blocks: int, block_size: int, kv_dtype: str = "auto"):
+        """An empty pool `(k, v)` of `blocks` blocks per layer (block 0, scratch, included)."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         heads, k_dim, v_dim = config.cache_dims()
 
         def empty(dim):
-            shape = (config.num_layers, slots, heads, dim)
+            shape = (config.num_layers, blocks, block_size, heads, dim)
             if kv_dtype == "int8":
                 return {
                     "q": jnp.zeros(shape, jnp.int8),
@@ -153,32 +154,40 @@ class PagedKVCache:
         return config.num_layers * per_layer
 
     def stores(self):
-        return self.k_TNKH, self.v_TNKH
+        return self.k_TNbKH, self.v_TNbKH
 
     def addressing(self, positions_BL, segment_ids_BL):
-        B, S = self.read_slots_BS.shape
-        kv_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        kv_segment_ids_BS = jnp.where(kv_positions_BS < self.lengths_B[:, None], 1, -1)
-        write_N = self.write_slots_BL.reshape(-1)
-        read_BS = self.read_slots_BS
+        B, M = self.tables_BM.shape
+        write_N, tables_BM = self.write_slots_BL.reshape(-1), self.tables_BM
+
+        def write(pool_Nb, new):  # one layer's pool, a token's entry per new row
+            flat = pool_Nb.reshape(-1, *pool_Nb.shape[2:])
+            return flat.at[write_N].set(new.astype(pool_Nb.dtype)).reshape(pool_Nb.shape)
+
+        def read(pool_Nb):  # whole blocks, in table order: [B, M * b, ...]
+            blocks = pool_Nb[tables_BM]
+            return blocks.reshape(B, M * blocks.shape[2], *blocks.shape[3:])
 
         def update(store, new_BLKH):
             new_NKH = new_BLKH.reshape(-1, *new_BLKH.shape[2:])
             if isinstance(store, dict):
                 q, scale = quantize_int8(new_NKH)
-                store = {
-                    "q": store["q"].at[write_N].set(q),
-                    "scale": store["scale"].at[write_N].set(scale),
-                }
-                read_BSKH = dequantize_int8(
-                    store["q"][read_BS], store["scale"][read_BS], self.dtype
-                )
+                store = {"q": write(store["q"], q), "scale": write(store["scale"], scale)}
+                read_BSKH = dequantize_int8(read(store["q"]), read(store["scale"]), self.dtype)
             else:
-                store = store.at[write_N].set(new_NKH.astype(store.dtype))
-                read_BSKH = store[read_BS].astype(self.dtype)
+                store = write(store, new_NKH)
+                read_BSKH = read(store).astype(self.dtype)
             return store, constrain(read_BSKH, ("act_batch", None, "act_kv_heads", None))
 
+        S = M * self.block_size
+        kv_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        kv_segment_ids_BS = jnp.where(kv_positions_BS < self.lengths_B[:, None], 1, -1)
         return kv_positions_BS, kv_segment_ids_BS, update
 
-    def updated(self, k_TNKH, v_TNKH, positions_BS, segment_ids_BS, written: int):
-        return dataclasses.replace(self, k_TNKH=k_TNKH, v_TNKH=v_TNKH)
+    @property
+    def block_size(self) -> int:
+        k = self.k_TNbKH["q"] if isinstance(self.k_TNbKH, dict) else self.k_TNbKH
+        return k.shape[2]
+
+    def updated(self, k_TNbKH, v_TNbKH, positions_BS, segment_ids_BS, written: int):
+        return dataclasses.replace(self, k_TNbKH=k_TNbKH, v_TNbKH=v_TNbKH)

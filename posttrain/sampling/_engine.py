@@ -124,12 +124,12 @@ def _prefill(
     G, P = tokens_GP.shape
     positions_GP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (G, P))
     real_GP = positions_GP < lengths_G[:, None]
-    read_GS = _slots_of(tables_GR, block_size)
+    slots_GS = _slots_of(tables_GR, block_size)
     cache = PagedKVCache(
         rows.k,
         rows.v,
-        write_slots_BL=jnp.where(real_GP, read_GS[:, :P], _SCRATCH),
-        read_slots_BS=read_GS,
+        write_slots_BL=jnp.where(real_GP, slots_GS[:, :P], _SCRATCH),
+        tables_BM=tables_GR,
         lengths_B=lengths_G,
         dtype=jnp.dtype(config.dtype).name,
     )
@@ -140,11 +140,9 @@ def _prefill(
     logits_GV = lm_logits(model.params, last_G1D, config)[:, 0]
 
     def copy_blocks(pool):
-        src = _slots_of(copy_from_C[:, None], block_size).reshape(-1)
-        dst = _slots_of(copy_to_C[:, None], block_size).reshape(-1)
-        return pool.at[:, dst].set(pool[:, src])
+        return pool.at[:, copy_to_C].set(pool[:, copy_from_C])
 
-    k, v = jax.tree.map(copy_blocks, (cache.k_TNKH, cache.v_TNKH))
+    k, v = jax.tree.map(copy_blocks, (cache.k_TNbKH, cache.v_TNbKH))
     return _Rows(
         k=k,
         v=v,
@@ -186,7 +184,8 @@ def _decode(model: Transformer, rows: _Rows, eos_E, *, steps, blocks, block_size
     returns (rows, tokens `[B, steps]`, log-probs, which of them were generated)."""
     config = model.config
     B = rows.lengths_B.shape[0]
-    read_BS = _slots_of(rows.tables_BM[:, :blocks], block_size)
+    tables_BM = rows.tables_BM[:, :blocks]
+    slots_BS = _slots_of(tables_BM, block_size)
 
     def body(rows: _Rows, _):
         keys_B = jax.vmap(jax.random.fold_in)(rows.keys_B, rows.num_B)
@@ -200,13 +199,13 @@ def _decode(model: Transformer, rows: _Rows, eos_E, *, steps, blocks, block_size
         done_B = rows.done_B | jnp.isin(token_B, eos_E) | (num_B >= rows.budget_B)
         position_B = rows.lengths_B
         slot_B = jnp.take_along_axis(
-            read_BS, jnp.minimum(position_B, read_BS.shape[1] - 1)[:, None], axis=1
+            slots_BS, jnp.minimum(position_B, slots_BS.shape[1] - 1)[:, None], axis=1
         )[:, 0]
         cache = PagedKVCache(
             rows.k,
             rows.v,
             write_slots_BL=jnp.where(live_B, slot_B, _SCRATCH)[:, None],
-            read_slots_BS=read_BS,
+            tables_BM=tables_BM,
             lengths_B=position_B + 1,
             dtype=jnp.dtype(config.dtype).name,
         )
@@ -214,8 +213,8 @@ def _decode(model: Transformer, rows: _Rows, eos_E, *, steps, blocks, block_size
             token_B[:, None], position_B[:, None], jnp.ones((B, 1), jnp.int32), cache
         )
         rows = rows._replace(
-            k=cache.k_TNKH,
-            v=cache.v_TNKH,
+            k=cache.k_TNbKH,
+            v=cache.v_TNbKH,
             lengths_B=rows.lengths_B + live_B,
             logits_BV=logits_B1V[:, 0],
             num_B=num_B,
@@ -305,7 +304,7 @@ class Engine:
         heads split over the mesh's tensor axis like the model's (a single-device model puts
         everything on its device)."""
         c, B = self.config, self.config.slots
-        k, v = PagedKVCache.init_pool(self.model.config, self.num_blocks * c.block_size, c.kv_dtype)
+        k, v = PagedKVCache.init_pool(self.model.config, self.num_blocks, c.block_size, c.kv_dtype)
 
         def ints():  # separate buffers: the state is donated
             return jnp.zeros((B,), jnp.int32)
@@ -330,7 +329,7 @@ class Engine:
         mesh = placed.mesh
 
         def pool_sharding(x):
-            axes = (None, None, "act_kv_heads", None)[: x.ndim]
+            axes = (None, None, None, "act_kv_heads", None)[: x.ndim]
             return jax.sharding.NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh))
 
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

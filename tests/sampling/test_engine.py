@@ -100,7 +100,7 @@ def test_int8_cache_memory_and_agreement():
         config = big.replace(compute_dtype=dtype)
         ratio = PagedKVCache.bytes_per_token(config, "int8") / PagedKVCache.bytes_per_token(config)
         assert ratio <= 0.55, (dtype, ratio)
-    pool = PagedKVCache.init_pool(TINY, 64, "int8")
+    pool = PagedKVCache.init_pool(TINY, 16, 4, "int8")
     measured = sum(x.nbytes for x in jax.tree.leaves(pool)) / 64
     assert measured == PagedKVCache.bytes_per_token(TINY, "int8")
 
@@ -111,10 +111,12 @@ def test_int8_cache_memory_and_agreement():
         params = Transformer.init(config, 0).params
         tokens_BL = jax.random.randint(jax.random.key(1), (4, 24), 1, 64)
         reference = jax.jit(forward, static_argnums=2)(params, tokens_BL, config)
-        slots_BL = jnp.arange(4 * 24, dtype=jnp.int32).reshape(4, 24) + 8  # past scratch
+        # Row b's 24 tokens in blocks 2 + 6b ... 7 + 6b (4 tokens each), past the scratch block.
+        tables_BM = 2 + 6 * jnp.arange(4)[:, None] + jnp.arange(6)
+        slots_BL = (tables_BM[:, :, None] * 4 + jnp.arange(4)).reshape(4, 24)
         for kv_dtype in ("auto", "int8"):
-            k, v = PagedKVCache.init_pool(config, 8 + 4 * 24, kv_dtype)
-            cache = PagedKVCache(k, v, slots_BL, slots_BL, jnp.full((4,), 24), "float32")
+            k, v = PagedKVCache.init_pool(config, 2 + 4 * 6, 4, kv_dtype)
+            cache = PagedKVCache(k, v, slots_BL, tables_BM, jnp.full((4,), 24), "float32")
             logits, _ = jax.jit(forward, static_argnums=2)(
                 params, tokens_BL, config, None, None, cache
             )
