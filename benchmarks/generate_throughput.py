@@ -7,7 +7,11 @@ Two workloads, generated tokens/s (only the tokens each request asked for count)
 uniform: `batch` prompts, each `new` tokens, one batch.
 skewed: `requests` prompts; one in eight asks for `new` tokens, the rest `new // 8`. HF and the
 static path take them `batch` at a time (each batch decodes until its longest request is done);
-continuous batching keeps `batch` slots busy.
+continuous batching (the paged engine) keeps `batch` slots busy.
+groups: GRPO-style, `groups` prompts of `group_prompt` tokens, n=8 samples each of `group_new`
+tokens (temperature 1): the engine with and without prefix sharing (a group's prompt prefilled
+once, its full KV blocks shared), and the static sampler (n rows repeat one prefill's cache).
+Then the KV memory per token of each cache type, and the int8 cache's speed and greedy agreement.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from posttrain.models import from_hf, num_params
+from posttrain.models import PagedKVCache, from_hf, get_preset, num_params
 from posttrain.sampling import generate, generate_continuous
 
 HF_CONFIG = dict(  # a Llama-style model big enough to be non-trivial on CPU
@@ -73,6 +77,9 @@ def main():
     parser.add_argument("--new", type=int, default=128, help="longest completion (tokens)")
     parser.add_argument("--requests", type=int, default=32, help="requests in the skewed run")
     parser.add_argument("--chunk", type=int, default=16, help="decode steps per host sync")
+    parser.add_argument("--groups", type=int, default=4, help="prompts in the groups run")
+    parser.add_argument("--group-prompt", type=int, default=384, help="groups: prompt tokens")
+    parser.add_argument("--group-new", type=int, default=32, help="groups: new tokens")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
@@ -115,19 +122,73 @@ def main():
             "posttrain generate (static)": lambda: [
                 generate(model, None, g, max_new_tokens=m, **bucket) for g, m in groups
             ],
-            "posttrain generate_continuous": lambda: generate_continuous(
+            "posttrain engine (generate_continuous)": lambda: generate_continuous(
                 model, None, ps, max_new_tokens=bs, slots=B, chunk=args.chunk, **bucket
             ),
         }
 
     runs = {"uniform": workload(uniform, [N] * B), "skewed": workload(prompts, budgets)}
+    G, n = args.groups, 8
+    group_prompts = [rs.randint(1, V, args.group_prompt).tolist() for _ in range(G)]
+    sampled = dict(max_new_tokens=args.group_new, n=n, temperature=1.0, seeds=list(range(G)))
+
+    def engine(sharing, kv_dtype="auto"):
+        return lambda: generate_continuous(
+            model,
+            None,
+            group_prompts,
+            slots=G * n,
+            chunk=args.chunk,
+            prefix_sharing=sharing,
+            kv_dtype=kv_dtype,
+            **sampled,
+        )
+
+    runs["groups"] = (
+        G * n * args.group_new,
+        {
+            "posttrain engine, no prefix sharing": engine(False),
+            "posttrain engine, prefix sharing": engine(True),
+            "posttrain generate (static, n rows share one prefill)": lambda: generate(
+                model, None, group_prompts, **sampled
+            ),
+        },
+    )
+    int8 = generate_continuous(model, None, uniform, max_new_tokens=N, kv_dtype="int8")
+    same = sum(
+        a == b
+        for x, y in zip(ours, int8, strict=True)
+        for a, b in zip(x[0].token_ids, y[0].token_ids, strict=True)
+    )
+    runs["uniform, int8 KV"] = (
+        B * N,
+        {
+            "posttrain engine, model-dtype KV": lambda: generate_continuous(
+                model, None, uniform, max_new_tokens=N, slots=B, chunk=args.chunk, **bucket
+            ),
+            "posttrain engine, int8 KV": lambda: generate_continuous(
+                model,
+                None,
+                uniform,
+                max_new_tokens=N,
+                slots=B,
+                chunk=args.chunk,
+                **bucket,
+                kv_dtype="int8",
+            ),
+        },
+    )
     print(
         f"\nLlama 4 layers, d=256, V=4096 ({num_params(model.config) / 1e6:.1f}M params), "
         f"float32, greedy, batch/slots {B}, prompts {args.prompt // 2}-{args.prompt} tokens, "
         f"{jax.devices()[0].device_kind} ({os.cpu_count()} cores); first 16 greedy tokens "
         f"equal to HF in {agree:.0%} of rows\n"
     )
-    print("| workload | implementation | seconds | generated tokens/s | vs HF |")
+    print(
+        f"int8 KV: greedy tokens equal to the model-dtype cache's, position by position: "
+        f"{same / (B * N):.1%}\n"
+    )
+    print("| workload | implementation | seconds | generated tokens/s | vs first row |")
     print("|---|---|---|---|---|")
     for workload, (tokens, fns) in runs.items():
         baseline = None
@@ -138,6 +199,25 @@ def main():
                 f"| {workload} | {name} | {seconds:.2f} | {tokens / seconds:,.0f} | "
                 f"{baseline / seconds:.2f}x |"
             )
+    _memory_table(model)
+
+
+def _memory_table(model):
+    print("\n| model | KV cache | bytes per token (all layers) | vs model dtype |")
+    print("|---|---|---|---|")
+    for name, config in (
+        ("this benchmark's (float32)", model.config),
+        ("llama3_8b (bfloat16)", get_preset("llama3_8b").replace(compute_dtype="bfloat16")),
+        (
+            "deepseek_v3 (MLA latent, bfloat16)",
+            get_preset("deepseek_v3_671b").replace(compute_dtype="bfloat16"),
+        ),
+    ):
+        full = PagedKVCache.bytes_per_token(config)
+        for kind in ("auto", "int8"):
+            size = PagedKVCache.bytes_per_token(config, kind)
+            label = "model dtype" if kind == "auto" else "int8 + float16 scales"
+            print(f"| {name} | {label} | {size:,} | {size / full:.2f}x |")
 
 
 if __name__ == "__main__":

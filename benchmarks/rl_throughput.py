@@ -7,7 +7,10 @@ excluded) split into rollout generation, reward scoring (the verifier in worker 
 trainer's log-prob passes and advantages, and the optimizer updates.
 
     python benchmarks/rl_throughput.py --steps=40 --warmup=5
-    python benchmarks/rl_throughput.py --checkpoint=runs/demo/sft
+    python benchmarks/rl_throughput.py --checkpoint=runs/demo/sft --samplers=engine,static
+
+Each sampler in `--samplers` runs the same steps in turn (the paged engine, the default, and
+the static sampler, the reference), so their step times are side by side in one run.
 
 Reported in docs/benchmarks.md; raw numbers in benchmarks/results/rl_throughput_cpu.json.
 """
@@ -30,25 +33,7 @@ from posttrain.methods import run_from_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--checkpoint", default="", help="start from this run (default: random)")
-    parser.add_argument("--label", default="", help="what to call the checkpoint in the results")
-    parser.add_argument(
-        "--out", default=os.path.join(REPO, "benchmarks/results/rl_throughput_cpu.json")
-    )
-    args = parser.parse_args()
-
-    config = load_config_file(os.path.join(REPO, "configs", "grpo.py") + ":" + args.preset)
-    config.model.checkpoint = args.checkpoint
-    config.tokenizer = str(ASSETS_DIR / "tokenizer")
-    config.eval_data = []
-    config.train.steps, config.train.progress, config.train.eval_every = args.steps, False, 0
-    config.checkpoint.every = 10 * args.steps
-    config.mesh.ici = {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+def _measure(config, args) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         run_from_config(config, workdir, on_metrics=lambda step, m: rows.append(m))
@@ -56,8 +41,9 @@ def main() -> None:
     names = ("generate_s", "reward_s", "prepare_s", "train_s")
     parts = {k: float(np.mean([r[k] for r in timed])) for k in names}
     step_s = float(np.mean([r["step_s"] for r in timed]))
-    result = {
+    return {
         "preset": args.preset,
+        "sampler": config.rollout.sampler,
         "checkpoint": args.label or args.checkpoint or "random init",
         "prompts_per_step": config.data.batch_size,
         "samples_per_prompt": config.rollout.num_generations,
@@ -72,6 +58,33 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "jax": jax.__version__,
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--checkpoint", default="", help="start from this run (default: random)")
+    parser.add_argument("--label", default="", help="what to call the checkpoint in the results")
+    parser.add_argument("--samplers", default="engine", help="comma-separated: engine,static")
+    parser.add_argument(
+        "--out", default=os.path.join(REPO, "benchmarks/results/rl_throughput_cpu.json")
+    )
+    args = parser.parse_args()
+
+    config = load_config_file(os.path.join(REPO, "configs", "grpo.py") + ":" + args.preset)
+    config.model.checkpoint = args.checkpoint
+    config.tokenizer = str(ASSETS_DIR / "tokenizer")
+    config.eval_data = []
+    config.train.steps, config.train.progress, config.train.eval_every = args.steps, False, 0
+    config.checkpoint.every = 10 * args.steps
+    config.mesh.ici = {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+    results = {}
+    for sampler in args.samplers.split(","):
+        config.rollout.sampler = sampler
+        results[sampler] = _measure(config, args)
+    result = results[sampler] if len(results) == 1 else results
     print(json.dumps(result, indent=2))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -70,6 +70,12 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.overlong_buffer = 0  # DAPO soft over-length penalty ramp, tokens (0: off)
     c.rollout.sampler_devices = 0  # > 0: sample on the last N devices, train on the rest
     c.rollout.max_staleness = 0  # decoupled: rollouts may use weights this many steps old
+    # engine: paged KV, continuous batching, a group's samples share its prompt's prefill;
+    # static: one padded batch (the reference). Same draws for the same seeds.
+    c.rollout.sampler = "engine"
+    c.rollout.engine_slots = 64  # sequences the engine decodes together
+    c.rollout.kv_block_size = 16  # tokens per KV block
+    c.rollout.kv_dtype = "auto"  # auto (compute dtype) | int8
 
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.advantage = "grpo"  # grpo | drgrpo | rloo | none

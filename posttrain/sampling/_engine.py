@@ -55,7 +55,7 @@ class EngineConfig:
     slots: int = 8
     block_size: int = 16
     num_blocks: int = 0
-    chunk: int = 8
+    chunk: int = 16
     prefill_bucket: int = 16
     kv_dtype: str = "auto"
     prefix_sharing: bool = True
