@@ -161,9 +161,14 @@ class Rollouts:
                     slots=r.engine_slots, block_size=r.kv_block_size, kv_dtype=r.kv_dtype
                 )
                 self.engine = Engine(model, config, max_len=self.max_len)
+            before = dataclasses.replace(self.engine.stats)
             completions = generate_continuous(
                 model, self.tokenizer, prompt_ids, engine=self.engine, **kwargs
             )
+            if timings is not None:  # prefix sharing: a group's prompt is prefilled once
+                for key in ("prompt_tokens", "prefill_tokens"):
+                    done = getattr(self.engine.stats, key) - getattr(before, key)
+                    timings[key] = timings.get(key, 0) + done
         generated = time.perf_counter()
         records = [p["record"] for p in prompts for _ in completions[0]]
         texts = [c.text for group in completions for c in group]

@@ -60,6 +60,8 @@ def test_engine_and_static_sampler_give_the_same_run(tmp_path):
     engine, static = ([r["reward"] for r in runs[k]] for k in ("engine", "static"))
     assert engine == static, (engine, static)
     assert all(r["logp_gap"] < 1e-3 for r in runs["engine"])
+    # Prefix sharing: each group of 8 samples prefilled its prompt once.
+    assert all(r["prompt_tokens"] == 8 * r["prefill_tokens"] > 0 for r in runs["engine"])
 
 
 def test_ppo_with_a_critic_raises_the_reward(tmp_path):
