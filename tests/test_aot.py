@@ -187,3 +187,37 @@ def test_lora_sft_state_is_the_adapters_not_the_model():
     assert qlora.fits and "nf4 base" in qlora.method
     assert qlora.arguments < 0.5 * lora.arguments, (qlora.lines(), lora.lines())
     assert qlora.outputs == lora.outputs  # the same adapters' state
+
+
+def test_engine_decode_compiles_with_the_ragged_paged_attention_kernel_for_tpu():
+    """The engine's decode chunk with `attention="ragged"` (a combined pool, the TPU kernel)
+    compiles for a v5e chip from this CPU host, and the kernel is in the program."""
+    import numpy as np
+
+    from posttrain.aot import topology_devices
+    from posttrain.models import Transformer, get_preset, param_shapes
+    from posttrain.sampling import EngineConfig
+    from posttrain.sampling._engine import _decode, empty_rows
+
+    _, devices = topology_devices("v5e-8")
+    mesh = jax.sharding.Mesh(np.array(devices[:1]), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    config = get_preset("tiny", attention="xla", compute_dtype="bfloat16", head_dim=128)
+    engine = EngineConfig(slots=8, block_size=16, attention="ragged")
+    assert engine.kernel(config, "tpu") == "ragged"
+
+    def on_tpu(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+
+    model = Transformer(jax.tree.map(on_tpu, param_shapes(config)), config)
+    rows = jax.tree.map(
+        on_tpu, jax.eval_shape(lambda: empty_rows(config, engine, 65, 8, combined=True))
+    )
+    eos = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=replicated)
+    with jax.set_mesh(mesh):
+        compiled = (
+            _decode.trace(model, rows, eos, steps=2, blocks=8, block_size=16, kernel="ragged")
+            .lower(lowering_platforms=("tpu",))
+            .compile()
+        )
+    assert "ragged_paged_attention" in compiled.as_text()

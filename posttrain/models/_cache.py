@@ -68,6 +68,10 @@ class KVCache:
         return self.k_TBSKH, self.v_TBSKH
 
     def addressing(self, positions_BL, segment_ids_BL):
+        """`(kv_positions_BS, kv_segment_ids_BS, update, attend)` for a forward pass writing
+        tokens at these positions: what the queries may attend, `update(store, new) -> (store,
+        readable)` per layer, and `attend(store, q, k, v, window=, scale=) -> (store, out)`
+        when a fused kernel does the writing and attending itself (else None)."""
         write = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=self.index)
 
         def update(store_BSKH, new_BLKH):
@@ -78,6 +82,7 @@ class KVCache:
             write(self.positions_BS, positions_BL.astype(jnp.int32), axis=1),
             write(self.segment_ids_BS, segment_ids_BL.astype(jnp.int32), axis=1),
             update,
+            None,
         )
 
     def updated(self, k_TBSKH, v_TBSKH, positions_BS, segment_ids_BS, written: int) -> KVCache:
@@ -99,7 +104,7 @@ def dequantize_int8(q, scale, dtype):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["k_TNbKH", "v_TNbKH", "write_slots_BL", "tables_BM", "lengths_B"],
-    meta_fields=["dtype"],
+    meta_fields=["dtype", "kernel"],
 )
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
@@ -108,7 +113,9 @@ class PagedKVCache:
 
     Attributes:
       k_TNbKH, v_TNbKH: the pool, `[layers, N, b, K, H]`; with int8 a dict of `q` (int8, same
-        shape) and `scale` (`[layers, N, b, K]`).
+        shape) and `scale` (`[layers, N, b, K]`). A combined pool (`init_pool(combined=True)`,
+        the TPU kernel's layout) holds keys and values in one `[layers, N, b, 2K, H]` store,
+        keys at even heads and values at odd ones, and `v_TNbKH` is None.
       write_slots_BL: the pool slot (`block * b + offset`) of each new token (scratch block 0
         for padding).
       tables_BM: the blocks each row reads, in order: its first `M * b` tokens (slots past the
@@ -116,21 +123,38 @@ class PagedKVCache:
       lengths_B: tokens each row holds once this pass has written its new ones; the queries
         attend only to the first `lengths_B` (position j is the row's j-th token).
       dtype: the dtype keys and values are read back in (the model's compute dtype).
+      kernel: "" attends through the XLA gather; "ragged" runs one-token decode steps through
+        the TPU ragged paged-attention Pallas kernel (a combined pool), "ragged_reference"
+        through that kernel's JAX reference (what tests on CPU check the layout with).
     """
 
     k_TNbKH: jax.Array | dict
-    v_TNbKH: jax.Array | dict
+    v_TNbKH: jax.Array | dict | None
     write_slots_BL: jax.Array
     tables_BM: jax.Array
     lengths_B: jax.Array
     dtype: str = "float32"
+    kernel: str = ""
 
     @staticmethod
-    def init_pool(config: ModelConfig, blocks: int, block_size: int, kv_dtype: str = "auto"):
-        """An empty pool `(k, v)` of `blocks` blocks per layer (block 0, scratch, included)."""
+    def init_pool(
+        config: ModelConfig,
+        blocks: int,
+        block_size: int,
+        kv_dtype: str = "auto",
+        *,
+        combined: bool = False,
+    ):
+        """An empty pool `(k, v)` of `blocks` blocks per layer (block 0, scratch, included);
+        `combined`: keys and values interleaved in one store, `(kv, None)`."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         heads, k_dim, v_dim = config.cache_dims()
+        if combined:
+            if kv_dtype != "auto" or config.mla or k_dim != v_dim:
+                raise ValueError("a combined pool holds model-dtype keys and values of one size")
+            shape = (config.num_layers, blocks, block_size, 2 * heads, k_dim)
+            return jnp.zeros(shape, config.dtype), None
 
         def empty(dim):
             shape = (config.num_layers, blocks, block_size, heads, dim)
@@ -169,6 +193,17 @@ class PagedKVCache:
             return blocks.reshape(B, M * blocks.shape[2], *blocks.shape[3:])
 
         def update(store, new_BLKH):
+            if isinstance(new_BLKH, tuple):  # a combined pool: (keys, values) in, and out
+                kv_BLXH = jnp.stack(new_BLKH, axis=3).reshape(
+                    *new_BLKH[0].shape[:2], -1, new_BLKH[0].shape[-1]
+                )
+                store = write(store, kv_BLXH.reshape(-1, *kv_BLXH.shape[2:]))
+                read_BSXH = read(store).astype(self.dtype)
+                spec = ("act_batch", None, "act_kv_heads", None)
+                return store, (
+                    constrain(read_BSXH[:, :, 0::2], spec),
+                    constrain(read_BSXH[:, :, 1::2], spec),
+                )
             new_NKH = new_BLKH.reshape(-1, *new_BLKH.shape[2:])
             if isinstance(store, dict):
                 q, scale = quantize_int8(new_NKH)
@@ -179,15 +214,44 @@ class PagedKVCache:
                 read_BSKH = read(store).astype(self.dtype)
             return store, constrain(read_BSKH, ("act_batch", None, "act_kv_heads", None))
 
+        def attend(store, q_BLNH, k_BLKH, v_BLKH, *, window: int, scale: float):
+            """Writes the new keys and values into a combined pool and attends with the ragged
+            paged-attention kernel (one query per row: decode)."""
+            L = q_BLNH.shape[1]
+            kv_BLXH = jnp.stack([k_BLKH, v_BLKH], axis=3).reshape(B, L, -1, k_BLKH.shape[-1])
+            store = write(store, kv_BLXH.reshape(B * L, *kv_BLXH.shape[2:]))
+            from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
+
+            run = kernel.ref_ragged_paged_attention
+            if self.kernel == "ragged":  # explicit block sizes: no tuning lookup on the device
+                run = functools.partial(
+                    kernel.ragged_paged_attention,
+                    num_kv_pages_per_block=min(M, 8),
+                    num_queries_per_block=8,
+                    vmem_limit_bytes=32 * 1024 * 1024,
+                )
+            out_TNH = run(
+                q_BLNH.reshape(B * L, *q_BLNH.shape[2:]),
+                store.astype(q_BLNH.dtype),
+                self.lengths_B,
+                tables_BM,
+                jnp.arange(B + 1, dtype=jnp.int32) * L,
+                jnp.asarray([B], jnp.int32),
+                sm_scale=scale,
+                sliding_window=window or None,
+            )
+            return store, out_TNH.reshape(q_BLNH.shape)
+
         S = M * self.block_size
         kv_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         kv_segment_ids_BS = jnp.where(kv_positions_BS < self.lengths_B[:, None], 1, -1)
-        return kv_positions_BS, kv_segment_ids_BS, update
+        fused = self.kernel and self.write_slots_BL.shape[1] == 1
+        return kv_positions_BS, kv_segment_ids_BS, update, attend if fused else None
 
     @property
     def block_size(self) -> int:
         k = self.k_TNbKH["q"] if isinstance(self.k_TNbKH, dict) else self.k_TNbKH
-        return k.shape[2]
+        return k.shape[-3]
 
     def updated(self, k_TNbKH, v_TNbKH, positions_BS, segment_ids_BS, written: int):
         return dataclasses.replace(self, k_TNbKH=k_TNbKH, v_TNbKH=v_TNbKH)

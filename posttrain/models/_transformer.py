@@ -170,6 +170,7 @@ def _attention(
     kv_positions_BS=None,
     kv_segment_ids_BS=None,
     cache_update=None,
+    cache_attend=None,
 ):
     """Grouped-query self-attention of normed `h_BLD`: `(out_BLD, (k, v) cache or None)`."""
     dt = config.dtype
@@ -192,27 +193,41 @@ def _attention(
     new_cache = None
     if k_cache_BSKH is None:
         kv_positions_BS, kv_segment_ids_BS = positions_BL, segment_ids_BL
-    else:  # the fused kernels assume self-attention; cache attention uses the XLA reference
-        k_store, k_BLKH = cache_update(k_cache_BSKH, k_BLKH)
-        v_store, v_BLKH = cache_update(v_cache_BSKH, v_BLKH)
+    elif cache_attend is None:  # cache attention uses the XLA reference
+        if v_cache_BSKH is None:  # one store holds keys and values (a combined paged pool)
+            k_store, (k_BLKH, v_BLKH) = cache_update(k_cache_BSKH, (k_BLKH, v_BLKH))
+            v_store = None
+        else:
+            k_store, k_BLKH = cache_update(k_cache_BSKH, k_BLKH)
+            v_store, v_BLKH = cache_update(v_cache_BSKH, v_BLKH)
         new_cache, impl = (k_store, v_store), "xla"
-    attend = [
-        functools.partial(
-            attention,
-            window=w,
-            impl=impl,
-            q_positions_BL=positions_BL,
-            kv_positions_BS=kv_positions_BS,
-            q_segment_ids_BL=segment_ids_BL,
-            kv_segment_ids_BS=kv_segment_ids_BS,
-            self_attention=k_cache_BSKH is None,
-        )
-        for w in windows
-    ]
+    if cache_attend is not None:  # a paged-attention kernel writes the pool and attends
+        scale = config.head_dim**-0.5
+        attend = [
+            lambda q, k, v, w=w: cache_attend(k_cache_BSKH, q, k, v, window=w, scale=scale)
+            for w in windows
+        ]
+    else:
+        attend = [
+            functools.partial(
+                attention,
+                window=w,
+                impl=impl,
+                q_positions_BL=positions_BL,
+                kv_positions_BS=kv_positions_BS,
+                q_segment_ids_BL=segment_ids_BL,
+                kv_segment_ids_BS=kv_segment_ids_BS,
+                self_attention=k_cache_BSKH is None,
+            )
+            for w in windows
+        ]
     if len(attend) == 1:
         o_BLNH = attend[0](q_BLNH, k_BLKH, v_BLKH)
     else:  # layers differ in window size: pick this layer's statically-compiled variant
         o_BLNH = jax.lax.switch(window_index, attend, q_BLNH, k_BLKH, v_BLKH)
+    if cache_attend is not None:
+        k_store, o_BLNH = o_BLNH
+        new_cache = (k_store, None)
     attn_BLD = dense(o_BLNH, a["o"].astype(dt), contract=2)
     if config.o_bias:
         attn_BLD += a["o_bias"].astype(dt)
@@ -236,6 +251,7 @@ def _layer(
     kv_positions_BS=None,
     kv_segment_ids_BS=None,
     cache_update=None,
+    cache_attend=None,
 ):
     """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (or the experts).
 
@@ -262,7 +278,14 @@ def _layer(
         new_cache = None if k_cache is None else (k_cache, v_cache_BSKH)
     else:
         attn_BLD, new_cache = _attention(
-            h_BLD, p["attn"], window_index, k_cache_BSKH, v_cache_BSKH, windows=windows, **context
+            h_BLD,
+            p["attn"],
+            window_index,
+            k_cache_BSKH,
+            v_cache_BSKH,
+            windows=windows,
+            cache_attend=cache_attend,
+            **context,
         )
     x_BLD = constrain(x_BLD + attn_BLD, ("act_batch", "act_length", "act_embed"))
 
@@ -335,11 +358,14 @@ def hidden_states(
     window_index_T = jnp.asarray([windows.index(w) for w in config.layer_windows], jnp.int32)
     cache_kwargs = {}
     if cache is not None:
-        kv_positions_BS, kv_segment_ids_BS, update = cache.addressing(positions_BL, segment_ids_BL)
+        kv_positions_BS, kv_segment_ids_BS, update, attend = cache.addressing(
+            positions_BL, segment_ids_BL
+        )
         cache_kwargs = dict(
             kv_positions_BS=kv_positions_BS,
             kv_segment_ids_BS=kv_segment_ids_BS,
             cache_update=update,
+            cache_attend=attend,
         )
     layer = functools.partial(
         _layer,

@@ -34,6 +34,7 @@ from posttrain.parallel import logical_to_spec
 from posttrain.sampling._sample import sample_tokens
 
 _SCRATCH = 0  # block 0: padding and finished rows write here; nothing reads it
+_ATTENTION = ("auto", "xla", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,9 @@ class EngineConfig:
         compilations).
       kv_dtype: "auto" (the model's compute dtype) or "int8" (per-token, per-head scales).
       prefix_sharing: the n samples of a prompt share its prefill and its full blocks.
+      attention: how decode steps attend over the pool: "auto" (the TPU ragged paged-attention
+        kernel on TPU where it applies: model-dtype KV, no MLA, head dim a multiple of 128;
+        else "xla"), "xla" (gather the row's blocks, the reference), "ragged" (the kernel).
     """
 
     slots: int = 8
@@ -59,6 +63,7 @@ class EngineConfig:
     prefill_bucket: int = 16
     kv_dtype: str = "auto"
     prefix_sharing: bool = True
+    attention: str = "auto"
 
     def __post_init__(self):
         for name in ("slots", "block_size", "chunk", "prefill_bucket"):
@@ -70,6 +75,28 @@ class EngineConfig:
             )
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"engine kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(
+                f"engine attention must be one of {_ATTENTION}, got {self.attention!r}"
+            )
+
+    def kernel(self, model_config, platform: str) -> str:
+        """The `PagedKVCache.kernel` decode steps use ("" for the XLA gather)."""
+        fits = (
+            self.kv_dtype == "auto"
+            and model_config.mla is None
+            and model_config.head_dim % 128 == 0
+        )
+        if self.attention == "auto":
+            return "ragged" if platform == "tpu" and fits else ""
+        if self.attention == "xla":
+            return ""
+        if not fits:
+            raise ValueError(
+                f"engine attention={self.attention!r} needs a model-dtype KV cache (kv_dtype="
+                f"'auto'), no MLA and a head dim that is a multiple of 128; use 'xla'"
+            )
+        return self.attention
 
 
 class _Rows(NamedTuple):
@@ -177,9 +204,9 @@ def _sample_rows(rows: _Rows, keys_B):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("steps", "blocks", "block_size"), donate_argnames=("rows",)
+    jax.jit, static_argnames=("steps", "blocks", "block_size", "kernel"), donate_argnames=("rows",)
 )
-def _decode(model: Transformer, rows: _Rows, eos_E, *, steps, blocks, block_size):
+def _decode(model: Transformer, rows: _Rows, eos_E, *, steps, blocks, block_size, kernel=""):
     """`steps` decode steps of every row, attending over each row's first `blocks` blocks;
     returns (rows, tokens `[B, steps]`, log-probs, which of them were generated)."""
     config = model.config
@@ -208,6 +235,7 @@ def _decode(model: Transformer, rows: _Rows, eos_E, *, steps, blocks, block_size
             tables_BM=tables_BM,
             lengths_B=position_B + 1,
             dtype=jnp.dtype(config.dtype).name,
+            kernel=kernel,
         )
         logits_B1V, cache = model(
             token_B[:, None], position_B[:, None], jnp.ones((B, 1), jnp.int32), cache
@@ -224,6 +252,35 @@ def _decode(model: Transformer, rows: _Rows, eos_E, *, steps, blocks, block_size
 
     rows, (tokens_KB, logprobs_KB, live_KB) = jax.lax.scan(body, rows, length=steps)
     return rows, tokens_KB.T, logprobs_KB.T, live_KB.T
+
+
+def empty_rows(
+    model_config, config: EngineConfig, num_blocks: int, blocks_per_seq: int, *, combined: bool
+) -> _Rows:
+    """The engine's device state with no request in it (a pure function: `jax.eval_shape`
+    gives its shapes for ahead-of-time compilation)."""
+    B = config.slots
+    k, v = PagedKVCache.init_pool(
+        model_config, num_blocks, config.block_size, config.kv_dtype, combined=combined
+    )
+
+    def ints():  # separate buffers: the state is donated
+        return jnp.zeros((B,), jnp.int32)
+
+    return _Rows(
+        k=k,
+        v=v,
+        tables_BM=jnp.zeros((B, blocks_per_seq), jnp.int32),
+        lengths_B=ints(),
+        logits_BV=jnp.zeros((B, model_config.vocab_size), jnp.float32),
+        num_B=ints(),
+        budget_B=ints(),
+        keys_B=jax.random.split(jax.random.key(0), B),
+        done_B=jnp.ones((B,), bool),
+        temperature_B=jnp.zeros((B,), jnp.float32),
+        top_k_B=ints(),
+        top_p_B=jnp.ones((B,), jnp.float32),
+    )
 
 
 @dataclasses.dataclass
@@ -291,6 +348,8 @@ class Engine:
                 f"num_blocks or lower max_len"
             )
         self.num_blocks = num_blocks
+        device = next(iter(jax.tree.leaves(model.params)[0].devices()))
+        self.kernel = config.kernel(model.config, device.platform)
         self.stats = EngineStats()
         self.set_eos(eos_ids)
         self._free = list(range(num_blocks - 1, 0, -1))  # a stack; block 0 is scratch
@@ -303,25 +362,9 @@ class Engine:
         """Empty rows and pool on the model's devices: replicated, except the pool, whose kv
         heads split over the mesh's tensor axis like the model's (a single-device model puts
         everything on its device)."""
-        c, B = self.config, self.config.slots
-        k, v = PagedKVCache.init_pool(self.model.config, self.num_blocks, c.block_size, c.kv_dtype)
-
-        def ints():  # separate buffers: the state is donated
-            return jnp.zeros((B,), jnp.int32)
-
-        rows = _Rows(
-            k=k,
-            v=v,
-            tables_BM=jnp.zeros((B, self.blocks_per_seq), jnp.int32),
-            lengths_B=ints(),
-            logits_BV=jnp.zeros((B, self.model.config.vocab_size), jnp.float32),
-            num_B=ints(),
-            budget_B=ints(),
-            keys_B=jax.random.split(jax.random.key(0), B),
-            done_B=jnp.ones((B,), bool),
-            temperature_B=jnp.zeros((B,), jnp.float32),
-            top_k_B=ints(),
-            top_p_B=jnp.ones((B,), jnp.float32),
+        c = self.config
+        rows = empty_rows(
+            self.model.config, c, self.num_blocks, self.blocks_per_seq, combined=bool(self.kernel)
         )
         placed = jax.tree.leaves(self.model.params)[0].sharding
         if not isinstance(placed, jax.sharding.NamedSharding):
@@ -385,6 +428,7 @@ class Engine:
             steps=self.config.chunk,
             blocks=blocks,
             block_size=bs,
+            kernel=self.kernel,
         )
         self.stats.decode_calls += 1
         tok_BK, lp_BK, live_BK, done_B = jax.device_get((tok_BK, lp_BK, live_BK, self._rows.done_B))
@@ -512,3 +556,36 @@ class Engine:
         for row, req, j, table, _ in starts:
             self._row_of[row] = (req, j, table)
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.blocks_in_use)
+
+    # -- cancelling: a client went away, a stop string was hit --------------------------------
+
+    def cancel(self, request: Request, sample: int | None = None) -> bool:
+        """Ends sample `sample` of `request` (every sample when None) where it stands.
+
+        A queued request leaves the queue; a running sample's row and blocks are free for the
+        next `step` (its row writes to the scratch block until a new request takes it). Tokens
+        generated so far stay in `request`. A single sample must be running or done, not still
+        queued. Returns whether every sample of `request` is now done.
+        """
+        if sample is None:
+            samples = range(request.n)
+            self._queue = collections.deque(r for r in self._queue if r is not request)
+        elif not 0 <= sample < request.admitted:
+            raise ValueError(
+                f"sample {sample} of the request is not running (admitted: {request.admitted} "
+                f"of {request.n}); cancel the whole request instead"
+            )
+        else:
+            samples = (sample,)
+        ended = []
+        for b, entry in enumerate(self._row_of):
+            if entry is not None and entry[0] is request and entry[1] in samples:
+                self._release(entry[2])
+                self._row_of[b] = None
+                ended.append(b)
+        if ended:
+            done_B = self._rows.done_B.at[jnp.asarray(ended, jnp.int32)].set(True)
+            self._rows = self._rows._replace(done_B=done_B)
+        for j in samples:
+            request.done[j] = True
+        return all(request.done)

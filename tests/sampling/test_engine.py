@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posttrain import models
 from posttrain.models import PagedKVCache, Transformer, forward, from_hf, get_preset
 from posttrain.sampling import generate, generate_continuous
 from posttrain.sampling._engine import Engine, EngineConfig, Request
@@ -127,3 +128,36 @@ def test_int8_cache_memory_and_agreement():
                 total += logits.shape[0] * logits.shape[1]
     print(f"int8 teacher-forced greedy agreement: {same / total:.3f}")
     assert same / total >= 0.95, same / total
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_combined_pool_through_the_ragged_kernel_reference(window):
+    """The TPU kernel's layout (keys and values interleaved in one pool) and arguments (lengths,
+    block tables, query offsets, window), checked eagerly against the kernel's own JAX reference:
+    one decode step attends as the XLA gather over separate pools does."""
+    config = TINY.replace(sliding_window=None, sliding_window_layers=None)
+    rs = np.random.RandomState(window)
+    B, K, N, H, b = 3, config.num_kv_heads, config.num_heads, config.head_dim, 4
+    lengths = jnp.asarray([5, 9, 2])  # after this step's token is written
+    tables = jnp.asarray(rs.permutation(np.arange(1, 13)).reshape(B, 4), jnp.int32)
+    slots = (tables[:, :, None] * b + jnp.arange(b)).reshape(B, -1)
+    write = jnp.take_along_axis(slots, (lengths - 1)[:, None], axis=1)
+    k_old, v_old = (jnp.asarray(rs.randn(13, b, K, H), jnp.float32) for _ in range(2))
+    q, k, v = (jnp.asarray(rs.randn(B, 1, n, H), jnp.float32) for n in (N, K, K))
+
+    cache = PagedKVCache(k_old, v_old, write, tables, lengths)
+    kv_pos, kv_seg, update, attend = cache.addressing(None, None)
+    assert attend is None  # separate pools: the XLA gather
+    k_store, k_read = update(k_old, k)
+    v_store, v_read = update(v_old, v)
+    expected = models.attention(
+        q, k_read, v_read, q_positions_BL=(lengths - 1)[:, None], kv_positions_BS=kv_pos,
+        q_segment_ids_BL=jnp.ones((B, 1), jnp.int32), kv_segment_ids_BS=kv_seg, window=window,
+    )  # fmt: skip
+
+    combined = jnp.stack([k_old, v_old], axis=3).reshape(13, b, 2 * K, H)
+    fused = PagedKVCache(combined, None, write, tables, lengths, kernel="ragged_reference")
+    store, out = fused.addressing(None, None)[3](combined, q, k, v, window=window, scale=H**-0.5)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(store[:, :, 0::2], k_store)
+    np.testing.assert_array_equal(store[:, :, 1::2], v_store)
