@@ -24,7 +24,15 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_string("host", "127.0.0.1", "address to listen on", flag_values=fv)
         flags.DEFINE_integer("port", 8000, "port to listen on (0: any free one)", flag_values=fv)
         flags.DEFINE_string(
-            "preset", "throughput", "throughput (64 sequences per device call) or latency (8)",
+            "preset", "throughput",
+            "throughput (64 sequences decode together, 16 steps per device call) or latency "
+            "(8 sequences, 4 steps: first tokens sooner)",
+            flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_integer(
+            "num_blocks", 0,
+            "KV pool size in blocks of 16 tokens (0: room for every sequence at the model's "
+            "full context; set it for long-context models)",
             flag_values=fv,
         )  # fmt: skip
         flags.DEFINE_string(
@@ -42,13 +50,18 @@ def main(argv: list[str]) -> int:
         raise UserError("--model=HF_DIR_OR_WORKDIR is required")
     if fv.max_requests < 1:
         raise UserError(f"--max-requests must be >= 1, got {fv.max_requests}")
+    if fv.num_blocks < 0:
+        raise UserError(f"--num-blocks must be >= 0 (0: sized to fit), got {fv.num_blocks}")
     import jax
 
     from posttrain.sampling import ServeConfig, serve
     from posttrain.train import load_model_and_tokenizer
 
     config = ServeConfig.from_preset(  # before the model loads
-        fv.preset, model_name=fv.served_model_name or fv.model, max_requests=fv.max_requests
+        fv.preset,
+        model_name=fv.served_model_name or fv.model,
+        max_requests=fv.max_requests,
+        num_blocks=fv.num_blocks,
     )
     devices = mesh(fv.mesh)
     with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():

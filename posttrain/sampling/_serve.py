@@ -1,61 +1,68 @@
-"""`posttrain serve`: the OpenAI HTTP API over the generation engine.
+"""`posttrain serve`: the OpenAI HTTP API over the continuous-batching engine.
 
-`GET /health`, `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` (the
-tokenizer's chat template, tools, `<tool_call>` blocks parsed into `tool_calls`), each answered
-whole or streamed as Server-Sent Events in OpenAI's chunk format. The HTTP layer only parses,
-checks and formats; every model call goes through `_Backend` (`complete` for whole answers,
-`stream` for token-by-token ones) under one lock, so the device runs one call at a time while
-the event loop keeps accepting requests. The continuous-batching engine replaces `_Backend`
-without touching the HTTP layer.
+`GET /health`, `GET /v1/models`, `GET /v1/stats`, `POST /v1/completions` and
+`POST /v1/chat/completions` (the tokenizer's chat template, tools, `<tool_call>` blocks parsed
+into `tool_calls`), each answered whole or streamed as Server-Sent Events in OpenAI's chunk
+format. The HTTP layer only parses, checks and formats; every model call goes through
+`_Backend`: one worker thread owns one `Engine` and loops (take new requests, `step`, hand each
+request the tokens it gained), so requests from every HTTP client decode together in the
+engine's rows, and a row freed by a finished answer takes the next waiting one. Each prompt of
+an HTTP request is one engine `Request`; its handler awaits its tokens on its own asyncio queue,
+so the event loop never waits on the device. Stop strings are checked on the host after each
+engine step: a sample that hit one (or whose client went away) is cancelled, freeing its row.
 
 FastAPI and uvicorn are imported when an app is built, not with `posttrain.sampling` (so this
 module evaluates its annotations: FastAPI reads the handlers' `fastapi.Request` at build time).
 """
 
+import asyncio
 import contextlib
 import dataclasses
-import itertools
 import json
+import queue
 import re
 import secrets
 import socket
 import threading
 import time
+import traceback
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import jinja2
 import numpy as np
 
 from posttrain.errors import UserError
 from posttrain.models import Transformer
-from posttrain.sampling._generate import Completion, _encode, check_settings, generate
-from posttrain.sampling._stream import _prefill, _step
+from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._generate import Completion, _encode, _finish, check_settings
 
-# What each preset sets today, on the static-batch backend; the engine maps them onto its slots
-# and speculative decoding when it replaces `_Backend`.
+# How each preset sets the engine (see docs/generation.md, "Serving").
 PRESETS = {
-    # Up to 64 sequences (prompts x n) per device call; prompts padded to 64-token buckets, so
-    # few prompt lengths compile.
-    "throughput": dict(max_batch=64, length_bucket=64),
-    # Up to 8 sequences per call, so other requests run between the calls of a large one;
-    # 16-token buckets pad less (more compilations).
-    "latency": dict(max_batch=8, length_bucket=16),
+    # 64 rows decode together, 16 steps per device call: the most tokens per second; a new
+    # request waits up to one 16-step call for its prefill. Prompts pad to 64-token buckets.
+    "throughput": dict(slots=64, chunk=16, prefill_bucket=64),
+    # 8 rows, 4 steps per call: a new request starts (and streams its first tokens) within a
+    # few steps, at a lower total throughput. Prompts pad to 16-token buckets.
+    "latency": dict(slots=8, chunk=4, prefill_bucket=16),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """What the server runs with; `ServeConfig.from_preset` fills the batching fields."""
+    """What the server runs with; `ServeConfig.from_preset` fills the engine fields."""
 
     model_name: str = "posttrain"  # the id /v1/models lists and requests name
-    preset: str = "throughput"  # the PRESETS entry max_batch and length_bucket came from
-    max_batch: int = 64  # most sequences (prompts x n) per device call; more run as several
-    length_bucket: int = 64  # prompts (and the streaming cache) padded to a multiple of this
-    max_requests: int = 64  # requests in flight or waiting for the device; more get HTTP 429
+    preset: str = "throughput"  # the PRESETS entry the engine fields came from
+    slots: int = 64  # samples decoded together (engine rows); more wait for a free row
+    chunk: int = 16  # decode steps per device call; requests join and leave between calls
+    prefill_bucket: int = 64  # prompts padded to a multiple of this (bounds compilations)
+    # KV pool blocks of 16 tokens; 0 gives every row room for a max_seq_len sequence
+    # (slots x max_seq_len tokens: small for small models, set it for long-context ones).
+    num_blocks: int = 0
+    max_requests: int = 64  # requests in flight or waiting for the engine; more get HTTP 429
     default_max_tokens: int = 256  # max_tokens of a request that gives none (cut to fit)
 
     @classmethod
@@ -88,81 +95,223 @@ class Piece(NamedTuple):
     finish_reason: str | None
 
 
+class _Update(NamedTuple):
+    """What the worker hands a handler after an engine step: each sample's new tokens (streamed
+    requests only) and whether every sample is done."""
+
+    tokens: list[list[int]]
+    finished: bool
+
+
+@dataclasses.dataclass(eq=False)
+class _Track:
+    """One prompt of an HTTP request: its engine request (made by the worker) and the queue on
+    the handler's event loop its updates (or a failure message) go to."""
+
+    prompt: list[int]
+    settings: Settings
+    seed: int
+    streaming: bool
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    request: Request | None = None
+    sent: list[int] = dataclasses.field(default_factory=list)  # tokens per sample seen so far
+    finished: bool = False  # the handler got the last update
+
+    async def next(self) -> _Update:
+        """The next update; HTTP 500 if the engine failed."""
+        update = await self.updates.get()
+        if isinstance(update, str):
+            raise _APIError(update, status=500, kind="server_error")
+        self.finished = update.finished
+        return update
+
+
 class _Backend:
-    """Every model call of the server: batch `generate` and token-by-token streaming, one call at
-    a time on the model's mesh."""
+    """The server's engine, owned by a worker thread that decodes every handler's requests
+    together; handlers `complete` or `stream` from the event loop."""
 
     def __init__(self, model: Transformer, tokenizer, config: ServeConfig, *, mesh=None):
         self.tokenizer = tokenizer
         self.max_seq_len = model.config.max_seq_len
         self._model, self._config, self._mesh = model, config, mesh
-        self._lock = threading.Lock()
+        self._eos = frozenset(tokenizer.eos_ids)
+        with self._on_mesh():
+            self.engine = self._new_engine()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit" | "cancel", track)
+        self._active: list[_Track] = []  # submitted and not finished; the worker's alone
+        self._worker = threading.Thread(target=self._work, name="posttrain-engine", daemon=True)
+        self._worker.start()
 
-    @contextlib.contextmanager
-    def _device(self):
-        """One model call at a time, inside the model's mesh."""
-        mesh = jax.set_mesh(self._mesh) if self._mesh is not None else contextlib.nullcontext()
-        with self._lock, mesh:
-            yield
+    def _on_mesh(self):
+        return jax.set_mesh(self._mesh) if self._mesh is not None else contextlib.nullcontext()
 
-    def complete(self, prompts: list[list[int]], settings: Settings) -> list[list[Completion]]:
-        """Per prompt, its `settings.n` completions, `max_batch` sequences per device call."""
-        per_call = max(1, self._config.max_batch // settings.n)
-        results = []
-        for start in range(0, len(prompts), per_call):
-            chunk = prompts[start : start + per_call]
-            with self._device():
-                results += generate(
-                    self._model,
-                    self.tokenizer,
-                    chunk,
-                    max_new_tokens=settings.max_tokens,
-                    temperature=settings.temperature,
-                    top_p=settings.top_p,
-                    top_k=settings.top_k,
-                    n=settings.n,
-                    seeds=[(settings.seed + start + i) % 2**32 for i in range(len(chunk))],
-                    stop=settings.stop,
-                    length_bucket=self._config.length_bucket,
-                )
-        return results
+    def _new_engine(self) -> Engine:
+        c = self._config
+        config = EngineConfig(slots=c.slots, chunk=c.chunk, prefill_bucket=c.prefill_bucket,
+                              num_blocks=c.num_blocks)  # fmt: skip
+        return Engine(self._model, config, eos_ids=self.tokenizer.eos_ids)
 
-    def stream(self, prompt: list[int], settings: Settings) -> Iterator[Piece]:
-        """The one completion of `prompt` piece by piece: the tokens and text `complete` gives
-        its first sample (same keys), with text held back while it may begin a stop string."""
-        bucket = self._config.length_bucket
-        cache_len = min(
-            -(-(len(prompt) + settings.max_tokens) // bucket) * bucket, self.max_seq_len
-        )
-        with self._device():
-            logits, cache = _prefill(
-                self._model, jnp.asarray([prompt], jnp.int32), max_len=cache_len
-            )
-        key = jax.random.fold_in(jax.random.key(np.uint32(settings.seed)), 0)  # sample 0
-        sampling = (jnp.float32(settings.temperature), jnp.int32(settings.top_k),
-                    jnp.float32(settings.top_p))  # fmt: skip
-        eos, ids, sent = set(self.tokenizer.eos_ids), [], 0
-        for step in range(settings.max_tokens):
-            with self._device():
-                token, logits, cache = _step(
-                    self._model, cache, logits, jax.random.fold_in(key, step),
-                    jnp.int32(len(prompt) + step), *sampling,
-                )  # fmt: skip
-                ids.append(int(token))
-            if ids[-1] in eos:
-                break
-            text = self.tokenizer.decode(ids)
-            if (cut := _first(text, settings.stop)) >= 0:
-                yield Piece(text[sent:cut], len(ids), "stop")
-                return
-            if text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                continue
-            ready = len(text) - _partial(text, settings.stop)
-            if ready > sent:
-                yield Piece(text[sent:ready], len(ids), None)
-                sent = ready
-        finish = "stop" if ids and ids[-1] in eos else "length"
+    def close(self) -> None:
+        """Stops the worker (after its current step)."""
+        self._inbox.put(("close", None))
+        self._worker.join()
+
+    def stats(self) -> dict:
+        """The engine's settings, its counters since start (`EngineStats`) and what it holds."""
+        engine = self.engine
+        return {"preset": self._config.preset, "slots": engine.config.slots,
+                "chunk": engine.config.chunk, "num_blocks": engine.num_blocks,
+                "blocks_in_use": engine.blocks_in_use, "requests": len(self._active),
+                **dataclasses.asdict(engine.stats)}  # fmt: skip
+
+    # -- the handlers' side (event loop) ---------------------------------------------------
+
+    def _submit(self, prompt: list[int], settings: Settings, i: int, *, streaming: bool):
+        seed = (settings.seed + i) % 2**32
+        track = _Track(prompt, settings, seed, streaming, asyncio.get_running_loop())
+        self._inbox.put(("submit", track))
+        return track
+
+    def _cancel(self, tracks: Sequence[_Track]) -> None:
+        for track in tracks:
+            if not track.finished:
+                self._inbox.put(("cancel", track))
+
+    async def complete(
+        self, prompts: list[list[int]], settings: Settings
+    ) -> list[list[Completion]]:
+        """Per prompt, its `settings.n` completions; prompt i draws from seed + i."""
+        tracks = [self._submit(p, settings, i, streaming=False) for i, p in enumerate(prompts)]
+        try:
+            for track in tracks:
+                while not (await track.next()).finished:
+                    pass
+        finally:
+            self._cancel(tracks)  # the handler failed or was cancelled
+        return [[self._completion(t.request, j, settings.stop) for j in range(settings.n)]
+                for t in tracks]  # fmt: skip
+
+    def _completion(self, req: Request, j: int, stop: tuple[str, ...]) -> Completion:
+        hit_eos = bool(req.tokens[j]) and req.tokens[j][-1] in self._eos
+        return _finish(self.tokenizer, req.tokens[j], req.logprobs[j], hit_eos, stop)
+
+    async def stream(self, prompt: list[int], settings: Settings) -> AsyncIterator[Piece]:
+        """The one completion of `prompt` piece by piece (a piece per engine step): the tokens
+        and text `complete` gives it, with text held back while it may begin a stop string."""
+        track = self._submit(prompt, settings, 0, streaming=True)
+        ids, sent, stop = [], 0, settings.stop
+        try:
+            while not track.finished:
+                text = None
+                for token in (await track.next()).tokens[0]:
+                    ids.append(token)
+                    if token in self._eos:
+                        break
+                    text = self.tokenizer.decode(ids)
+                    if (cut := _first(text, stop)) >= 0:
+                        yield Piece(text[sent:cut], len(ids), "stop")
+                        return
+                # Wait for the rest of a multi-byte character; hold back a stop string's start.
+                if text is None or text.endswith("\ufffd"):
+                    continue
+                ready = len(text) - _partial(text, stop)
+                if ready > sent:
+                    yield Piece(text[sent:ready], len(ids), None)
+                    sent = ready
+        finally:
+            self._cancel([track])  # a stop string, or the client went away
+        finish = "stop" if ids and ids[-1] in self._eos else "length"
         yield Piece(self.tokenizer.decode(ids)[sent:], len(ids), finish)
+
+    # -- the worker's side -----------------------------------------------------------------
+
+    def _work(self) -> None:
+        """Until `close`: take new requests and cancellations, step the engine, hand out tokens.
+        A failure fails the requests in the engine (HTTP 500) and starts a fresh engine."""
+        with self._on_mesh():
+            while True:
+                messages = [self._inbox.get()] if not self._active else []
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        messages.append(self._inbox.get_nowait())
+                for kind, track in messages:
+                    if kind == "close":
+                        for waiting in self._active:
+                            self._push(waiting, "the server stopped before the answer ended")
+                        return
+                    try:
+                        self._take(kind, track)
+                    except Exception as e:  # noqa: BLE001 -- reported to the requests it hits
+                        self._fail(e, [track])
+                try:
+                    if not self.engine.idle:
+                        self.engine.step()
+                    self._publish()
+                except Exception as e:  # noqa: BLE001
+                    self._fail(e, [])
+
+    def _take(self, kind: str, track: _Track) -> None:
+        if kind == "cancel":
+            if track in self._active:
+                self.engine.cancel(track.request)
+            return
+        s = track.settings
+        track.request = Request(
+            prompt=track.prompt, max_new_tokens=s.max_tokens,
+            key=jax.random.key(np.uint32(track.seed)), n=s.n, temperature=s.temperature,
+            top_k=s.top_k, top_p=s.top_p,
+        )  # fmt: skip
+        track.sent = [0] * s.n
+        try:
+            self.engine.submit(track.request)
+        except ValueError as e:  # the HTTP layer checks lengths: not the client's fault
+            self._push(track, f"the engine refused the request: {e}")
+            return
+        self._active.append(track)
+
+    def _publish(self) -> None:
+        """Cancels samples that hit a stop string; hands each request its new tokens (streamed
+        ones) or its end."""
+        active = []
+        for track in self._active:
+            req = track.request
+            stop = track.settings.stop
+            for j, tokens in enumerate(req.tokens):
+                new = len(tokens) > track.sent[j]
+                if new and stop and not req.done[j]:
+                    if _first(self.tokenizer.decode(tokens), stop) >= 0:
+                        self.engine.cancel(req, j)
+            finished = all(req.done)
+            if track.streaming or finished:
+                update = _Update(
+                    [t[s:] for t, s in zip(req.tokens, track.sent, strict=True)], finished
+                )
+                if finished or any(update.tokens):
+                    self._push(track, update)
+            track.sent = [len(t) for t in req.tokens]
+            if not finished:
+                active.append(track)
+        self._active = active
+
+    def _push(self, track: _Track, item: "_Update | str") -> None:
+        with contextlib.suppress(RuntimeError):  # the handler's loop closed: nobody waits
+            track.loop.call_soon_threadsafe(track.updates.put_nowait, item)
+
+    def _fail(self, error: Exception, tracks: list[_Track]) -> None:
+        """Fails `tracks` and every request in the engine, and starts a fresh engine."""
+        traceback.print_exc()
+        failed = [*self._active, *(t for t in tracks if t not in self._active)]
+        self._active = []
+        try:  # the engine's state may be half-updated (its rows donated): start over
+            stats = self.engine.stats
+            self.engine = self._new_engine()
+            self.engine.stats = stats
+        except Exception:  # noqa: BLE001 -- the next requests fail with their own message
+            traceback.print_exc()
+        message = f"generation failed ({type(error).__name__}: {error}); please retry"
+        for track in failed:
+            self._push(track, message)
 
 
 def _first(text: str, markers: Sequence[str]) -> int:
@@ -389,14 +538,16 @@ class _Reply:
         choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
         return self._envelope("text_completion", [choice])
 
-    def chunks(self, pieces: Iterator[Piece], include_usage: bool) -> Iterator[dict]:
+    async def chunks(
+        self, pieces: AsyncIterator[Piece], include_usage: bool
+    ) -> AsyncIterator[dict]:
         """The streamed response; with tools, text from the first `<tool_call>` on is held
         back and sent at the end as `tool_calls` (or as text, if it does not parse)."""
         if self.chat:
             yield self._chunk({"role": "assistant", "content": ""}, None)
         content = (lambda text: {"content": text}) if self.chat else (lambda text: text)
         held, last = "", None
-        for last in pieces:
+        async for last in pieces:
             held += last.text
             cut = _first(held, [_OPEN]) if self.tools else -1
             ready = cut if cut >= 0 else len(held) - (_partial(held, [_OPEN]) if self.tools else 0)
@@ -416,20 +567,21 @@ class _Reply:
             yield self._envelope(kind, [], last.num_tokens)
 
 
-def _released(pieces: Iterator[Piece], release: Callable[[], None]) -> Iterator[Piece]:
+async def _released(pieces: AsyncIterator[Piece], release: Callable[[], None]):
     """`pieces`, calling `release` when they end, fail, or are dropped (a client went away)."""
     try:
-        yield from pieces
+        async for piece in pieces:
+            yield piece
     finally:
         release()
 
 
 def create_app(backend, config: ServeConfig):
     """The FastAPI app of the OpenAI API over `backend` (a `_Backend`, or anything with its
-    `tokenizer`, `max_seq_len`, `complete` and `stream`)."""
+    `tokenizer`, `max_seq_len`, `stats`, and the coroutine `complete` and async generator
+    `stream`)."""
     import fastapi
     from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.concurrency import run_in_threadpool
 
     app = fastapi.FastAPI(title=f"posttrain serve: {config.model_name}")
     slots = threading.BoundedSemaphore(config.max_requests)
@@ -448,6 +600,10 @@ def create_app(backend, config: ServeConfig):
         model = {"id": config.model_name, "object": "model", "created": started,
                  "owned_by": "posttrain", "max_model_len": backend.max_seq_len}  # fmt: skip
         return {"object": "list", "data": [model]}
+
+    @app.get("/v1/stats")
+    def stats():
+        return backend.stats()
 
     async def body_of(request: fastapi.Request) -> dict:
         try:
@@ -473,18 +629,30 @@ def create_app(backend, config: ServeConfig):
             )  # fmt: skip
         if not body.get("stream"):
             try:
-                return reply.whole(await run_in_threadpool(backend.complete, prompts, settings))
+                return reply.whole(await backend.complete(prompts, settings))
             finally:
                 slots.release()
-        # The first piece (prefill and one token) runs before the response starts, so that a
-        # failure is still an HTTP error; a started generator releases its slot when dropped.
+        # The first piece (prefill and a chunk of tokens) comes before the response starts, so
+        # that a failure is still an HTTP error; a started stream releases its slot when it
+        # ends or is dropped (and cancels its engine request, freeing its row).
         pieces = _released(backend.stream(prompts[0], settings), slots.release)
-        first = await run_in_threadpool(next, pieces)
-        chunks = reply.chunks(itertools.chain([first], pieces), include_usage)
-        events = itertools.chain(
-            (f"data: {json.dumps(c)}\n\n" for c in chunks), ["data: [DONE]\n\n"]
-        )
-        return StreamingResponse(events, media_type="text/event-stream")
+        first = await anext(pieces)
+
+        async def all_pieces():
+            yield first
+            async for piece in pieces:
+                yield piece
+
+        async def events():
+            try:
+                async for chunk in reply.chunks(all_pieces(), include_usage):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            except _APIError as e:  # the engine failed mid-stream: the status is sent already
+                yield f"data: {json.dumps(e.body())}\n\n"
+                return
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: fastapi.Request):
@@ -518,21 +686,27 @@ def serve(
     Args:
       model: the `Transformer` to sample from.
       tokenizer: its `posttrain.data.Tokenizer` (encodes prompts, renders chat templates).
-      config: the served name, preset and request limits.
+      config: the served name, the engine's settings (its preset) and request limits.
       host: the address to listen on (0.0.0.0 for every interface).
       port: the port; 0 picks a free one (the printed URL names it).
       mesh: the `jax.sharding.Mesh` the model is sharded over, if any.
 
     Raises:
-      UserError: the address cannot be listened on.
+      UserError: the address cannot be listened on, or the engine's KV pool (`num_blocks`)
+        cannot hold one `max_seq_len` sequence.
     """
     import uvicorn
 
-    app = create_app(_Backend(model, tokenizer, config, mesh=mesh), config)
+    try:
+        backend = _Backend(model, tokenizer, config, mesh=mesh)
+    except ValueError as e:  # e.g. num_blocks too small for one max_seq_len sequence
+        raise UserError(f"cannot build the serving engine: {e}") from None
+    app = create_app(backend, config)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         sock = socket.create_server((host, port), family=family)
     except OSError as e:
+        backend.close()
         raise UserError(
             f"cannot listen on {host}:{port} ({e.strerror}); pick another --port"
         ) from None
@@ -542,4 +716,7 @@ def serve(
         f"http://{shown}:{sock.getsockname()[1]}/v1",
         flush=True,
     )
-    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+    finally:
+        backend.close()

@@ -1,5 +1,9 @@
-"""`posttrain serve` driven by the official `openai` client: answers equal `generate`'s."""
+"""`posttrain serve` driven by the official `openai` client: answers equal `generate`'s, alone
+and decoded together in the engine; engine failures are HTTP 500s; `Engine.cancel`."""
 
+import asyncio
+import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -11,6 +15,7 @@ import threading
 import time
 import urllib.request
 
+import jax
 import openai
 import pytest
 import uvicorn
@@ -18,13 +23,14 @@ import uvicorn
 from posttrain import cli
 from posttrain.demo import ASSETS_DIR
 from posttrain.models import Transformer, get_preset, to_hf
-from posttrain.sampling import Completion, ServeConfig, generate
-from posttrain.sampling._serve import Piece, _tool_calls, create_app
+from posttrain.sampling import Completion, Engine, EngineConfig, Request, ServeConfig, generate
+from posttrain.sampling._serve import PRESETS, Piece, _Backend, _tool_calls, create_app
 from posttrain.train import load_model_and_tokenizer
 
 NAME = "tiny-test"
 PROMPTS = ["What is 3 + 4?", "Count: 1 2 3"]
 CHAT = [{"role": "user", "content": "What is 3 + 4?"}]
+LONG, SEED = 40, 7  # the concurrent sampled requests: tokens, and the first prompt's seed
 
 
 def _wait_for(condition, what: str, process=None, log=None):
@@ -39,11 +45,14 @@ def _wait_for(condition, what: str, process=None, log=None):
     pytest.fail(f"{what}: gave up waiting")
 
 
+def _get(url: str, path: str):
+    with urllib.request.urlopen(url.rstrip("/").removesuffix("/v1") + path, timeout=5) as r:
+        return json.load(r)
+
+
 def _healthy(url: str) -> bool:
     try:
-        root = url.rstrip("/").removesuffix("/v1")
-        with urllib.request.urlopen(root + "/health", timeout=5) as r:
-            return json.load(r) == {"status": "ok"}
+        return _get(url, "/health") == {"status": "ok"}
     except OSError:
         return False
 
@@ -58,13 +67,28 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
+def loaded(model_dir):
+    """The model and tokenizer as the server loads them, in this process."""
+    return load_model_and_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
     """The tokenizer, and `generate`'s greedy answers to PROMPTS and to CHAT's templated prompt
     (one batch) on the model as the server loads it, computed in this process."""
-    model, tokenizer = load_model_and_tokenizer(model_dir)
+    model, tokenizer = loaded
     chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     *plain, [chat_answer] = generate(model, tokenizer, [*PROMPTS, chat], max_new_tokens=8)
     return tokenizer, [s[0] for s in plain], chat_answer
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(loaded):
+    """`generate`'s two LONG-token samples of PROMPTS and CHAT's prompt, seeds SEED + i."""
+    model, tokenizer = loaded
+    chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    return generate(model, tokenizer, [*PROMPTS, chat], max_new_tokens=LONG, temperature=1.0,
+                    n=2, seeds=[SEED, SEED + 1, SEED + 2])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +98,12 @@ def client(model_dir, tmp_path_factory, request):
     out, err = open(logs / "stdout", "w+"), open(logs / "stderr", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "posttrain", "serve", f"--model={model_dir}", "--port=0",
-         f"--served-model-name={NAME}"],
+         f"--served-model-name={NAME}", "--preset=latency"],
         stdout=out, stderr=err,
     )  # fmt: skip
     try:
-        request.getfixturevalue("reference")  # computed while the server starts
+        for name in ("reference", "sampled_reference"):  # computed while the server starts
+            request.getfixturevalue(name)
         printed = lambda: (logs / "stdout").read_text()  # noqa: E731
         _wait_for(lambda: "http://" in printed(), "the URL", process, logs / "stderr")
         url = re.search(r"http://\S+", printed()).group(0)
@@ -157,6 +182,50 @@ def test_streamed_chunks_concatenate_to_the_whole_answer(client, reference):
     assert streamed != expected.text
 
 
+def test_concurrent_requests_decode_together_and_each_equals_generate(
+    client, reference, sampled_reference
+):
+    """Four clients at once (greedy; two prompts with two seeded samples each; a chat's seeded
+    samples, whole and streamed): each gets its own `generate` answer, and they shared the
+    engine's device calls (9 rows on 8: one waits for a free row)."""
+    _, greedy, _ = reference
+    url = str(client.base_url)
+    before = _get(url, "/v1/stats")
+    start = threading.Barrier(4)
+    sampled = dict(model=NAME, max_tokens=LONG, temperature=1.0)
+
+    def complete(**settings):
+        start.wait()
+        return [c.text for c in client.completions.create(**settings).choices]
+
+    def chat(**settings):
+        start.wait()
+        if not settings.get("stream"):
+            return [c.message.content for c in client.chat.completions.create(**settings).choices]
+        chunks = client.chat.completions.create(**settings)
+        return ["".join(c.choices[0].delta.content or "" for c in chunks)]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [
+            pool.submit(complete, model=NAME, prompt=PROMPTS, max_tokens=8, temperature=0),
+            pool.submit(complete, prompt=PROMPTS, n=2, seed=SEED, **sampled),
+            pool.submit(chat, messages=CHAT, n=2, seed=SEED + 2, **sampled),
+            pool.submit(chat, messages=CHAT, seed=SEED + 2, stream=True, **sampled),
+        ]
+        answers = [f.result() for f in futures]
+    texts = [[c.text for c in samples] for samples in sampled_reference]
+    assert answers == [[c.text for c in greedy], texts[0] + texts[1], texts[2], texts[2][:1]]
+    assert texts[0][0] != texts[0][1]
+    # Alone, a request needs one device call per `chunk` tokens of its longest sample.
+    chunk = before["chunk"]
+    calls = [-(-max(len(c.token_ids) for c in samples) // chunk) for samples in
+             ([*greedy], [*sampled_reference[0], *sampled_reference[1]], sampled_reference[2],
+              sampled_reference[2][:1])]  # fmt: skip
+    after = _get(url, "/v1/stats")
+    assert after["decode_calls"] - before["decode_calls"] < sum(calls)
+    assert after["requests"] == after["blocks_in_use"] == 0  # every row and block given back
+
+
 def test_refused_requests_are_openai_errors(client, reference):
     long = "1 2 3 " * 200
     with pytest.raises(openai.BadRequestError) as e:
@@ -197,6 +266,104 @@ def test_tool_call_blocks_become_tool_calls():
     )
 
 
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_set_the_engine(loaded, preset):
+    """Each preset's rows and chunk; the default pool holds max_seq_len tokens per row."""
+    backend = _Backend(*loaded, ServeConfig.from_preset(preset))
+    stats = backend.stats()
+    backend.close()
+    slots, chunk = PRESETS[preset]["slots"], PRESETS[preset]["chunk"]
+    assert (stats["slots"], stats["chunk"]) == (slots, chunk) and stats["requests"] == 0
+    assert stats["num_blocks"] == 1 + slots * 512 // 16  # the scratch block, 16-token blocks
+
+
+@pytest.fixture
+def in_process(loaded):
+    """A server in this process over a real `_Backend` (2 rows, 2-step chunks), and its client."""
+    model, tokenizer = loaded
+    config = ServeConfig(model_name=NAME, slots=2, chunk=2, prefill_bucket=16)
+    backend = _Backend(model, tokenizer, config)
+    try:
+        with _running(create_app(backend, config)) as client:
+            yield backend, client
+    finally:
+        backend.close()
+
+
+def test_an_engine_failure_is_a_500_and_the_next_request_runs(in_process, reference):
+    """A failed engine step fails the requests in the engine (HTTP 500, or an error event in a
+    started stream); the server starts a fresh engine and answers the next request."""
+    backend, client = in_process
+    _, expected, _ = reference
+
+    def fail_after(good: int):
+        """`backend.engine.step`, failing after `good` calls (on this engine: a failed engine
+        is replaced)."""
+        step, made = backend.engine.step, []
+
+        def steps():
+            made.append(1)
+            if len(made) > good:
+                raise RuntimeError("device lost")
+            return step()
+
+        backend.engine.step = steps
+
+    fail_after(0)
+    with pytest.raises(openai.InternalServerError, match="RuntimeError: device lost"):
+        client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=8, temperature=0)
+    fail_after(0)
+    with pytest.raises(openai.InternalServerError, match="device lost"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=8, stream=True)
+    fail_after(1)
+    settings = dict(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    stream, streamed = client.completions.create(**settings, stream=True), []
+    with pytest.raises(openai.APIError, match="device lost"):
+        for chunk in stream:
+            streamed.append(chunk.choices[0].text)
+    assert streamed and expected[0].text.startswith("".join(streamed))  # sent before it failed
+    assert client.completions.create(**settings).choices[0].text == expected[0].text
+    stats = backend.stats()
+    assert stats["decode_calls"] == 1 + -(-len(expected[0].token_ids) // 2)  # failures: none
+    assert stats["blocks_in_use"] == stats["requests"] == 0
+
+
+def test_a_client_that_goes_away_frees_its_row(in_process):
+    backend, client = in_process
+    # Greedy, this model answers PROMPTS[0] with 400 tokens and no EOS.
+    stream = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=400,
+                                       temperature=0, stream=True)  # fmt: skip
+    assert next(iter(stream)).choices[0].text
+    stream.close()
+    _wait_for(lambda: backend.stats()["requests"] == 0, "the request's cancellation")
+    stats = backend.stats()
+    assert stats["blocks_in_use"] == 0 and stats["generated_tokens"] < 400
+
+
+def test_cancel_frees_rows_and_blocks_and_leaves_the_others_alone(loaded):
+    """Cancelling a running request, one sample of another and a queued one: their rows and
+    blocks go back, the rest decode as they would have alone."""
+    model, _ = loaded
+    engine = Engine(model, EngineConfig(slots=2, chunk=2, prefill_bucket=16), eos_ids=())
+    key = jax.random.key(0)
+    gone = engine.submit(Request([1, 2, 3], 8, key))
+    engine.step()
+    pair, queued = engine.submit(Request([4, 5], 8, key, n=2)), engine.submit(Request([6], 8, key))
+    engine.step()  # `pair`'s first sample takes the other row; the rest wait
+    assert engine.cancel(gone) and len(gone.tokens[0]) == 4
+    engine.step()  # `pair`'s second sample takes the freed row
+    with pytest.raises(ValueError, match="not running"):
+        engine.cancel(Request([1], 4, key, n=2), 1)
+    assert not engine.cancel(pair, 1) and engine.cancel(queued)
+    engine.run()
+    assert len(pair.tokens[0]) == 8 and len(pair.tokens[1]) == 2 and queued.tokens == [[]]
+    assert engine.idle and engine.blocks_in_use == 0
+    alone = Engine(model, EngineConfig(slots=2, chunk=2, prefill_bucket=16), eos_ids=())
+    alone.submit(again := Request([4, 5], 8, key))
+    alone.run()
+    assert pair.tokens[0] == again.tokens[0] and pair.tokens[1] == again.tokens[0][:2]
+
+
 class _ScriptedBackend:
     """A backend that answers every prompt with `text`; `complete` waits for `go` once set."""
 
@@ -216,33 +383,41 @@ class _ScriptedBackend:
     def __init__(self, text):
         self.text, self.entered, self.go = text, threading.Event(), None
 
-    def complete(self, prompts, settings):
+    async def complete(self, prompts, settings):
         self.entered.set()
         if self.go is not None:
-            self.go.wait()
+            await asyncio.to_thread(self.go.wait)
         done = Completion(self.text, (1,) * 3, (0.0,) * 3, "stop")
         return [[done] * settings.n for _ in prompts]
 
-    def stream(self, prompt, settings):
+    async def stream(self, prompt, settings):
         for i in range(0, len(self.text), 4):  # pieces that split the tags
             yield Piece(self.text[i : i + 4], i // 4 + 1, None)
         yield Piece("", len(self.text) // 4 + 1, "stop")
+
+
+@contextlib.contextmanager
+def _running(app):
+    """`app` served by uvicorn in a thread on a free port; yields its openai client."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    sock = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    try:
+        _wait_for(lambda: _healthy(url), "/health")
+        yield openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    finally:
+        server.should_exit = True
+        thread.join()
 
 
 @pytest.fixture
 def scripted():
     """An in-process server over a `_ScriptedBackend`, at most one request at a time."""
     backend = _ScriptedBackend('Sure.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
-    config = ServeConfig(model_name=NAME, max_requests=1)
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, config), log_level="warning"))
-    sock = socket.create_server(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    _wait_for(lambda: _healthy(url), "/health")
-    yield backend, openai.OpenAI(base_url=url, api_key="x", max_retries=0)
-    server.should_exit = True
-    thread.join()
+    with _running(create_app(backend, ServeConfig(model_name=NAME, max_requests=1))) as client:
+        yield backend, client
 
 
 def test_tool_calls_whole_and_streamed(scripted):
