@@ -75,7 +75,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.sampler = "engine"
     c.rollout.engine_slots = 64  # sequences the engine decodes together
     c.rollout.kv_block_size = 16  # tokens per KV block
-    c.rollout.kv_dtype = "auto"  # auto (compute dtype) | int8
+    c.rollout.kv_dtype = "auto"  # auto (compute dtype) | int8 | int8_layered
 
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.advantage = "grpo"  # grpo | drgrpo | rloo | none

@@ -13,6 +13,8 @@ prefix). Block 0 is scratch: padding and finished rows write there and nothing r
 
 With `kv_dtype="int8"` the pool holds int8 values with one scale per token and head
 (absmax / 127, stored in float16), dequantised to the compute dtype as they are read.
+`"int8_layered"` also keeps each sequence's most recent W tokens in full precision, in a ring of
+W slots per sequence, and reads those from the ring: the tokens attention weighs most stay exact.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from posttrain.models._config import ModelConfig
 from posttrain.parallel import constrain
 
-KV_DTYPES = ("auto", "int8")
+KV_DTYPES = ("auto", "int8", "int8_layered")
 _SCALE_DTYPE = jnp.float16
 
 
@@ -103,7 +105,7 @@ def dequantize_int8(q, scale, dtype):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k_TNbKH", "v_TNbKH", "write_slots_BL", "tables_BM", "lengths_B"],
+    data_fields=["k_TNbKH", "v_TNbKH", "write_slots_BL", "tables_BM", "lengths_B", "ring_rows_B"],
     meta_fields=["dtype", "kernel"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +117,9 @@ class PagedKVCache:
       k_TNbKH, v_TNbKH: the pool, `[layers, N, b, K, H]`; with int8 a dict of `q` (int8, same
         shape) and `scale` (`[layers, N, b, K]`). A combined pool (`init_pool(combined=True)`,
         the TPU kernel's layout) holds keys and values in one `[layers, N, b, 2K, H]` store,
-        keys at even heads and values at odd ones, and `v_TNbKH` is None.
+        keys at even heads and values at odd ones, and `v_TNbKH` is None. A layered pool's dicts
+        also hold `recent` (`[layers, R, W, K, H]`, the model dtype): a ring of each sequence's
+        last W tokens (ring row R - 1 is scratch).
       write_slots_BL: the pool slot (`block * b + offset`) of each new token (scratch block 0
         for padding).
       tables_BM: the blocks each row reads, in order: its first `M * b` tokens (slots past the
@@ -123,6 +127,7 @@ class PagedKVCache:
       lengths_B: tokens each row holds once this pass has written its new ones; the queries
         attend only to the first `lengths_B` (position j is the row's j-th token).
       dtype: the dtype keys and values are read back in (the model's compute dtype).
+      ring_rows_B: the ring row of each row (layered pools only; None otherwise).
       kernel: "" attends through the XLA gather; "ragged" runs one-token decode steps through
         the TPU ragged paged-attention Pallas kernel (a combined pool), "ragged_reference"
         through that kernel's JAX reference (what tests on CPU check the layout with).
@@ -135,6 +140,7 @@ class PagedKVCache:
     lengths_B: jax.Array
     dtype: str = "float32"
     kernel: str = ""
+    ring_rows_B: jax.Array | None = None
 
     @staticmethod
     def init_pool(
@@ -144,9 +150,12 @@ class PagedKVCache:
         kv_dtype: str = "auto",
         *,
         combined: bool = False,
+        ring_rows: int = 0,
+        recent: int = 0,
     ):
         """An empty pool `(k, v)` of `blocks` blocks per layer (block 0, scratch, included);
-        `combined`: keys and values interleaved in one store, `(kv, None)`."""
+        `combined`: keys and values interleaved in one store, `(kv, None)`; a layered pool
+        keeps the last `recent` tokens of `ring_rows` sequences (plus a scratch row) exact."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         heads, k_dim, v_dim = config.cache_dims()
@@ -158,12 +167,15 @@ class PagedKVCache:
 
         def empty(dim):
             shape = (config.num_layers, blocks, block_size, heads, dim)
-            if kv_dtype == "int8":
-                return {
-                    "q": jnp.zeros(shape, jnp.int8),
-                    "scale": jnp.zeros(shape[:-1], _SCALE_DTYPE),
-                }
-            return jnp.zeros(shape, config.dtype)
+            if kv_dtype == "auto":
+                return jnp.zeros(shape, config.dtype)
+            store = {"q": jnp.zeros(shape, jnp.int8), "scale": jnp.zeros(shape[:-1], _SCALE_DTYPE)}
+            if kv_dtype == "int8_layered":
+                if ring_rows < 1 or recent < 1:
+                    raise ValueError("a layered pool needs ring_rows >= 1 and recent >= 1")
+                ring = (config.num_layers, ring_rows + 1, recent, heads, dim)
+                store["recent"] = jnp.zeros(ring, config.dtype)
+            return store
 
         return empty(k_dim), empty(v_dim)
 
@@ -171,7 +183,7 @@ class PagedKVCache:
     def bytes_per_token(config: ModelConfig, kv_dtype: str = "auto") -> int:
         """Pool bytes one cached token takes over all layers (keys, values and scales)."""
         heads, k_dim, v_dim = config.cache_dims()
-        if kv_dtype == "int8":
+        if kv_dtype != "auto":  # a layered pool's ring adds W tokens per sequence, not per token
             per_layer = heads * (k_dim + v_dim) + heads * (1 + (v_dim > 0)) * 2
         else:
             per_layer = heads * (k_dim + v_dim) * jnp.dtype(config.dtype).itemsize
@@ -207,12 +219,28 @@ class PagedKVCache:
             new_NKH = new_BLKH.reshape(-1, *new_BLKH.shape[2:])
             if isinstance(store, dict):
                 q, scale = quantize_int8(new_NKH)
-                store = {"q": write(store["q"], q), "scale": write(store["scale"], scale)}
+                store = {**store, "q": write(store["q"], q), "scale": write(store["scale"], scale)}
                 read_BSKH = dequantize_int8(read(store["q"]), read(store["scale"]), self.dtype)
+                if "recent" in store:
+                    store["recent"], read_BSKH = recent_layer(store["recent"], new_BLKH, read_BSKH)
             else:
                 store = write(store, new_NKH)
                 read_BSKH = read(store).astype(self.dtype)
             return store, constrain(read_BSKH, ("act_batch", None, "act_kv_heads", None))
+
+        def recent_layer(ring_RWKH, new_BLKH, read_BSKH):
+            """Writes the new tokens among each row's last W into its ring, and reads those
+            positions from the ring instead of the int8 blocks."""
+            R, W = ring_RWKH.shape[:2]
+            lengths_B1 = self.lengths_B[:, None]
+            real_BL = (self.write_slots_BL >= self.block_size) & (positions_BL >= lengths_B1 - W)
+            row_BL = jnp.where(real_BL, self.ring_rows_B[:, None], R - 1)
+            ring_RWKH = ring_RWKH.at[row_BL, positions_BL % W].set(new_BLKH.astype(ring_RWKH.dtype))
+            S = read_BSKH.shape[1]
+            j_S = jnp.arange(S)
+            recent_BS = (j_S >= lengths_B1 - W) & (j_S < lengths_B1)
+            ring_BSKH = ring_RWKH[self.ring_rows_B[:, None], j_S % W].astype(read_BSKH.dtype)
+            return ring_RWKH, jnp.where(recent_BS[..., None, None], ring_BSKH, read_BSKH)
 
         def attend(store, q_BLNH, k_BLKH, v_BLKH, *, window: int, scale: float):
             """Writes the new keys and values into a combined pool and attends with the ragged

@@ -9,6 +9,7 @@ from posttrain.lora import LoRAConfig
 from posttrain.losses import (
     ADVANTAGE_MODES,
 )
+from posttrain.models import KV_DTYPES
 from posttrain.parallel import MeshConfig
 from posttrain.rewards import (
     RewardRegistry,
@@ -42,15 +43,15 @@ class RolloutConfig:
     sampler: str = "engine"
     engine_slots: int = 64  # sequences the engine decodes together
     kv_block_size: int = 16  # tokens per KV block
-    kv_dtype: str = "auto"  # "auto" (compute dtype) or "int8"
+    kv_dtype: str = "auto"  # "auto" (compute dtype), "int8" or "int8_layered"
 
     def __post_init__(self):
         if self.sampler not in ("engine", "static"):
             raise ConfigError(f"rollout.sampler must be 'engine' or 'static', got {self.sampler!r}")
         if self.engine_slots < 1 or self.kv_block_size < 1:
             raise ConfigError("rollout.engine_slots and rollout.kv_block_size must be >= 1")
-        if self.kv_dtype not in ("auto", "int8"):
-            raise ConfigError(f"rollout.kv_dtype must be 'auto' or 'int8', got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"rollout.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.num_generations < 1 or self.max_new_tokens < 1 or self.max_prompt_len < 1:
             raise ConfigError("rollout: num_generations, max_new_tokens, max_prompt_len >= 1")
         if self.overlong_buffer < 0 or self.overlong_buffer > self.max_new_tokens:

@@ -49,7 +49,9 @@ class EngineConfig:
       chunk: decode steps per device call; finished rows are refilled between calls.
       prefill_bucket: prompt lengths are padded to a multiple of this for prefill (bounds
         compilations).
-      kv_dtype: "auto" (the model's compute dtype) or "int8" (per-token, per-head scales).
+      kv_dtype: "auto" (the model's compute dtype), "int8" (per-token, per-head scales) or
+        "int8_layered" (int8, and each sequence's last `kv_recent` tokens in full precision).
+      kv_recent: the full-precision window of "int8_layered".
       prefix_sharing: the n samples of a prompt share its prefill and its full blocks.
       attention: how decode steps attend over the pool: "auto" (the TPU ragged paged-attention
         kernel on TPU where it applies: model-dtype KV, no MLA, head dim a multiple of 128;
@@ -62,11 +64,12 @@ class EngineConfig:
     chunk: int = 16
     prefill_bucket: int = 16
     kv_dtype: str = "auto"
+    kv_recent: int = 32
     prefix_sharing: bool = True
     attention: str = "auto"
 
     def __post_init__(self):
-        for name in ("slots", "block_size", "chunk", "prefill_bucket"):
+        for name in ("slots", "block_size", "chunk", "prefill_bucket", "kv_recent"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine {name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks < 0:
@@ -130,6 +133,7 @@ def _prefill(
     tokens_GP,
     lengths_G,
     tables_GR,
+    ring_rows_G,
     copy_from_C,
     copy_to_C,
     rows_X,
@@ -159,6 +163,7 @@ def _prefill(
         tables_BM=tables_GR,
         lengths_B=lengths_G,
         dtype=jnp.dtype(config.dtype).name,
+        ring_rows_B=ring_rows_G,
     )
     hidden_GPD, cache = hidden_states(
         model.params, tokens_GP, config, positions_GP, real_GP.astype(jnp.int32), cache
@@ -166,10 +171,20 @@ def _prefill(
     last_G1D = jnp.take_along_axis(hidden_GPD, (lengths_G - 1)[:, None, None], axis=1)
     logits_GV = lm_logits(model.params, last_G1D, config)[:, 0]
 
-    def copy_blocks(pool):
-        return pool.at[:, copy_to_C].set(pool[:, copy_from_C])
+    def copy(store):
+        """The shared prompts' last blocks to their copies; a layered pool's ring rows from
+        each prompt's first sample to its others."""
+        if store is None:
+            return None
+        if not isinstance(store, dict):
+            return store.at[:, copy_to_C].set(store[:, copy_from_C])
+        out = {k: copy(store[k]) for k in ("q", "scale")}
+        if "recent" in store:
+            ring = store["recent"]
+            out["recent"] = ring.at[:, rows_X].set(ring[:, ring_rows_G[group_X]])
+        return out
 
-    k, v = jax.tree.map(copy_blocks, (cache.k_TNbKH, cache.v_TNbKH))
+    k, v = copy(cache.k_TNbKH), copy(cache.v_TNbKH)
     return _Rows(
         k=k,
         v=v,
@@ -236,6 +251,7 @@ def _decode(model: Transformer, rows: _Rows, eos_E, *, steps, blocks, block_size
             lengths_B=position_B + 1,
             dtype=jnp.dtype(config.dtype).name,
             kernel=kernel,
+            ring_rows_B=jnp.arange(B, dtype=jnp.int32),
         )
         logits_B1V, cache = model(
             token_B[:, None], position_B[:, None], jnp.ones((B, 1), jnp.int32), cache
@@ -261,7 +277,13 @@ def empty_rows(
     gives its shapes for ahead-of-time compilation)."""
     B = config.slots
     k, v = PagedKVCache.init_pool(
-        model_config, num_blocks, config.block_size, config.kv_dtype, combined=combined
+        model_config,
+        num_blocks,
+        config.block_size,
+        config.kv_dtype,
+        combined=combined,
+        ring_rows=B,
+        recent=config.kv_recent,
     )
 
     def ints():  # separate buffers: the state is donated
@@ -525,6 +547,10 @@ class Engine:
             tables[g, : len(head)] = head
             self.stats.prefill_tokens += len(req.prompt)
         self.stats.prompt_tokens += sum(len(req.prompt) for _, req, *_ in starts)
+        # A layered pool's ring row of each prompt: its first sample's row (padding: scratch).
+        ring_rows = np.full(G, c.slots, np.int32)
+        for row, _, _, _, group in reversed(starts):
+            ring_rows[group] = row
         # Rows and copies are padded to `slots` (one compilation per prompt count and length).
         padded = starts + starts[-1:] * (c.slots - len(starts))
         row_tables = np.zeros((c.slots, self.blocks_per_seq), np.int32)
@@ -538,6 +564,7 @@ class Engine:
             jnp.asarray(tokens),
             jnp.asarray(lengths),
             jnp.asarray(tables),
+            jnp.asarray(ring_rows),
             jnp.asarray([a for a, _ in copies], jnp.int32),
             jnp.asarray([b for _, b in copies], jnp.int32),
             jnp.asarray([s[0] for s in padded], jnp.int32),

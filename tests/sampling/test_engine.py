@@ -106,8 +106,9 @@ def test_int8_cache_memory_and_agreement():
     assert measured == PagedKVCache.bytes_per_token(TINY, "int8")
 
     # Teacher-forced: logits through a paged cache (written, then read back) vs the plain
-    # forward, at every position of random sequences; the int8 cache's argmax agrees.
-    same = total = 0
+    # forward, at every position of random sequences; the int8 caches' argmax agrees. A layered
+    # cache whose window holds the whole sequence reads nothing quantised: the plain logits.
+    same, total = {"int8": 0, "int8_layered": 0}, 0
     for config in (TINY, get_preset("tiny_mla_moe")):
         params = Transformer.init(config, 0).params
         tokens_BL = jax.random.randint(jax.random.key(1), (4, 24), 1, 64)
@@ -115,19 +116,37 @@ def test_int8_cache_memory_and_agreement():
         # Row b's 24 tokens in blocks 2 + 6b ... 7 + 6b (4 tokens each), past the scratch block.
         tables_BM = 2 + 6 * jnp.arange(4)[:, None] + jnp.arange(6)
         slots_BL = (tables_BM[:, :, None] * 4 + jnp.arange(4)).reshape(4, 24)
-        for kv_dtype in ("auto", "int8"):
-            k, v = PagedKVCache.init_pool(config, 2 + 4 * 6, 4, kv_dtype)
-            cache = PagedKVCache(k, v, slots_BL, tables_BM, jnp.full((4,), 24), "float32")
+        for kv_dtype, recent in (
+            ("auto", 1),
+            ("int8", 1),
+            ("int8_layered", 8),
+            ("int8_layered", 24),
+        ):
+            pool = PagedKVCache.init_pool(config, 26, 4, kv_dtype, ring_rows=4, recent=recent)
+            cache = PagedKVCache(
+                *pool, slots_BL, tables_BM, jnp.full((4,), 24), ring_rows_B=jnp.arange(4)
+            )
             logits, _ = jax.jit(forward, static_argnums=2)(
                 params, tokens_BL, config, None, None, cache
             )
-            if kv_dtype == "auto":
+            if kv_dtype == "auto" or recent == 24:
                 np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
             else:
-                same += int((logits.argmax(-1) == reference.argmax(-1)).sum())
-                total += logits.shape[0] * logits.shape[1]
-    print(f"int8 teacher-forced greedy agreement: {same / total:.3f}")
-    assert same / total >= 0.95, same / total
+                same[kv_dtype] += int((logits.argmax(-1) == reference.argmax(-1)).sum())
+        total += 4 * 24
+    print(f"teacher-forced greedy agreement: { ({k: v / total for k, v in same.items()}) }")
+    assert same["int8"] / total >= 0.95 and same["int8_layered"] / total >= 0.95, same
+
+
+def test_layered_int8_with_a_window_past_the_length_equals_the_plain_cache(windowed):
+    """Every token within the window: reads come from the full-precision rings, which prefix
+    sharing copies from a prompt's first sample to its others."""
+    config = EngineConfig(slots=3, block_size=4, kv_dtype="int8_layered", kv_recent=32)
+    ours = generate_continuous(
+        windowed, None, PROMPTS, max_new_tokens=10, n=2, engine=Engine(windowed, config, max_len=32)
+    )
+    static = generate(windowed, None, PROMPTS, max_new_tokens=10)
+    assert [[c.token_ids for c in r] for r in ours] == [[r[0].token_ids] * 2 for r in static]
 
 
 @pytest.mark.parametrize("window", [0, 3])
