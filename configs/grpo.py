@@ -73,7 +73,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # engine: paged KV, continuous batching, a group's samples share its prompt's prefill;
     # static: one padded batch (the reference). Same draws for the same seeds.
     c.rollout.sampler = "engine"
-    c.rollout.engine_slots = 64  # sequences the engine decodes together
+    c.rollout.engine_slots = 0  # sequences decoded together; 0: data.batch_size x num_generations
     c.rollout.kv_block_size = 16  # tokens per KV block
     c.rollout.kv_dtype = "auto"  # auto (compute dtype) | int8 | int8_layered
 

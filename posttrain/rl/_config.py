@@ -41,15 +41,15 @@ class RolloutConfig:
     # prefill and KV blocks); "static": one padded batch per step (the reference sampler).
     # Both draw the same tokens for the same seeds (docs/generation.md).
     sampler: str = "engine"
-    engine_slots: int = 64  # sequences the engine decodes together
+    engine_slots: int = 0  # sequences the engine decodes together; 0: a step's batch x n
     kv_block_size: int = 16  # tokens per KV block
     kv_dtype: str = "auto"  # "auto" (compute dtype), "int8" or "int8_layered"
 
     def __post_init__(self):
         if self.sampler not in ("engine", "static"):
             raise ConfigError(f"rollout.sampler must be 'engine' or 'static', got {self.sampler!r}")
-        if self.engine_slots < 1 or self.kv_block_size < 1:
-            raise ConfigError("rollout.engine_slots and rollout.kv_block_size must be >= 1")
+        if self.engine_slots < 0 or self.kv_block_size < 1:
+            raise ConfigError("rollout.engine_slots must be >= 0 and kv_block_size >= 1")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"rollout.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.num_generations < 1 or self.max_new_tokens < 1 or self.max_prompt_len < 1:

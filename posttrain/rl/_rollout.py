@@ -157,9 +157,9 @@ class Rollouts:
             completions = generate(model, self.tokenizer, prompt_ids, **kwargs)
         else:
             if self.engine is None:
-                config = EngineConfig(
-                    slots=r.engine_slots, block_size=r.kv_block_size, kv_dtype=r.kv_dtype
-                )
+                # By default every sample of a step decodes at once, as in the static sampler.
+                slots = r.engine_slots or self.config.data.batch_size * r.num_generations
+                config = EngineConfig(slots=slots, block_size=r.kv_block_size, kv_dtype=r.kv_dtype)
                 self.engine = Engine(model, config, max_len=self.max_len)
             before = dataclasses.replace(self.engine.stats)
             completions = generate_continuous(

@@ -436,10 +436,12 @@ class Engine:
         live = [r for r in self._row_of if r is not None]
         if not live:
             return []
-        # Attend over as many blocks as the longest row needs by the chunk's end (a power of
-        # two of blocks, to bound compilations).
+        # No more steps than the longest row has budget for, and attention over as many
+        # blocks as it needs by the chunk's end (powers of two, to bound compilations).
+        left = max(req.max_new_tokens - len(req.tokens[j]) for req, j, _ in live)
+        steps = min(self.config.chunk, 1 << (left - 1).bit_length())
         need = max(
-            len(req.prompt) + min(req.max_new_tokens, len(req.tokens[j]) + self.config.chunk)
+            len(req.prompt) + min(req.max_new_tokens, len(req.tokens[j]) + steps)
             for req, j, _ in live
         )
         blocks = min(self.blocks_per_seq, 1 << (-(-need // bs) - 1).bit_length())
@@ -447,7 +449,7 @@ class Engine:
             self.model,
             self._rows,
             self._eos_E,
-            steps=self.config.chunk,
+            steps=steps,
             blocks=blocks,
             block_size=bs,
             kernel=self.kernel,
