@@ -90,7 +90,17 @@ def _shapes(tree):
     return jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype).name), tree)
 
 
-@pytest.mark.parametrize("method", ["sft", "dpo", "simpo", "rm", "grpo", "ppo"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "sft",
+        "dpo",
+        "simpo",
+        "rm",
+        "grpo",
+        pytest.param("ppo", marks=pytest.mark.slow),
+    ],  # ppo: ~90 s
+)
 def test_compiled_step_is_the_step_a_run_jits(method, pair_files, tmp_path):  # noqa: F811
     config = _config(method, pair_files)
     summary = methods.run_from_config(config, str(tmp_path))

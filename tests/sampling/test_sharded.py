@@ -3,6 +3,7 @@ engine's KV pool) over tensor, experts over expert."""
 
 import jax
 import numpy as np
+import pytest
 
 from posttrain.models import Transformer, get_preset
 from posttrain.parallel import MeshConfig, make_mesh
@@ -28,6 +29,7 @@ def test_sharded_generation_matches_single_device(devices):
         np.testing.assert_allclose(ref[0].logprobs, b[0].logprobs, atol=1e-5)
 
 
+@pytest.mark.slow  # ~70 s on 2 cores; the dense test above runs the engine on a mesh by default
 def test_expert_sharded_mla_moe_on_the_engine_matches_single_device(devices):
     config = get_preset("tiny_mla_moe", attention="xla")
     prompts = [list(np.random.RandomState(i).randint(1, 512, 4 + 5 * i)) for i in range(4)]
