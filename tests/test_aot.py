@@ -197,7 +197,7 @@ def test_engine_decode_compiles_with_the_ragged_paged_attention_kernel_for_tpu()
     from posttrain.aot import topology_devices
     from posttrain.models import Transformer, get_preset, param_shapes
     from posttrain.sampling import EngineConfig
-    from posttrain.sampling._engine import _decode, empty_rows
+    from posttrain.sampling._paged import decode, empty_rows
 
     _, devices = topology_devices("v5e-8")
     mesh = jax.sharding.Mesh(np.array(devices[:1]), ("data",))
@@ -216,7 +216,7 @@ def test_engine_decode_compiles_with_the_ragged_paged_attention_kernel_for_tpu()
     eos = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=replicated)
     with jax.set_mesh(mesh):
         compiled = (
-            _decode.trace(model, rows, eos, steps=2, blocks=8, block_size=16, kernel="ragged")
+            decode.trace(model, rows, eos, steps=2, blocks=8, block_size=16, kernel="ragged")
             .lower(lowering_platforms=("tpu",))
             .compile()
         )

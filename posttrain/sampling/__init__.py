@@ -1,13 +1,13 @@
 """Sampling: the paged generation engine (RL rollouts, `serve`), the static sampler (the
 reference; eval and `generate`), speculative decoding and the OpenAI-compatible server."""
 
-from posttrain.sampling._continuous import generate_continuous
+from posttrain.sampling._continuous import generate_continuous, generate_speculative
 from posttrain.sampling._engine import Engine, EngineConfig, EngineStats, Request
 from posttrain.sampling._generate import Completion, check_settings, generate
 from posttrain.sampling._run import run_generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
 from posttrain.sampling._serve import ServeConfig, serve
-from posttrain.sampling._speculative import DraftModel, PromptLookup, generate_speculative
+from posttrain.sampling._speculative import DraftModel, PromptLookup
 
 __all__ = [
     "check_settings",

@@ -5,6 +5,7 @@ prefill and full KV blocks. Same arguments and results as `generate`, plus the e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 from posttrain.models import Transformer
 from posttrain.sampling._engine import Engine, EngineConfig, Request
 from posttrain.sampling._generate import Completion, _check, _finish, _keys, _prepare
+from posttrain.sampling._speculative import DraftModel, PromptLookup, check_drafter
 
 
 def generate_continuous(
@@ -37,7 +39,9 @@ def generate_continuous(
     num_blocks: int = 0,
     kv_dtype: str = "auto",
     prefix_sharing: bool = True,
+    drafter: PromptLookup | DraftModel | None = None,
     engine: Engine | None = None,
+    stats: dict | None = None,
 ) -> list[list[Completion]]:
     """Like `generate`, on the paged continuous-batching engine: `slots` rows decode at once,
     a row whose sample ends takes the next waiting one, so a few long samples do not idle the
@@ -58,9 +62,14 @@ def generate_continuous(
         rounding), and with `seeds` they are `generate`'s draws.
       length_bucket: prefill lengths are padded to a multiple of this.
       block_size, num_blocks, kv_dtype, prefix_sharing: the KV pool (see `EngineConfig`).
+      drafter: decode speculatively: `PromptLookup(ngram, k)` or `DraftModel(model, k)` (same
+        outputs when greedy, the same distribution when sampling, fewer forwards of `model`
+        when drafts are accepted; see `Engine`).
       engine: an `Engine` to run on (keeps its compilations and pool across calls, e.g. one
         per RL run); the engine arguments above are then ignored, except the model's weights,
         which are swapped in.
+      stats: if given, filled with this call's `EngineStats` counts (prompt vs prefilled
+        tokens, generated tokens, device calls, speculative rounds and drafts).
 
     Returns:
       Per prompt, a list of its n `Completion`s. Greedy outputs equal `generate`'s.
@@ -100,7 +109,7 @@ def generate_continuous(
             prefix_sharing=prefix_sharing,
         )
         max_len = max(len(p) + b for p, b in zip(ids, budgets, strict=True))
-        engine = Engine(model, config, max_len=max_len, eos_ids=eos_ids)
+        engine = Engine(model, config, max_len=max_len, eos_ids=eos_ids, drafter=drafter)
     else:
         engine.model = model
         engine.set_eos(eos_ids)
@@ -121,7 +130,12 @@ def generate_continuous(
         )
         for i, (p, budget) in enumerate(zip(ids, budgets, strict=True))
     ]
+    before = dataclasses.asdict(engine.stats)
     engine.run()
+    if stats is not None:
+        after = dataclasses.asdict(engine.stats)
+        stats.update({k: v - before[k] for k, v in after.items() if k != "peak_blocks"})
+        stats["peak_blocks"] = after["peak_blocks"]
     return [
         [
             _finish(tokenizer, req.tokens[j], req.logprobs[j], engine.hit_eos(req, j), stop)
@@ -129,3 +143,57 @@ def generate_continuous(
         ]
         for req in requests
     ]
+
+
+def generate_speculative(
+    model: Transformer,
+    tokenizer,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],
+    drafter: PromptLookup | DraftModel,
+    n: int = 1,
+    slots: int = 0,
+    stats: dict | None = None,
+    **kwargs,
+) -> list[list[Completion]]:
+    """`generate` with speculative decoding on the engine: the same completions (token-identical
+    when greedy, the same distribution when sampling), fewer forward passes of `model` when
+    drafts hit.
+
+    Args:
+      model, tokenizer, prompts, max_new_tokens, n: as for `generate_continuous`.
+      drafter: `PromptLookup(ngram, k)` or `DraftModel(model, k)` (same vocabulary as `model`).
+      slots: rows decoded together; 0 = every sample at once (at most 256).
+      stats: if given, filled with this call's `EngineStats` counts, among them "rounds"
+        (forward passes of `model` after the prefills), "proposed" and "accepted" drafts, plus
+        "generated" tokens and "acceptance" (accepted / proposed).
+      **kwargs: the other arguments of `generate_continuous` (temperature, top_p, top_k, seed,
+        seeds, stop, eos_ids, length_bucket, chunk, the KV pool's settings; not `engine`).
+
+    Returns:
+      Per prompt, its n `Completion`s; log-probs are the raw model's (temperature 1, no
+      top-k/top-p).
+
+    Raises:
+      ValueError: what `generate_continuous` rejects; a drafter that is neither kind, a draft
+        model with another vocabulary size.
+    """
+    check_drafter(drafter, model)
+    counts = {}
+    out = generate_continuous(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        n=n,
+        slots=slots or min(len(prompts) * n, 256),
+        drafter=drafter,
+        stats=counts,
+        **kwargs,
+    )
+    if stats is not None:
+        stats.update(counts)
+        stats["generated"] = counts["generated_tokens"]
+        stats["acceptance"] = counts["accepted"] / max(counts["proposed"], 1)
+    return out

@@ -15,25 +15,33 @@ Sampling is keyed per request: sample j of prompt i draws its k-th token with
 `fold_in(fold_in(key_i, j), k)`, where `key_i` is the prompt's own seed (`seeds`) or
 `fold_in(key(seed), i)`; so outputs do not depend on the slot, the chunk or what else runs, and
 with `seeds` they are the static sampler's draws (`generate(..., seeds=...)` keys the same way).
+
+With a drafter (`PromptLookup` or `DraftModel`) every chunk is rounds of speculative decoding
+(`_paged.speculate`): a row emits 1 to k+1 tokens per forward of the model, greedy output is
+the plain engine's and sampling keeps the model's distribution. Each request takes k blocks'
+worth of extra slots (a round writes k drafts past its length); a draft model keeps its own
+pool on the same blocks and tables, so prefix sharing and block accounting cover it too.
+
+The device functions are in `_paged`; this module is the host side: admission, block tables,
+reference counts, collecting tokens.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.models import KV_DTYPES, PagedKVCache, Transformer, hidden_states, lm_logits
+from posttrain.models import KV_DTYPES, Transformer
 from posttrain.parallel import logical_to_spec
-from posttrain.sampling._sample import sample_tokens
+from posttrain.sampling import _paged
+from posttrain.sampling._paged import SCRATCH as _SCRATCH
+from posttrain.sampling._speculative import DraftModel, PromptLookup, check_drafter
 
-_SCRATCH = 0  # block 0: padding and finished rows write here; nothing reads it
 _ATTENTION = ("auto", "xla", "ragged")
 
 
@@ -102,209 +110,6 @@ class EngineConfig:
         return self.attention
 
 
-class _Rows(NamedTuple):
-    """Device state of the decode rows."""
-
-    k: jax.Array | dict  # the block pool, `[layers, blocks * block_size, K, H]`
-    v: jax.Array | dict
-    tables_BM: jax.Array  # each row's block table
-    lengths_B: jax.Array  # tokens in the cache (prompt + generated and fed back)
-    logits_BV: jax.Array  # next-token logits
-    num_B: jax.Array  # tokens generated
-    budget_B: jax.Array  # max_new_tokens of the row's request
-    keys_B: jax.Array  # the request's PRNG key
-    done_B: jax.Array  # finished or empty
-    temperature_B: jax.Array  # the request's sampling settings
-    top_k_B: jax.Array
-    top_p_B: jax.Array
-
-
-def _slots_of(tables_BM, block_size: int):
-    """Pool slot of every position a block table covers: `[B, M * block_size]`."""
-    B, M = tables_BM.shape
-    offsets = jnp.arange(block_size, dtype=jnp.int32)
-    return (tables_BM[:, :, None] * block_size + offsets).reshape(B, M * block_size)
-
-
-@functools.partial(jax.jit, static_argnames=("block_size",), donate_argnames=("rows",))
-def _prefill(
-    model: Transformer,
-    rows: _Rows,
-    tokens_GP,
-    lengths_G,
-    tables_GR,
-    ring_rows_G,
-    copy_from_C,
-    copy_to_C,
-    rows_X,
-    group_X,
-    tables_XM,
-    budget_X,
-    keys_X,
-    temperature_X,
-    top_k_X,
-    top_p_X,
-    *,
-    block_size: int,
-):
-    """Prefills G right-padded prompts into their blocks (`tables_GR`, R blocks covering the
-    padded length), copies blocks `copy_from_C` to `copy_to_C` (the shared prompts' last
-    blocks), and starts rows `rows_X` on prompt `group_X` with their own tables, budgets and
-    keys. Repeated entries (padding) must repeat the same values."""
-    config = model.config
-    G, P = tokens_GP.shape
-    positions_GP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (G, P))
-    real_GP = positions_GP < lengths_G[:, None]
-    slots_GS = _slots_of(tables_GR, block_size)
-    cache = PagedKVCache(
-        rows.k,
-        rows.v,
-        write_slots_BL=jnp.where(real_GP, slots_GS[:, :P], _SCRATCH),
-        tables_BM=tables_GR,
-        lengths_B=lengths_G,
-        dtype=jnp.dtype(config.dtype).name,
-        ring_rows_B=ring_rows_G,
-    )
-    hidden_GPD, cache = hidden_states(
-        model.params, tokens_GP, config, positions_GP, real_GP.astype(jnp.int32), cache
-    )
-    last_G1D = jnp.take_along_axis(hidden_GPD, (lengths_G - 1)[:, None, None], axis=1)
-    logits_GV = lm_logits(model.params, last_G1D, config)[:, 0]
-
-    def copy(store):
-        """The shared prompts' last blocks to their copies; a layered pool's ring rows from
-        each prompt's first sample to its others."""
-        if store is None:
-            return None
-        if not isinstance(store, dict):
-            return store.at[:, copy_to_C].set(store[:, copy_from_C])
-        out = {k: copy(store[k]) for k in ("q", "scale")}
-        if "recent" in store:
-            ring = store["recent"]
-            out["recent"] = ring.at[:, rows_X].set(ring[:, ring_rows_G[group_X]])
-        return out
-
-    k, v = copy(cache.k_TNbKH), copy(cache.v_TNbKH)
-    return _Rows(
-        k=k,
-        v=v,
-        tables_BM=rows.tables_BM.at[rows_X].set(tables_XM),
-        lengths_B=rows.lengths_B.at[rows_X].set(lengths_G[group_X]),
-        logits_BV=rows.logits_BV.at[rows_X].set(logits_GV[group_X]),
-        num_B=rows.num_B.at[rows_X].set(0),
-        budget_B=rows.budget_B.at[rows_X].set(budget_X),
-        keys_B=rows.keys_B.at[rows_X].set(keys_X),
-        done_B=rows.done_B.at[rows_X].set(False),
-        temperature_B=rows.temperature_B.at[rows_X].set(temperature_X),
-        top_k_B=rows.top_k_B.at[rows_X].set(top_k_X),
-        top_p_B=rows.top_p_B.at[rows_X].set(top_p_X),
-    )
-
-
-def _sample_rows(rows: _Rows, keys_B):
-    """Each row's next token under its own settings (all greedy: one argmax, no sort)."""
-
-    def one(key, logits_V, temperature, top_k, top_p):
-        return sample_tokens(
-            key, logits_V[None], temperature=temperature, top_k=top_k, top_p=top_p
-        )[0]
-
-    def sampled():
-        return jax.vmap(one)(keys_B, rows.logits_BV, rows.temperature_B, rows.top_k_B, rows.top_p_B)
-
-    def greedy():
-        return jnp.argmax(rows.logits_BV, axis=-1).astype(jnp.int32)
-
-    return jax.lax.cond(jnp.all(rows.temperature_B == 0), greedy, sampled)
-
-
-@functools.partial(
-    jax.jit, static_argnames=("steps", "blocks", "block_size", "kernel"), donate_argnames=("rows",)
-)
-def _decode(model: Transformer, rows: _Rows, eos_E, *, steps, blocks, block_size, kernel=""):
-    """`steps` decode steps of every row, attending over each row's first `blocks` blocks;
-    returns (rows, tokens `[B, steps]`, log-probs, which of them were generated)."""
-    config = model.config
-    B = rows.lengths_B.shape[0]
-    tables_BM = rows.tables_BM[:, :blocks]
-    slots_BS = _slots_of(tables_BM, block_size)
-
-    def body(rows: _Rows, _):
-        keys_B = jax.vmap(jax.random.fold_in)(rows.keys_B, rows.num_B)
-        token_B = _sample_rows(rows, keys_B)
-        logprob_B = jnp.take_along_axis(
-            jax.nn.log_softmax(rows.logits_BV, axis=-1), token_B[:, None], axis=-1
-        )[:, 0]
-        live_B = ~rows.done_B
-        token_B = jnp.where(live_B, token_B, 0)
-        num_B = rows.num_B + live_B
-        done_B = rows.done_B | jnp.isin(token_B, eos_E) | (num_B >= rows.budget_B)
-        position_B = rows.lengths_B
-        slot_B = jnp.take_along_axis(
-            slots_BS, jnp.minimum(position_B, slots_BS.shape[1] - 1)[:, None], axis=1
-        )[:, 0]
-        cache = PagedKVCache(
-            rows.k,
-            rows.v,
-            write_slots_BL=jnp.where(live_B, slot_B, _SCRATCH)[:, None],
-            tables_BM=tables_BM,
-            lengths_B=position_B + 1,
-            dtype=jnp.dtype(config.dtype).name,
-            kernel=kernel,
-            ring_rows_B=jnp.arange(B, dtype=jnp.int32),
-        )
-        logits_B1V, cache = model(
-            token_B[:, None], position_B[:, None], jnp.ones((B, 1), jnp.int32), cache
-        )
-        rows = rows._replace(
-            k=cache.k_TNbKH,
-            v=cache.v_TNbKH,
-            lengths_B=rows.lengths_B + live_B,
-            logits_BV=logits_B1V[:, 0],
-            num_B=num_B,
-            done_B=done_B,
-        )
-        return rows, (token_B, jnp.where(live_B, logprob_B, 0.0), live_B)
-
-    rows, (tokens_KB, logprobs_KB, live_KB) = jax.lax.scan(body, rows, length=steps)
-    return rows, tokens_KB.T, logprobs_KB.T, live_KB.T
-
-
-def empty_rows(
-    model_config, config: EngineConfig, num_blocks: int, blocks_per_seq: int, *, combined: bool
-) -> _Rows:
-    """The engine's device state with no request in it (a pure function: `jax.eval_shape`
-    gives its shapes for ahead-of-time compilation)."""
-    B = config.slots
-    k, v = PagedKVCache.init_pool(
-        model_config,
-        num_blocks,
-        config.block_size,
-        config.kv_dtype,
-        combined=combined,
-        ring_rows=B,
-        recent=config.kv_recent,
-    )
-
-    def ints():  # separate buffers: the state is donated
-        return jnp.zeros((B,), jnp.int32)
-
-    return _Rows(
-        k=k,
-        v=v,
-        tables_BM=jnp.zeros((B, blocks_per_seq), jnp.int32),
-        lengths_B=ints(),
-        logits_BV=jnp.zeros((B, model_config.vocab_size), jnp.float32),
-        num_B=ints(),
-        budget_B=ints(),
-        keys_B=jax.random.split(jax.random.key(0), B),
-        done_B=jnp.ones((B,), bool),
-        temperature_B=jnp.zeros((B,), jnp.float32),
-        top_k_B=ints(),
-        top_p_B=jnp.ones((B,), jnp.float32),
-    )
-
-
 @dataclasses.dataclass
 class Request:
     """A prompt and what to generate for it: `n` samples of at most `max_new_tokens` each,
@@ -340,6 +145,9 @@ class EngineStats:
     prefill_calls: int = 0
     decode_calls: int = 0
     peak_blocks: int = 0
+    rounds: int = 0  # speculative rounds (forwards of the model after prefills)
+    proposed: int = 0  # drafts proposed and accepted
+    accepted: int = 0
 
 
 class Engine:
@@ -347,7 +155,12 @@ class Engine:
 
     `submit` queues requests, `step` admits what fits, decodes one chunk and returns the
     requests that finished; `run` steps until the queue is empty. The weights are a jit
-    argument: `engine.model = new_model` (same shapes) swaps them without recompiling.
+    argument: `engine.model = new_model` (same shapes) swaps them without recompiling
+    (`engine.drafter = DraftModel(new_draft, k)` likewise).
+
+    `drafter`: decode speculatively with prompt lookup or a draft model (same vocabulary);
+    not with the layered int8 cache, whose ring of recent tokens a round's drafts would
+    overwrite.
     """
 
     def __init__(
@@ -357,11 +170,14 @@ class Engine:
         *,
         max_len: int | None = None,
         eos_ids: Sequence[int] = (),
+        drafter: PromptLookup | DraftModel | None = None,
     ):
         self.model, self.config = model, config
+        self.drafter = drafter
         self.max_len = max_len or model.config.max_seq_len
+        self._ahead = _check_drafter(drafter, model, config)
         bs = config.block_size
-        self.blocks_per_seq = -(-self.max_len // bs)
+        self.blocks_per_seq = -(-(self.max_len + self._ahead) // bs)
         num_blocks = config.num_blocks or 1 + config.slots * self.blocks_per_seq
         if num_blocks < 1 + self.blocks_per_seq:
             raise ValueError(
@@ -380,13 +196,19 @@ class Engine:
         self._row_of: list[tuple[Request, int, list[int]] | None] = [None] * config.slots
         self._rows = self._init_rows()
 
-    def _init_rows(self) -> _Rows:
+    def _init_rows(self) -> _paged.Rows:
         """Empty rows and pool on the model's devices: replicated, except the pool, whose kv
         heads split over the mesh's tensor axis like the model's (a single-device model puts
         everything on its device)."""
-        c = self.config
-        rows = empty_rows(
-            self.model.config, c, self.num_blocks, self.blocks_per_seq, combined=bool(self.kernel)
+        c, drafter = self.config, self.drafter
+        rows = _paged.empty_rows(
+            self.model.config,
+            c,
+            self.num_blocks,
+            self.blocks_per_seq,
+            combined=bool(self.kernel),
+            history=self.blocks_per_seq * c.block_size if drafter else 1,
+            draft_config=drafter.model.config if isinstance(drafter, DraftModel) else None,
         )
         placed = jax.tree.leaves(self.model.params)[0].sharding
         if not isinstance(placed, jax.sharding.NamedSharding):
@@ -402,7 +224,7 @@ class Engine:
             **{f: jax.tree.map(lambda _: replicated, getattr(rows, f)) for f in rows._fields},
         )
         shardings = shardings._replace(
-            k=jax.tree.map(pool_sharding, rows.k), v=jax.tree.map(pool_sharding, rows.v)
+            **{f: jax.tree.map(pool_sharding, getattr(rows, f)) for f in _POOLS}
         )
         return jax.device_put(rows, shardings)
 
@@ -440,20 +262,37 @@ class Engine:
         # blocks as it needs by the chunk's end (powers of two, to bound compilations).
         left = max(req.max_new_tokens - len(req.tokens[j]) for req, j, _ in live)
         steps = min(self.config.chunk, 1 << (left - 1).bit_length())
-        need = max(
-            len(req.prompt) + min(req.max_new_tokens, len(req.tokens[j]) + steps)
+        per_step = 1 + self._ahead  # most tokens a row emits per step (round)
+        need = self._ahead + max(
+            len(req.prompt) + min(req.max_new_tokens, len(req.tokens[j]) + steps * per_step)
             for req, j, _ in live
         )
         blocks = min(self.blocks_per_seq, 1 << (-(-need // bs) - 1).bit_length())
-        self._rows, tok_BK, lp_BK, live_BK = _decode(
-            self.model,
-            self._rows,
-            self._eos_E,
-            steps=steps,
-            blocks=blocks,
-            block_size=bs,
-            kernel=self.kernel,
-        )
+        if self.drafter is None:
+            self._rows, tok_BK, lp_BK, live_BK = _paged.decode(
+                self.model,
+                self._rows,
+                self._eos_E,
+                steps=steps,
+                blocks=blocks,
+                block_size=bs,
+                kernel=self.kernel,
+            )
+        else:
+            self._rows, tok_BK, lp_BK, live_BK, counts = _paged.speculate(
+                self.model,
+                self.drafter,
+                self._rows,
+                self._eos_E,
+                rounds=steps,
+                blocks=blocks,
+                block_size=bs,
+                greedy=all(req.temperature == 0 for req, _, _ in live),
+            )
+            proposed, accepted, rounds = (int(x) for x in jax.device_get(counts))
+            self.stats.proposed += proposed
+            self.stats.accepted += accepted
+            self.stats.rounds += rounds
         self.stats.decode_calls += 1
         tok_BK, lp_BK, live_BK, done_B = jax.device_get((tok_BK, lp_BK, live_BK, self._rows.done_B))
         finished = []
@@ -503,7 +342,7 @@ class Engine:
             req = self._queue[0]
             P = len(req.prompt)
             full, tail = divmod(P, bs)
-            per_sample = -(-(P + req.max_new_tokens) // bs)
+            per_sample = -(-(P + req.max_new_tokens + self._ahead) // bs)
             share = c.prefix_sharing and req.n > 1
             k = min(req.n - req.admitted, len(free_rows))
             # Blocks: the first sample's whole table; each other sample its own beyond the
@@ -560,8 +399,9 @@ class Engine:
             row_tables[x, : len(table)] = table
         copies = copies or [(_SCRATCH, _SCRATCH)]
         copies += copies[-1:] * (c.slots - len(copies))
-        self._rows = _prefill(
+        self._rows = _paged.prefill(
             self.model,
+            self.drafter.model if isinstance(self.drafter, DraftModel) else None,
             self._rows,
             jnp.asarray(tokens),
             jnp.asarray(lengths),
@@ -618,3 +458,20 @@ class Engine:
         for j in samples:
             request.done[j] = True
         return all(request.done)
+
+
+_POOLS = ("k", "v", "draft_k", "draft_v")  # split over the tensor axis like the model's heads
+
+
+def _check_drafter(drafter, model: Transformer, config: EngineConfig) -> int:
+    """Positions a round writes past a row's length (k; 0 without a drafter), or a clear error
+    for a drafter the engine cannot use."""
+    if drafter is None:
+        return 0
+    check_drafter(drafter, model)
+    if config.kv_dtype == "int8_layered":
+        raise ValueError(
+            "speculative decoding does not work with kv_dtype='int8_layered' (a round's drafts "
+            "would overwrite the ring of recent tokens); use 'int8' or 'auto'"
+        )
+    return drafter.k

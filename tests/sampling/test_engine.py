@@ -1,5 +1,6 @@
-"""The paged engine: HF-exact greedy decoding with continuous batching and prefix sharing, the
-static sampler's exact draws, admission bounded by free blocks, and the int8 KV cache."""
+"""The paged engine: HF-exact greedy decoding (plain and speculative) with continuous batching and
+prefix sharing, the static sampler's exact draws, admission bounded by free blocks, and the int8
+KV cache."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import pytest
 
 from posttrain import models
 from posttrain.models import PagedKVCache, Transformer, forward, from_hf, get_preset
-from posttrain.sampling import generate, generate_continuous
+from posttrain.sampling import DraftModel, PromptLookup, generate, generate_continuous
 from posttrain.sampling._engine import Engine, EngineConfig, Request
 from posttrain.testing import save_tiny_hf_model
 
@@ -22,15 +23,28 @@ PROMPTS = [_RS.randint(1, 64, size).tolist() for size in (3, 4, 9, 1, 13, 8, 5)]
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "deepseek_v3"])
 def test_greedy_matches_hf_generate(arch, tmp_path):
     """qwen3 (qk-norm), mistral (window 4, decoding runs past it), DeepSeek-V3 (MLA latent cache,
-    MoE): n=2 samples share each prompt's blocks, 3 slots serve 7 prompts, 4-token blocks."""
+    MoE): n=2 samples share each prompt's blocks, 3 slots serve 7 prompts, 4-token blocks;
+    plain and speculative (prompt lookup; draft models: tests/sampling/test_speculative.py)."""
     path = save_tiny_hf_model(arch, str(tmp_path / arch))
     model = from_hf(path, attention="xla")
-    ours = generate_continuous(
-        model, None, PROMPTS, max_new_tokens=10, n=2, slots=3, chunk=4, block_size=4
-    )
     expected = _hf_greedy(path, PROMPTS, 10)
-    assert [[c.token_ids for c in row] for row in ours] == [[e, e] for e in expected]
-    assert {c.finish_reason for row in ours for c in row} == {"length"}
+    for drafter in (None, PromptLookup(ngram=2, k=3)):
+        stats = {}
+        ours = generate_continuous(
+            model,
+            None,
+            PROMPTS,
+            max_new_tokens=10,
+            n=2,
+            slots=3,
+            chunk=4,
+            block_size=4,
+            drafter=drafter,
+            stats=stats,
+        )
+        assert [[c.token_ids for c in row] for row in ours] == [[e, e] for e in expected]
+        assert {c.finish_reason for row in ours for c in row} == {"length"}
+    assert stats["rounds"] < stats["generated_tokens"], stats  # drafts were accepted
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +106,11 @@ def test_requests_that_do_not_fit_are_refused(windowed):
         Engine(windowed, EngineConfig(block_size=4, num_blocks=4), max_len=16)
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         EngineConfig(kv_dtype="int4")
+    with pytest.raises(ValueError, match="int8_layered"):
+        Engine(windowed, EngineConfig(kv_dtype="int8_layered"), drafter=PromptLookup())
+    with pytest.raises(ValueError, match="vocab_size"):
+        other = Transformer({}, TINY.replace(vocab_size=32))
+        Engine(windowed, EngineConfig(), drafter=DraftModel(other))
 
 
 def test_int8_cache_memory_and_agreement():

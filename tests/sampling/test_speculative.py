@@ -1,5 +1,6 @@
-"""generate_speculative: greedy output identical to generate's, drafts accepted, sampling
-unbiased (chi-square against the exact distribution), raw-model log-probs."""
+"""Speculative decoding on the paged engine (`generate_speculative`): greedy output identical to
+`generate`'s with continuous batching and prefix sharing, drafts accepted, sampling unbiased
+(chi-square against the exact distribution), raw-model log-probs."""
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +76,10 @@ def _teacher_forced(model, prompts, completions):
 
 @pytest.mark.parametrize("build", [_windowed, _mla_moe], ids=["windowed", "mla_moe"])
 def test_greedy_matches_generate(build):
+    """Two samples per prompt share its blocks (4-token blocks: prompts end mid-block, rounds
+    write across block ends), 3 rows serve 8 samples (rows refill between chunks)."""
     model, drafters = build()
-    settings = dict(max_new_tokens=NEW, length_bucket=8)
+    settings = dict(max_new_tokens=NEW, length_bucket=8, n=2)
     plain = generate(model, None, PROMPTS, **settings)
     # An id some rows emit mid-way: EOS then ends rows at different rounds.
     eos = plain[0][0].token_ids[5]
@@ -87,13 +90,23 @@ def test_greedy_matches_generate(build):
     for drafter in drafters:
         stats = {}
         ours = generate_speculative(
-            model, None, PROMPTS, drafter=drafter, eos_ids=[eos], stats=stats, **settings
+            model,
+            None,
+            PROMPTS,
+            drafter=drafter,
+            eos_ids=[eos],
+            stats=stats,
+            slots=3,
+            block_size=4,
+            chunk=4,
+            **settings,
         )
-        for (s,), (c,) in zip(plain, ours, strict=True):
+        for s, c in zip(sum(plain, []), sum(ours, []), strict=True):
             assert c.token_ids == s.token_ids, drafter
             assert c.finish_reason == s.finish_reason
             np.testing.assert_allclose(c.logprobs, s.logprobs, atol=1e-4, rtol=0)
-        assert stats["generated"] == sum(len(row[0].token_ids) for row in plain)
+        assert stats["generated"] == sum(len(c.token_ids) for row in plain for c in row)
+        assert stats["prefill_tokens"] < stats["prompt_tokens"]  # a group prefilled once
         assert stats["rounds"] <= stats["generated"]
         acceptance.append(stats["acceptance"])
 

@@ -1,0 +1,474 @@
+"""The engine's device side: the rows' state, and the jitted prefill, decode and speculative
+rounds over the paged KV pool (`posttrain.sampling._engine` schedules them from the host).
+
+A row's sequence lives in the pool blocks its table names; position j of the row is at pool
+slot `table[j // block] * block + j % block`, so each row writes its own positions and nothing
+has to stay aligned across rows. That is what makes speculative decoding simple here: a round
+writes the row's pending token and its k drafts at positions `length .. length + k`, and only
+the accepted ones count towards `length`; the rejected drafts' slots are past the length (never
+read) and the next round overwrites them. No masking, no compaction.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.models import PagedKVCache, Transformer, hidden_states, lm_logits
+from posttrain.sampling._sample import sample_tokens
+from posttrain.sampling._speculative import DraftModel, PromptLookup, _accept, _lookup, _Sampling
+
+SCRATCH = 0  # block 0: padding and finished rows write here; nothing reads it
+
+
+class Rows(NamedTuple):
+    """Device state of the decode rows."""
+
+    k: jax.Array | dict  # the block pool, `[layers, blocks, block_size, K, H]`
+    v: jax.Array | dict | None
+    tables_BM: jax.Array  # each row's block table
+    lengths_B: jax.Array  # tokens in the cache
+    logits_BV: jax.Array  # next-token logits after the prefill (and every plain decode step)
+    num_B: jax.Array  # tokens generated (emitted)
+    budget_B: jax.Array  # max_new_tokens of the row's request
+    keys_B: jax.Array  # the request's PRNG key
+    done_B: jax.Array  # finished or empty
+    temperature_B: jax.Array  # the request's sampling settings
+    top_k_B: jax.Array
+    top_p_B: jax.Array
+    # Speculative decoding only:
+    pending_B: jax.Array  # the token a round drew last, emitted next round (-1: none yet)
+    pending_lp_B: jax.Array  # its log-prob
+    history_BT: jax.Array  # the row's tokens by position (prompt, then generated): lookups
+    draft_k: jax.Array | None  # a draft model's pool: same blocks, same tables
+    draft_v: jax.Array | None
+
+
+def _slots_of(tables_BM, block_size: int):
+    """Pool slot of every position a block table covers: `[B, M * block_size]`."""
+    B, M = tables_BM.shape
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    return (tables_BM[:, :, None] * block_size + offsets).reshape(B, M * block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",), donate_argnames=("rows",))
+def prefill(
+    model: Transformer,
+    draft: Transformer | None,
+    rows: Rows,
+    tokens_GP,
+    lengths_G,
+    tables_GR,
+    ring_rows_G,
+    copy_from_C,
+    copy_to_C,
+    rows_X,
+    group_X,
+    tables_XM,
+    budget_X,
+    keys_X,
+    temperature_X,
+    top_k_X,
+    top_p_X,
+    *,
+    block_size: int,
+):
+    """Prefills G right-padded prompts into their blocks (`tables_GR`, R blocks covering the
+    padded length) of the model's pool (and the draft model's), copies blocks `copy_from_C` to
+    `copy_to_C` (the shared prompts' last blocks), and starts rows `rows_X` on prompt `group_X`
+    with their own tables, budgets and keys. Repeated entries (padding) must repeat the same
+    values."""
+    config = model.config
+    G, P = tokens_GP.shape
+    positions_GP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (G, P))
+    real_GP = positions_GP < lengths_G[:, None]
+    slots_GS = _slots_of(tables_GR, block_size)
+
+    def cache_of(k, v, dtype):
+        return PagedKVCache(
+            k,
+            v,
+            write_slots_BL=jnp.where(real_GP, slots_GS[:, :P], SCRATCH),
+            tables_BM=tables_GR,
+            lengths_B=lengths_G,
+            dtype=jnp.dtype(dtype).name,
+            ring_rows_B=ring_rows_G,
+        )
+
+    segments_GP = real_GP.astype(jnp.int32)
+    cache = cache_of(rows.k, rows.v, config.dtype)
+    hidden_GPD, cache = hidden_states(
+        model.params, tokens_GP, config, positions_GP, segments_GP, cache
+    )
+    last_G1D = jnp.take_along_axis(hidden_GPD, (lengths_G - 1)[:, None, None], axis=1)
+    logits_GV = lm_logits(model.params, last_G1D, config)[:, 0]
+    draft_k, draft_v = rows.draft_k, rows.draft_v
+    if draft is not None:
+        draft_cache = cache_of(draft_k, draft_v, draft.config.dtype)
+        _, draft_cache = hidden_states(
+            draft.params, tokens_GP, draft.config, positions_GP, segments_GP, draft_cache
+        )
+        draft_k, draft_v = draft_cache.k_TNbKH, draft_cache.v_TNbKH
+
+    def copy(store):
+        """The shared prompts' last blocks to their copies; a layered pool's ring rows from
+        each prompt's first sample to its others."""
+        if store is None:
+            return None
+        if not isinstance(store, dict):
+            return store.at[:, copy_to_C].set(store[:, copy_from_C])
+        out = {k: copy(store[k]) for k in ("q", "scale")}
+        if "recent" in store:
+            ring = store["recent"]
+            out["recent"] = ring.at[:, rows_X].set(ring[:, ring_rows_G[group_X]])
+        return out
+
+    T = rows.history_BT.shape[1]
+    history_GT = jnp.pad(tokens_GP[:, :T], ((0, 0), (0, max(T - P, 0))))
+    return Rows(
+        k=copy(cache.k_TNbKH),
+        v=copy(cache.v_TNbKH),
+        tables_BM=rows.tables_BM.at[rows_X].set(tables_XM),
+        lengths_B=rows.lengths_B.at[rows_X].set(lengths_G[group_X]),
+        logits_BV=rows.logits_BV.at[rows_X].set(logits_GV[group_X]),
+        num_B=rows.num_B.at[rows_X].set(0),
+        budget_B=rows.budget_B.at[rows_X].set(budget_X),
+        keys_B=rows.keys_B.at[rows_X].set(keys_X),
+        done_B=rows.done_B.at[rows_X].set(False),
+        temperature_B=rows.temperature_B.at[rows_X].set(temperature_X),
+        top_k_B=rows.top_k_B.at[rows_X].set(top_k_X),
+        top_p_B=rows.top_p_B.at[rows_X].set(top_p_X),
+        pending_B=rows.pending_B.at[rows_X].set(-1),
+        pending_lp_B=rows.pending_lp_B,
+        history_BT=rows.history_BT.at[rows_X].set(history_GT[group_X]),
+        draft_k=copy(draft_k),
+        draft_v=copy(draft_v),
+    )
+
+
+def _sample_rows(rows: Rows, keys_B):
+    """Each row's next token from `logits_BV` under its own settings (all greedy: one argmax,
+    no sort)."""
+
+    def one(key, logits_V, temperature, top_k, top_p):
+        return sample_tokens(
+            key, logits_V[None], temperature=temperature, top_k=top_k, top_p=top_p
+        )[0]
+
+    def sampled():
+        return jax.vmap(one)(keys_B, rows.logits_BV, rows.temperature_B, rows.top_k_B, rows.top_p_B)
+
+    def greedy():
+        return jnp.argmax(rows.logits_BV, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.all(rows.temperature_B == 0), greedy, sampled)
+
+
+def _token_logprobs(logits_BXV, tokens_BX):
+    """log softmax(logits)[token], the raw model's log-probs `[B, X]`."""
+    logp_BXV = jax.nn.log_softmax(logits_BXV.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp_BXV, tokens_BX[..., None], axis=-1)[..., 0]
+
+
+def _paged(k, v, tables_BM, block_size, positions_BL, write_B, dtype, kernel="") -> PagedKVCache:
+    """A cache for a pass writing each row's tokens at `positions_BL` (rows not in `write_B`
+    write to scratch) and reading its positions up to the last of them."""
+    slots_BS = _slots_of(tables_BM, block_size)
+    slot_BL = jnp.take_along_axis(
+        slots_BS, jnp.minimum(positions_BL, slots_BS.shape[1] - 1), axis=1
+    )
+    return PagedKVCache(
+        k,
+        v,
+        write_slots_BL=jnp.where(write_B[:, None], slot_BL, SCRATCH),
+        tables_BM=tables_BM,
+        lengths_B=positions_BL[:, -1] + 1,
+        dtype=jnp.dtype(dtype).name,
+        kernel=kernel,
+        ring_rows_B=jnp.arange(positions_BL.shape[0], dtype=jnp.int32),
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("steps", "blocks", "block_size", "kernel"), donate_argnames=("rows",)
+)
+def decode(model: Transformer, rows: Rows, eos_E, *, steps, blocks, block_size, kernel=""):
+    """`steps` decode steps of every row, attending over each row's first `blocks` blocks;
+    returns (rows, tokens `[B, steps]`, log-probs, which of them were generated)."""
+    config = model.config
+    B = rows.lengths_B.shape[0]
+    tables_BM = rows.tables_BM[:, :blocks]
+
+    def body(rows: Rows, _):
+        keys_B = jax.vmap(jax.random.fold_in)(rows.keys_B, rows.num_B)
+        token_B = _sample_rows(rows, keys_B)
+        logprob_B = _token_logprobs(rows.logits_BV[:, None], token_B[:, None])[:, 0]
+        live_B = ~rows.done_B
+        token_B = jnp.where(live_B, token_B, 0)
+        num_B = rows.num_B + live_B
+        done_B = rows.done_B | jnp.isin(token_B, eos_E) | (num_B >= rows.budget_B)
+        position_B1 = rows.lengths_B[:, None]
+        cache = _paged(
+            rows.k, rows.v, tables_BM, block_size, position_B1, live_B, config.dtype, kernel
+        )
+        logits_B1V, cache = model(token_B[:, None], position_B1, jnp.ones((B, 1), jnp.int32), cache)
+        rows = rows._replace(
+            k=cache.k_TNbKH,
+            v=cache.v_TNbKH,
+            lengths_B=rows.lengths_B + live_B,
+            logits_BV=logits_B1V[:, 0],
+            num_B=num_B,
+            done_B=done_B,
+        )
+        return rows, (token_B, jnp.where(live_B, logprob_B, 0.0), live_B)
+
+    rows, (tokens_KB, logprobs_KB, live_KB) = jax.lax.scan(body, rows, length=steps)
+    return rows, tokens_KB.T, logprobs_KB.T, live_KB.T
+
+
+def _per_row(rows: Rows, fn, *args):
+    """`fn(sampling, *row_args)` for each row under its own `_Sampling` settings."""
+
+    def one(temperature, top_k, top_p, *row_args):
+        return fn(_Sampling(temperature, top_k, top_p), *row_args)
+
+    return jax.vmap(one)(rows.temperature_B, rows.top_k_B, rows.top_p_B, *args)
+
+
+def _propose(drafter, rows: Rows, t0_B, go_B, keys_B, tables_BM, block_size, greedy):
+    """Drafts `[B, k]`, their distributions q `[B, k, V]` (None when greedy) and the draft
+    model's pool: prompt lookup over the row's history, or k+1 one-token steps of the draft
+    model over [t0, d_1 .. d_k] (the last only to cache d_k, which is context if accepted)."""
+    K, V = drafter.k, rows.logits_BV.shape[-1]
+    if isinstance(drafter, PromptLookup):
+        drafts_BK = _lookup(rows.history_BT, rows.lengths_B + 1, ngram=drafter.ngram, k=K)
+        return drafts_BK, None if greedy else jax.nn.one_hot(drafts_BK, V), None, None
+    draft = drafter.model
+    B = t0_B.shape[0]
+
+    def step(carry, i):
+        k, v, token_B = carry
+        positions_B1 = (rows.lengths_B + i)[:, None]
+        cache = _paged(k, v, tables_BM, block_size, positions_B1, go_B, draft.config.dtype)
+        logits_B1V, cache = draft(
+            token_B[:, None], positions_B1, jnp.ones((B, 1), jnp.int32), cache
+        )
+        logits_BV = logits_B1V[:, 0]
+        if greedy:
+            token_B, q_BV = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+        else:
+            q_BV = _per_row(rows, lambda s, logits_V: s.probs(logits_V), logits_BV)
+            keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, 2 + i)
+            token_B = _per_row(rows, lambda s, key, q_V: s.draw(key, q_V[None])[0], keys, q_BV)
+        return (cache.k_TNbKH, cache.v_TNbKH, token_B), (token_B, q_BV)
+
+    (k, v, _), (drafts_LB, q_LBV) = jax.lax.scan(
+        step, (rows.draft_k, rows.draft_v, t0_B), jnp.arange(K + 1)
+    )
+    q_BKV = None if greedy else jnp.swapaxes(q_LBV[:K], 0, 1)
+    return drafts_LB[:K].T, q_BKV, k, v
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("rounds", "blocks", "block_size", "greedy"),
+    donate_argnames=("rows",),
+)
+def speculate(
+    model: Transformer,
+    drafter: PromptLookup | DraftModel,
+    rows: Rows,
+    eos_E,
+    *,
+    rounds: int,
+    blocks: int,
+    block_size: int,
+    greedy: bool,
+):
+    """Up to `rounds` rounds of speculative decoding (it stops early once every row is done).
+
+    A round emits each live row's first token t0 (the one the previous round drew, or for a
+    row just prefilled, a draw from its prefill logits keyed like a plain decode step's), has
+    the drafter propose k tokens after it, runs the model over [t0, d_1 .. d_k] at the row's
+    positions `length .. length + k` (one forward), accepts a prefix of the drafts by the
+    speculative-sampling rule (`_speculative._accept`), emits the accepted ones and draws the
+    next t0 (from the residual after a rejection, from the model after k acceptances). A row
+    emits 1 to k+1 tokens a round. `greedy` (every row at temperature 0): accept drafts while
+    they are the model's argmax, no distributions.
+
+    Returns (rows, tokens `[B, rounds * (k+1)]` in order, log-probs, which were emitted,
+    (drafts proposed, drafts accepted, rounds run)).
+    """
+    K = drafter.k
+    L = K + 1
+    B = rows.lengths_B.shape[0]
+    tables_BM = rows.tables_BM[:, :blocks]
+    j_1L = jnp.arange(L)[None]
+    write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))
+
+    def body(state):
+        rows, r, tokens_RBL, logprobs_RBL, emitted_RBL, proposed, accepted = state
+        live_B = ~rows.done_B
+        fresh_B = rows.pending_B < 0
+        first_keys_B = jax.vmap(jax.random.fold_in)(rows.keys_B, rows.num_B)
+        drawn_B = jnp.argmax(rows.logits_BV, -1).astype(jnp.int32)
+        if not greedy:
+            drawn_B = _sample_rows(rows, first_keys_B)
+        t0_B = jnp.where(fresh_B, drawn_B, rows.pending_B)
+        lp0_B = jnp.where(
+            fresh_B,
+            _token_logprobs(rows.logits_BV[:, None], t0_B[:, None])[:, 0],
+            rows.pending_lp_B,
+        )
+        num_B = rows.num_B + live_B
+        done_B = rows.done_B | (live_B & jnp.isin(t0_B, eos_E)) | (num_B >= rows.budget_B)
+        go_B = ~done_B  # rows that go on to verify drafts
+        rows = rows._replace(history_BT=rows.history_BT.at[jnp.arange(B), rows.lengths_B].set(t0_B))
+        round_keys_B = jax.vmap(lambda key, n: jax.random.fold_in(jax.random.fold_in(key, n), 1))(
+            rows.keys_B, num_B
+        )
+
+        drafts_BK, q_BKV, draft_k, draft_v = _propose(
+            drafter, rows, t0_B, go_B, round_keys_B, tables_BM, block_size, greedy
+        )
+        tokens_BL = jnp.concatenate([t0_B[:, None], drafts_BK], axis=1)
+        positions_BL = rows.lengths_B[:, None] + j_1L
+        cache = _paged(
+            rows.k, rows.v, tables_BM, block_size, positions_BL, go_B, model.config.dtype
+        )
+        logits_BLV, cache = model(tokens_BL, positions_BL, jnp.ones((B, L), jnp.int32), cache)
+        if greedy:
+            best_BL = jnp.argmax(logits_BLV, axis=-1).astype(jnp.int32)
+            accepted_B = jnp.sum(
+                jnp.cumprod(drafts_BK == best_BL[:, :K], axis=1), axis=1, dtype=jnp.int32
+            )
+            next_B = jnp.take_along_axis(best_BL, accepted_B[:, None], axis=1)[:, 0]
+        else:
+            p_BLV = _per_row(rows, lambda s, logits_LV: s.probs(logits_LV), logits_BLV)
+            keys_B = jax.vmap(jax.random.fold_in, (0, None))(round_keys_B, 0)
+
+            def accept(s, key, p_LV, drafts_K, q_KV):
+                a, t = _accept(key, p_LV[None], drafts_K[None], q_KV[None], s)
+                return a[0], t[0]
+
+            accepted_B, next_B = _per_row(rows, accept, keys_B, p_BLV, drafts_BK, q_BKV)
+
+        # Emitted this round: t0, then drafts up to the accepted count, an EOS or the budget.
+        k_1K = jnp.arange(K)[None]
+        eos_BK = jnp.isin(drafts_BK, eos_E) & (k_1K < accepted_B[:, None])
+        first_eos_B = jnp.where(jnp.any(eos_BK, axis=1), jnp.argmax(eos_BK, axis=1), K)
+        count_B = jnp.minimum(jnp.minimum(accepted_B, first_eos_B + 1), rows.budget_B - num_B)
+        count_B = jnp.where(go_B, count_B, 0)
+        emitted_BL = (j_1L == 0) & live_B[:, None] | (j_1L >= 1) & (j_1L <= count_B[:, None])
+        logprobs_BL = jnp.concatenate(
+            [lp0_B[:, None], _token_logprobs(logits_BLV[:, :K], drafts_BK)], axis=1
+        )
+        next_lp_B = _token_logprobs(
+            jnp.take_along_axis(logits_BLV, accepted_B[:, None, None], axis=1), next_B[:, None]
+        )[:, 0]
+        num_B = num_B + count_B
+        done_B = done_B | (go_B & ((first_eos_B < count_B) | (num_B >= rows.budget_B)))
+        rows = rows._replace(
+            k=cache.k_TNbKH,
+            v=cache.v_TNbKH,
+            lengths_B=rows.lengths_B + jnp.where(go_B, accepted_B + 1, 0),
+            num_B=num_B,
+            done_B=done_B,
+            pending_B=jnp.where(go_B, next_B, -1),
+            pending_lp_B=next_lp_B,
+            history_BT=write(rows.history_BT, tokens_BL, rows.lengths_B),
+            draft_k=draft_k,
+            draft_v=draft_v,
+        )
+        return (
+            rows,
+            r + 1,
+            tokens_RBL.at[r].set(jnp.where(emitted_BL, tokens_BL, 0)),
+            logprobs_RBL.at[r].set(jnp.where(emitted_BL, logprobs_BL, 0.0)),
+            emitted_RBL.at[r].set(emitted_BL),
+            proposed + K * jnp.sum(go_B),
+            accepted + jnp.sum(jnp.where(go_B, accepted_B, 0)),
+        )
+
+    def running(state):
+        return (state[1] < rounds) & ~jnp.all(state[0].done_B)
+
+    zero = jnp.zeros((), jnp.int32)
+    state = (
+        rows,
+        zero,
+        jnp.zeros((rounds, B, L), jnp.int32),
+        jnp.zeros((rounds, B, L), jnp.float32),
+        jnp.zeros((rounds, B, L), bool),
+        zero,
+        zero,
+    )
+    rows, ran, tokens_RBL, logprobs_RBL, emitted_RBL, proposed, accepted = jax.lax.while_loop(
+        running, body, state
+    )
+
+    def flat(x_RBL):
+        return jnp.swapaxes(x_RBL, 0, 1).reshape(B, rounds * L)
+
+    return (
+        rows,
+        flat(tokens_RBL),
+        flat(logprobs_RBL),
+        flat(emitted_RBL),
+        (proposed, accepted, ran),
+    )
+
+
+def empty_rows(
+    model_config,
+    config,
+    num_blocks: int,
+    blocks_per_seq: int,
+    *,
+    combined: bool,
+    history: int = 1,
+    draft_config=None,
+) -> Rows:
+    """The engine's device state with no request in it (a pure function: `jax.eval_shape`
+    gives its shapes for ahead-of-time compilation); `config` is the `EngineConfig`,
+    `history` the positions a row's token history holds (prompt lookup), `draft_config` the
+    draft model's config (its pool)."""
+    B = config.slots
+    k, v = PagedKVCache.init_pool(
+        model_config,
+        num_blocks,
+        config.block_size,
+        config.kv_dtype,
+        combined=combined,
+        ring_rows=B,
+        recent=config.kv_recent,
+    )
+    draft_k = draft_v = None
+    if draft_config is not None:
+        draft_k, draft_v = PagedKVCache.init_pool(draft_config, num_blocks, config.block_size)
+
+    def ints():  # separate buffers: the state is donated
+        return jnp.zeros((B,), jnp.int32)
+
+    return Rows(
+        k=k,
+        v=v,
+        tables_BM=jnp.zeros((B, blocks_per_seq), jnp.int32),
+        lengths_B=ints(),
+        logits_BV=jnp.zeros((B, model_config.vocab_size), jnp.float32),
+        num_B=ints(),
+        budget_B=ints(),
+        keys_B=jax.random.split(jax.random.key(0), B),
+        done_B=jnp.ones((B,), bool),
+        temperature_B=jnp.zeros((B,), jnp.float32),
+        top_k_B=ints(),
+        top_p_B=jnp.ones((B,), jnp.float32),
+        pending_B=jnp.full((B,), -1, jnp.int32),
+        pending_lp_B=jnp.zeros((B,), jnp.float32),
+        history_BT=jnp.zeros((B, history), jnp.int32),
+        draft_k=draft_k,
+        draft_v=draft_v,
+    )
