@@ -1,5 +1,6 @@
-"""Speculative decoding on repetitive text: `generate` vs `generate_speculative` with prompt
-lookup, same weights, same prompts, greedy, identical outputs (asserted), float32 on CPU.
+"""Speculative decoding on repetitive text: the engine with prompt lookup (`generate_speculative`)
+vs the same engine without it (`generate_continuous`) and the static sampler (`generate`); same
+weights, same prompts, greedy, identical outputs (asserted), float32 on CPU.
 
     python benchmarks/speculative.py --batch=8 --prompt=64 --new=128 --k=4 --ngram=3
 
@@ -21,7 +22,7 @@ import numpy as np
 from generate_throughput import HF_CONFIG  # benchmarks/ is the script directory
 
 from posttrain.models import from_hf, num_params
-from posttrain.sampling import PromptLookup, generate, generate_speculative
+from posttrain.sampling import PromptLookup, generate, generate_continuous, generate_speculative
 
 
 def _cpu_model() -> str:
@@ -84,17 +85,18 @@ def main():
         f"{args.new} new tokens, PromptLookup(ngram={args.ngram}, k={args.k})\n"
     )
     print(
-        "| CPU | batch | generate tokens/s | speculative tokens/s | speedup | "
-        "drafts accepted | model forwards (decode) |"
+        "| CPU | batch | generate tokens/s | engine tokens/s | engine + speculative tokens/s "
+        "| vs engine | vs generate | drafts accepted | model forwards (decode) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     rs = np.random.RandomState(0)
     for batch in [int(b) for b in args.batch.split(",")]:
         prompts = _prompts(rs, batch, args.prompt, HF_CONFIG["vocab_size"])
         stats = {}
-        (plain_s, spec_s), (plain, spec) = _race(
+        (plain_s, engine_s, spec_s), (plain, engine, spec) = _race(
             [
                 partial(generate, model, None, prompts, **settings),
+                partial(generate_continuous, model, None, prompts, slots=batch, **settings),
                 partial(
                     generate_speculative,
                     model,
@@ -107,13 +109,13 @@ def main():
             ],
             args.repeats,
         )
-        assert [[c.token_ids for c in row] for row in spec] == [
-            [c.token_ids for c in row] for row in plain
-        ], "speculative greedy output differs from generate's"
+        ids = [[[c.token_ids for c in row] for row in out] for out in (plain, engine, spec)]
+        assert ids[0] == ids[1] == ids[2], "greedy outputs differ"
         tokens = batch * args.new
         print(
-            f"| {_cpu_model()} | {batch} | {tokens / plain_s:,.0f} | {tokens / spec_s:,.0f} | "
-            f"{plain_s / spec_s:.2f}x | {stats['acceptance']:.0%} | "
+            f"| {_cpu_model()} | {batch} | {tokens / plain_s:,.0f} | {tokens / engine_s:,.0f} | "
+            f"{tokens / spec_s:,.0f} | {engine_s / spec_s:.2f}x | {plain_s / spec_s:.2f}x | "
+            f"{stats['acceptance']:.0%} | "
             f"{args.new} -> {stats['rounds']} |"
         )
 

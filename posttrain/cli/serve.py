@@ -26,13 +26,20 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_string(
             "preset", "throughput",
             "throughput (64 sequences decode together, 16 steps per device call) or latency "
-            "(8 sequences, 4 steps: first tokens sooner)",
+            "(8 sequences, 4 steps, speculative decoding with prompt lookup: first tokens "
+            "sooner)",
             flag_values=fv,
         )  # fmt: skip
         flags.DEFINE_integer(
             "num_blocks", 0,
             "KV pool size in blocks of 16 tokens (0: room for every sequence at the model's "
             "full context; set it for long-context models)",
+            flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_integer(
+            "speculative", -1,
+            "prompt-lookup draft tokens per speculative round, 0 for plain decoding (default: "
+            "the preset's: 0 for throughput, 4 for latency)",
             flag_values=fv,
         )  # fmt: skip
         flags.DEFINE_string(
@@ -52,6 +59,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--max-requests must be >= 1, got {fv.max_requests}")
     if fv.num_blocks < 0:
         raise UserError(f"--num-blocks must be >= 0 (0: sized to fit), got {fv.num_blocks}")
+    if fv.speculative < -1:
+        raise UserError(f"--speculative must be >= 0 (0: plain decoding), got {fv.speculative}")
     import jax
 
     from posttrain.sampling import ServeConfig, serve
@@ -62,6 +71,7 @@ def main(argv: list[str]) -> int:
         model_name=fv.served_model_name or fv.model,
         max_requests=fv.max_requests,
         num_blocks=fv.num_blocks,
+        **({"speculative": fv.speculative} if fv.speculative >= 0 else {}),
     )
     devices = mesh(fv.mesh)
     with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():

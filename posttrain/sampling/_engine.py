@@ -38,8 +38,7 @@ import numpy as np
 
 from posttrain.models import KV_DTYPES, Transformer
 from posttrain.parallel import logical_to_spec
-from posttrain.sampling import _paged
-from posttrain.sampling._paged import SCRATCH as _SCRATCH
+from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill, speculate
 from posttrain.sampling._speculative import DraftModel, PromptLookup, check_drafter
 
 _ATTENTION = ("auto", "xla", "ragged")
@@ -196,12 +195,12 @@ class Engine:
         self._row_of: list[tuple[Request, int, list[int]] | None] = [None] * config.slots
         self._rows = self._init_rows()
 
-    def _init_rows(self) -> _paged.Rows:
+    def _init_rows(self) -> Rows:
         """Empty rows and pool on the model's devices: replicated, except the pool, whose kv
         heads split over the mesh's tensor axis like the model's (a single-device model puts
         everything on its device)."""
         c, drafter = self.config, self.drafter
-        rows = _paged.empty_rows(
+        rows = empty_rows(
             self.model.config,
             c,
             self.num_blocks,
@@ -269,7 +268,7 @@ class Engine:
         )
         blocks = min(self.blocks_per_seq, 1 << (-(-need // bs) - 1).bit_length())
         if self.drafter is None:
-            self._rows, tok_BK, lp_BK, live_BK = _paged.decode(
+            self._rows, tok_BK, lp_BK, live_BK = decode(
                 self.model,
                 self._rows,
                 self._eos_E,
@@ -279,7 +278,7 @@ class Engine:
                 kernel=self.kernel,
             )
         else:
-            self._rows, tok_BK, lp_BK, live_BK, counts = _paged.speculate(
+            self._rows, tok_BK, lp_BK, live_BK, counts = speculate(
                 self.model,
                 self.drafter,
                 self._rows,
@@ -337,7 +336,7 @@ class Engine:
     def _admit(self) -> None:
         c, bs = self.config, self.config.block_size
         free_rows = [b for b, r in enumerate(self._row_of) if r is None]
-        prefill, starts, copies = [], [], []
+        leaders, starts, copies = [], [], []
         while self._queue and free_rows:
             req = self._queue[0]
             P = len(req.prompt)
@@ -358,8 +357,8 @@ class Engine:
             for i in range(k):
                 if i == 0 or not share:
                     table = leader = self._take(per_sample)
-                    group = len(prefill)
-                    prefill.append((req, table))
+                    group = len(leaders)
+                    leaders.append((req, table))
                 else:
                     self._refs[leader[:full]] += 1
                     own = self._take(per_sample - full)
@@ -370,18 +369,18 @@ class Engine:
             req.admitted += k
             if req.admitted == req.n:
                 self._queue.popleft()
-        if prefill:
-            self._launch(prefill, starts, copies)
+        if leaders:
+            self._launch(leaders, starts, copies)
 
-    def _launch(self, prefill, starts, copies) -> None:
+    def _launch(self, leaders, starts, copies) -> None:
         c, bs = self.config, self.config.block_size
-        G = 1 << (len(prefill) - 1).bit_length()
-        P = c.prefill_bucket * -(-max(len(r.prompt) for r, _ in prefill) // c.prefill_bucket)
+        G = 1 << (len(leaders) - 1).bit_length()
+        P = c.prefill_bucket * -(-max(len(r.prompt) for r, _ in leaders) // c.prefill_bucket)
         R = -(-P // bs)
         tokens = np.zeros((G, P), np.int32)
         lengths = np.ones(G, np.int32)
         tables = np.zeros((G, R), np.int32)
-        for g, (req, table) in enumerate(prefill):
+        for g, (req, table) in enumerate(leaders):
             tokens[g, : len(req.prompt)] = req.prompt
             lengths[g] = len(req.prompt)
             head = table[:R]
@@ -397,9 +396,9 @@ class Engine:
         row_tables = np.zeros((c.slots, self.blocks_per_seq), np.int32)
         for x, (_, _, _, table, _) in enumerate(padded):
             row_tables[x, : len(table)] = table
-        copies = copies or [(_SCRATCH, _SCRATCH)]
+        copies = copies or [(SCRATCH, SCRATCH)]
         copies += copies[-1:] * (c.slots - len(copies))
-        self._rows = _paged.prefill(
+        self._rows = prefill(
             self.model,
             self.drafter.model if isinstance(self.drafter, DraftModel) else None,
             self._rows,

@@ -38,15 +38,18 @@ from posttrain.errors import UserError
 from posttrain.models import Transformer
 from posttrain.sampling._engine import Engine, EngineConfig, Request
 from posttrain.sampling._generate import Completion, _encode, _finish, check_settings
+from posttrain.sampling._speculative import PromptLookup
 
 # How each preset sets the engine (see docs/generation.md, "Serving").
 PRESETS = {
     # 64 rows decode together, 16 steps per device call: the most tokens per second; a new
     # request waits up to one 16-step call for its prefill. Prompts pad to 64-token buckets.
     "throughput": dict(slots=64, chunk=16, prefill_bucket=64),
-    # 8 rows, 4 steps per call: a new request starts (and streams its first tokens) within a
-    # few steps, at a lower total throughput. Prompts pad to 16-token buckets.
-    "latency": dict(slots=8, chunk=4, prefill_bucket=16),
+    # 8 rows, 4 rounds per call, speculative decoding with prompt lookup (4 drafts a round): a
+    # new request starts (and streams its first tokens) within a few steps, and text that
+    # repeats its context comes out several tokens per forward; a lower total throughput.
+    # Prompts pad to 16-token buckets.
+    "latency": dict(slots=8, chunk=4, prefill_bucket=16, speculative=4),
 }
 
 
@@ -62,6 +65,9 @@ class ServeConfig:
     # KV pool blocks of 16 tokens; 0 gives every row room for a max_seq_len sequence
     # (slots x max_seq_len tokens: small for small models, set it for long-context ones).
     num_blocks: int = 0
+    # Prompt-lookup drafts per speculative round (0: plain decoding). Greedy answers are the
+    # same either way; seeded samples are reproducible, but other draws than plain decoding's.
+    speculative: int = 0
     max_requests: int = 64  # requests in flight or waiting for the engine; more get HTTP 429
     default_max_tokens: int = 256  # max_tokens of a request that gives none (cut to fit)
 
@@ -150,7 +156,8 @@ class _Backend:
         c = self._config
         config = EngineConfig(slots=c.slots, chunk=c.chunk, prefill_bucket=c.prefill_bucket,
                               num_blocks=c.num_blocks)  # fmt: skip
-        return Engine(self._model, config, eos_ids=self.tokenizer.eos_ids)
+        drafter = PromptLookup(k=c.speculative) if c.speculative else None
+        return Engine(self._model, config, eos_ids=self.tokenizer.eos_ids, drafter=drafter)
 
     def close(self) -> None:
         """Stops the worker (after its current step)."""
@@ -162,6 +169,7 @@ class _Backend:
         engine = self.engine
         return {"preset": self._config.preset, "slots": engine.config.slots,
                 "chunk": engine.config.chunk, "num_blocks": engine.num_blocks,
+                "speculative": self._config.speculative,
                 "blocks_in_use": engine.blocks_in_use, "requests": len(self._active),
                 **dataclasses.asdict(engine.stats)}  # fmt: skip
 

@@ -23,7 +23,16 @@ import uvicorn
 from posttrain import cli
 from posttrain.demo import ASSETS_DIR
 from posttrain.models import Transformer, get_preset, to_hf
-from posttrain.sampling import Completion, Engine, EngineConfig, Request, ServeConfig, generate
+from posttrain.sampling import (
+    Completion,
+    Engine,
+    EngineConfig,
+    PromptLookup,
+    Request,
+    ServeConfig,
+    generate,
+    generate_speculative,
+)
 from posttrain.sampling._serve import PRESETS, Piece, _Backend, _tool_calls, create_app
 from posttrain.train import load_model_and_tokenizer
 
@@ -84,11 +93,15 @@ def reference(loaded):
 
 @pytest.fixture(scope="module")
 def sampled_reference(loaded):
-    """`generate`'s two LONG-token samples of PROMPTS and CHAT's prompt, seeds SEED + i."""
+    """Two LONG-token samples of PROMPTS and CHAT's prompt, seeds SEED + i, as the latency
+    preset draws them: speculative decoding with prompt lookup (its own draws, not plain
+    decoding's; test_speculative.py shows they have the model's distribution)."""
     model, tokenizer = loaded
     chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
-    return generate(model, tokenizer, [*PROMPTS, chat], max_new_tokens=LONG, temperature=1.0,
-                    n=2, seeds=[SEED, SEED + 1, SEED + 2])  # fmt: skip
+    drafter = PromptLookup(k=PRESETS["latency"]["speculative"])
+    return generate_speculative(model, tokenizer, [*PROMPTS, chat], max_new_tokens=LONG,
+                                temperature=1.0, n=2, seeds=[SEED, SEED + 1, SEED + 2],
+                                drafter=drafter)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -268,13 +281,16 @@ def test_tool_call_blocks_become_tool_calls():
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_presets_set_the_engine(loaded, preset):
-    """Each preset's rows and chunk; the default pool holds max_seq_len tokens per row."""
+    """Each preset's rows, chunk and drafts; the default pool holds max_seq_len tokens per row."""
     backend = _Backend(*loaded, ServeConfig.from_preset(preset))
     stats = backend.stats()
     backend.close()
     slots, chunk = PRESETS[preset]["slots"], PRESETS[preset]["chunk"]
     assert (stats["slots"], stats["chunk"]) == (slots, chunk) and stats["requests"] == 0
-    assert stats["num_blocks"] == 1 + slots * 512 // 16  # the scratch block, 16-token blocks
+    assert stats["speculative"] == PRESETS[preset].get("speculative", 0)
+    # The scratch block, and 16-token blocks for 512 tokens plus a speculative round's drafts.
+    ahead = PRESETS[preset].get("speculative", 0)
+    assert stats["num_blocks"] == 1 + slots * -(-(512 + ahead) // 16)
 
 
 @pytest.fixture
