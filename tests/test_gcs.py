@@ -79,6 +79,7 @@ def test_sft_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path):
     np.testing.assert_array_equal(from_hf(f"{url}/hf")(tokens), model(tokens))
 
 
+@pytest.mark.slow  # the SFT test above resumes from the bucket through the same loop (~60 s)
 def test_grpo_in_a_bucket_resumes_exactly(gcs_bucket, tmp_path):
     url = f"{gcs_bucket}/grpo"
     paths.upload(ASSETS_DIR / "tokenizer", f"{url}/inputs/tokenizer")

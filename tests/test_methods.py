@@ -94,12 +94,13 @@ def _shapes(tree):
     "method",
     [
         "sft",
-        "dpo",
-        "simpo",
-        "rm",
         "grpo",
+        # Suite time: the other methods run in `make test-slow` (~45-90 s each on 2 cores).
+        pytest.param("dpo", marks=pytest.mark.slow),
+        pytest.param("simpo", marks=pytest.mark.slow),
+        pytest.param("rm", marks=pytest.mark.slow),
         pytest.param("ppo", marks=pytest.mark.slow),
-    ],  # ppo: ~90 s
+    ],
 )
 def test_compiled_step_is_the_step_a_run_jits(method, pair_files, tmp_path):  # noqa: F811
     config = _config(method, pair_files)

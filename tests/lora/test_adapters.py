@@ -77,7 +77,9 @@ def test_zero_b_gives_the_base_outputs_bit_for_bit(preset):
     np.testing.assert_array_equal(np.asarray(wrapped), np.asarray(base))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny_mla_moe"])
+@pytest.mark.parametrize(
+    "preset", ["tiny", pytest.param("tiny_mla_moe", marks=pytest.mark.slow)]
+)  # MLA/MoE adapters: the zero-B test above; this one ~55 s
 def test_merged_params_equal_the_wrapped_forward(preset):
     config = get_preset(preset)
     lora = LoRAConfig(targets=(".",), rank=4, alpha=8.0)

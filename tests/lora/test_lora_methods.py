@@ -47,6 +47,7 @@ def _adapters_only(params, model_config, lora):
     assert jax.tree.structure(params) == jax.tree.structure(adapter_shapes(model_config, lora))
 
 
+@pytest.mark.slow  # three DPO runs, ~100 s on 2 cores
 def test_dpo_reference_is_the_base_with_adapters_off(pair_files, tmp_path):  # noqa: F811
     losses, stored = {}, {}
     for name, overrides in {
@@ -119,7 +120,9 @@ def _rl_batch(model_config, params):
     return batch
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny_mla_moe"])
+@pytest.mark.parametrize(
+    "preset", ["tiny", pytest.param("tiny_mla_moe", marks=pytest.mark.slow)]
+)  # MLA/MoE adapters: tests/lora/test_adapters.py; this one ~65 s
 def test_policy_gradient_on_adapters_is_the_chain_rule_of_the_full_one(preset):
     """At B = 0, dL/dB = scale * A^T dL/dW and dL/dA = 0: the LoRA policy loss differentiates
     the same objective as full fine-tuning."""
@@ -201,7 +204,7 @@ def test_decoupled_sampler_is_sent_only_the_adapters(tmp_path, devices):
     assert adapters * 10 < param_bytes(param_shapes(model_config))
 
 
-@pytest.mark.parametrize("quantize", ["int8", "nf4"])
+@pytest.mark.parametrize("quantize", [pytest.param("int8", marks=pytest.mark.slow), "nf4"])
 def test_qlora_sft_trains_adapters_on_a_quantised_base(quantize, tmp_path, caplog):
     overrides = {
         "lora__enabled": True,

@@ -164,7 +164,6 @@ def test_rejection_sampling_stage_runs_before_rl(tmp_path):
 def test_decoupled_rollouts_with_bounded_staleness(tmp_path, devices):
     """4 devices sample while 4 train; every batch is at most one step stale."""
     overrides = {"train__steps": 25, "loss__tis_cap": 2.0}
-    on_policy = run_from_config(toy_config(**overrides), str(tmp_path / "colocated"))
     decoupled = run_from_config(
         toy_config(**overrides, rollout__sampler_devices=4, rollout__max_staleness=1),
         str(tmp_path / "decoupled"),
@@ -176,14 +175,15 @@ def test_decoupled_rollouts_with_bounded_staleness(tmp_path, devices):
     assert all(r["step"] - 1 - r["rollout_version"] == r["staleness"] for r in rows)
     assert decoupled["state"].params["embed"].sharding.device_set == set(devices[:4])
     rewards = [r["reward"] for r in rows]
-    baseline = [r["reward"] for r in read_metrics(str(tmp_path / "colocated"))]
-    # Measured with per-prompt sampling seeds: +0.198 (co-located run's last 5: 0.252); the
-    # seeds before them gave +0.248. Learning, not a particular curve, is the claim.
-    assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.15
-    assert np.mean(rewards[-5:]) > np.mean(baseline[-5:]) - 0.15, (rewards, baseline)
-    assert on_policy["final_step"] == decoupled["final_step"] == 25
+    # Measured with per-prompt sampling seeds: +0.198 (a co-located run's last 5: 0.252,
+    # test_reward_rises_on_the_toy_task's run); the seeds before them gave +0.248. Learning,
+    # not a particular curve, is the claim.
+    assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.15, rewards
+    assert np.mean(rewards[-5:]) > 0.252 - 0.15, rewards
+    assert decoupled["final_step"] == 25
 
 
+@pytest.mark.slow  # a reward model run and a PPO run, ~55 s
 def test_ppo_critic_can_start_from_a_reward_model(tmp_path):
     records = [json.loads(line) for line in open(ASSETS_DIR / "train.jsonl")][:64]
     with open(tmp_path / "pairs.jsonl", "w") as f:

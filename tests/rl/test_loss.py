@@ -57,7 +57,12 @@ def _inputs(batch, logps):
 
 
 @pytest.mark.parametrize(
-    "aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    "aggregation",
+    [  # ~35 s each; the other two in `make test-slow`
+        "token-mean",
+        pytest.param("seq-mean-token-mean", marks=pytest.mark.slow),
+        pytest.param("seq-mean-token-sum-norm", marks=pytest.mark.slow),
+    ],
 )
 def test_loss_and_gradients_do_not_depend_on_the_split(rollouts, aggregation, devices):
     model, batch, logps = rollouts

@@ -108,6 +108,7 @@ def test_dpo_run_reports_bad_pairs_and_learns(pair_files, tmp_path):
     assert os.path.exists(tmp_path / "reference" / "train.process_0.npz")
 
 
+@pytest.mark.slow  # the loss of both references: tests/train/test_dpo.py (~60 s here)
 def test_on_the_fly_and_precomputed_runs_agree(pair_files, tmp_path):
     losses = {}
     for reference in ("on_the_fly", "precomputed"):

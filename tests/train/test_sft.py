@@ -59,7 +59,9 @@ def test_export_writes_an_hf_model_with_the_same_logits(trained, tmp_path):
     np.testing.assert_allclose(hf_logits(str(out), tokens), ours, atol=1e-4)
 
 
-@pytest.mark.parametrize("preset", ["llama3_8b_v5p", "qwen3_32b_v5p"])
+@pytest.mark.parametrize(
+    "preset", ["llama3_8b_v5p", pytest.param("qwen3_32b_v5p", marks=pytest.mark.slow)]
+)
 def test_real_size_presets_shape_check(preset):
     """The full train step traces at the preset's real shapes (no weights allocated)."""
     values = load_config_file(os.path.join(REPO, "configs", "sft.py") + f":{preset}")
