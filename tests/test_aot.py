@@ -111,6 +111,7 @@ def test_llama3_8b_sft_fits_v5p_64_with_flops_as_the_model_says():
     assert abs(no_remat.compiled_flops / no_remat.model_flops - 1) < 0.10, no_remat.lines()
 
 
+@pytest.mark.slow  # ~50 s; the MoE expert sharding rules: tests/models/test_moe_model.py
 def test_a_tiny_mla_moe_plan_compiles_for_tpu_with_expert_parallelism(capsys):
     """MLA (values padded for splash) and the expert-parallel all-to-all, on a TPU target."""
     code = cli.main(

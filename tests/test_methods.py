@@ -94,8 +94,8 @@ def _shapes(tree):
     "method",
     [
         "sft",
-        "grpo",
         # Suite time: the other methods run in `make test-slow` (~45-90 s each on 2 cores).
+        pytest.param("grpo", marks=pytest.mark.slow),
         pytest.param("dpo", marks=pytest.mark.slow),
         pytest.param("simpo", marks=pytest.mark.slow),
         pytest.param("rm", marks=pytest.mark.slow),

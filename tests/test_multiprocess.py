@@ -72,6 +72,8 @@ def _finish(process, timeout=300):
     return out
 
 
+# ~90 s; tests/rl/test_multihost.py checks the same for GRPO (2 processes = 1, restored in 1).
+@pytest.mark.slow
 def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_path):
     args = [*TRAIN, "--config.train.steps=4"]
     pair = _two_processes(args, tmp_path / "two")

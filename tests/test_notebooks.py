@@ -74,6 +74,7 @@ def test_notebooks_are_stored_without_outputs():
         assert not stored, f"{path}: cells {stored} have outputs; clear them before committing"
 
 
+@pytest.mark.slow  # ~95 s; every notebook runs in test_every_notebook_runs_top_to_bottom
 def test_sft_notebook_runs_top_to_bottom(tmp_path):
     # The others (02 and 03 reuse 01's SFT run, as a user would) run in `make test-slow`.
     _run_notebooks([p for p in NOTEBOOKS if os.path.basename(p).startswith("01")], tmp_path)

@@ -18,9 +18,9 @@ with `seeds` they are the static sampler's draws (`generate(..., seeds=...)` key
 
 With a drafter (`PromptLookup` or `DraftModel`) every chunk is rounds of speculative decoding
 (`_paged.speculate`): a row emits 1 to k+1 tokens per forward of the model, greedy output is
-the plain engine's and sampling keeps the model's distribution. Each request takes k blocks'
-worth of extra slots (a round writes k drafts past its length); a draft model keeps its own
-pool on the same blocks and tables, so prefix sharing and block accounting cover it too.
+the plain engine's and sampling keeps the model's distribution. Each request reserves k slots
+more than its prompt and budget (a round writes k drafts past its length); a draft model keeps
+its own pool on the same blocks and tables, so prefix sharing and block accounting cover it.
 
 The device functions are in `_paged`; this module is the host side: admission, block tables,
 reference counts, collecting tokens.

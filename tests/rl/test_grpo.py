@@ -20,7 +20,7 @@ def _rewards(workdir):
     return [r["reward"] for r in read_metrics(str(workdir))]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "dapo_tiny"])
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("dapo_tiny", marks=pytest.mark.slow)])
 def test_reward_rises_on_the_toy_task(preset, tmp_path):
     # A random model never ends a completion inside the budget: DAPO's masking of truncated
     # completions would leave it nothing to learn from, so this toy keeps them.

@@ -61,6 +61,8 @@ def _committed(workdir, step) -> bool:
     return os.path.isdir(os.path.join(workdir, "checkpoints", str(step)))
 
 
+# ~160 s (three processes); the shared loop's SIGKILL resume is tests/train/test_resume.py.
+@pytest.mark.slow
 def test_grpo_resumes_bitwise_after_sigkill(tmp_path):
     # The source's whole state is exercised: prompt position, adaptive domain weights and
     # their RNG, the adaptive KL coefficient.

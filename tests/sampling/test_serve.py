@@ -33,7 +33,8 @@ from posttrain.sampling import (
     generate,
     generate_speculative,
 )
-from posttrain.sampling._serve import PRESETS, Piece, _Backend, _tool_calls, create_app
+from posttrain.sampling._backend import PRESETS, Piece, _Backend
+from posttrain.sampling._serve import _tool_calls, create_app
 from posttrain.train import load_model_and_tokenizer
 
 NAME = "tiny-test"

@@ -1,0 +1,321 @@
+"""The serving backend: one worker thread owns one `Engine` and loops (take new requests,
+`step`, hand each request the tokens it gained), so requests from every HTTP client decode
+together in the engine's rows, and a row freed by a finished answer takes the next waiting one.
+Each prompt of an HTTP request is one engine `Request`; its handler awaits its tokens on its own
+asyncio queue, so the event loop never waits on the device. Stop strings are checked on the host
+after each engine step: a sample that hit one (or whose client went away) is cancelled, freeing
+its row. The HTTP layer (`_serve`) only parses, checks and formats.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from posttrain.models import Transformer
+from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._generate import Completion, _finish
+from posttrain.sampling._speculative import PromptLookup
+
+
+class EngineFailed(Exception):
+    """An engine step failed; the message is the error (the server answers HTTP 500)."""
+
+
+# How each preset sets the engine (see docs/generation.md, "Serving").
+PRESETS = {
+    # 64 rows decode together, 16 steps per device call: the most tokens per second; a new
+    # request waits up to one 16-step call for its prefill. Prompts pad to 64-token buckets.
+    "throughput": dict(slots=64, chunk=16, prefill_bucket=64),
+    # 8 rows, 4 rounds per call, speculative decoding with prompt lookup (4 drafts a round): a
+    # new request starts (and streams its first tokens) within a few steps, and text that
+    # repeats its context comes out several tokens per forward; a lower total throughput.
+    # Prompts pad to 16-token buckets.
+    "latency": dict(slots=8, chunk=4, prefill_bucket=16, speculative=4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """What the server runs with; `ServeConfig.from_preset` fills the engine fields."""
+
+    model_name: str = "posttrain"  # the id /v1/models lists and requests name
+    preset: str = "throughput"  # the PRESETS entry the engine fields came from
+    slots: int = 64  # samples decoded together (engine rows); more wait for a free row
+    chunk: int = 16  # decode steps per device call; requests join and leave between calls
+    prefill_bucket: int = 64  # prompts padded to a multiple of this (bounds compilations)
+    # KV pool blocks of 16 tokens; 0 gives every row room for a max_seq_len sequence
+    # (slots x max_seq_len tokens: small for small models, set it for long-context ones).
+    num_blocks: int = 0
+    # Prompt-lookup drafts per speculative round (0: plain decoding). Greedy answers are the
+    # same either way; seeded samples are reproducible, but other draws than plain decoding's.
+    speculative: int = 0
+    max_requests: int = 64  # requests in flight or waiting for the engine; more get HTTP 429
+    default_max_tokens: int = 256  # max_tokens of a request that gives none (cut to fit)
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides) -> "ServeConfig":
+        """The config of a PRESETS entry, with fields replaced by `overrides`."""
+        if preset not in PRESETS:
+            raise ValueError(f"unknown serve preset {preset!r}; choose one of {sorted(PRESETS)}")
+        return cls(preset=preset, **{**PRESETS[preset], **overrides})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One request's sampling settings, checked (see `check_settings`)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    n: int
+    seed: int  # prompt i's samples draw from seed + i (mod 2**32), as `generate(seeds=...)`
+    stop: tuple[str, ...]
+
+
+class Piece(NamedTuple):
+    """A streamed piece: new text, tokens generated so far, and on the last piece only, the
+    finish reason ("stop" or "length")."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+
+
+class _Update(NamedTuple):
+    """What the worker hands a handler after an engine step: each sample's new tokens (streamed
+    requests only) and whether every sample is done."""
+
+    tokens: list[list[int]]
+    finished: bool
+
+
+@dataclasses.dataclass(eq=False)
+class _Track:
+    """One prompt of an HTTP request: its engine request (made by the worker) and the queue on
+    the handler's event loop its updates (or a failure message) go to."""
+
+    prompt: list[int]
+    settings: Settings
+    seed: int
+    streaming: bool
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    request: Request | None = None
+    sent: list[int] = dataclasses.field(default_factory=list)  # tokens per sample seen so far
+    finished: bool = False  # the handler got the last update
+
+    async def next(self) -> _Update:
+        """The next update; `EngineFailed` if the engine failed."""
+        update = await self.updates.get()
+        if isinstance(update, str):
+            raise EngineFailed(update)
+        self.finished = update.finished
+        return update
+
+
+class _Backend:
+    """The server's engine, owned by a worker thread that decodes every handler's requests
+    together; handlers `complete` or `stream` from the event loop."""
+
+    def __init__(self, model: Transformer, tokenizer, config: ServeConfig, *, mesh=None):
+        self.tokenizer = tokenizer
+        self.max_seq_len = model.config.max_seq_len
+        self._model, self._config, self._mesh = model, config, mesh
+        self._eos = frozenset(tokenizer.eos_ids)
+        with self._on_mesh():
+            self.engine = self._new_engine()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit" | "cancel", track)
+        self._active: list[_Track] = []  # submitted and not finished; the worker's alone
+        self._worker = threading.Thread(target=self._work, name="posttrain-engine", daemon=True)
+        self._worker.start()
+
+    def _on_mesh(self):
+        return jax.set_mesh(self._mesh) if self._mesh is not None else contextlib.nullcontext()
+
+    def _new_engine(self) -> Engine:
+        c = self._config
+        config = EngineConfig(slots=c.slots, chunk=c.chunk, prefill_bucket=c.prefill_bucket,
+                              num_blocks=c.num_blocks)  # fmt: skip
+        drafter = PromptLookup(k=c.speculative) if c.speculative else None
+        return Engine(self._model, config, eos_ids=self.tokenizer.eos_ids, drafter=drafter)
+
+    def close(self) -> None:
+        """Stops the worker (after its current step)."""
+        self._inbox.put(("close", None))
+        self._worker.join()
+
+    def stats(self) -> dict:
+        """The engine's settings, its counters since start (`EngineStats`) and what it holds."""
+        engine = self.engine
+        return {"preset": self._config.preset, "slots": engine.config.slots,
+                "chunk": engine.config.chunk, "num_blocks": engine.num_blocks,
+                "speculative": self._config.speculative,
+                "blocks_in_use": engine.blocks_in_use, "requests": len(self._active),
+                **dataclasses.asdict(engine.stats)}  # fmt: skip
+
+    # -- the handlers' side (event loop) ---------------------------------------------------
+
+    def _submit(self, prompt: list[int], settings: Settings, i: int, *, streaming: bool):
+        seed = (settings.seed + i) % 2**32
+        track = _Track(prompt, settings, seed, streaming, asyncio.get_running_loop())
+        self._inbox.put(("submit", track))
+        return track
+
+    def _cancel(self, tracks: Sequence[_Track]) -> None:
+        for track in tracks:
+            if not track.finished:
+                self._inbox.put(("cancel", track))
+
+    async def complete(
+        self, prompts: list[list[int]], settings: Settings
+    ) -> list[list[Completion]]:
+        """Per prompt, its `settings.n` completions; prompt i draws from seed + i."""
+        tracks = [self._submit(p, settings, i, streaming=False) for i, p in enumerate(prompts)]
+        try:
+            for track in tracks:
+                while not (await track.next()).finished:
+                    pass
+        finally:
+            self._cancel(tracks)  # the handler failed or was cancelled
+        return [[self._completion(t.request, j, settings.stop) for j in range(settings.n)]
+                for t in tracks]  # fmt: skip
+
+    def _completion(self, req: Request, j: int, stop: tuple[str, ...]) -> Completion:
+        hit_eos = bool(req.tokens[j]) and req.tokens[j][-1] in self._eos
+        return _finish(self.tokenizer, req.tokens[j], req.logprobs[j], hit_eos, stop)
+
+    async def stream(self, prompt: list[int], settings: Settings) -> AsyncIterator[Piece]:
+        """The one completion of `prompt` piece by piece (a piece per engine step): the tokens
+        and text `complete` gives it, with text held back while it may begin a stop string."""
+        track = self._submit(prompt, settings, 0, streaming=True)
+        ids, sent, stop = [], 0, settings.stop
+        try:
+            while not track.finished:
+                text = None
+                for token in (await track.next()).tokens[0]:
+                    ids.append(token)
+                    if token in self._eos:
+                        break
+                    text = self.tokenizer.decode(ids)
+                    if (cut := _first(text, stop)) >= 0:
+                        yield Piece(text[sent:cut], len(ids), "stop")
+                        return
+                # Wait for the rest of a multi-byte character; hold back a stop string's start.
+                if text is None or text.endswith("\ufffd"):
+                    continue
+                ready = len(text) - _partial(text, stop)
+                if ready > sent:
+                    yield Piece(text[sent:ready], len(ids), None)
+                    sent = ready
+        finally:
+            self._cancel([track])  # a stop string, or the client went away
+        finish = "stop" if ids and ids[-1] in self._eos else "length"
+        yield Piece(self.tokenizer.decode(ids)[sent:], len(ids), finish)
+
+    # -- the worker's side -----------------------------------------------------------------
+
+    def _work(self) -> None:
+        """Until `close`: take new requests and cancellations, step the engine, hand out tokens.
+        A failure fails the requests in the engine (HTTP 500) and starts a fresh engine."""
+        with self._on_mesh():
+            while True:
+                messages = [self._inbox.get()] if not self._active else []
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        messages.append(self._inbox.get_nowait())
+                for kind, track in messages:
+                    if kind == "close":
+                        for waiting in self._active:
+                            self._push(waiting, "the server stopped before the answer ended")
+                        return
+                    try:
+                        self._take(kind, track)
+                    except Exception as e:  # noqa: BLE001 -- reported to the requests it hits
+                        self._fail(e, [track])
+                try:
+                    if not self.engine.idle:
+                        self.engine.step()
+                    self._publish()
+                except Exception as e:  # noqa: BLE001
+                    self._fail(e, [])
+
+    def _take(self, kind: str, track: _Track) -> None:
+        if kind == "cancel":
+            if track in self._active:
+                self.engine.cancel(track.request)
+            return
+        s = track.settings
+        track.request = Request(
+            prompt=track.prompt, max_new_tokens=s.max_tokens,
+            key=jax.random.key(np.uint32(track.seed)), n=s.n, temperature=s.temperature,
+            top_k=s.top_k, top_p=s.top_p,
+        )  # fmt: skip
+        track.sent = [0] * s.n
+        try:
+            self.engine.submit(track.request)
+        except ValueError as e:  # the HTTP layer checks lengths: not the client's fault
+            self._push(track, f"the engine refused the request: {e}")
+            return
+        self._active.append(track)
+
+    def _publish(self) -> None:
+        """Cancels samples that hit a stop string; hands each request its new tokens (streamed
+        ones) or its end."""
+        active = []
+        for track in self._active:
+            req = track.request
+            stop = track.settings.stop
+            for j, tokens in enumerate(req.tokens):
+                new = len(tokens) > track.sent[j]
+                if new and stop and not req.done[j]:
+                    if _first(self.tokenizer.decode(tokens), stop) >= 0:
+                        self.engine.cancel(req, j)
+            finished = all(req.done)
+            if track.streaming or finished:
+                update = _Update(
+                    [t[s:] for t, s in zip(req.tokens, track.sent, strict=True)], finished
+                )
+                if finished or any(update.tokens):
+                    self._push(track, update)
+            track.sent = [len(t) for t in req.tokens]
+            if not finished:
+                active.append(track)
+        self._active = active
+
+    def _push(self, track: _Track, item: "_Update | str") -> None:
+        with contextlib.suppress(RuntimeError):  # the handler's loop closed: nobody waits
+            track.loop.call_soon_threadsafe(track.updates.put_nowait, item)
+
+    def _fail(self, error: Exception, tracks: list[_Track]) -> None:
+        """Fails `tracks` and every request in the engine, and starts a fresh engine."""
+        traceback.print_exc()
+        failed = [*self._active, *(t for t in tracks if t not in self._active)]
+        self._active = []
+        try:  # the engine's state may be half-updated (its rows donated): start over
+            stats = self.engine.stats
+            self.engine = self._new_engine()
+            self.engine.stats = stats
+        except Exception:  # noqa: BLE001 -- the next requests fail with their own message
+            traceback.print_exc()
+        message = f"generation failed ({type(error).__name__}: {error}); please retry"
+        for track in failed:
+            self._push(track, message)
+
+
+def _first(text: str, markers: Sequence[str]) -> int:
+    """Where the first of `markers` starts in `text`, or -1."""
+    return min((i for i in (text.find(m) for m in markers) if i >= 0), default=-1)
+
+
+def _partial(text: str, markers: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins one of `markers` (held back)."""
+    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
