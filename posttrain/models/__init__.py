@@ -3,8 +3,9 @@
 from posttrain.models._attention import attention, attention_mask
 from posttrain.models._cache import KV_DTYPES, KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig, RopeScaling
-from posttrain.models._hf import check_export_destination, from_hf, to_hf
+from posttrain.models._hf import check_export_destination, from_hf, mtp_from_hf, to_hf
 from posttrain.models._hf_config import HFFormatError, load_hf_config
+from posttrain.models._mtp import MTPModule
 from posttrain.models._presets import PRESETS, get_preset
 from posttrain.models._transformer import (
     ParamSpec,
@@ -26,6 +27,7 @@ __all__ = [
     "PagedKVCache",
     "HFFormatError",
     "PRESETS",
+    "MTPModule",
     "ModelConfig",
     "ParamSpec",
     "RopeScaling",
@@ -39,6 +41,7 @@ __all__ = [
     "hidden_states",
     "init_params",
     "lm_logits",
+    "mtp_from_hf",
     "num_params",
     "load_hf_config",
     "param_axes",

@@ -34,7 +34,8 @@ from posttrain.models._hf_config import (
     local_model_dir,
     read_json,
 )
-from posttrain.models._hf_table import HFTensor, weight_table
+from posttrain.models._hf_table import HFTensor, mtp_weight_table, weight_table
+from posttrain.models._mtp import MTPModule, mtp_param_shardings, mtp_param_specs
 from posttrain.models._transformer import Transformer, param_shardings, param_specs
 
 log = logging.getLogger(__name__)
@@ -187,16 +188,20 @@ def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
     table = weight_table(config, layout)
     specs = param_specs(config)
     _check_tensors(files, table, specs, config, layout.extra_layers)  # before reading any
+    shardings = None if mesh is None else param_shardings(config, mesh)
+    return Transformer(_load_params(files, table, specs, config, shardings), config)
+
+
+def _load_params(files, table, specs, config: ModelConfig, shardings) -> dict:
+    """The params `table` fills, each placed with its sharding (None: on the first device)."""
     param_dtype = np.dtype(jnp.dtype(config.param_dtype))
-    if mesh is None:
+    if shardings is None:
         device = jax.local_devices()[0]
         shardings = jax.tree.map(
             lambda _: jax.sharding.SingleDeviceSharding(device),
             specs,
             is_leaf=lambda x: hasattr(x, "axes"),
         )
-    else:
-        shardings = param_shardings(config, mesh)
     params: dict = {}
     for entry in table:
         spec = _get(specs, entry.path)
@@ -205,7 +210,32 @@ def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
             entry.path,
             _load_param(entry, files, spec.shape, param_dtype, _get(shardings, entry.path)),
         )
-    return Transformer(params, config)
+    return params
+
+
+def mtp_from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> MTPModule:
+    """Loads the multi-token-prediction layer of a DeepSeek-V3-style checkpoint (the layer
+    `num_hidden_layers` that `from_hf` leaves out) as an `MTPModule`, a speculative drafter
+    for the model `from_hf(path)` loads (`posttrain.sampling.MTP`). Arguments as `from_hf`'s.
+    """
+    path = local_model_dir(path)
+    if dtype is not None:
+        overrides["param_dtype"] = jnp.dtype(dtype).name
+    config, layout = load_hf_config_and_layout(path, **overrides)
+    if layout.extra_layers < 1:
+        raise HFFormatError(
+            f"{path} has no multi-token-prediction layers (its config.json declares "
+            f"num_nextn_predict_layers = 0, or the model type has none); speculate with "
+            f"prompt lookup or a draft model instead"
+        )
+    files = _SafetensorsDir(path)
+    table = mtp_weight_table(config, layout)
+    specs = mtp_param_specs(config)
+    for entry in table:
+        for _, name in entry.pieces(_get(specs, entry.path).shape):
+            files.check(name, entry.hf_shape)
+    shardings = None if mesh is None else mtp_param_shardings(config, mesh)
+    return MTPModule(_load_params(files, table, specs, config, shardings), config)
 
 
 def _check_tensors(
@@ -240,7 +270,8 @@ def _check_tensors(
         )
     if skipped:
         log.info(
-            "%s: skipped %d tensors of %d multi-token-prediction layer(s) (not part of the model)",
+            "%s: skipped %d tensors of %d multi-token-prediction layer(s) (not part of the model; "
+            "mtp_from_hf loads the first as a speculative drafter)",
             files.path,
             len(skipped),
             extra_layers,

@@ -67,6 +67,23 @@ def weight_table(config: ModelConfig, layout: CheckpointLayout) -> list[HFTensor
     return table
 
 
+def mtp_weight_table(config: ModelConfig, layout: CheckpointLayout) -> list[HFTensor]:
+    """The params of the first MTP layer (`mtp_param_specs`): HF layer `num_layers`. Its copies
+    of the embedding and output head (`embed_tokens`, `shared_head.head`) are not read."""
+    D, layer = config.embed_dim, f"model.layers.{config.num_layers}."
+    table = [
+        HFTensor((name,), layer + hf, (D,), _same, _same)
+        for name, hf in [
+            ("enorm", "enorm.weight"),
+            ("hnorm", "hnorm.weight"),
+            ("final_norm", "shared_head.norm.weight"),
+        ]
+    ]
+    table.append(HFTensor(("eh_proj",), layer + "eh_proj.weight", (D, 2 * D), _t, _t))
+    block = _block(config, layout, moe=config.moe is not None)
+    return table + _stack(block, "layers", config.num_layers)
+
+
 def _same(w):
     return w
 

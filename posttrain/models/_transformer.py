@@ -329,6 +329,7 @@ def hidden_states(
     return_aux: bool = False,
     layer_transform: LayerTransform | None = None,
     layer_extras: dict | None = None,
+    embeds_BLD: jax.Array | None = None,
 ):
     """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read).
 
@@ -340,6 +341,10 @@ def hidden_states(
     with `extra` that layer's slice of `layer_extras[stack]` (a pytree stacked like the layers,
     one entry per stack name: "layers", "dense_layers"), so only one layer's transformed weights
     exist at a time (LoRA merges its adapters there, QLoRA dequantises).
+
+    `embeds_BLD`: the first layer's inputs instead of `tokens_BL`'s embeddings (a
+    multi-token-prediction module's projection, `posttrain.models.MTPModule`); params then
+    need no `embed`.
     """
     B, L = tokens_BL.shape
     if positions_BL is None:
@@ -347,10 +352,7 @@ def hidden_states(
     if segment_ids_BL is None:
         segment_ids_BL = jnp.ones((B, L), jnp.int32)
     dt = config.dtype
-    # FSDP: gather the table's model dimension before the lookup (as for any weight), so the
-    # gathered rows come out sharded by batch instead of being resharded from the table's layout.
-    embed_VD = constrain(params["embed"], ("vocab", None))
-    x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(dt)
+    x_BLD = embed(params["embed"], tokens_BL, dt) if embeds_BLD is None else embeds_BLD.astype(dt)
     x_BLD = constrain(x_BLD, ("act_batch", "act_length", "act_embed"))
     cos, sin = rope_angles(positions_BL, config)
 
@@ -406,6 +408,14 @@ def hidden_states(
     else:
         k_T, v_T = caches[0]
     return hidden_BLD, cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
+
+
+def embed(embed_VD: jax.Array, tokens_BL: jax.Array, dtype) -> jax.Array:
+    """The token embeddings `[B, L, D]` in `dtype`."""
+    # FSDP: gather the table's model dimension before the lookup (as for any weight), so the
+    # gathered rows come out sharded by batch instead of being resharded from the table's layout.
+    embed_VD = constrain(embed_VD, ("vocab", None))
+    return jnp.take(embed_VD, tokens_BL, axis=0).astype(dtype)
 
 
 def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.Array:

@@ -129,28 +129,95 @@ def _edit_config(path, **changes):
         json.dump(config, f)
 
 
-def test_multi_token_prediction_layers_are_skipped(deepseek_dir, tmp_path, caplog):
-    """DeepSeek-V3 / Kimi K2 checkpoints append MTP layers after the last; HF ignores them too."""
+def _rms_norm(x, w, eps):
+    return x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * w
+
+
+def test_multi_token_prediction_layer_loads_as_a_drafter(deepseek_dir, tmp_path, caplog):
+    """DeepSeek-V3 checkpoints append an MTP layer after the last (HF ignores it): `from_hf`
+    leaves it out, `mtp_from_hf` loads it, and its logits equal a reference built from
+    transformers' own decoder layer (MLA, experts) plus the MTP projections written out."""
+    import torch
+    import transformers
+
+    from posttrain.models import lm_logits, mtp_from_hf
+
     path = str(tmp_path / "with_mtp")
-    model = from_hf(deepseek_dir)
+    model = from_hf(deepseek_dir, attention="xla")
     to_hf(model, path)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
-    mtp = {
-        k.replace("model.layers.2.", "model.layers.3."): v
+    rs = np.random.RandomState(0)
+    D = model.config.embed_dim
+    mtp = {  # a block like the last layer's, perturbed; the MTP projections; shared copies
+        k.replace("model.layers.2.", "model.layers.3."): v + 0.05 * rs.standard_normal(v.shape)
         for k, v in tensors.items()
         if k.startswith("model.layers.2.")
     }
-    mtp["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.3.{name}.weight"] = 1 + 0.1 * rs.standard_normal(D)
+    mtp["model.layers.3.eh_proj.weight"] = 0.1 * rs.standard_normal((D, 2 * D))
+    mtp["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    mtp["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"]
+    mtp = {k: np.asarray(v, np.float32) for k, v in mtp.items()}
     save_file({**tensors, **mtp}, file, metadata={"format": "pt"})
     _edit_config(path, num_nextn_predict_layers=1)
     with caplog.at_level(logging.INFO, logger="posttrain.models._hf"):
-        loaded = from_hf(path)
+        loaded = from_hf(path, attention="xla")
     _assert_same_params(model.params, loaded.params)
     assert f"skipped {len(mtp)} tensors of 1 multi-token-prediction layer" in caplog.text
+    module = mtp_from_hf(path, attention="xla")
+
+    tokens = np.random.RandomState(1).randint(1, 256, size=(2, 10))
+    hidden = model.hidden_states(jnp.asarray(tokens))
+    ours = lm_logits(
+        model.params, module(model.params, tokens[:, 1:], hidden[:, :-1]), model.config
+    )
+
+    # Reference: the model's final hidden states h_i and the next tokens t_{i+1} through
+    # eh_proj([enorm(embed(t)); hnorm(h)]), HF's decoder layer (HF loads the MTP layer's block
+    # as a fourth layer) and shared_head.norm, then the model's lm_head.
+    kwargs = dict(attn_implementation="eager", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    block = (
+        transformers.AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=4, **kwargs)
+        .eval()
+        .model.layers[3]
+    )
+    eps, L = hf.config.rms_norm_eps, tokens.shape[1] - 1
+    w = {k: torch.tensor(v) for k, v in mtp.items()}
+    with torch.no_grad():
+        t = torch.tensor(tokens)
+        h = hf.model(t).last_hidden_state[:, :-1]
+        e = hf.model.embed_tokens(t[:, 1:])
+        x = (
+            torch.cat(
+                [
+                    _rms_norm(e, w["model.layers.3.enorm.weight"], eps),
+                    _rms_norm(h, w["model.layers.3.hnorm.weight"], eps),
+                ],
+                -1,
+            )
+            @ w["model.layers.3.eh_proj.weight"].T
+        )
+        positions = torch.arange(L)[None]
+        causal = torch.full((L, L), float("-inf")).triu(1)[None, None]
+        g = block(
+            x,
+            attention_mask=causal,
+            position_ids=positions,
+            position_embeddings=hf.model.rotary_emb(x, positions),
+        )
+        expected = hf.lm_head(_rms_norm(g, w["model.layers.3.shared_head.norm.weight"], eps))
+    np.testing.assert_allclose(np.asarray(ours), expected.numpy(), atol=1e-4, rtol=0)
+
     _edit_config(path, num_nextn_predict_layers=0)  # then they are tensors nobody expects
     with pytest.raises(HFFormatError, match=r"does not use, e.g. \['model.layers.3."):
         from_hf(path)
+    with pytest.raises(HFFormatError, match="no multi-token-prediction layers"):
+        mtp_from_hf(path)
+    with pytest.raises(HFFormatError, match="model.layers.3.enorm.weight' is missing"):
+        mtp_from_hf(deepseek_dir)
 
 
 def test_kimi_k2_model_type_reads_as_deepseek_v3(deepseek_dir, tmp_path):
