@@ -38,8 +38,14 @@ def main(argv: list[str]) -> int:
         )  # fmt: skip
         flags.DEFINE_integer(
             "speculative", -1,
-            "prompt-lookup draft tokens per speculative round, 0 for plain decoding (default: "
-            "the preset's: 0 for throughput, 4 for latency)",
+            "draft tokens per speculative round, 0 for plain decoding (default: the preset's: "
+            "0 for throughput, 4 for latency; 1 with --mtp)",
+            flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_boolean(
+            "mtp", False,
+            "draft with the checkpoint's multi-token-prediction layer (DeepSeek-V3 and its "
+            "kind) instead of prompt lookup; a workdir's comes from its base model (model.hf_path)",
             flag_values=fv,
         )  # fmt: skip
         flags.DEFINE_string(
@@ -66,15 +72,38 @@ def main(argv: list[str]) -> int:
     from posttrain.sampling import ServeConfig, serve
     from posttrain.train import load_model_and_tokenizer
 
+    speculative = fv.speculative if fv.speculative >= 0 else 1 if fv.mtp else None
     config = ServeConfig.from_preset(  # before the model loads
         fv.preset,
         model_name=fv.served_model_name or fv.model,
         max_requests=fv.max_requests,
         num_blocks=fv.num_blocks,
-        **({"speculative": fv.speculative} if fv.speculative >= 0 else {}),
+        **({"speculative": speculative} if speculative is not None else {}),
     )
+    if fv.mtp and not config.speculative:
+        raise UserError("--mtp drafts tokens: drop --speculative=0 or set it >= 1")
     devices = mesh(fv.mesh)
     with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():
         model, tokenizer = load_model_and_tokenizer(fv.model, mesh=devices)
-    serve(model, tokenizer, config, host=fv.host, port=fv.port, mesh=devices)
+        module = _mtp_module(fv.model, devices) if fv.mtp else None
+    serve(model, tokenizer, config, host=fv.host, port=fv.port, mesh=devices, mtp=module)
     return 0
+
+
+def _mtp_module(path: str, devices):
+    """The MTP module of an HF directory, or of the base model a training workdir started from."""
+    import json
+
+    from posttrain import paths
+    from posttrain.models import mtp_from_hf
+
+    if (paths.path(path) / "checkpoints").is_dir():
+        config = json.loads((paths.path(path) / "config.json").read_text())
+        base = config.get("model", {}).get("hf_path")
+        if not base:
+            raise UserError(
+                f"--mtp: the workdir {path} was not started from an HF checkpoint (no "
+                f"model.hf_path in its config.json), so it has no multi-token-prediction layer"
+            )
+        path = base
+    return mtp_from_hf(path, mesh=devices)

@@ -7,12 +7,13 @@ from posttrain.sampling._generate import Completion, check_settings, generate
 from posttrain.sampling._run import run_generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
 from posttrain.sampling._serve import ServeConfig, serve
-from posttrain.sampling._speculative import DraftModel, PromptLookup
+from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup
 
 __all__ = [
     "check_settings",
     "Completion",
     "DraftModel",
+    "MTP",
     "Engine",
     "EngineConfig",
     "EngineStats",

@@ -22,7 +22,7 @@ import numpy as np
 from posttrain.models import Transformer
 from posttrain.sampling._engine import Engine, EngineConfig, Request
 from posttrain.sampling._generate import Completion, _finish
-from posttrain.sampling._speculative import PromptLookup
+from posttrain.sampling._speculative import MTP, PromptLookup
 
 
 class EngineFailed(Exception):
@@ -126,10 +126,10 @@ class _Backend:
     """The server's engine, owned by a worker thread that decodes every handler's requests
     together; handlers `complete` or `stream` from the event loop."""
 
-    def __init__(self, model: Transformer, tokenizer, config: ServeConfig, *, mesh=None):
+    def __init__(self, model: Transformer, tokenizer, config: ServeConfig, *, mesh=None, mtp=None):
         self.tokenizer = tokenizer
         self.max_seq_len = model.config.max_seq_len
-        self._model, self._config, self._mesh = model, config, mesh
+        self._model, self._config, self._mesh, self._mtp = model, config, mesh, mtp
         self._eos = frozenset(tokenizer.eos_ids)
         with self._on_mesh():
             self.engine = self._new_engine()
@@ -145,7 +145,10 @@ class _Backend:
         c = self._config
         config = EngineConfig(slots=c.slots, chunk=c.chunk, prefill_bucket=c.prefill_bucket,
                               num_blocks=c.num_blocks)  # fmt: skip
-        drafter = PromptLookup(k=c.speculative) if c.speculative else None
+        drafter = None
+        if c.speculative:
+            k = c.speculative
+            drafter = PromptLookup(k=k) if self._mtp is None else MTP(self._mtp, k=k)
         return Engine(self._model, config, eos_ids=self.tokenizer.eos_ids, drafter=drafter)
 
     def close(self) -> None:
@@ -159,6 +162,7 @@ class _Backend:
         return {"preset": self._config.preset, "slots": engine.config.slots,
                 "chunk": engine.config.chunk, "num_blocks": engine.num_blocks,
                 "speculative": self._config.speculative,
+                "drafter": type(self.engine.drafter).__name__ if self.engine.drafter else None,
                 "blocks_in_use": engine.blocks_in_use, "requests": len(self._active),
                 **dataclasses.asdict(engine.stats)}  # fmt: skip
 

@@ -15,7 +15,7 @@ import numpy as np
 from posttrain.models import Transformer
 from posttrain.sampling._engine import Engine, EngineConfig, Request
 from posttrain.sampling._generate import Completion, _check, _finish, _keys, _prepare
-from posttrain.sampling._speculative import DraftModel, PromptLookup, check_drafter
+from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup, check_drafter
 
 
 def generate_continuous(
@@ -39,7 +39,7 @@ def generate_continuous(
     num_blocks: int = 0,
     kv_dtype: str = "auto",
     prefix_sharing: bool = True,
-    drafter: PromptLookup | DraftModel | None = None,
+    drafter: PromptLookup | DraftModel | MTP | None = None,
     engine: Engine | None = None,
     stats: dict | None = None,
 ) -> list[list[Completion]]:
@@ -62,7 +62,8 @@ def generate_continuous(
         rounding), and with `seeds` they are `generate`'s draws.
       length_bucket: prefill lengths are padded to a multiple of this.
       block_size, num_blocks, kv_dtype, prefix_sharing: the KV pool (see `EngineConfig`).
-      drafter: decode speculatively: `PromptLookup(ngram, k)` or `DraftModel(model, k)` (same
+      drafter: decode speculatively: `PromptLookup(ngram, k)`, `DraftModel(model, k)` (same
+        vocabulary) or `MTP(module, k)` (the model's own MTP module, `mtp_from_hf`) (same
         outputs when greedy, the same distribution when sampling, fewer forwards of `model`
         when drafts are accepted; see `Engine`).
       engine: an `Engine` to run on (keeps its compilations and pool across calls, e.g. one
@@ -151,7 +152,7 @@ def generate_speculative(
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
     max_new_tokens: int | Sequence[int],
-    drafter: PromptLookup | DraftModel,
+    drafter: PromptLookup | DraftModel | MTP,
     n: int = 1,
     slots: int = 0,
     stats: dict | None = None,
@@ -163,7 +164,8 @@ def generate_speculative(
 
     Args:
       model, tokenizer, prompts, max_new_tokens, n: as for `generate_continuous`.
-      drafter: `PromptLookup(ngram, k)` or `DraftModel(model, k)` (same vocabulary as `model`).
+      drafter: `PromptLookup(ngram, k)`, `DraftModel(model, k)` (same vocabulary as `model`)
+        or `MTP(module, k)` (the model's multi-token-prediction module, `mtp_from_hf`).
       slots: rows decoded together; 0 = every sample at once (at most 256).
       stats: if given, filled with this call's `EngineStats` counts, among them "rounds"
         (forward passes of `model` after the prefills), "proposed" and "accepted" drafts, plus

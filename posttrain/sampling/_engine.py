@@ -9,18 +9,21 @@ admitted when the pool has the blocks its prompt and token budget need, not when
 The n samples of a prompt (a GRPO group) share its blocks: the prompt is prefilled once, into
 the first sample's blocks; every other sample points its block table at the same full blocks
 and gets its own copy of the last, partly filled one (copy-on-write at the first block they
-can differ in). Block reference counts free a shared block when its last user ends.
+can differ in; an MTP drafter's cache runs a position behind, so the block holding the prompt's
+last token is always copied). Block reference counts free a shared block when its last user
+ends.
 
 Sampling is keyed per request: sample j of prompt i draws its k-th token with
 `fold_in(fold_in(key_i, j), k)`, where `key_i` is the prompt's own seed (`seeds`) or
 `fold_in(key(seed), i)`; so outputs do not depend on the slot, the chunk or what else runs, and
 with `seeds` they are the static sampler's draws (`generate(..., seeds=...)` keys the same way).
 
-With a drafter (`PromptLookup` or `DraftModel`) every chunk is rounds of speculative decoding
+With a drafter (`PromptLookup`, `DraftModel` or `MTP`) every chunk is rounds of speculative decoding
 (`_paged.speculate`): a row emits 1 to k+1 tokens per forward of the model, greedy output is
 the plain engine's and sampling keeps the model's distribution. Each request reserves k slots
-more than its prompt and budget (a round writes k drafts past its length); a draft model keeps
-its own pool on the same blocks and tables, so prefix sharing and block accounting cover it.
+more than its prompt and budget (a round writes k drafts past its length); a draft model (or an
+MTP module) keeps its own pool on the same blocks and tables, so prefix sharing and block
+accounting cover it.
 
 The device functions are in `_paged`; this module is the host side: admission, block tables,
 reference counts, collecting tokens.
@@ -39,7 +42,7 @@ import numpy as np
 from posttrain.models import KV_DTYPES, Transformer
 from posttrain.parallel import logical_to_spec
 from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill, speculate
-from posttrain.sampling._speculative import DraftModel, PromptLookup, check_drafter
+from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup, check_drafter
 
 _ATTENTION = ("auto", "xla", "ragged")
 
@@ -157,9 +160,9 @@ class Engine:
     argument: `engine.model = new_model` (same shapes) swaps them without recompiling
     (`engine.drafter = DraftModel(new_draft, k)` likewise).
 
-    `drafter`: decode speculatively with prompt lookup or a draft model (same vocabulary);
-    not with the layered int8 cache, whose ring of recent tokens a round's drafts would
-    overwrite.
+    `drafter`: decode speculatively with prompt lookup, a draft model (same vocabulary) or
+    the model's MTP module; not with the layered int8 cache, whose ring of recent tokens a
+    round's drafts would overwrite.
     """
 
     def __init__(
@@ -169,7 +172,7 @@ class Engine:
         *,
         max_len: int | None = None,
         eos_ids: Sequence[int] = (),
-        drafter: PromptLookup | DraftModel | None = None,
+        drafter: PromptLookup | DraftModel | MTP | None = None,
     ):
         self.model, self.config = model, config
         self.drafter = drafter
@@ -207,7 +210,8 @@ class Engine:
             self.blocks_per_seq,
             combined=bool(self.kernel),
             history=self.blocks_per_seq * c.block_size if drafter else 1,
-            draft_config=drafter.model.config if isinstance(drafter, DraftModel) else None,
+            draft_config=_draft_config(drafter),
+            mtp=isinstance(drafter, MTP),
         )
         placed = jax.tree.leaves(self.model.params)[0].sharding
         if not isinstance(placed, jax.sharding.NamedSharding):
@@ -341,6 +345,8 @@ class Engine:
             req = self._queue[0]
             P = len(req.prompt)
             full, tail = divmod(P, bs)
+            if isinstance(self.drafter, MTP):  # it writes position P - 1 in the first round
+                full, tail = (P - 1) // bs, 1
             per_sample = -(-(P + req.max_new_tokens + self._ahead) // bs)
             share = c.prefix_sharing and req.n > 1
             k = min(req.n - req.admitted, len(free_rows))
@@ -400,7 +406,7 @@ class Engine:
         copies += copies[-1:] * (c.slots - len(copies))
         self._rows = prefill(
             self.model,
-            self.drafter.model if isinstance(self.drafter, DraftModel) else None,
+            None if isinstance(self.drafter, PromptLookup) else self.drafter,
             self._rows,
             jnp.asarray(tokens),
             jnp.asarray(lengths),
@@ -460,6 +466,13 @@ class Engine:
 
 
 _POOLS = ("k", "v", "draft_k", "draft_v")  # split over the tensor axis like the model's heads
+
+
+def _draft_config(drafter):
+    """The config of the drafter's KV pool (None: it has none)."""
+    if isinstance(drafter, DraftModel):
+        return drafter.model.config
+    return drafter.module.block_config if isinstance(drafter, MTP) else None
 
 
 def _check_drafter(drafter, model: Transformer, config: EngineConfig) -> int:

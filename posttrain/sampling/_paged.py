@@ -19,7 +19,14 @@ import jax.numpy as jnp
 
 from posttrain.models import PagedKVCache, Transformer, hidden_states, lm_logits
 from posttrain.sampling._sample import sample_tokens
-from posttrain.sampling._speculative import DraftModel, PromptLookup, _accept, _lookup, _Sampling
+from posttrain.sampling._speculative import (
+    MTP,
+    DraftModel,
+    PromptLookup,
+    _accept,
+    _lookup,
+    _Sampling,
+)
 
 SCRATCH = 0  # block 0: padding and finished rows write here; nothing reads it
 
@@ -43,8 +50,9 @@ class Rows(NamedTuple):
     pending_B: jax.Array  # the token a round drew last, emitted next round (-1: none yet)
     pending_lp_B: jax.Array  # its log-prob
     history_BT: jax.Array  # the row's tokens by position (prompt, then generated): lookups
-    draft_k: jax.Array | None  # a draft model's pool: same blocks, same tables
+    draft_k: jax.Array | None  # a draft model's (or MTP module's) pool: same blocks and tables
     draft_v: jax.Array | None
+    hidden_BD: jax.Array | None  # MTP: the model's final hidden state at the last cached position
 
 
 def _slots_of(tables_BM, block_size: int):
@@ -57,7 +65,7 @@ def _slots_of(tables_BM, block_size: int):
 @functools.partial(jax.jit, static_argnames=("block_size",), donate_argnames=("rows",))
 def prefill(
     model: Transformer,
-    draft: Transformer | None,
+    drafter: DraftModel | MTP | None,
     rows: Rows,
     tokens_GP,
     lengths_G,
@@ -77,17 +85,17 @@ def prefill(
     block_size: int,
 ):
     """Prefills G right-padded prompts into their blocks (`tables_GR`, R blocks covering the
-    padded length) of the model's pool (and the draft model's), copies blocks `copy_from_C` to
+    padded length) of the model's pool (and the drafter's), copies blocks `copy_from_C` to
     `copy_to_C` (the shared prompts' last blocks), and starts rows `rows_X` on prompt `group_X`
     with their own tables, budgets and keys. Repeated entries (padding) must repeat the same
-    values."""
+    values. An MTP module caches positions 0 .. length - 2 (position i needs token i + 1)."""
     config = model.config
     G, P = tokens_GP.shape
     positions_GP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (G, P))
     real_GP = positions_GP < lengths_G[:, None]
     slots_GS = _slots_of(tables_GR, block_size)
 
-    def cache_of(k, v, dtype):
+    def cache_of(k, v, dtype, real_GP=real_GP):
         return PagedKVCache(
             k,
             v,
@@ -105,13 +113,23 @@ def prefill(
     )
     last_G1D = jnp.take_along_axis(hidden_GPD, (lengths_G - 1)[:, None, None], axis=1)
     logits_GV = lm_logits(model.params, last_G1D, config)[:, 0]
-    draft_k, draft_v = rows.draft_k, rows.draft_v
-    if draft is not None:
+    draft_k, draft_v, hidden_BD = rows.draft_k, rows.draft_v, rows.hidden_BD
+    if isinstance(drafter, DraftModel):
+        draft = drafter.model
         draft_cache = cache_of(draft_k, draft_v, draft.config.dtype)
         _, draft_cache = hidden_states(
             draft.params, tokens_GP, draft.config, positions_GP, segments_GP, draft_cache
         )
         draft_k, draft_v = draft_cache.k_TNbKH, draft_cache.v_TNbKH
+    elif isinstance(drafter, MTP):
+        known_GP = positions_GP < (lengths_G - 1)[:, None]
+        draft_cache = cache_of(draft_k, draft_v, config.dtype, known_GP)
+        next_GP = jnp.pad(tokens_GP[:, 1:], ((0, 0), (0, 1)))
+        _, draft_cache = drafter.module(
+            model.params, next_GP, hidden_GPD, positions_GP, known_GP.astype(jnp.int32), draft_cache
+        )
+        draft_k, draft_v = draft_cache.k_TNbKH, draft_cache.v_TNbKH
+        hidden_BD = hidden_BD.at[rows_X].set(last_G1D[group_X, 0].astype(hidden_BD.dtype))
 
     def copy(store):
         """The shared prompts' last blocks to their copies; a layered pool's ring rows from
@@ -146,6 +164,7 @@ def prefill(
         history_BT=rows.history_BT.at[rows_X].set(history_GT[group_X]),
         draft_k=copy(draft_k),
         draft_v=copy(draft_v),
+        hidden_BD=hidden_BD,
     )
 
 
@@ -238,35 +257,50 @@ def _per_row(rows: Rows, fn, *args):
     return jax.vmap(one)(rows.temperature_B, rows.top_k_B, rows.top_p_B, *args)
 
 
-def _propose(drafter, rows: Rows, t0_B, go_B, keys_B, tables_BM, block_size, greedy):
-    """Drafts `[B, k]`, their distributions q `[B, k, V]` (None when greedy) and the draft
-    model's pool: prompt lookup over the row's history, or k+1 one-token steps of the draft
-    model over [t0, d_1 .. d_k] (the last only to cache d_k, which is context if accepted)."""
+def _propose(drafter, model, rows: Rows, t0_B, go_B, keys_B, tables_BM, block_size, greedy):
+    """Drafts `[B, k]`, their distributions q `[B, k, V]` (None when greedy) and the drafter's
+    pool: prompt lookup over the row's history; k+1 one-token steps of the draft model over
+    [t0, d_1 .. d_k] (the last only to cache d_k, which is context if accepted); or k steps of
+    the MTP module from position length - 1 (the model's hidden state there and t0, then its
+    own output and each draft)."""
     K, V = drafter.k, rows.logits_BV.shape[-1]
     if isinstance(drafter, PromptLookup):
         drafts_BK = _lookup(rows.history_BT, rows.lengths_B + 1, ngram=drafter.ngram, k=K)
         return drafts_BK, None if greedy else jax.nn.one_hot(drafts_BK, V), None, None
-    draft = drafter.model
     B = t0_B.shape[0]
+    ones_B1 = jnp.ones((B, 1), jnp.int32)
+
+    def draw(logits_BV, i):
+        if greedy:
+            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+        q_BV = _per_row(rows, lambda s, logits_V: s.probs(logits_V), logits_BV)
+        keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, 2 + i)
+        return _per_row(rows, lambda s, key, q_V: s.draw(key, q_V[None])[0], keys, q_BV), q_BV
+
+    if isinstance(drafter, MTP):
+        mtp, start_B = drafter.module, rows.lengths_B - 1
+        dtype, steps = model.config.dtype, K
+    else:
+        draft, start_B = drafter.model, rows.lengths_B
+        dtype, steps = draft.config.dtype, K + 1
 
     def step(carry, i):
-        k, v, token_B = carry
-        positions_B1 = (rows.lengths_B + i)[:, None]
-        cache = _paged(k, v, tables_BM, block_size, positions_B1, go_B, draft.config.dtype)
-        logits_B1V, cache = draft(
-            token_B[:, None], positions_B1, jnp.ones((B, 1), jnp.int32), cache
-        )
-        logits_BV = logits_B1V[:, 0]
-        if greedy:
-            token_B, q_BV = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+        k, v, token_B, h_BD = carry
+        positions_B1 = (start_B + i)[:, None]
+        cache = _paged(k, v, tables_BM, block_size, positions_B1, go_B, dtype)
+        if isinstance(drafter, MTP):
+            g_B1D, cache = mtp(
+                model.params, token_B[:, None], h_BD[:, None], positions_B1, ones_B1, cache
+            )
+            h_BD, logits_BV = g_B1D[:, 0], lm_logits(model.params, g_B1D, model.config)[:, 0]
         else:
-            q_BV = _per_row(rows, lambda s, logits_V: s.probs(logits_V), logits_BV)
-            keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, 2 + i)
-            token_B = _per_row(rows, lambda s, key, q_V: s.draw(key, q_V[None])[0], keys, q_BV)
-        return (cache.k_TNbKH, cache.v_TNbKH, token_B), (token_B, q_BV)
+            logits_B1V, cache = draft(token_B[:, None], positions_B1, ones_B1, cache)
+            logits_BV = logits_B1V[:, 0]
+        token_B, q_BV = draw(logits_BV, i)
+        return (cache.k_TNbKH, cache.v_TNbKH, token_B, h_BD), (token_B, q_BV)
 
-    (k, v, _), (drafts_LB, q_LBV) = jax.lax.scan(
-        step, (rows.draft_k, rows.draft_v, t0_B), jnp.arange(K + 1)
+    (k, v, _, _), (drafts_LB, q_LBV) = jax.lax.scan(
+        step, (rows.draft_k, rows.draft_v, t0_B, rows.hidden_BD), jnp.arange(steps)
     )
     q_BKV = None if greedy else jnp.swapaxes(q_LBV[:K], 0, 1)
     return drafts_LB[:K].T, q_BKV, k, v
@@ -279,7 +313,7 @@ def _propose(drafter, rows: Rows, t0_B, go_B, keys_B, tables_BM, block_size, gre
 )
 def speculate(
     model: Transformer,
-    drafter: PromptLookup | DraftModel,
+    drafter: PromptLookup | DraftModel | MTP,
     rows: Rows,
     eos_E,
     *,
@@ -297,7 +331,9 @@ def speculate(
     speculative-sampling rule (`_speculative._accept`), emits the accepted ones and draws the
     next t0 (from the residual after a rejection, from the model after k acceptances). A row
     emits 1 to k+1 tokens a round. `greedy` (every row at temperature 0): accept drafts while
-    they are the model's argmax, no distributions.
+    they are the model's argmax, no distributions. An MTP module then caches the model's
+    hidden states at positions `length .. length + k - 1` with the drafts after them (the
+    accepted ones are its context next round; the others are past the length).
 
     Returns (rows, tokens `[B, rounds * (k+1)]` in order, log-probs, which were emitted,
     (drafts proposed, drafts accepted, rounds run)).
@@ -332,14 +368,17 @@ def speculate(
         )
 
         drafts_BK, q_BKV, draft_k, draft_v = _propose(
-            drafter, rows, t0_B, go_B, round_keys_B, tables_BM, block_size, greedy
+            drafter, model, rows, t0_B, go_B, round_keys_B, tables_BM, block_size, greedy
         )
         tokens_BL = jnp.concatenate([t0_B[:, None], drafts_BK], axis=1)
         positions_BL = rows.lengths_B[:, None] + j_1L
         cache = _paged(
             rows.k, rows.v, tables_BM, block_size, positions_BL, go_B, model.config.dtype
         )
-        logits_BLV, cache = model(tokens_BL, positions_BL, jnp.ones((B, L), jnp.int32), cache)
+        hidden_BLD, cache = hidden_states(
+            model.params, tokens_BL, model.config, positions_BL, jnp.ones((B, L), jnp.int32), cache
+        )
+        logits_BLV = lm_logits(model.params, hidden_BLD, model.config)
         if greedy:
             best_BL = jnp.argmax(logits_BLV, axis=-1).astype(jnp.int32)
             accepted_B = jnp.sum(
@@ -355,6 +394,24 @@ def speculate(
                 return a[0], t[0]
 
             accepted_B, next_B = _per_row(rows, accept, keys_B, p_BLV, drafts_BK, q_BKV)
+
+        hidden_BD = rows.hidden_BD
+        if isinstance(drafter, MTP):
+            positions_BK = positions_BL[:, :K]
+            mtp_cache = _paged(
+                draft_k, draft_v, tables_BM, block_size, positions_BK, go_B, model.config.dtype
+            )
+            _, mtp_cache = drafter.module(
+                model.params,
+                drafts_BK,
+                hidden_BLD[:, :K],
+                positions_BK,
+                jnp.ones((B, K), jnp.int32),
+                mtp_cache,
+            )
+            draft_k, draft_v = mtp_cache.k_TNbKH, mtp_cache.v_TNbKH
+            last_BD = jnp.take_along_axis(hidden_BLD, accepted_B[:, None, None], axis=1)[:, 0]
+            hidden_BD = jnp.where(go_B[:, None], last_BD.astype(hidden_BD.dtype), hidden_BD)
 
         # Emitted this round: t0, then drafts up to the accepted count, an EOS or the budget.
         k_1K = jnp.arange(K)[None]
@@ -382,6 +439,7 @@ def speculate(
             history_BT=write(rows.history_BT, tokens_BL, rows.lengths_B),
             draft_k=draft_k,
             draft_v=draft_v,
+            hidden_BD=hidden_BD,
         )
         return (
             rows,
@@ -431,11 +489,13 @@ def empty_rows(
     combined: bool,
     history: int = 1,
     draft_config=None,
+    mtp: bool = False,
 ) -> Rows:
     """The engine's device state with no request in it (a pure function: `jax.eval_shape`
     gives its shapes for ahead-of-time compilation); `config` is the `EngineConfig`,
     `history` the positions a row's token history holds (prompt lookup), `draft_config` the
-    draft model's config (its pool)."""
+    config of the draft model or MTP block (its pool), `mtp` whether rows keep the model's
+    last hidden state."""
     B = config.slots
     k, v = PagedKVCache.init_pool(
         model_config,
@@ -471,4 +531,5 @@ def empty_rows(
         history_BT=jnp.zeros((B, history), jnp.int32),
         draft_k=draft_k,
         draft_v=draft_v,
+        hidden_BD=jnp.zeros((B, model_config.embed_dim), model_config.dtype) if mtp else None,
     )

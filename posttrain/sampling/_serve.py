@@ -398,6 +398,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     mesh=None,
+    mtp=None,
 ) -> None:
     """Serves the OpenAI API over `model` until interrupted (Ctrl-C or SIGTERM).
 
@@ -408,6 +409,8 @@ def serve(
       host: the address to listen on (0.0.0.0 for every interface).
       port: the port; 0 picks a free one (the printed URL names it).
       mesh: the `jax.sharding.Mesh` the model is sharded over, if any.
+      mtp: the model's `MTPModule` (`models.mtp_from_hf`): speculative rounds draft with it
+        instead of prompt lookup (`config.speculative` tokens a round).
 
     Raises:
       UserError: the address cannot be listened on, or the engine's KV pool (`num_blocks`)
@@ -416,7 +419,7 @@ def serve(
     import uvicorn
 
     try:
-        backend = _Backend(model, tokenizer, config, mesh=mesh)
+        backend = _Backend(model, tokenizer, config, mesh=mesh, mtp=mtp)
     except ValueError as e:  # e.g. num_blocks too small for one max_seq_len sequence
         raise UserError(f"cannot build the serving engine: {e}") from None
     app = create_app(backend, config)

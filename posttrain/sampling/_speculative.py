@@ -18,7 +18,10 @@ Drafters:
   draft, so a draft is accepted with probability p(d) and a rejection draws from p without d.
 - `DraftModel`: a smaller `Transformer` with the same vocabulary samples k tokens one at a time
   from its own KV cache.
-MTP heads (DeepSeek-V3 / Kimi-K2 multi-token prediction) are not a drafter here yet.
+- `MTP`: the model's own multi-token-prediction module (DeepSeek-V3; `models.mtp_from_hf`)
+  samples k tokens one at a time from the model's last hidden state, chaining its own outputs
+  after the first; its one-layer KV cache is refreshed with the model's hidden states of the
+  accepted tokens after each round.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from posttrain.models import Transformer
+from posttrain.models import MTPModule, Transformer
 from posttrain.sampling._sample import filter_logits
 
 
@@ -149,10 +152,38 @@ class DraftModel:
             raise ValueError(f"DraftModel needs k >= 1, got k={self.k}")
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["module"], meta_fields=["k"])
+@dataclasses.dataclass(frozen=True)
+class MTP:
+    """Drafting with the model's multi-token-prediction module (DeepSeek-V3 and its kind ship
+    one: `posttrain.models.mtp_from_hf`): no second model, drafts conditioned on the model's
+    own hidden state. The module was trained to predict one token ahead; k > 1 chains it.
+
+    Attributes:
+      module: the `MTPModule` (its params are a jit argument: new weights, no recompile).
+      k: tokens proposed per round.
+    """
+
+    module: MTPModule
+    k: int = 1
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"MTP needs k >= 1, got k={self.k}")
+
+
 def check_drafter(drafter, model: Transformer) -> None:
     """A clear error for what is not a drafter of `model`."""
-    if not isinstance(drafter, PromptLookup | DraftModel):
-        raise ValueError(f"drafter must be a PromptLookup or a DraftModel, got {drafter!r}")
+    if not isinstance(drafter, PromptLookup | DraftModel | MTP):
+        raise ValueError(f"drafter must be a PromptLookup, a DraftModel or an MTP, got {drafter!r}")
+    if isinstance(drafter, MTP):
+        ours, theirs = drafter.module.config, model.config
+        fields = ("embed_dim", "vocab_size", "num_heads", "mla", "moe")
+        if any(getattr(ours, f) != getattr(theirs, f) for f in fields):
+            raise ValueError(
+                f"the MTP module was built for another model (its {fields} differ from the "
+                f"model's); load it from the model's own checkpoint with mtp_from_hf"
+            )
     if isinstance(drafter, DraftModel) and (
         drafter.model.config.vocab_size != model.config.vocab_size
     ):

@@ -22,7 +22,7 @@ import uvicorn
 
 from posttrain import cli
 from posttrain.demo import ASSETS_DIR
-from posttrain.models import Transformer, get_preset, to_hf
+from posttrain.models import MTPModule, Transformer, get_preset, to_hf
 from posttrain.sampling import (
     Completion,
     Engine,
@@ -263,10 +263,23 @@ def test_refused_requests_are_openai_errors(client, reference):
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
 
 
-def test_a_bad_model_directory_is_one_user_error(tmp_path, capsys):
+def test_a_bad_model_directory_is_one_user_error(model_dir, tmp_path, capsys):
     assert cli.main(["serve", f"--model={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "neither an HF model directory" in err and "Traceback" not in err
+    assert cli.main(["serve", f"--model={model_dir}", "--mtp"]) == 2  # a Qwen3: no MTP layer
+    err = capsys.readouterr().err
+    assert "no multi-token-prediction layers" in err and "Traceback" not in err
+
+
+def test_an_mtp_module_drafts_for_the_latency_preset(loaded):
+    model, tokenizer = loaded
+    module = MTPModule.init(model.config)
+    backend = _Backend(model, tokenizer, ServeConfig.from_preset("latency"), mtp=module)
+    stats = backend.stats()
+    backend.close()
+    assert stats["drafter"] == "MTP" and backend.engine.drafter.module is module
+    assert backend.engine.drafter.k == PRESETS["latency"]["speculative"]
 
 
 def test_tool_call_blocks_become_tool_calls():
@@ -289,6 +302,7 @@ def test_presets_set_the_engine(loaded, preset):
     slots, chunk = PRESETS[preset]["slots"], PRESETS[preset]["chunk"]
     assert (stats["slots"], stats["chunk"]) == (slots, chunk) and stats["requests"] == 0
     assert stats["speculative"] == PRESETS[preset].get("speculative", 0)
+    assert stats["drafter"] == ("PromptLookup" if stats["speculative"] else None)
     # The scratch block, and 16-token blocks for 512 tokens plus a speculative round's drafts.
     ahead = PRESETS[preset].get("speculative", 0)
     assert stats["num_blocks"] == 1 + slots * -(-(512 + ahead) // 16)

@@ -8,8 +8,25 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from posttrain.models import ParamSpec, Transformer, get_preset, param_specs
-from posttrain.sampling import DraftModel, PromptLookup, generate, generate_speculative
+from posttrain.models import (
+    KVCache,
+    MTPModule,
+    ParamSpec,
+    Transformer,
+    get_preset,
+    lm_logits,
+    param_specs,
+)
+from posttrain.sampling import (
+    MTP,
+    DraftModel,
+    Engine,
+    EngineConfig,
+    PromptLookup,
+    Request,
+    generate,
+    generate_speculative,
+)
 from posttrain.sampling._speculative import _lookup
 
 from .test_generate import TINY, _expected_probs
@@ -39,25 +56,80 @@ def _one_layer(config):
     return config.replace(num_layers=1, sliding_window=None, sliding_window_layers=None)
 
 
+def _first_layer_mtp(model):
+    """An MTP module that reads mostly the next token's embedding (eh_proj = [I; small], enorm
+    at the embeddings' scale) through the model's first layer: it predicts t_{i+2} from t_1 ..
+    t_{i+1} about as the model's first layer would, so its drafts are often accepted."""
+    D, rs = model.config.embed_dim, np.random.RandomState(2)
+    params = dict(
+        enorm=jnp.full((D,), 0.02),
+        hnorm=jnp.ones((D,)),
+        eh_proj=jnp.concatenate([jnp.eye(D), 0.005 * jnp.asarray(rs.standard_normal((D, D)))]),
+        layers=jax.tree.map(lambda w: w[:1], model.params["layers"]),
+        final_norm=model.params["final_norm"],
+    )
+    return MTPModule(params, model.config)
+
+
 def _windowed():
     """TINY (sliding windows on two of three layers). Draft models: an unrelated random one-layer
-    model (its drafts are rejected) and the target's own first layer (often accepted)."""
+    model (its drafts are rejected) and the target's own first layer (often accepted); an MTP
+    module built from the first layer, chained for 2 drafts."""
     model = _init(TINY, 0)
     unrelated = _init(_one_layer(TINY), 1)
     first_layer = dict(model.params, layers=jax.tree.map(lambda w: w[:1], model.params["layers"]))
     drafts = [unrelated, Transformer(first_layer, _one_layer(TINY))]
-    return model, [PromptLookup(ngram=3, k=4)] + [DraftModel(d, k=3) for d in drafts]
+    return model, [PromptLookup(ngram=3, k=4)] + [DraftModel(d, k=3) for d in drafts] + [
+        MTP(_first_layer_mtp(model), k=2)
+    ]
+
+
+@jax.jit
+def _model_argmax(model, tokens_T, module=None, previous_TD=None):
+    """(hidden states, argmax tokens) of the model, or of the MTP module over (previous, tokens)
+    pairs; no cache."""
+    if module is None:
+        h_1TD = model.hidden_states(tokens_T[None])
+    else:
+        h_1TD = module(model.params, tokens_T[None], previous_TD[None])
+    return h_1TD[0], jnp.argmax(lm_logits(model.params, h_1TD, model.config)[0], -1)
+
+
+def _replayed_mtp_acceptance(model, module, prompt, generated):
+    """Drafts a greedy MTP drafter with k = 2 has accepted over `generated`, replayed round by
+    round without a KV cache: in the round that emits the token at position n, d_1 comes from
+    the module over the pairs (h_i, t_{i+1}) up to i = n - 1, d_2 from the same with pair n
+    replaced by (the module's output at n - 1, d_1); drafts count while they are the model's
+    argmax. Only the engine keeps the module's cache in step with the accepted tokens."""
+    full = list(prompt) + list(generated)
+    full = jnp.asarray(full + [0] * (model.config.max_seq_len - len(full)))  # one compilation
+    previous, best = _model_argmax(model, full)
+    best = np.asarray(best)
+    tokens = jnp.pad(full[1:], (0, 1))  # pair i: (h_i, t_{i+1})
+    accepted, at = 0, 0
+    while at < len(generated) - 1:  # the row goes on after emitting generated[at]
+        n = len(prompt) + at
+        g, drafts = _model_argmax(model, tokens, module, previous)
+        d1 = int(drafts[n - 1])
+        _, drafts = _model_argmax(model, tokens.at[n].set(d1), module, previous.at[n].set(g[n - 1]))
+        hits = (d1 == best[n]) + (d1 == best[n] and int(drafts[n]) == best[n + 1])
+        accepted += hits
+        at += 1 + hits
+    return accepted
 
 
 def _mla_moe():
     """DeepSeek-V3-like tiny model (MLA, MoE, a dense first layer) with a decisive router, so
     float rounding between forwards of different lengths does not flip an expert choice. The
-    draft model's side does not depend on the target's architecture: prompt lookup only."""
+    draft model's side does not depend on the target's architecture: prompt lookup, and a
+    random MTP module (an MLA block with experts and its latent cache)."""
     config = get_preset("tiny_mla_moe", attention="xla", max_seq_len=64)
     model = _init(config, 0)
     layers = dict(model.params["layers"])
     layers["moe"] = dict(layers["moe"], router=layers["moe"]["router"] * 50)
-    return Transformer(dict(model.params, layers=layers), config), [PromptLookup(ngram=3, k=4)]
+    module = MTPModule.init(config, seed=1)
+    drafters = [PromptLookup(ngram=3, k=4), MTP(module, k=2)]
+    return Transformer(dict(model.params, layers=layers), config), drafters
 
 
 # MLA/MoE: tests/sampling/test_engine.py checks speculative greedy output on DeepSeek-V3 against
@@ -101,11 +173,52 @@ def test_greedy_matches_generate(build):
         assert stats["prefill_tokens"] < stats["prompt_tokens"]  # a group prefilled once
         assert stats["rounds"] <= stats["generated"]
         acceptance.append(stats["acceptance"])
+        if isinstance(drafter, MTP):
+            assert stats["accepted"] == sum(
+                _replayed_mtp_acceptance(model, drafter.module, prompt, c.token_ids)
+                for prompt, row in zip(PROMPTS, plain, strict=True)
+                for c in row
+            )
 
     assert reasons == {"stop", "length"}  # both endings exercised
     assert acceptance[0] > 0.05  # prompt lookup hits the repetitive prompt (and greedy loops)
-    if len(acceptance) == 3:  # the target's own first layer agrees more than a random model
+    if len(acceptance) == 4:  # the target's own first layer agrees more than a random model
         assert acceptance[2] > 0.05 > acceptance[1], acceptance
+        assert acceptance[3] > 0.05, acceptance
+
+
+def test_mtp_cache_holds_the_models_hidden_states_of_each_sample():
+    """After sampled speculative decoding with a random MTP module (k = 2), each sample's MTP
+    cache holds, at every position i but the last, the keys and values of the pair (the model's
+    hidden state h_i, token t_{i+1}), computed here in one pass without the engine. Two samples
+    of an 8-token prompt in 4-token blocks: the module writes position 7 (the prompt's last
+    full block) in the first round, so that block must be each sample's own."""
+    model = _init(TINY, 0)
+    module = MTPModule.init(TINY, seed=3)
+    config = EngineConfig(slots=2, block_size=4, chunk=4, prefill_bucket=8)
+    engine = Engine(model, config, max_len=32, drafter=MTP(module, k=2))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    request = engine.submit(
+        Request(prompt, max_new_tokens=12, key=jax.random.key(0), n=2, temperature=1.0)
+    )
+    engine.run()
+    assert request.tokens[0][0] != request.tokens[1][0]  # the samples differ from the start
+    rows = engine._rows
+    for b, generated in enumerate(request.tokens):  # sample j ran in row j
+        full = jnp.asarray([prompt + generated])
+        cached = int(rows.lengths_B[b]) - 1  # positions 0 .. length - 2 hold settled pairs
+        cache = KVCache.init(module.block_config, 1, cached)
+        _, cache = module(
+            model.params,
+            full[:, 1 : cached + 1],
+            model.hidden_states(full)[:, :cached],
+            cache=cache,
+        )
+        slots = np.asarray(rows.tables_BM[b])[:, None] * 4 + np.arange(4)
+        slots = slots.reshape(-1)[:cached]
+        for pool, expected in [(rows.draft_k, cache.k_TBSKH), (rows.draft_v, cache.v_TBSKH)]:
+            pool = np.asarray(pool).reshape(1, -1, *pool.shape[3:])
+            np.testing.assert_allclose(pool[:, slots], expected[:, 0], atol=1e-5, rtol=0)
 
 
 def _spread(model):
@@ -127,7 +240,8 @@ def test_sampling_matches_the_models_distribution():
     grid = np.stack(np.meshgrid(np.arange(V), np.arange(V), indexing="ij"), -1).reshape(-1, 2)
     logits = model(jnp.asarray([prompt + list(g) for g in grid]))[:, len(prompt) - 1 :]
 
-    for drafter in [PromptLookup(ngram=2, k=2), DraftModel(draft, k=2)]:
+    mtp = MTP(_first_layer_mtp(model), k=2)
+    for drafter in [PromptLookup(ngram=2, k=2), DraftModel(draft, k=2), mtp]:
         for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.8, 5, 0.9)]:
             probs = [
                 np.stack([_expected_probs(l, temperature, top_k, top_p) for l in logits[:, i]])
