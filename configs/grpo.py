@@ -76,6 +76,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.engine_slots = 0  # sequences decoded together; 0: data.batch_size x num_generations
     c.rollout.kv_block_size = 16  # tokens per KV block
     c.rollout.kv_dtype = "auto"  # auto (compute dtype) | int8 | int8_layered
+    c.rollout.unstack_layers = True  # copy layer weights per decode call (faster; one extra copy)
 
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.advantage = "grpo"  # grpo | drgrpo | rloo | none

@@ -19,6 +19,8 @@ from posttrain.models._transformer import (
     param_shapes,
     param_shardings,
     param_specs,
+    stack_layers,
+    unstack_layers,
 )
 
 __all__ = [
@@ -48,5 +50,7 @@ __all__ = [
     "param_shapes",
     "param_shardings",
     "param_specs",
+    "stack_layers",
+    "unstack_layers",
     "to_hf",
 ]

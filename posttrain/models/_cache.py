@@ -278,7 +278,8 @@ class PagedKVCache:
 
     @property
     def block_size(self) -> int:
-        k = self.k_TNbKH["q"] if isinstance(self.k_TNbKH, dict) else self.k_TNbKH
+        k = self.k_TNbKH[0] if isinstance(self.k_TNbKH, tuple) else self.k_TNbKH  # per layer
+        k = k["q"] if isinstance(k, dict) else k
         return k.shape[-3]
 
     def updated(self, k_TNbKH, v_TNbKH, positions_BS, segment_ids_BS, written: int):

@@ -389,6 +389,19 @@ def hidden_states(
     if config.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
     caches, aux_T = [], {}
+    if isinstance(params["layers"], tuple):  # `unstack_layers`: a loop over each layer's arrays
+        if cache is None or layer_transform is not None:
+            raise ValueError("unstacked layers run only with a cache and no layer transform")
+        k_T, v_T = cache.stores()
+        layers = params.get("dense_layers", ()) + params["layers"]
+        for i, p in enumerate(layers):
+            v = None if v_T is None else v_T[i]
+            x_BLD, (kv, _) = layer(x_BLD, p, window_index_T[i], k_T[i], v)
+            caches.append(kv)
+        hidden_BLD = rms_norm(x_BLD, params["final_norm"], config.norm_eps)
+        k_T = tuple(k for k, _ in caches)
+        v_T = None if v_T is None else tuple(v for _, v in caches)
+        return hidden_BLD, cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
     for name, layers in _stacks(config):
         stack = params[name]
         xs = (stack, window_index_T[layers])
@@ -408,6 +421,26 @@ def hidden_states(
     else:
         k_T, v_T = caches[0]
     return hidden_BLD, cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
+
+
+def unstack_layers(tree, num_layers: int):
+    """A stacked pytree (layer params, a KV pool) as a tuple of `num_layers` per-layer ones; for
+    params, each stack ("dense_layers", "layers") becomes such a tuple and `hidden_states`
+    (with a cache) loops over them: no per-step slice of every layer's weights and cache, as a
+    scan over stacks makes (decoding is dominated by such copies on CPU)."""
+    if isinstance(tree, dict) and "layers" in tree and "final_norm" in tree:
+        out = dict(tree)
+        for name in ("dense_layers", "layers"):
+            if name in tree:
+                T = jax.tree.leaves(tree[name])[0].shape[0]
+                out[name] = unstack_layers(tree[name], T)
+        return out
+    return tuple(jax.tree.map(lambda a, i=i: a[i], tree) for i in range(num_layers))
+
+
+def stack_layers(layers: tuple):
+    """`unstack_layers`' inverse for a tuple of per-layer pytrees."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
 
 
 def embed(embed_VD: jax.Array, tokens_BL: jax.Array, dtype) -> jax.Array:

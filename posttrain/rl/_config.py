@@ -44,6 +44,9 @@ class RolloutConfig:
     engine_slots: int = 0  # sequences the engine decodes together; 0: a step's batch x n
     kv_block_size: int = 16  # tokens per KV block
     kv_dtype: str = "auto"  # "auto" (compute dtype), "int8" or "int8_layered"
+    # Decode calls copy the layers' weights into per-layer arrays once (faster decoding; one
+    # extra copy of the layer weights while rollouts decode); false slices them every step.
+    unstack_layers: bool = True
 
     def __post_init__(self):
         if self.sampler not in ("engine", "static"):

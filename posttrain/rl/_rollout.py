@@ -159,7 +159,12 @@ class Rollouts:
             if self.engine is None:
                 # By default every sample of a step decodes at once, as in the static sampler.
                 slots = r.engine_slots or self.config.data.batch_size * r.num_generations
-                config = EngineConfig(slots=slots, block_size=r.kv_block_size, kv_dtype=r.kv_dtype)
+                config = EngineConfig(
+                    slots=slots,
+                    block_size=r.kv_block_size,
+                    kv_dtype=r.kv_dtype,
+                    unstack_layers=r.unstack_layers,
+                )
                 self.engine = Engine(model, config, max_len=self.max_len)
             before = dataclasses.replace(self.engine.stats)
             completions = generate_continuous(

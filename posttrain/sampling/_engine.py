@@ -66,6 +66,11 @@ class EngineConfig:
       attention: how decode steps attend over the pool: "auto" (the TPU ragged paged-attention
         kernel on TPU where it applies: model-dtype KV, no MLA, head dim a multiple of 128;
         else "xla"), "xla" (gather the row's blocks, the reference), "ragged" (the kernel).
+      unstack_layers: decode calls copy the layers' weights and KV pool into per-layer arrays
+        once and loop over them, instead of a scan slicing (copying) each layer's weights and
+        cache at every step: 1.5x the tokens/s of a small model on CPU, at the cost of one
+        extra copy of the layer weights while a decode call runs (False on a device where
+        that copy does not fit).
     """
 
     slots: int = 8
@@ -77,6 +82,7 @@ class EngineConfig:
     kv_recent: int = 32
     prefix_sharing: bool = True
     attention: str = "auto"
+    unstack_layers: bool = True
 
     def __post_init__(self):
         for name in ("slots", "block_size", "chunk", "prefill_bucket", "kv_recent"):
@@ -280,6 +286,7 @@ class Engine:
                 blocks=blocks,
                 block_size=bs,
                 kernel=self.kernel,
+                unstack=self.config.unstack_layers,
             )
         else:
             self._rows, tok_BK, lp_BK, live_BK, counts = speculate(
@@ -291,6 +298,7 @@ class Engine:
                 blocks=blocks,
                 block_size=bs,
                 greedy=all(req.temperature == 0 for req, _, _ in live),
+                unstack=self.config.unstack_layers,
             )
             proposed, accepted, rounds = (int(x) for x in jax.device_get(counts))
             self.stats.proposed += proposed

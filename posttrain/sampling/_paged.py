@@ -17,7 +17,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from posttrain.models import PagedKVCache, Transformer, hidden_states, lm_logits
+from posttrain.models import (
+    PagedKVCache,
+    Transformer,
+    hidden_states,
+    lm_logits,
+    stack_layers,
+    unstack_layers,
+)
 from posttrain.sampling._sample import sample_tokens
 from posttrain.sampling._speculative import (
     MTP,
@@ -212,14 +219,20 @@ def _paged(k, v, tables_BM, block_size, positions_BL, write_B, dtype, kernel="")
 
 
 @functools.partial(
-    jax.jit, static_argnames=("steps", "blocks", "block_size", "kernel"), donate_argnames=("rows",)
+    jax.jit,
+    static_argnames=("steps", "blocks", "block_size", "kernel", "unstack"),
+    donate_argnames=("rows",),
 )
-def decode(model: Transformer, rows: Rows, eos_E, *, steps, blocks, block_size, kernel=""):
+def decode(
+    model: Transformer, rows: Rows, eos_E, *, steps, blocks, block_size, kernel="", unstack=True
+):
     """`steps` decode steps of every row, attending over each row's first `blocks` blocks;
-    returns (rows, tokens `[B, steps]`, log-probs, which of them were generated)."""
+    returns (rows, tokens `[B, steps]`, log-probs, which of them were generated). `unstack`:
+    the layers' weights and pool as per-layer arrays for the call (`_unstacked`)."""
     config = model.config
     B = rows.lengths_B.shape[0]
     tables_BM = rows.tables_BM[:, :blocks]
+    model, rows = _unstacked(model, rows) if unstack else (model, rows)
 
     def body(rows: Rows, _):
         keys_B = jax.vmap(jax.random.fold_in)(rows.keys_B, rows.num_B)
@@ -245,7 +258,22 @@ def decode(model: Transformer, rows: Rows, eos_E, *, steps, blocks, block_size, 
         return rows, (token_B, jnp.where(live_B, logprob_B, 0.0), live_B)
 
     rows, (tokens_KB, logprobs_KB, live_KB) = jax.lax.scan(body, rows, length=steps)
-    return rows, tokens_KB.T, logprobs_KB.T, live_KB.T
+    return _stacked(rows) if unstack else rows, tokens_KB.T, logprobs_KB.T, live_KB.T
+
+
+def _unstacked(model: Transformer, rows: Rows):
+    """The model's layers and the pool as per-layer arrays for a call's steps
+    (`unstack_layers`): a scan over the stacks would slice (copy) every layer's weights and
+    cache at every step; this copies them once per call (the weights' copy lives for the call)."""
+    T = model.config.num_layers
+    params = unstack_layers(model.params, T)
+    k, v = unstack_layers(rows.k, T), None if rows.v is None else unstack_layers(rows.v, T)
+    return Transformer(params, model.config), rows._replace(k=k, v=v)
+
+
+def _stacked(rows: Rows) -> Rows:
+    v = None if rows.v is None else stack_layers(rows.v)
+    return rows._replace(k=stack_layers(rows.k), v=v)
 
 
 def _per_row(rows: Rows, fn, *args):
@@ -308,7 +336,7 @@ def _propose(drafter, model, rows: Rows, t0_B, go_B, keys_B, tables_BM, block_si
 
 @functools.partial(
     jax.jit,
-    static_argnames=("rounds", "blocks", "block_size", "greedy"),
+    static_argnames=("rounds", "blocks", "block_size", "greedy", "unstack"),
     donate_argnames=("rows",),
 )
 def speculate(
@@ -321,6 +349,7 @@ def speculate(
     blocks: int,
     block_size: int,
     greedy: bool,
+    unstack: bool = True,
 ):
     """Up to `rounds` rounds of speculative decoding (it stops early once every row is done).
 
@@ -333,7 +362,8 @@ def speculate(
     emits 1 to k+1 tokens a round. `greedy` (every row at temperature 0): accept drafts while
     they are the model's argmax, no distributions. An MTP module then caches the model's
     hidden states at positions `length .. length + k - 1` with the drafts after them (the
-    accepted ones are its context next round; the others are past the length).
+    accepted ones are its context next round; the others are past the length). `unstack` as
+    for `decode`.
 
     Returns (rows, tokens `[B, rounds * (k+1)]` in order, log-probs, which were emitted,
     (drafts proposed, drafts accepted, rounds run)).
@@ -342,6 +372,7 @@ def speculate(
     L = K + 1
     B = rows.lengths_B.shape[0]
     tables_BM = rows.tables_BM[:, :blocks]
+    model, rows = _unstacked(model, rows) if unstack else (model, rows)
     j_1L = jnp.arange(L)[None]
     write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))
 
@@ -472,7 +503,7 @@ def speculate(
         return jnp.swapaxes(x_RBL, 0, 1).reshape(B, rounds * L)
 
     return (
-        rows,
+        _stacked(rows) if unstack else rows,
         flat(tokens_RBL),
         flat(logprobs_RBL),
         flat(emitted_RBL),
