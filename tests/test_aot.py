@@ -48,10 +48,10 @@ def test_cli_compiles_the_tiny_sft_step_for_a_v5e_slice(capsys):
     assert "8 x TPU v5e, 16 GiB HBM each" in out and "temporaries" in out
 
 
-@pytest.mark.parametrize(  # dpo and rm (~30 s each) in `make test-slow`
-    "method",
+@pytest.mark.parametrize(  # dpo, rm and grpo (~30 s each) in `make test-slow`; ppo has both
+    "method",  # a policy and a value head
     [pytest.param("dpo", marks=pytest.mark.slow), pytest.param("rm", marks=pytest.mark.slow),
-     "grpo", "ppo"],
+     pytest.param("grpo", marks=pytest.mark.slow), "ppo"],
 )  # fmt: skip
 def test_lora_plans_of_every_method_train_only_the_adapters(method):
     """QLoRA (nf4 base) on the tiny model for a v5e-8 slice: the donated state is the adapters

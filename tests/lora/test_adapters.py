@@ -63,7 +63,9 @@ def test_targets_select_by_path_and_bad_targets_are_clear():
     assert LoRAConfig.from_config({"enabled": False, "rank": 4}) is None
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_mla_moe"])
+@pytest.mark.parametrize(  # the MLA/MoE variant (~40 s) in `make test-slow`
+    "preset", ["tiny", "tiny_moe", pytest.param("tiny_mla_moe", marks=pytest.mark.slow)]
+)
 def test_zero_b_gives_the_base_outputs_bit_for_bit(preset):
     config = get_preset(preset)
     lora = LoRAConfig(targets=(".",))  # every layer matrix, experts included

@@ -75,6 +75,8 @@ def test_dpo_reference_is_the_base_with_adapters_off(pair_files, tmp_path):  # n
     _assert_is_fresh_init(lora_params, summary["model_config"])
 
 
+# Adapters plus a trained head: the PPO plan in tests/test_aot.py (default) trains the same set.
+@pytest.mark.slow  # ~70 s
 def test_reward_model_trains_adapters_and_its_heads(pair_files, tmp_path):  # noqa: F811
     dpo = dpo_config(pair_files)
     values = {k: dpo[k] for k in ("tokenizer", "data", "eval_data", "train", "checkpoint", "mesh")}

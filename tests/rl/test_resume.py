@@ -101,6 +101,8 @@ def test_grpo_resumes_bitwise_after_sigkill(tmp_path):
     assert len({r["kl_coef"] for r in b}) > 1 and "domain_weight/digits" in b[-1]
 
 
+# The shared loop's stop after consecutive non-finite steps: tests/train/test_loop.py (default).
+@pytest.mark.slow  # ~40 s
 def test_nan_learning_rate_stops_with_finite_weights(tmp_path):
     # (an inf or nan learning rate is refused by the config; this one overflows in the update)
     config = toy_config(optimizer__learning_rate=1e38, train__max_bad_steps=2, train__steps=10)

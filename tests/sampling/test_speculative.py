@@ -72,15 +72,16 @@ def _first_layer_mtp(model):
 
 
 def _windowed():
-    """TINY (sliding windows on two of three layers). Draft models: an unrelated random one-layer
-    model (its drafts are rejected) and the target's own first layer (often accepted); an MTP
-    module built from the first layer, chained for 2 drafts."""
+    """TINY (sliding windows on two of three layers). Drafters: prompt lookup, the target's own
+    first layer as a draft model, and an MTP module built from that layer, chained for 2
+    drafts (both often accepted; a random MTP module drafts in the MTP cache test)."""
     model = _init(TINY, 0)
-    unrelated = _init(_one_layer(TINY), 1)
     first_layer = dict(model.params, layers=jax.tree.map(lambda w: w[:1], model.params["layers"]))
-    drafts = [unrelated, Transformer(first_layer, _one_layer(TINY))]
-    return model, [PromptLookup(ngram=3, k=4)] + [DraftModel(d, k=3) for d in drafts] + [
-        MTP(_first_layer_mtp(model), k=2)
+    draft = Transformer(first_layer, _one_layer(TINY))
+    return model, [
+        PromptLookup(ngram=3, k=4),
+        DraftModel(draft, k=3),
+        MTP(_first_layer_mtp(model), k=2),
     ]
 
 
@@ -182,9 +183,8 @@ def test_greedy_matches_generate(build):
 
     assert reasons == {"stop", "length"}  # both endings exercised
     assert acceptance[0] > 0.05  # prompt lookup hits the repetitive prompt (and greedy loops)
-    if len(acceptance) == 4:  # the target's own first layer agrees more than a random model
-        assert acceptance[2] > 0.05 > acceptance[1], acceptance
-        assert acceptance[3] > 0.05, acceptance
+    if len(acceptance) == 3:  # drafters built from the target's own first layer
+        assert min(acceptance[1:]) > 0.05, acceptance
 
 
 def test_mtp_cache_holds_the_models_hidden_states_of_each_sample():
@@ -230,7 +230,8 @@ def _spread(model):
 def test_sampling_matches_the_models_distribution():
     """The joint distribution of the first two tokens and the marginal of the third (drafts
     accepted, resampled after a rejection, and the bonus token after k acceptances) equals the
-    exact one computed from the model's logits, for both drafters and two sampling settings."""
+    exact one computed from the model's logits, for every drafter (two sampling settings; the
+    MTP one at one)."""
     config = _one_layer(TINY).replace(vocab_size=8)
     model = _spread(_init(config, 0))
     draft = _spread(_init(config, 5))
@@ -241,8 +242,10 @@ def test_sampling_matches_the_models_distribution():
     logits = model(jnp.asarray([prompt + list(g) for g in grid]))[:, len(prompt) - 1 :]
 
     mtp = MTP(_first_layer_mtp(model), k=2)
+    settings = [(1.0, 0, 1.0), (0.8, 5, 0.9)]
     for drafter in [PromptLookup(ngram=2, k=2), DraftModel(draft, k=2), mtp]:
-        for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.8, 5, 0.9)]:
+        # The MTP drafter's q goes through the draft model's code: one setting.
+        for temperature, top_k, top_p in settings[:1] if drafter is mtp else settings:
             probs = [
                 np.stack([_expected_probs(l, temperature, top_k, top_p) for l in logits[:, i]])
                 for i in range(3)
