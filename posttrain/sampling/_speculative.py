@@ -157,7 +157,8 @@ class DraftModel:
 class MTP:
     """Drafting with the model's multi-token-prediction module (DeepSeek-V3 and its kind ship
     one: `posttrain.models.mtp_from_hf`): no second model, drafts conditioned on the model's
-    own hidden state. The module was trained to predict one token ahead; k > 1 chains it.
+    own hidden state. The module was trained for the token after the next one (one draft);
+    k > 1 chains it on its own outputs, past what it was trained for.
 
     Attributes:
       module: the `MTPModule` (its params are a jit argument: new weights, no recompile).

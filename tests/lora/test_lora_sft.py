@@ -113,6 +113,8 @@ def test_export_merged_and_peft(run, tmp_path):
     assert sorted(os.listdir(peft)) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
+# Exact resume of the shared loop: tests/train/test_resume.py (default); this is its LoRA run.
+@pytest.mark.slow  # ~55 s
 def test_resume_equals_an_uninterrupted_run(tmp_path, devices):
     overrides = dict(LORA, train__steps=8, checkpoint__every=4)
     straight = run_from_config(small_config(**overrides), str(tmp_path / "straight"))

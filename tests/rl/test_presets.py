@@ -17,7 +17,9 @@ from posttrain.train._rm import reward_shapes
 from .toy import REPO
 
 
-@pytest.mark.parametrize("file", ["grpo.py", "ppo.py"])
+@pytest.mark.parametrize(  # ppo (~50 s) in `make test-slow`: the critic's plan, tests/test_aot.py
+    "file", ["grpo.py", pytest.param("ppo.py", marks=pytest.mark.slow)]
+)
 def test_qwen3_8b_preset_shape_check(file):
     values = load_config_file(os.path.join(REPO, "configs", file) + ":qwen3_8b_v5p")
     config = build(RLConfig, {k: v for k, v in values.items() if k != "method"})
