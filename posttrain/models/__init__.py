@@ -6,20 +6,22 @@ from posttrain.models._config import ModelConfig, RopeScaling
 from posttrain.models._hf import check_export_destination, from_hf, mtp_from_hf, to_hf
 from posttrain.models._hf_config import HFFormatError, load_hf_config
 from posttrain.models._mtp import MTPModule
-from posttrain.models._presets import PRESETS, get_preset
-from posttrain.models._transformer import (
-    ParamSpec,
-    Transformer,
-    forward,
-    hidden_states,
+from posttrain.models._ops import ParamSpec
+from posttrain.models._params import (
     init_params,
-    lm_logits,
     num_params,
     param_axes,
     param_shapes,
     param_shardings,
     param_specs,
-    stack_layers,
+)
+from posttrain.models._presets import PRESETS, get_preset
+from posttrain.models._transformer import (
+    Transformer,
+    forward,
+    hidden_states,
+    lm_logits,
+    split_layers,
     unstack_layers,
 )
 
@@ -50,7 +52,7 @@ __all__ = [
     "param_shapes",
     "param_shardings",
     "param_specs",
-    "stack_layers",
+    "split_layers",
     "unstack_layers",
     "to_hf",
 ]

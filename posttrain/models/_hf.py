@@ -36,7 +36,8 @@ from posttrain.models._hf_config import (
 )
 from posttrain.models._hf_table import HFTensor, mtp_weight_table, weight_table
 from posttrain.models._mtp import MTPModule, mtp_param_shardings, mtp_param_specs
-from posttrain.models._transformer import Transformer, param_shardings, param_specs
+from posttrain.models._params import param_shardings, param_specs
+from posttrain.models._transformer import Transformer
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import numpy as np
 from posttrain.models._cache import KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig
 from posttrain.models._ops import ParamSpec, dense, rms_norm
-from posttrain.models._transformer import _block_specs, embed, hidden_states
-from posttrain.parallel import tree_shardings
+from posttrain.models._params import _block_specs, _is_spec, table_shardings
+from posttrain.models._transformer import embed, hidden_states
 
 
 def mtp_config(config: ModelConfig) -> ModelConfig:
@@ -50,17 +50,8 @@ def mtp_param_specs(config: ModelConfig) -> dict:
     }
 
 
-def _is_spec(x) -> bool:
-    return isinstance(x, ParamSpec)
-
-
 def mtp_param_shardings(config: ModelConfig, mesh) -> dict:
-    specs = mtp_param_specs(config)
-    axes = jax.tree.map(lambda s: s.axes, specs, is_leaf=_is_spec)
-    shapes = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs, is_leaf=_is_spec
-    )
-    return tree_shardings(axes, shapes, mesh)
+    return table_shardings(mtp_param_specs(config), mesh)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])

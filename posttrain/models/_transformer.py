@@ -1,15 +1,13 @@
-"""The decoder: parameters as a pytree with logical axis names, a scanned stack of layers.
+"""The decoder: a scanned stack of layers over params laid out by the table in `_params`.
 
-One table (`param_specs`) declares every weight's shape, logical axes and initialiser; init,
-sharding, abstract shapes and HF conversion all read it. The forward pass is a pure function of
-(params, tokens); `Transformer` pairs params with their config so a model is `model(tokens)`.
+The forward pass is a pure function of (params, tokens); `Transformer` pairs params with their
+config so a model is `model(tokens)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -19,132 +17,12 @@ import numpy as np
 from posttrain.models._attention import attention, resolve_impl
 from posttrain.models._cache import KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig
-from posttrain.models._mla import mla_attention, mla_param_specs
-from posttrain.models._moe import moe_aux, moe_forward, moe_param_specs
-from posttrain.models._ops import ParamSpec, dense, rms_norm
+from posttrain.models._mla import mla_attention
+from posttrain.models._moe import moe_aux, moe_forward
+from posttrain.models._ops import dense, rms_norm
+from posttrain.models._params import init_params
 from posttrain.models._rope import apply_rope, rope_angles
-from posttrain.parallel import constrain, tree_shardings
-
-
-def _attention_specs(c: ModelConfig, T: int) -> dict:
-    if c.mla is not None:
-        return mla_param_specs(c, T)
-    D, N, K, H = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
-    attn = {
-        "q": ParamSpec((T, D, N, H), ("layers", "embed", "heads", "head_dim")),
-        "k": ParamSpec((T, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-        "v": ParamSpec((T, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-        "o": ParamSpec((T, N, H, D), ("layers", "heads", "head_dim", "embed")),
-    }
-    if c.qkv_bias:
-        attn["q_bias"] = ParamSpec((T, N, H), ("layers", "heads", "head_dim"), "zeros")
-        attn["k_bias"] = ParamSpec((T, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
-        attn["v_bias"] = ParamSpec((T, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
-    if c.o_bias:
-        attn["o_bias"] = ParamSpec((T, D), ("layers", "embed"), "zeros")
-    if c.qk_norm:
-        attn["q_norm"] = ParamSpec((T, H), ("layers", "head_dim"), "ones")
-        attn["k_norm"] = ParamSpec((T, H), ("layers", "head_dim"), "ones")
-    return attn
-
-
-def _block_specs(c: ModelConfig, T: int, moe: bool) -> dict:
-    """T stacked pre-norm blocks: attention, then a dense SwiGLU (`mlp`) or experts (`moe`)."""
-    D, F = c.embed_dim, c.mlp_dim
-    block = {
-        "attn_norm": ParamSpec((T, D), ("layers", "embed"), "ones"),
-        "attn": _attention_specs(c, T),
-        "mlp_norm": ParamSpec((T, D), ("layers", "embed"), "ones"),
-    }
-    if moe:
-        block["moe"] = moe_param_specs(c.moe, D, T)
-    else:
-        block["mlp"] = {
-            "gate": ParamSpec((T, D, F), ("layers", "embed", "mlp")),
-            "up": ParamSpec((T, D, F), ("layers", "embed", "mlp")),
-            "down": ParamSpec((T, F, D), ("layers", "mlp", "embed")),
-        }
-    return block
-
-
-def param_specs(config: ModelConfig) -> dict:
-    """The table of every parameter; layer weights carry a leading `layers` dimension T.
-
-    `layers` stacks every layer of a dense model. With MoE it stacks the expert layers, and
-    `dense_layers` the first `first_k_dense` ones (a separate scan: their shapes differ).
-    """
-    c = config
-    D, V = c.embed_dim, c.vocab_size
-    specs = {
-        "embed": ParamSpec((V, D), ("vocab", "embed")),
-        "layers": _block_specs(c, c.num_layers - c.first_k_dense, moe=c.moe is not None),
-        "final_norm": ParamSpec((D,), ("embed",), "ones"),
-    }
-    if c.first_k_dense:
-        specs["dense_layers"] = _block_specs(c, c.first_k_dense, moe=False)
-    if not c.tie_embeddings:
-        specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"))
-    return specs
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, ParamSpec)
-
-
-def param_axes(config: ModelConfig) -> dict:
-    """Pytree of logical axis tuples, parallel to the params."""
-    return jax.tree.map(lambda s: s.axes, param_specs(config), is_leaf=_is_spec)
-
-
-def param_shapes(config: ModelConfig) -> dict:
-    """Pytree of `jax.ShapeDtypeStruct`: the params without allocating them."""
-    dtype = jnp.dtype(config.param_dtype)
-    return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_specs(config), is_leaf=_is_spec
-    )
-
-
-def num_params(config: ModelConfig) -> int:
-    """Parameter count, from shapes alone."""
-    return sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(config)))
-
-
-def param_shardings(config: ModelConfig, mesh) -> dict:
-    """NamedSharding of every parameter on `mesh` under the active logical-axis rules."""
-    return tree_shardings(param_axes(config), param_shapes(config), mesh)
-
-
-def init_params(config: ModelConfig, rng: jax.Array, mesh=None) -> dict:
-    """Random parameters; with a mesh each device builds only its own shards.
-
-    Args:
-      config: the model.
-      rng: a PRNG key.
-      mesh: if given, params are created already sharded (jit with `out_shardings`), so no
-        device ever holds a full replica.
-
-    Returns:
-      The params pytree, in `config.param_dtype`.
-    """
-    specs = param_specs(config)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-    dtype = jnp.dtype(config.param_dtype)
-
-    def init(rng):
-        keys = jax.random.split(rng, len(leaves))
-        out = []
-        for key, spec in zip(keys, leaves, strict=True):
-            if spec.init == "ones":
-                out.append(jnp.ones(spec.shape, dtype))
-            elif spec.init == "zeros":
-                out.append(jnp.zeros(spec.shape, dtype))
-            else:
-                out.append((0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype))
-        return jax.tree.unflatten(treedef, out)
-
-    shardings = None if mesh is None else param_shardings(config, mesh)
-    return jax.jit(init, out_shardings=shardings)(rng)
-
+from posttrain.parallel import constrain
 
 _REMAT_POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing, recompute the whole layer
@@ -389,20 +267,17 @@ def hidden_states(
     if config.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
     caches, aux_T = [], {}
-    if isinstance(params["layers"], tuple):  # `unstack_layers`: a loop over each layer's arrays
+    unstacked = isinstance(params["layers"], tuple)
+    if unstacked:  # `unstack_layers`: a loop over each layer's arrays
         if cache is None or layer_transform is not None:
             raise ValueError("unstacked layers run only with a cache and no layer transform")
-        k_T, v_T = cache.stores()
+        k_T, v_T = cache.stores()  # tuples of per-layer stores (v: None for a combined pool)
         layers = params.get("dense_layers", ()) + params["layers"]
         for i, p in enumerate(layers):
-            v = None if v_T is None else v_T[i]
-            x_BLD, (kv, _) = layer(x_BLD, p, window_index_T[i], k_T[i], v)
+            x_BLD, (kv, _) = layer(x_BLD, p, window_index_T[i], k_T[i], v_T and v_T[i])
             caches.append(kv)
-        hidden_BLD = rms_norm(x_BLD, params["final_norm"], config.norm_eps)
-        k_T = tuple(k for k, _ in caches)
-        v_T = None if v_T is None else tuple(v for _, v in caches)
-        return hidden_BLD, cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
-    for name, layers in _stacks(config):
+        caches = [(tuple(k for k, _ in caches), v_T and tuple(v for _, v in caches))]
+    for name, layers in () if unstacked else _stacks(config):
         stack = params[name]
         xs = (stack, window_index_T[layers])
         if layer_transform is not None:
@@ -423,24 +298,21 @@ def hidden_states(
     return hidden_BLD, cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
 
 
-def unstack_layers(tree, num_layers: int):
-    """A stacked pytree (layer params, a KV pool) as a tuple of `num_layers` per-layer ones; for
-    params, each stack ("dense_layers", "layers") becomes such a tuple and `hidden_states`
-    (with a cache) loops over them: no per-step slice of every layer's weights and cache, as a
-    scan over stacks makes (decoding is dominated by such copies on CPU)."""
-    if isinstance(tree, dict) and "layers" in tree and "final_norm" in tree:
-        out = dict(tree)
-        for name in ("dense_layers", "layers"):
-            if name in tree:
-                T = jax.tree.leaves(tree[name])[0].shape[0]
-                out[name] = unstack_layers(tree[name], T)
-        return out
-    return tuple(jax.tree.map(lambda a, i=i: a[i], tree) for i in range(num_layers))
+def split_layers(stack, num_layers: int) -> tuple:
+    """A pytree stacked over layers (a layer stack's params, a KV pool) as a tuple of per-layer
+    pytrees; `jax.tree.map(lambda *a: jnp.stack(a), *layers)` stacks them back."""
+    return tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(num_layers))
 
 
-def stack_layers(layers: tuple):
-    """`unstack_layers`' inverse for a tuple of per-layer pytrees."""
-    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+def unstack_layers(params: dict) -> dict:
+    """The params with each layer stack ("dense_layers", "layers") as a tuple of per-layer
+    params; `hidden_states` (with a cache) then loops over them: no per-step slice (copy) of
+    every layer's weights and cache, as a scan over the stacks makes at every decode step."""
+    out = dict(params)
+    for name in ("dense_layers", "layers"):
+        if name in params:
+            out[name] = split_layers(params[name], jax.tree.leaves(params[name])[0].shape[0])
+    return out
 
 
 def embed(embed_VD: jax.Array, tokens_BL: jax.Array, dtype) -> jax.Array:

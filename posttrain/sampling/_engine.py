@@ -19,7 +19,7 @@ Sampling is keyed per request: sample j of prompt i draws its k-th token with
 with `seeds` they are the static sampler's draws (`generate(..., seeds=...)` keys the same way).
 
 With a drafter (`PromptLookup`, `DraftModel` or `MTP`) every chunk is rounds of speculative decoding
-(`_paged.speculate`): a row emits 1 to k+1 tokens per forward of the model, greedy output is
+(`_rounds.speculate`): a row emits 1 to k+1 tokens per forward of the model, greedy output is
 the plain engine's and sampling keeps the model's distribution. Each request reserves k slots
 more than its prompt and budget (a round writes k drafts past its length); a draft model (or an
 MTP module) keeps its own pool on the same blocks and tables, so prefix sharing and block
@@ -41,7 +41,8 @@ import numpy as np
 
 from posttrain.models import KV_DTYPES, Transformer
 from posttrain.parallel import logical_to_spec
-from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill, speculate
+from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
+from posttrain.sampling._rounds import speculate
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup, check_drafter
 
 _ATTENTION = ("auto", "xla", "ragged")

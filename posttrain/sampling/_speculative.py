@@ -1,5 +1,5 @@
 """Speculative decoding's parts: the drafters and the acceptance rule (the engine runs the
-rounds: `_paged.speculate`; `generate_speculative` is in `_continuous`).
+rounds: `_rounds.speculate`; `generate_speculative` is in `_continuous`).
 
 Each round the model runs a row's last emitted token and k drafts as one forward and accepts a
 prefix of the drafts by the speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posttrain.models import ParamSpec
 from posttrain.models._moe import (
     MoEConfig,
     init_moe_params,
@@ -16,7 +17,6 @@ from posttrain.models._moe import (
     moe_param_specs,
     update_routing_bias,
 )
-from posttrain.models._transformer import ParamSpec
 from posttrain.parallel import MeshConfig, make_mesh, named_sharding, tree_shardings
 
 D = 16
