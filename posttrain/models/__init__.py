@@ -1,7 +1,7 @@
 """Models: one decoder-only transformer, its presets and HF import/export."""
 
 from posttrain.models._attention import attention, attention_mask
-from posttrain.models._cache import KV_DTYPES, KVCache, PagedKVCache, RowsKVCache
+from posttrain.models._cache import KV_DTYPES, KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig, RopeScaling
 from posttrain.models._hf import check_export_destination, from_hf, mtp_from_hf, to_hf
 from posttrain.models._hf_config import HFFormatError, load_hf_config
@@ -29,7 +29,6 @@ __all__ = [
     "KVCache",
     "KV_DTYPES",
     "PagedKVCache",
-    "RowsKVCache",
     "HFFormatError",
     "PRESETS",
     "MTPModule",

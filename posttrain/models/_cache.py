@@ -1,10 +1,9 @@
-"""KV caches for incremental decoding: a dense cache of S slots per row, a paged pool, and a
-pool's rows copied out dense for a run of decode steps (`RowsKVCache`).
+"""KV caches for incremental decoding: a dense cache of S slots per row, and a paged pool.
 
-Each gives the decoder the same three things (`addressing`): the positions and segment ids of
+Both give the decoder the same three things (`addressing`): the positions and segment ids of
 what the queries may attend, and `update(store, new) -> (store, readable)`, which writes one
 layer's new keys (or values) and returns that layer's keys as the queries see them, `[B, S, K,
-H]`. Attention masks by position and segment id, so the model code is the same for all three.
+H]`. Attention masks by position and segment id, so the model code is the same for both.
 
 `PagedKVCache` is a pool of fixed-size blocks shared by every sequence (vLLM's PagedAttention,
 as an XLA gather): a sequence's keys live in the blocks its block table names, in order, so the
@@ -285,81 +284,3 @@ class PagedKVCache:
 
     def updated(self, k_TNbKH, v_TNbKH, positions_BS, segment_ids_BS, written: int):
         return dataclasses.replace(self, k_TNbKH=k_TNbKH, v_TNbKH=v_TNbKH)
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["k_TBKSH", "v_TBKSH", "starts_B"],
-    meta_fields=[],
-)
-@dataclasses.dataclass(frozen=True)
-class RowsKVCache:
-    """A paged pool's rows copied out for a run of decode steps: each row's first S positions
-    as a dense `[B, K, S, H]` per layer (slot j is the row's position j), the layout attention
-    reads, so a step neither gathers blocks nor transposes keys; `gather` copies the rows out
-    of the pool once, `scatter` writes the positions the steps added back once.
-
-    A pass writes each row's L tokens at consecutive slots from `starts_B` (rows need not be
-    aligned; a row whose writes must not land, e.g. a finished one, points it at a slot that
-    is neither read nor written back) and attends over the row's first `positions_BL[:, -1] +
-    1` slots.
-
-    Attributes:
-      k_TBKSH, v_TBKSH: per layer (a tuple, or stacked `[layers, ...]`): keys and values.
-      starts_B: the slot of each row's first new token in this pass.
-    """
-
-    k_TBKSH: jax.Array | tuple
-    v_TBKSH: jax.Array | tuple
-    starts_B: jax.Array
-
-    @staticmethod
-    def gather(pool_NbKH, tables_BM):
-        """A pool's (one layer's, or a stack's `[T, N, b, K, H]`) blocks named by each row's
-        table as `[(T,) B, K, M * b, H]`."""
-        blocks = jnp.take(pool_NbKH, tables_BM, axis=pool_NbKH.ndim - 4)
-        *lead, B, M, b, K, H = blocks.shape
-        rows = blocks.reshape(*lead, B, M * b, K, H)
-        return jnp.swapaxes(rows, -3, -2)
-
-    @staticmethod
-    def scatter(pool_NbKH, rows_BKSH, tables_BM, start_B, stop_B, count: int):
-        """Writes each row's positions `start .. stop - 1` (at most `count`) from the dense
-        rows back into the pool blocks its table names."""
-        B, b = tables_BM.shape[0], pool_NbKH.shape[-3]
-        S = rows_BKSH.shape[-2]
-        pos_BC = start_B[:, None] + jnp.arange(count, dtype=jnp.int32)
-        real_BC = pos_BC < stop_B[:, None]
-        pos_BC = jnp.minimum(pos_BC, S - 1)
-        slot_BC = jnp.take_along_axis(tables_BM, pos_BC // b, axis=1) * b + pos_BC % b
-        slot_N = jnp.where(real_BC, slot_BC, 0).reshape(-1)  # block 0: scratch
-        rows_BSKH = jnp.swapaxes(rows_BKSH, -3, -2)
-        lead = rows_BSKH.shape[:-4]
-        new = jnp.take_along_axis(rows_BSKH, pos_BC.reshape(*(1,) * len(lead), B, count, 1, 1), -3)
-        new = new.reshape(*lead, B * count, *new.shape[-2:])
-        flat = pool_NbKH.reshape(*lead, pool_NbKH.shape[-4] * b, *pool_NbKH.shape[-2:])
-        flat = flat.at[..., slot_N, :, :].set(new.astype(pool_NbKH.dtype))
-        return flat.reshape(pool_NbKH.shape)
-
-    def stores(self):
-        return self.k_TBKSH, self.v_TBKSH
-
-    def addressing(self, positions_BL, segment_ids_BL):
-        def write(store_BKSH, new_BKLH, start):
-            return jax.lax.dynamic_update_slice_in_dim(store_BKSH, new_BKLH, start, axis=1)
-
-        def update(store_BKSH, new_BLKH):
-            new_BKLH = jnp.swapaxes(new_BLKH, 1, 2).astype(store_BKSH.dtype)
-            store_BKSH = jax.vmap(write)(store_BKSH, new_BKLH, self.starts_B)
-            read_BSKH = jnp.swapaxes(store_BKSH, 1, 2)
-            return store_BKSH, constrain(read_BSKH, ("act_batch", None, "act_kv_heads", None))
-
-        leaf = jax.tree.leaves(self.k_TBKSH)[0]
-        B, S = leaf.shape[-4], leaf.shape[-2]
-        kv_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        lengths_B1 = positions_BL[:, -1:] + 1
-        kv_segment_ids_BS = jnp.where(kv_positions_BS < lengths_B1, 1, -1)
-        return kv_positions_BS, kv_segment_ids_BS, update, None
-
-    def updated(self, k_TBKSH, v_TBKSH, positions_BS, segment_ids_BS, written: int):
-        return dataclasses.replace(self, k_TBKSH=k_TBKSH, v_TBKSH=v_TBKSH)

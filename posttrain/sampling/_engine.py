@@ -1,6 +1,4 @@
-"""The generation engine: a paged KV cache, continuous batching and prefix sharing (the host
-side: admission, block tables, reference counts, collecting tokens; the device functions are
-in `_paged` and `_rounds`).
+"""The generation engine: a paged KV cache, continuous batching and prefix sharing.
 
 Requests wait in a queue; `slots` rows decode together, and a row whose sample ends takes the
 next request between jitted chunks of `chunk` decode steps, so one long answer does not idle
@@ -16,16 +14,19 @@ last token is always copied). Block reference counts free a shared block when it
 ends.
 
 Sampling is keyed per request: sample j of prompt i draws its k-th token with
-`fold_in(fold_in(key_i, j), k)`, `key_i` the prompt's own seed (`seeds`) or `fold_in(key(seed),
-i)`: outputs do not depend on the slot, the chunk or what else runs, and with `seeds` they are
-the static sampler's draws.
+`fold_in(fold_in(key_i, j), k)`, where `key_i` is the prompt's own seed (`seeds`) or
+`fold_in(key(seed), i)`; so outputs do not depend on the slot, the chunk or what else runs, and
+with `seeds` they are the static sampler's draws (`generate(..., seeds=...)` keys the same way).
 
-With a drafter (`PromptLookup`, `DraftModel` or `MTP`) every chunk is rounds of speculative
-decoding (`_rounds.speculate`): a row emits 1 to k+1 tokens per forward of the model, greedy
-output is the plain engine's and sampling keeps the model's distribution. Each request reserves
-k slots more than its prompt and budget (a round writes k drafts past its length); a draft model
-(or MTP module) keeps its own pool on the same blocks and tables, so prefix sharing and block
+With a drafter (`PromptLookup`, `DraftModel` or `MTP`) every chunk is rounds of speculative decoding
+(`_rounds.speculate`): a row emits 1 to k+1 tokens per forward of the model, greedy output is
+the plain engine's and sampling keeps the model's distribution. Each request reserves k slots
+more than its prompt and budget (a round writes k drafts past its length); a draft model (or an
+MTP module) keeps its own pool on the same blocks and tables, so prefix sharing and block
 accounting cover it.
+
+The device functions are in `_paged`; this module is the host side: admission, block tables,
+reference counts, collecting tokens.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
 from posttrain.sampling._rounds import speculate
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup, check_drafter
 
-_ATTENTION = ("auto", "rows", "xla", "ragged")
+_ATTENTION = ("auto", "xla", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +64,9 @@ class EngineConfig:
         "int8_layered" (int8, and each sequence's last `kv_recent` tokens in full precision).
       kv_recent: the full-precision window of "int8_layered".
       prefix_sharing: the n samples of a prompt share its prefill and its full blocks.
-      attention: how decode steps attend over the pool: "rows" (a call copies its rows'
-        blocks into a dense cache, `RowsKVCache`, as large as their part of the pool, and
-        writes the new positions back at its end), "xla" (gather the blocks at every step,
-        the reference), "ragged" (the TPU paged-attention kernel: model-dtype KV, no MLA,
-        head dim a multiple of 128), "auto": "ragged" where it applies on TPU, "rows" on CPU
-        with a model-dtype cache, else "xla".
+      attention: how decode steps attend over the pool: "auto" (the TPU ragged paged-attention
+        kernel on TPU where it applies: model-dtype KV, no MLA, head dim a multiple of 128;
+        else "xla"), "xla" (gather the row's blocks, the reference), "ragged" (the kernel).
       unstack_layers: decode calls copy the layers' weights and KV pool into per-layer arrays
         once and loop over them, instead of a scan slicing (copying) each layer's weights and
         cache at every step: 1.5x the tokens/s of a small model on CPU, at the cost of one
@@ -101,23 +99,18 @@ class EngineConfig:
             raise ValueError(
                 f"engine attention must be one of {_ATTENTION}, got {self.attention!r}"
             )
-        if self.attention == "rows" and self.kv_dtype != "auto":
-            raise ValueError("engine attention='rows' needs kv_dtype='auto'; use 'xla'")
 
     def kernel(self, model_config, platform: str) -> str:
-        """How decode steps attend: "rows" (a dense copy per call), "" (the XLA gather) or the
-        `PagedKVCache.kernel`."""
+        """The `PagedKVCache.kernel` decode steps use ("" for the XLA gather)."""
         fits = (
             self.kv_dtype == "auto"
             and model_config.mla is None
             and model_config.head_dim % 128 == 0
         )
         if self.attention == "auto":
-            if platform == "tpu" and fits:
-                return "ragged"
-            return "rows" if platform == "cpu" and self.kv_dtype == "auto" else ""
-        if self.attention in ("rows", "xla"):
-            return "rows" if self.attention == "rows" else ""
+            return "ragged" if platform == "tpu" and fits else ""
+        if self.attention == "xla":
+            return ""
         if not fits:
             raise ValueError(
                 f"engine attention={self.attention!r} needs a model-dtype KV cache (kv_dtype="
@@ -222,7 +215,7 @@ class Engine:
             c,
             self.num_blocks,
             self.blocks_per_seq,
-            combined=self.kernel not in ("", "rows"),
+            combined=bool(self.kernel),
             history=self.blocks_per_seq * c.block_size if drafter else 1,
             draft_config=_draft_config(drafter),
             mtp=isinstance(drafter, MTP),
@@ -447,12 +440,16 @@ class Engine:
             self._row_of[row] = (req, j, table)
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.blocks_in_use)
 
+    # -- cancelling: a client went away, a stop string was hit --------------------------------
+
     def cancel(self, request: Request, sample: int | None = None) -> bool:
-        """Ends sample `sample` of `request` (every sample when None) where it stands (a client
-        went away, a stop string was hit): a queued request leaves the queue, a running
-        sample's row and blocks are free for the next `step`; its tokens so far stay in
-        `request`. A single sample must be running or done, not queued. Returns whether every
-        sample of `request` is now done."""
+        """Ends sample `sample` of `request` (every sample when None) where it stands.
+
+        A queued request leaves the queue; a running sample's row and blocks are free for the
+        next `step` (its row writes to the scratch block until a new request takes it). Tokens
+        generated so far stay in `request`. A single sample must be running or done, not still
+        queued. Returns whether every sample of `request` is now done.
+        """
         if sample is None:
             samples = range(request.n)
             self._queue = collections.deque(r for r in self._queue if r is not request)
@@ -488,7 +485,8 @@ def _draft_config(drafter):
 
 
 def _check_drafter(drafter, model: Transformer, config: EngineConfig) -> int:
-    """Positions a round writes past a row's length (k; 0 without a drafter)."""
+    """Positions a round writes past a row's length (k; 0 without a drafter), or a clear error
+    for a drafter the engine cannot use."""
     if drafter is None:
         return 0
     check_drafter(drafter, model)

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from posttrain.models import (
     PagedKVCache,
-    RowsKVCache,
     Transformer,
     hidden_states,
     lm_logits,
@@ -222,25 +221,14 @@ def decode(
     model: Transformer, rows: Rows, eos_E, *, steps, blocks, block_size, kernel="", unstack=True
 ):
     """`steps` decode steps of every row, attending over each row's first `blocks` blocks;
-    returns (rows, tokens `[B, steps]`, log-probs, which of them were generated). `kernel`:
-    "rows" copies the rows' blocks into a dense cache for the call (`RowsKVCache`) and writes
-    the new positions back at its end; "" gathers them at every step; else the
-    `PagedKVCache.kernel`. `unstack`: the layers' weights and pool as per-layer arrays for
-    the call (`_unstacked`)."""
+    returns (rows, tokens `[B, steps]`, log-probs, which of them were generated). `unstack`:
+    the layers' weights and pool as per-layer arrays for the call (`_unstacked`)."""
     config = model.config
     B = rows.lengths_B.shape[0]
     tables_BM = rows.tables_BM[:, :blocks]
     model, rows = _unstacked(model, rows) if unstack else (model, rows)
-    dense = kernel == "rows"
-    start_B = rows.lengths_B
-    if dense:
-        copy = functools.partial(RowsKVCache.gather, tables_BM=tables_BM)
-        stores = jax.tree.map(copy, (rows.k, rows.v))
-    else:
-        stores = None
 
-    def body(carry, _):
-        rows, stores = carry
+    def body(rows: Rows, _):
         keys_B = jax.vmap(jax.random.fold_in)(rows.keys_B, rows.num_B)
         token_B = _sample_rows(rows, keys_B)
         logprob_B = _token_logprobs(rows.logits_BV[:, None], token_B[:, None])[:, 0]
@@ -249,38 +237,21 @@ def decode(
         num_B = rows.num_B + live_B
         done_B = rows.done_B | jnp.isin(token_B, eos_E) | (num_B >= rows.budget_B)
         position_B1 = rows.lengths_B[:, None]
-        if dense:  # a finished row writes below the call's first position: never read back
-            cache = RowsKVCache(*stores, jnp.where(live_B, rows.lengths_B, start_B - 1))
-        else:
-            cache = _paged(
-                rows.k, rows.v, tables_BM, block_size, position_B1, live_B, config.dtype, kernel
-            )
+        cache = _paged(
+            rows.k, rows.v, tables_BM, block_size, position_B1, live_B, config.dtype, kernel
+        )
         logits_B1V, cache = model(token_B[:, None], position_B1, jnp.ones((B, 1), jnp.int32), cache)
-        if dense:
-            stores = cache.stores()
-        else:
-            rows = rows._replace(k=cache.k_TNbKH, v=cache.v_TNbKH)
         rows = rows._replace(
+            k=cache.k_TNbKH,
+            v=cache.v_TNbKH,
             lengths_B=rows.lengths_B + live_B,
             logits_BV=logits_B1V[:, 0],
             num_B=num_B,
             done_B=done_B,
         )
-        return (rows, stores), (token_B, jnp.where(live_B, logprob_B, 0.0), live_B)
+        return rows, (token_B, jnp.where(live_B, logprob_B, 0.0), live_B)
 
-    (rows, stores), (tokens_KB, logprobs_KB, live_KB) = jax.lax.scan(
-        body, (rows, stores), length=steps
-    )
-    if dense:
-        back = functools.partial(
-            RowsKVCache.scatter,
-            tables_BM=tables_BM,
-            start_B=start_B,
-            stop_B=rows.lengths_B,
-            count=steps,
-        )
-        k, v = jax.tree.map(back, (rows.k, rows.v), stores)
-        rows = rows._replace(k=k, v=v)
+    rows, (tokens_KB, logprobs_KB, live_KB) = jax.lax.scan(body, rows, length=steps)
     return _stacked(rows) if unstack else rows, tokens_KB.T, logprobs_KB.T, live_KB.T
 
 

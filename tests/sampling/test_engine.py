@@ -59,14 +59,8 @@ def test_sampled_draws_equal_the_static_sampler(windowed):
     seeds = [11 * i + 5 for i in range(len(PROMPTS))]
     kwargs = dict(max_new_tokens=9, temperature=1.0, top_p=0.9, n=3, seeds=seeds)
     static = generate(windowed, None, PROMPTS, **kwargs)
-    for sharing in (True, False):  # without sharing, also stacked layers and per-step gathers
-        config = EngineConfig(
-            slots=4,
-            block_size=4,
-            prefix_sharing=sharing,
-            unstack_layers=sharing,
-            attention="rows" if sharing else "xla",
-        )
+    for sharing in (True, False):  # without sharing, also without unstacked layers
+        config = EngineConfig(slots=4, block_size=4, prefix_sharing=sharing, unstack_layers=sharing)
         engine = Engine(windowed, config, max_len=64)
         ours = generate_continuous(windowed, None, PROMPTS, engine=engine, **kwargs)
         assert [[c.token_ids for c in r] for r in ours] == [
