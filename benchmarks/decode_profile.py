@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 import types
 
@@ -23,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from generate_throughput import HF_CONFIG  # noqa: E402
+from generate_throughput import benchmark_llama  # noqa: E402
 
-from posttrain.models import from_hf  # noqa: E402
 from posttrain.sampling import _paged  # noqa: E402
 from posttrain.sampling._engine import Engine, EngineConfig, Request  # noqa: E402
 
@@ -66,16 +64,7 @@ def main():
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
 
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM._from_config(
-        transformers.LlamaConfig(**HF_CONFIG), dtype=torch.float32
-    )
-    with tempfile.TemporaryDirectory() as path:
-        hf.save_pretrained(path)
-        model = from_hf(path, attention="xla")
+    _, model = benchmark_llama()
     rs = np.random.RandomState(0)
     prompts = [rs.randint(1, 4096, rs.randint(32, 65)).tolist() for _ in range(8)]
 

@@ -41,6 +41,21 @@ HF_CONFIG = dict(  # a Llama-style model big enough to be non-trivial on CPU
 )
 
 
+def benchmark_llama():
+    """The benchmark's Llama in transformers (seed 0, SDPA attention, eval mode) and the same
+    weights loaded with `from_hf` (XLA attention)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM._from_config(
+        transformers.LlamaConfig(**HF_CONFIG), attn_implementation="sdpa", dtype=torch.float32
+    ).eval()
+    with tempfile.TemporaryDirectory() as path:
+        hf.save_pretrained(path)
+        return hf, from_hf(path, attention="xla")
+
+
 def _best(fn, repeats: int) -> float:
     fn()  # compile / warm up
     times = []
@@ -84,15 +99,8 @@ def main():
     args = parser.parse_args()
 
     import torch
-    import transformers
 
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM._from_config(
-        transformers.LlamaConfig(**HF_CONFIG), attn_implementation="sdpa", dtype=torch.float32
-    ).eval()
-    with tempfile.TemporaryDirectory() as path:
-        hf.save_pretrained(path)
-        model = from_hf(path, attention="xla")
+    hf, model = benchmark_llama()
 
     rs = np.random.RandomState(0)
     V, B, N = HF_CONFIG["vocab_size"], args.batch, args.new

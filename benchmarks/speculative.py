@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import tempfile
 import time
 from functools import partial
 
 import numpy as np
-from generate_throughput import HF_CONFIG  # benchmarks/ is the script directory
+from generate_throughput import HF_CONFIG, benchmark_llama  # benchmarks/ is the script directory
 
-from posttrain.models import from_hf, num_params
+from posttrain.models import num_params
 from posttrain.sampling import PromptLookup, generate, generate_continuous, generate_speculative
 
 
@@ -65,17 +64,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM._from_config(
-        transformers.LlamaConfig(**HF_CONFIG), dtype=torch.float32
-    )
-    with tempfile.TemporaryDirectory() as path:
-        hf.save_pretrained(path)
-        model = from_hf(path, attention="xla")
-    del hf
+    _, model = benchmark_llama()
 
     drafter = PromptLookup(ngram=args.ngram, k=args.k)
     settings = dict(max_new_tokens=args.new, length_bucket=args.prompt)
