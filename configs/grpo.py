@@ -78,6 +78,19 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.kv_dtype = "auto"  # auto (compute dtype) | int8 | int8_layered
     c.rollout.unstack_layers = True  # copy layer weights per decode call (faster; one extra copy)
 
+    # Multi-turn episodes with tools (agentic RL, docs/agents.md): name "" = single-turn.
+    c.env = ml_collections.ConfigDict()
+    c.env.name = ""  # calculator | python_tool | terminal | fault_injection | a registered one
+    c.env.options = {}  # the environment's arguments (e.g. {"timeout_s": 5.0})
+    c.env.max_turns = 8  # model turns per episode
+    c.env.turn_tokens = 0  # sampled tokens per turn (0: rollout.max_new_tokens, the episode's)
+    c.env.max_tool_s = 120.0  # seconds of tool calls per episode
+    c.env.tool_format = "auto"  # hermes | llama3_json | mistral | auto (from the chat template)
+    c.env.fault_rate = 0.0  # > 0: tool calls fail this often (timeouts, errors, empty results)
+    c.env.workers_min = 0  # the tool worker pool grows and shrinks between these (threads)
+    c.env.workers_max = 8
+    c.env.truncated_reward = ml_collections.config_dict.placeholder(float)  # None: score them
+
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.advantage = "grpo"  # grpo | drgrpo | rloo | none
     c.algorithm.unbiased_std = True  # GRPO group std with Bessel's correction (TRL)

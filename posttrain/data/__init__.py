@@ -1,4 +1,5 @@
-"""Data: tokenizers, chat templates, SFT sources, formats, mixtures, packing; preference pairs."""
+"""Data: tokenizers, chat templates, SFT sources, formats, mixtures, packing; preference pairs;
+tool schemas and tool-call parsing."""
 
 from posttrain.data._pipeline import DataConfig, SFTData, make_pipeline
 from posttrain.data._preference import PairError, encode_pair
@@ -9,10 +10,20 @@ from posttrain.data._preference_data import (
 )
 from posttrain.data._sources import SourceConfig
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
+from posttrain.data._tools import (
+    TOOL_FORMATS,
+    ParsedTurn,
+    parse_tool_calls,
+    register_tool_format,
+    tool_format_for,
+    tool_schema,
+)
 
 __all__ = [
+    "TOOL_FORMATS",
     "DataConfig",
     "PairError",
+    "ParsedTurn",
     "PreferenceData",
     "SFTData",
     "SourceConfig",
@@ -21,5 +32,9 @@ __all__ = [
     "load_tokenizer",
     "make_pipeline",
     "make_preference_pipeline",
+    "parse_tool_calls",
     "preference_batches",
+    "register_tool_format",
+    "tool_format_for",
+    "tool_schema",
 ]

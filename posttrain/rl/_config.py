@@ -66,6 +66,34 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn episodes (agentic RL): each rollout is an episode of an environment
+    (`posttrain.envs`) instead of one completion; rollout.max_new_tokens bounds an episode's
+    tokens after the prompt (sampled and observed), the row's length is unchanged."""
+
+    name: str = ""  # "" single-turn; else a registered environment (calculator, python_tool, ...)
+    options: dict = dataclasses.field(default_factory=dict)  # the environment's arguments
+    max_turns: int = 8  # model turns per episode
+    turn_tokens: int = 0  # sampled tokens per turn (0: rollout.max_new_tokens)
+    max_tool_s: float = 120.0  # tool seconds per episode
+    tool_format: str = "auto"  # hermes | llama3_json | mistral | auto (from the chat template)
+    fault_rate: float = 0.0  # > 0: tool calls fail this often (fault_injection)
+    workers_min: int = 0  # the environment worker pool's bounds (threads)
+    workers_max: int = 8
+    # Episodes cut by a budget: their reward (None: scored as finished ones are) and whether
+    # they carry loss (loss.mask_truncated also masks them).
+    truncated_reward: float | None = None
+
+    def __post_init__(self):
+        if self.max_turns < 1 or self.turn_tokens < 0 or self.max_tool_s <= 0:
+            raise ConfigError("env: max_turns >= 1, turn_tokens >= 0 and max_tool_s > 0")
+        if not 0 <= self.fault_rate <= 1:
+            raise ConfigError(f"env.fault_rate must be in [0, 1], got {self.fault_rate}")
+        if not 0 <= self.workers_min <= self.workers_max or self.workers_max < 1:
+            raise ConfigError("env: 0 <= workers_min <= workers_max and workers_max >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     # grpo | drgrpo (no std scaling) | rloo (leave-one-out) | none | gae (PPO, with a critic)
     advantage: str = "grpo"
@@ -172,6 +200,7 @@ class RLConfig:
     data: DataConfig = None  # prompt sources; batch_size = prompts per RL step
     eval_data: tuple[SourceConfig, ...] = ()  # held-out prompts: greedy reward and pass rate
     rollout: RolloutConfig = RolloutConfig()
+    env: EnvConfig = EnvConfig()  # multi-turn episodes with tools (name "" = single-turn)
     algorithm: AlgorithmConfig = AlgorithmConfig()
     critic: CriticConfig = CriticConfig()
     loss: PolicyLossConfig = PolicyLossConfig()
@@ -191,6 +220,8 @@ class RLConfig:
     def __post_init__(self):
         if self.data is None:
             raise ConfigError("data: set data.sources to at least one prompt file")
+        if self.env.name and self.rollout.sampler != "engine":
+            raise ConfigError("env episodes run on the engine: set rollout.sampler='engine'")
         rows = self.data.batch_size * self.rollout.num_generations
         if rows % self.algorithm.minibatches:
             raise ConfigError(

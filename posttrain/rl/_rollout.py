@@ -1,10 +1,11 @@
 """Rollouts: sampling and scoring prompt groups (`Rollouts`, `draw_groups`, the decoupled
 `RolloutProducer`) and turning them into fixed-shape training arrays (`rollout_batch`).
 
-Each prompt has `G` sampled completions; its group occupies `G` consecutive rows. A row holds
-`prompt + completion` (right-padded to `max_len`), with the loss mask on the positions whose
-target is a completion token (the EOS that ended it included) and the sampler's log-prob of
-each such target. Rows of groups that were dropped or never filled (dynamic sampling) are
+Each prompt has `G` sampled completions (multi-turn: `G` episodes); its group occupies `G`
+consecutive rows. A row holds `prompt + completion` (right-padded to `max_len`), with the loss
+mask on the positions whose target is a completion token (the EOS that ended it included; an
+episode's observation tokens excluded) and the sampler's log-prob of each such target. Rows of
+groups that were dropped or never filled (dynamic sampling) are
 fillers: no tokens, no loss, domain id -1.
 """
 
@@ -21,13 +22,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from posttrain.envs import Budget, ElasticPool, episode_metrics, make_env, run_episodes
 from posttrain.lora import adapter_shardings, merge, param_bytes
 from posttrain.models import Transformer, param_shardings
 from posttrain.parallel import process_meshes, to_process_local
 from posttrain.rewards import (
     overlong_penalty,
 )
-from posttrain.rl._config import RLConfig
+from posttrain.rl._config import EnvConfig, RLConfig
 from posttrain.rl._scorer import policy_params
 from posttrain.rl._shares import gather_groups, prompt_share
 from posttrain.sampling import Completion, Engine, EngineConfig, generate, generate_continuous
@@ -74,9 +76,11 @@ def rollout_batch(
     for g, (prompt, group) in enumerate(zip(prompts, completions, strict=True)):
         if len(group) != G:
             raise ValueError(f"prompt {g} has {len(group)} completions, expected {G}")
-        p = prompt["prompt_ids"]
         for j, c in enumerate(group):
             r = g * G + j
+            # An episode (multi-turn) has its own prompt (rendered with its tools) and a mask
+            # that leaves the environment's tokens out of the loss.
+            p = getattr(c, "prompt_ids", None) or prompt["prompt_ids"]
             ids = [*p, *c.token_ids]
             n = len(ids)
             if n > max_len:
@@ -88,11 +92,12 @@ def rollout_batch(
             # Position t predicts token t + 1: the completion's tokens are targets from the
             # prompt's last position on.
             k = len(c.token_ids)
-            out["loss_mask"][r, len(p) - 1 : len(p) - 1 + k] = 1.0
+            mask = getattr(c, "mask", None)
+            out["loss_mask"][r, len(p) - 1 : len(p) - 1 + k] = 1.0 if mask is None else mask
             out["sampler_logps"][r, len(p) - 1 : len(p) - 1 + k] = c.logprobs
             out["rewards"][r] = rewards[g][j]
             out["lengths"][r] = k
-            out["truncated"][r] = float(c.finish_reason == "length")
+            out["truncated"][r] = float(c.truncated)
             out["domain_ids"][r] = prompt["domain_id"]
     return out
 
@@ -113,6 +118,7 @@ class Rollouts:
         # the sampled groups.
         self.stacked = process_meshes(devices)[1] if jax.process_count() > 1 else None
         self.engine = None  # the paged engine, made at the first sampling (on its devices)
+        self.env_pool = None  # multi-turn: where environments run (made at the first episodes)
 
     def sample(
         self, params, prompts, seed: int = 0, *, seeds=None, greedy: bool = False, timings=None
@@ -126,6 +132,8 @@ class Rollouts:
         """
         if jax.process_count() == 1:
             return self._sample(params, prompts, seed, seeds, greedy, timings)
+        if self.config.env.name:
+            raise ValueError("multi-turn episodes (env.name) run in one process for now")
         if seeds is None and not greedy:
             raise ValueError("sampling across processes needs a seed per prompt (seeds)")
         share = prompt_share(len(prompts))
@@ -153,19 +161,12 @@ class Rollouts:
             seeds=seeds,
         )
         prompt_ids = [p["prompt_ids"] for p in prompts]
+        if self.config.env.name:
+            return self._episodes(model, prompts, kwargs, timings)
         if r.sampler == "static":
             completions = generate(model, self.tokenizer, prompt_ids, **kwargs)
         else:
-            if self.engine is None:
-                # By default every sample of a step decodes at once, as in the static sampler.
-                slots = r.engine_slots or self.config.data.batch_size * r.num_generations
-                config = EngineConfig(
-                    slots=slots,
-                    block_size=r.kv_block_size,
-                    kv_dtype=r.kv_dtype,
-                    unstack_layers=r.unstack_layers,
-                )
-                self.engine = Engine(model, config, max_len=self.max_len)
+            self._engine(model)
             before = dataclasses.replace(self.engine.stats)
             completions = generate_continuous(
                 model, self.tokenizer, prompt_ids, engine=self.engine, **kwargs
@@ -188,6 +189,95 @@ class Rollouts:
             timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
             timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
         return completions, rewards
+
+    def _engine(self, model) -> Engine:
+        """The paged engine, made at the first sampling, with `model`'s weights swapped in."""
+        r = self.config.rollout
+        if self.engine is None:
+            # By default every sample of a step decodes at once, as in the static sampler.
+            slots = r.engine_slots or self.config.data.batch_size * r.num_generations
+            config = EngineConfig(
+                slots=slots,
+                block_size=r.kv_block_size,
+                kv_dtype=r.kv_dtype,
+                unstack_layers=r.unstack_layers,
+            )
+            self.engine = Engine(model, config, max_len=self.max_len)
+        self.engine.model = model
+        return self.engine
+
+    def _episodes(self, model, prompts, kwargs, timings):
+        """Multi-turn: G episodes of `config.env` per prompt on the engine; rewards from the
+        environment, or from the prompt's reward domain for the last turn's text."""
+        c, e, r = self.config, self.config.env, self.config.rollout
+        start = time.perf_counter()
+        if self.env_pool is None:
+            self.env_pool = ElasticPool(e.workers_min, e.workers_max)
+        seeds = kwargs["seeds"]
+        if seeds is None:
+            keys = jax.vmap(jax.random.fold_in, (None, 0))(
+                jax.random.key(kwargs["seed"]), np.arange(len(prompts))
+            )
+        else:
+            keys = jax.vmap(jax.random.key)(np.asarray(seeds, np.uint32))
+        G = kwargs["n"]
+        groups = [
+            [make_episode_env(e, p["record"], c.train.seed) for _ in range(G)] for p in prompts
+        ]
+        budget = Budget(
+            max_turns=e.max_turns,
+            max_tokens=r.max_new_tokens,
+            turn_tokens=e.turn_tokens or r.max_new_tokens,
+            max_tool_s=e.max_tool_s,
+        )
+        episodes = run_episodes(
+            self._engine(model),
+            self.tokenizer,
+            groups,
+            keys=keys,
+            temperature=kwargs["temperature"],
+            top_p=r.top_p,
+            top_k=r.top_k,
+            budget=budget,
+            pool=self.env_pool,
+            tool_format=e.tool_format,
+        )
+        ran = time.perf_counter()
+        flat = [(p, ep) for p, group in zip(prompts, episodes, strict=True) for ep in group]
+        rewards = np.zeros(len(flat), np.float32)
+        scored = []
+        for i, (_, ep) in enumerate(flat):
+            if ep.truncated and e.truncated_reward is not None:
+                rewards[i] = e.truncated_reward
+            elif ep.reward is not None:
+                rewards[i] = ep.reward
+            else:
+                scored.append(i)
+        if scored:
+            results = self.pool.score(
+                [flat[i][1].record for i in scored],
+                [flat[i][1].text for i in scored],
+                [flat[i][0]["domain"] for i in scored],
+            )
+            rewards[scored] = [res.score for res in results]
+        if timings is not None:
+            timings["generate_s"] = timings.get("generate_s", 0.0) + ran - start
+            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - ran
+            timings.update(episode_metrics([ep for _, ep in flat]))
+        return episodes, rewards.reshape(len(prompts), G)
+
+    def close(self) -> None:
+        if self.env_pool is not None:
+            self.env_pool.close()
+
+
+def make_episode_env(e: EnvConfig, record, seed: int):
+    """A new environment of `e` for one episode of `record` (with faults, if configured)."""
+    if e.fault_rate > 0:
+        return make_env(
+            "fault_injection", record, inner=e.name, rate=e.fault_rate, seed=seed, **e.options
+        )
+    return make_env(e.name, record, **e.options)
 
 
 def _mesh_of(params):

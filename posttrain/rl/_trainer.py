@@ -30,6 +30,7 @@ import numpy as np
 
 from posttrain import paths
 from posttrain.config import ConfigError
+from posttrain.envs import env_names, rewards_itself
 from posttrain.lora import Policy
 from posttrain.models import ModelConfig
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
@@ -158,11 +159,17 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         )
     registry = c.rewards.registry()
     domains = prompts.domains
-    registry.check(set(domains) | set(eval_prompts.domains if eval_prompts else ()))
+    scored = set(domains) | set(eval_prompts.domains if eval_prompts else ())
+    if not (c.env.name and rewards_itself(c.env.name)):  # (else its episodes carry rewards)
+        registry.check(scored)
     if jax.process_count() > 1 and any(t.is_model for d in domains for t in registry.terms(d)):
         raise ConfigError(
             "rm: reward models score in one process for now (each process would score its "
             "share with a model on every process's devices); run on one host"
+        )
+    if c.env.name and c.env.name not in env_names():
+        raise ConfigError(
+            f"env.name={c.env.name!r} is not an environment; use one of {env_names()}"
         )
     max_len = c.rollout.max_prompt_len + c.rollout.max_new_tokens
     if max_len > model_config.max_seq_len:
@@ -207,6 +214,9 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
 
             source = RolloutSource(c, prompts, rollouts, sampler, score, producer)
             stack.callback(source.close)
+            stack.callback(rollouts.close)
+            if sampler_devices:
+                stack.callback(sampler_rollouts.close)
             evaluate = None
             if eval_prompts is not None:
 

@@ -42,6 +42,11 @@ class Completion:
     logprobs: tuple[float, ...]
     finish_reason: str
 
+    @property
+    def truncated(self) -> bool:
+        """Cut at max_new_tokens."""
+        return self.finish_reason == "length"
+
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "n"))
 def _generate_padded(

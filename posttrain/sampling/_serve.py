@@ -11,7 +11,6 @@ module evaluates its annotations: FastAPI reads the handlers' `fastapi.Request` 
 """
 
 import json
-import re
 import secrets
 import socket
 import threading
@@ -21,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 import jinja2
 
+from posttrain.data import parse_tool_calls
 from posttrain.errors import UserError
 from posttrain.models import Transformer
 from posttrain.sampling._backend import (
@@ -34,34 +34,22 @@ from posttrain.sampling._backend import (
 )
 from posttrain.sampling._generate import Completion, _encode, check_settings
 
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_TOOL_CALL = re.compile(f"{_OPEN}(.*?){_CLOSE}", re.DOTALL)
+_OPEN = "<tool_call>"
 
 
 def _tool_calls(text: str) -> tuple[str, list[dict]]:
     """(the text outside the blocks, OpenAI tool calls) of `text`'s
-    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; when any block is not
-    such a call, the text stays text and there are no calls."""
-    calls = []
-    for block in _TOOL_CALL.findall(text):
-        try:
-            call = json.loads(block)
-        except json.JSONDecodeError:
-            return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, []
-        arguments = call.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
-                },
-            }
-        )
-    return (_TOOL_CALL.sub("", text) if calls else text), calls
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, arguments as a JSON
+    string as the API returns them; when any block is not such a call, the text stays text
+    and there are no calls."""
+    turn = parse_tool_calls(text, "hermes")
+    if turn.errors or not turn.tool_calls:
+        return text, []
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+        for c in turn.tool_calls
+    ]
+    return turn.content, calls
 
 
 class _APIError(Exception):

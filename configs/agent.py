@@ -1,0 +1,105 @@
+"""Agentic RL: multi-turn episodes with tools (docs/agents.md).
+
+    posttrain demo --task=calculator                                          # CPU, minutes
+    posttrain train --config=configs/agent.py:python_tool_qwen25_7b --workdir=runs/pytool
+
+Presets:
+  calculator_sft         warm start of the tiny model on solved calculator episodes (tool calls
+                         in the chat template; assistant-only loss), from scratch.
+  calculator             GRPO on 3-digit multiplications with the `calculate` tool, from
+                         calculator_sft's run (runs/agent/sft); the answer's verifier is the reward.
+  calculator_faults      calculator with 30% of tool calls failing (timeouts, errors, empty
+                         results).
+  python_tool_qwen25_7b  GRPO for Qwen2.5-7B-Instruct with a sandboxed Python tool on math
+                         prompts (set model.hf_path and data.sources); v5p-64.
+  terminal_qwen25_7b     the terminal environment (bash and file tools in a per-episode sandboxed
+                         workspace, reward = hidden tests) on the bundled tasks.
+The calculator presets read runs/agent/assets (written by `posttrain demo --task=calculator`,
+or posttrain.demo.build_calculator_assets). Every field of configs/grpo.py applies.
+"""
+
+import os
+
+from posttrain.config import load_config_file, override
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ASSETS = os.path.join("runs", "agent", "assets")
+_TASKS = os.path.join(_HERE, "..", "posttrain", "envs", "assets", "terminal_tasks.jsonl")
+PRESETS = (
+    "calculator_sft",
+    "calculator",
+    "calculator_faults",
+    "python_tool_qwen25_7b",
+    "terminal_qwen25_7b",
+)
+
+
+def _source(path, domain):
+    return {"path": path, "weight": 1.0, "domain": domain, "format": "auto"}
+
+
+def get_config(preset: str = "calculator"):
+    if preset not in PRESETS:
+        raise ValueError(f"unknown agent preset {preset!r}: {', '.join(PRESETS)}")
+    if preset == "calculator_sft":
+        c = load_config_file(os.path.join(_HERE, "sft.py") + ":tiny")
+        return override(
+            c,
+            {
+                "tokenizer": os.path.join(_ASSETS, "tokenizer"),
+                "data.sources": [_source(os.path.join(_ASSETS, "sft.jsonl"), "calculator")],
+                "eval_data": [],
+                "data.max_len": 320,
+                "data.batch_size": 16,
+                "train.steps": 300,
+                "train.log_every": 20,
+                "train.eval_every": 0,
+                "checkpoint.every": 300,
+                "optimizer.warmup_steps": 20,
+            },
+        )
+    if preset in ("calculator", "calculator_faults"):
+        c = load_config_file(os.path.join(_HERE, "grpo.py") + ":tiny")
+        return override(
+            c,
+            {
+                "model.checkpoint": os.path.join("runs", "agent", "sft"),
+                "tokenizer": os.path.join(_ASSETS, "tokenizer"),
+                "data.sources": [_source(os.path.join(_ASSETS, "train.jsonl"), "arithmetic")],
+                "eval_data": [_source(os.path.join(_ASSETS, "eval.jsonl"), "arithmetic")],
+                "data.batch_size": 8,
+                "rollout.num_generations": 8,
+                "rollout.max_prompt_len": 160,
+                "rollout.max_new_tokens": 128,
+                "env.name": "calculator",
+                "env.max_turns": 3,
+                "env.turn_tokens": 96,
+                "env.fault_rate": 0.3 if preset == "calculator_faults" else 0.0,
+                "optimizer.learning_rate": 1e-3,
+                "optimizer.warmup_steps": 0,
+                "train.steps": 30,
+                "train.log_every": 5,
+                "train.eval_every": 10,
+                "checkpoint.every": 30,
+            },
+        )
+    c = load_config_file(os.path.join(_HERE, "grpo.py") + ":qwen3_8b_v5p")
+    values = {
+        "model.hf_path": "",  # set: a Qwen2.5-7B-Instruct directory (local or gs://)
+        "rollout.max_prompt_len": 1024,
+        "rollout.max_new_tokens": 4096,
+        "env.max_turns": 8,
+        "env.turn_tokens": 1024,
+    }
+    if preset == "python_tool_qwen25_7b":
+        values.update({"env.name": "python_tool", "env.options": {"timeout_s": 10.0}})
+    else:
+        values.update(
+            {
+                "env.name": "terminal",
+                "env.max_turns": 16,
+                "data.sources": [_source(_TASKS, "terminal")],
+                "eval_data": [],
+            }
+        )
+    return override(c, values)

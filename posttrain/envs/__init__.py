@@ -1,0 +1,43 @@
+"""Multi-turn environments and tools for agentic RL: an environment per episode
+(`reset() -> messages`, `step(message) -> Step`), tools from Python callables, episodes run on
+the generation engine token in / token out (`run_episodes`), and the built-in environments."""
+
+from posttrain.envs._base import (
+    Environment,
+    Step,
+    Tool,
+    ToolEnvironment,
+    env_names,
+    make_env,
+    prompt_messages,
+    register_env,
+    rewards_itself,
+    tool_message,
+)
+from posttrain.envs._builtin import FaultInjection, calculate
+from posttrain.envs._episodes import Budget, Episode, episode_metrics, run_episodes
+from posttrain.envs._pool import ElasticPool
+from posttrain.envs._terminal import TerminalEnvironment, TerminalOptions, terminal_tasks
+
+__all__ = [
+    "Budget",
+    "ElasticPool",
+    "Episode",
+    "FaultInjection",
+    "calculate",
+    "episode_metrics",
+    "run_episodes",
+    "Environment",
+    "Step",
+    "TerminalEnvironment",
+    "TerminalOptions",
+    "terminal_tasks",
+    "Tool",
+    "ToolEnvironment",
+    "env_names",
+    "make_env",
+    "prompt_messages",
+    "register_env",
+    "rewards_itself",
+    "tool_message",
+]

@@ -1,0 +1,328 @@
+"""Multi-turn episodes on the generation engine, token in / token out.
+
+Each episode is one token sequence: the prompt (the environment's opening messages rendered
+with its tools), then per turn the tokens the engine sampled (loss mask 1, with their
+log-probs) and the tokens of the environment's answer (loss mask 0), rendered as the
+difference the new messages make (`posttrain.data.Turns`), never by re-rendering earlier turns.
+What the trainer scores is exactly what the sampler drew.
+
+Episodes share the engine: every turn is a request, so while an episode's tools run (on the
+`ElasticPool`), its row and KV blocks serve other episodes, and a finished episode frees its
+slot at once. The G episodes of a prompt (a GRPO group) start as one request with n=G, sharing
+the prompt's prefill and blocks; later turns are requests of their own, each prefilling the
+episode's tokens so far (the engine does not yet keep an episode's blocks between turns).
+
+Sampling keys: episode j of group g draws turn 0 with `fold_in(key_g, j)` inside the group's
+request and turn t > 0 with `fold_in(fold_in(fold_in(key_g, t), j), 0)`, so an episode's tokens
+depend on its seed and what the environment answered, not on scheduling.
+
+Budgets end an episode early, as truncated: `max_turns`, `max_tokens` (sampled and
+observation tokens after the prompt) and `max_tool_s` (seconds its tools ran). A turn that
+reaches `turn_tokens` without ending is cut: the environment still answers it, and the
+observation's tokens start with the end-of-turn token the model did not sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+import jax
+import numpy as np
+
+from posttrain.config import ConfigError
+from posttrain.data._tools import parse_tool_calls, tool_format_for
+from posttrain.data._turns import Turns
+from posttrain.envs._base import Environment, Step
+from posttrain.envs._pool import ElasticPool
+from posttrain.sampling import Engine, Request
+
+_log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "turns", "tool_time", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Per-episode limits; an episode that reaches one ends as truncated."""
+
+    max_turns: int = 8  # model turns
+    max_tokens: int = 1024  # sampled + observation tokens after the prompt
+    turn_tokens: int = 256  # sampled tokens per turn
+    max_tool_s: float = 120.0  # seconds the episode's tool calls may take in all
+
+    def __post_init__(self):
+        if min(self.max_turns, self.max_tokens, self.turn_tokens) < 1 or self.max_tool_s <= 0:
+            raise ValueError(f"episode budgets must be positive, got {self}")
+
+
+@dataclasses.dataclass
+class Episode:
+    """One finished episode.
+
+    Attributes:
+      record: the prompt record it was made from.
+      prompt_ids: the opening messages rendered with the tools and the generation prompt.
+      token_ids: everything after the prompt: sampled tokens and observation tokens.
+      logprobs: the sampler's log-prob of each sampled token (0.0 on observation tokens).
+      mask: 1 on sampled tokens (the policy's), 0 on observation tokens.
+      messages: the conversation (opening messages, the model's parsed turns, observations).
+      reward: the environment's reward; None to score `text` with the record's reward domain.
+      finish_reason: "stop" (the environment ended it), "length" (a token budget), "turns",
+        "tool_time" (budgets) or "error" (the environment raised; reward 0).
+      text: the model's last turn's text (what a reward domain scores).
+      turns, tool_calls, tool_errors, tool_s: counts; recovered: a tool error was followed
+        by a successful call or the final answer.
+      turn_rewards: per-turn rewards the environment reported (`info["turn_reward"]`).
+    """
+
+    record: dict
+    prompt_ids: list[int]
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    messages: list[dict] = dataclasses.field(default_factory=list)
+    reward: float | None = None
+    finish_reason: str = ""
+    text: str = ""
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    recovered: bool = False
+    turn_rewards: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason not in ("stop", "error")
+
+
+@dataclasses.dataclass
+class _Live:
+    """An episode in progress."""
+
+    env: Environment
+    turns: Turns | None = None
+    episode: Episode | None = None
+    erred: bool = False  # a tool error not yet followed by a success
+    ended: bool = True  # the last turn ended with an end-of-turn token (not cut)
+
+
+def run_episodes(
+    engine: Engine,
+    tokenizer,
+    groups: Sequence[Sequence[Environment]],
+    *,
+    keys: jax.Array,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    budget: Budget = Budget(),
+    pool: ElasticPool | None = None,
+    tool_format: str = "auto",
+    on_episode: Callable[[Episode], None] | None = None,
+) -> list[list[Episode]]:
+    """Runs every environment's episode to its end; returns the episodes by group.
+
+    Args:
+      engine: the engine to sample on (its model holds the weights to use; its `max_len`
+        must hold the longest prompt plus `budget.max_tokens`).
+      tokenizer: the model's tokenizer (its chat template renders messages and tools).
+      groups: environments, grouped by prompt (the episodes of one GRPO group).
+      keys: one PRNG key per group (`[len(groups)]` typed keys).
+      temperature, top_p, top_k: sampling settings of every turn.
+      budget: per-episode limits.
+      pool: where environment calls run (resets, steps, closes); default: a pool of 1..8.
+      tool_format: how tool calls are parsed from the model's text ("hermes", "llama3_json",
+        "mistral", ...); "auto" guesses from the chat template.
+      on_episode: called with each episode as it finishes.
+
+    Returns:
+      Per group, its episodes in the order of its environments.
+    """
+    if tool_format == "auto":
+        tool_format = tool_format_for(tokenizer.chat_template or "")
+    own_pool = pool is None
+    pool = pool or ElasticPool(1, 8)
+    engine.set_eos(tokenizer.eos_ids)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    live = [[_Live(env) for env in group] for group in groups]
+    out: list[list[Episode | None]] = [[None] * len(g) for g in groups]
+    waiting: dict[Future, tuple[str, int, int]] = {}  # env calls: (kind, group, index)
+    running: dict[int, tuple[Request, int, list[int]]] = {}  # request id -> (request, g, [j])
+    taken: dict[int, set[int]] = {}  # request id -> episodes whose turn was collected
+    opened = [0] * len(groups)
+    left = sum(map(len, groups))
+
+    def finish(g: int, j: int, reason: str, reward: float | None = None) -> None:
+        nonlocal left
+        item = live[g][j]
+        ep = item.episode
+        ep.finish_reason, ep.reward = reason, reward if reason != "error" else 0.0
+        waiting[pool.submit(item.env.close)] = ("close", g, j)
+        out[g][j] = ep
+        left -= 1
+        if on_episode is not None:
+            on_episode(ep)
+
+    def submit_turn(g: int, js: list[int], key) -> None:
+        ep = live[g][js[0]].episode
+        prompt = ep.prompt_ids + ep.token_ids
+        room = min(budget.turn_tokens, budget.max_tokens - len(ep.token_ids))
+        room = min(room, engine.max_len - len(prompt))
+        if room < 1:
+            for j in js:
+                finish(g, j, "length")
+            return
+        req = Request(prompt=prompt, max_new_tokens=room, key=key, n=len(js), **sampling)
+        running[id(engine.submit(req))] = (req, g, js)
+        taken[id(req)] = set()
+
+    def on_sampled(g: int, j: int, tokens: list[int], logps: list[float], ended: bool) -> None:
+        item = live[g][j]
+        ep = item.episode
+        ep.token_ids += tokens
+        ep.logprobs += logps
+        ep.mask += [1] * len(tokens)
+        ep.turns += 1
+        body = tokens[:-1] if ended else tokens
+        parsed = parse_tool_calls(tokenizer.decode(body, skip_special_tokens=False), tool_format)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        ep.messages.append(message)
+        ep.text = parsed.content
+        item.ended = ended
+        if not ended and len(ep.token_ids) >= budget.max_tokens:
+            finish(g, j, "length")
+            return
+        # (A turn cut by turn_tokens still goes to the environment; its observation closes it.)
+        step_message = {**message, "tool_call_errors": list(parsed.errors)}
+        waiting[pool.submit(item.env.step, step_message)] = ("step", g, j)
+
+    def on_step(g: int, j: int, step: Step) -> None:
+        item = live[g][j]
+        ep, info = item.episode, step.info or {}
+        calls, errors = int(info.get("tool_calls", 0)), int(info.get("tool_errors", 0))
+        ep.tool_calls += calls
+        ep.tool_errors += errors
+        ep.tool_s += float(info.get("tool_s", 0.0))
+        if "turn_reward" in info:
+            ep.turn_rewards.append(float(info["turn_reward"]))
+        if item.erred and (step.done or calls > errors):
+            ep.recovered, item.erred = True, False
+        item.erred = item.erred or errors > 0
+        if step.done:
+            finish(g, j, "stop", step.reward)
+            return
+        if ep.turns >= budget.max_turns:
+            finish(g, j, "turns")
+            return
+        if ep.tool_s > budget.max_tool_s:
+            finish(g, j, "tool_time")
+            return
+        observed = item.turns.observation(ep.messages, step.observations, ended=item.ended)
+        ep.messages += step.observations
+        if len(ep.token_ids) + len(observed) >= budget.max_tokens:
+            finish(g, j, "length")
+            return
+        ep.token_ids += observed
+        ep.logprobs += [0.0] * len(observed)
+        ep.mask += [0] * len(observed)
+        key = jax.random.fold_in(jax.random.fold_in(keys[g], ep.turns), j)
+        submit_turn(g, [j], key)
+
+    def on_reset(g: int, j: int, messages: list[dict]) -> None:
+        item = live[g][j]
+        item.turns = Turns(tokenizer, item.env.schemas)
+        prompt = item.turns.prompt(messages)
+        if len(prompt) + budget.max_tokens > engine.max_len:
+            raise ConfigError(
+                f"an episode's prompt has {len(prompt)} tokens with its tools rendered; with "
+                f"{budget.max_tokens} tokens of episode that exceeds the engine's max_len="
+                f"{engine.max_len}: raise rollout.max_prompt_len (RL) or the engine's max_len"
+            )
+        item.episode = Episode(record=dict(item.env.record), prompt_ids=prompt, messages=messages)
+        opened[g] += 1
+        if opened[g] < len(live[g]):
+            return
+        # The whole group is open: one request when its prompts agree (shared prefill).
+        prompts = [x.episode.prompt_ids for x in live[g]]
+        if all(p == prompts[0] for p in prompts):
+            submit_turn(g, list(range(len(prompts))), keys[g])
+        else:
+            for k in range(len(prompts)):
+                submit_turn(g, [k], jax.random.fold_in(keys[g], 1 << 20 | k))
+
+    for g, group in enumerate(live):
+        for j, item in enumerate(group):
+            waiting[pool.submit(item.env.reset)] = ("reset", g, j)
+    try:
+        while left or waiting:
+            for future in [f for f in waiting if f.done()]:
+                kind, g, j = waiting.pop(future)
+                try:
+                    result = future.result()
+                except Exception as e:
+                    if kind == "close":
+                        _log.warning("closing an environment failed: %s", e)
+                        continue
+                    if kind == "reset":
+                        raise
+                    _log.warning("an environment step raised (episode ends, reward 0): %r", e)
+                    finish(g, j, "error")
+                    continue
+                if kind == "reset":
+                    on_reset(g, j, result)
+                elif kind == "step":
+                    on_step(g, j, result)
+            if not engine.idle:
+                engine.step()
+                # A sample's turn is over as soon as it is done (not when its whole group is).
+                for rid, (req, g, js) in list(running.items()):
+                    for s, j in enumerate(js):
+                        if req.done[s] and j not in taken[rid]:
+                            taken[rid].add(j)
+                            hit = engine.hit_eos(req, s)
+                            on_sampled(g, j, req.tokens[s], req.logprobs[s], hit)
+                    if len(taken[rid]) == len(js):
+                        del running[rid], taken[rid]
+            elif waiting:
+                wait(list(waiting), return_when=FIRST_COMPLETED)
+            elif left:
+                raise RuntimeError(f"{left} episodes neither run nor wait (a bug)")
+    finally:
+        if own_pool:
+            pool.close()
+        if not engine.idle:  # (an error above: leave the engine empty for its next user)
+            for req, _, _ in list(running.values()):
+                engine.cancel(req)
+    return out
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Host metrics over episodes: turns, tool calls and error rate, recovery, truncation."""
+    if not episodes:
+        return {}
+    calls = sum(e.tool_calls for e in episodes)
+    errors = sum(e.tool_errors for e in episodes)
+    erred = [e for e in episodes if e.tool_errors]
+    out = {
+        "episode/turns": float(np.mean([e.turns for e in episodes])),
+        "episode/tool_calls": calls / len(episodes),
+        "episode/tool_error_rate": errors / max(calls, 1),
+        "episode/recovery_rate": (
+            sum(e.recovered for e in erred) / len(erred) if erred else float("nan")
+        ),
+        "episode/truncated": float(np.mean([e.truncated for e in episodes])),
+        "episode/tool_s": float(np.mean([e.tool_s for e in episodes])),
+        "episode/tokens": float(np.mean([len(e.token_ids) for e in episodes])),
+    }
+    for reason in FINISH_REASONS[1:]:
+        out[f"episode/ended_{reason}"] = float(
+            np.mean([e.finish_reason == reason for e in episodes])
+        )
+    return out

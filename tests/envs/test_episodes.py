@@ -1,0 +1,179 @@
+"""Multi-turn episodes on the engine: token in / token out (the trainer scores exactly what the
+sampler drew; observation tokens carry no loss), budgets, tool errors and their metrics."""
+
+import jax
+import numpy as np
+import pytest
+
+from posttrain.data import load_tokenizer
+from posttrain.data._turns import Turns
+from posttrain.demo._calculator import build_calculator_assets, solved_episode
+from posttrain.envs import (
+    Budget,
+    ElasticPool,
+    Environment,
+    Step,
+    calculate,
+    make_env,
+    run_episodes,
+)
+from posttrain.models import Transformer, get_preset
+from posttrain.rl import rollout_batch, sequence_log_probs
+from posttrain.sampling import Engine, EngineConfig
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return build_calculator_assets(tmp_path_factory.mktemp("calc"), n_train=8, n_eval=4, n_sft=4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    return load_tokenizer(assets["tokenizer"])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer.init(get_preset("tiny", attention="xla"), 0)
+
+
+class Chatty(Environment):
+    """Never ends on its own: answers every turn with a user message."""
+
+    def reset(self):
+        return [{"role": "user", "content": self.record["prompt"]}]
+
+    def step(self, message):
+        turn = getattr(self, "turn", 0) + 1
+        self.turn = turn
+        return Step([{"role": "user", "content": f"go on {turn}"}], None, False, {})
+
+
+def test_four_turn_episode_is_scored_as_sampled(model, tokenizer):
+    engine = Engine(model, EngineConfig(slots=4, chunk=4), max_len=256)
+    records = [{"prompt": "What is 12 * 34?"}, {"prompt": "Hello there"}]
+    groups = [[Chatty(r), Chatty(r)] for r in records]
+    budget = Budget(max_turns=4, max_tokens=200, turn_tokens=8)
+    keys = jax.random.split(jax.random.key(0), 2)
+    episodes = run_episodes(
+        engine, tokenizer, groups, keys=keys, temperature=1.0, budget=budget, pool=ElasticPool(0, 2)
+    )
+    flat = [ep for group in episodes for ep in group]
+    assert [ep.turns for ep in flat] == [4, 4, 4, 4]
+    assert all(ep.finish_reason == "turns" and ep.truncated for ep in flat)
+    # Observations are the rendered difference: their text is in the episode, mask 0.
+    for ep in flat:
+        observed = [t for t, m in zip(ep.token_ids, ep.mask, strict=True) if not m]
+        text = tokenizer.decode(observed, skip_special_tokens=False)
+        for turn in (1, 2, 3):
+            assert f"<|im_start|>user\ngo on {turn}<|im_end|>\n<|im_start|>assistant\n" in text
+        assert sum(ep.mask) == sum(1 for lp in ep.logprobs if lp != 0.0)
+    batch = rollout_batch(
+        [{"prompt_ids": [], "domain_id": 0}] * 2,
+        episodes,
+        np.zeros((2, 2)),
+        groups=2,
+        max_len=256,
+        pad_id=tokenizer.pad_id or 0,
+    )
+    logps = np.asarray(sequence_log_probs(model.params, model.config, batch))
+    mask = batch["loss_mask"] > 0
+    assert mask.sum() == sum(sum(ep.mask) for ep in flat)
+    gap = np.abs(logps - batch["sampler_logps"])[mask]
+    assert gap.mean() < 1e-3, gap.mean()
+    # Every row: its loss positions are exactly the sampled tokens' targets.
+    for r, ep in enumerate(flat):
+        start = len(ep.prompt_ids) - 1
+        np.testing.assert_array_equal(batch["loss_mask"][r, start : start + len(ep.mask)], ep.mask)
+        np.testing.assert_array_equal(
+            batch["targets"][r, start : start + len(ep.mask)], ep.token_ids
+        )
+
+
+def test_episode_tokens_equal_the_rendered_conversation(tokenizer):
+    """When the model's turns are what the template renders, the token-in/token-out sequence
+    is the template's rendering of the whole conversation (the rendered difference is right)."""
+    record = {"prompt": "What is 347 * 589?", "answer": "204383"}
+    messages = solved_episode(record)["messages"]
+    env = make_env("calculator", record)
+    turns = Turns(tokenizer, env.schemas)
+    history = env.reset()
+    assert history == messages[:2]
+    ids = turns.prompt(history)
+    end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    for model_turn, answer in ((messages[2], messages[3:4]), (messages[4], None)):
+        rendered = turns.render([*history, model_turn], generation_prompt=False)
+        before = turns.render(history, generation_prompt=True)
+        sampled = turns.encode(rendered[len(before) :].removesuffix("<|im_end|>\n")) + end
+        ids += sampled
+        history = [*history, model_turn]
+        if answer is not None:
+            ids += turns.observation(history, answer)
+            history += answer
+    full = tokenizer.apply_chat_template(messages, tools=env.schemas)
+    assert ids + turns.encode("\n") == full
+
+
+def test_tool_errors_are_observations(tokenizer):
+    env = make_env("calculator", {"prompt": "What is 2 * 3?"})
+    env.reset()
+    call = lambda name, **args: {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }  # noqa: E731
+    step = env.step(
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                call("calculate", expression="2 * 3"),
+                call("calculate", expression="import os"),
+                call("calculate", expr="1"),
+                call("search", query="x"),
+            ],
+            "tool_call_errors": ["tool call 5 is not valid JSON: Expecting value"],
+        }
+    )
+    assert not step.done and step.info["tool_calls"] == 5 and step.info["tool_errors"] == 4
+    contents = [m["content"] for m in step.observations]
+    assert contents[0].startswith("Error: tool call 5 is not valid JSON")
+    assert contents[1] == "6"
+    assert "unsupported" in contents[2] or "not an arithmetic" in contents[2]
+    assert "bad arguments for calculate" in contents[3]
+    assert "no tool named 'search'" in contents[4]
+    assert all(m["role"] == "tool" for m in step.observations)
+    final = env.step({"role": "assistant", "content": "6", "tool_call_errors": []})
+    assert final.done and final.reward is None  # the record's domain scores "6"
+
+
+def test_calculate_is_exact_and_refuses_code():
+    assert calculate("347 * 589") == "204383"
+    assert calculate("(2 + 3) ** 2 - 7 // 2") == "22"
+    assert calculate("1 / 4") == "0.25"
+    for bad in ("__import__('os')", "2 ** 10 ** 10", "x + 1", "[1] * 3"):
+        with pytest.raises(ValueError):
+            calculate(bad)
+
+
+def test_fault_injection_fails_calls_at_its_rate():
+    """30% of calls fail (timeouts, errors, empty results), as observations, reproducibly."""
+    records = [{"prompt": f"What is {i} * 7?", "answer": str(7 * i)} for i in range(40)]
+    outcomes = []
+    for r in records:
+        env = make_env("fault_injection", r, inner="calculator", rate=0.3, seed=1)
+        env.reset()
+        for _ in range(5):
+            expression = r["prompt"].removeprefix("What is ").removesuffix("?")
+            function = {"name": "calculate", "arguments": {"expression": expression}}
+            call = {"id": "c", "type": "function", "function": function}
+            message = {"role": "assistant", "content": "", "tool_calls": [call]}
+            step = env.step(message)
+            outcomes.append(step.info["tool_errors"])
+    rate = np.mean(outcomes)
+    assert 0.2 < rate < 0.4, rate
+    # Same seed, same record: the same calls fail.
+    again = make_env("fault_injection", records[0], inner="calculator", rate=0.3, seed=1)
+    again.reset()
+    first = [again.step(message).info["tool_errors"] for _ in range(5)]
+    assert first == outcomes[:5]
