@@ -1,12 +1,14 @@
 """The bubblewrap (`bwrap`) container a sandboxed program runs in: interpreter, mounts, flags.
 
 What the program sees: `/usr` (and the `/bin`, `/lib*` links into it) read-only, `/etc/ld.so.cache`
-and `/etc/localtime` only, a fresh procfs for its own PID namespace, a minimal `/dev`, and two
+and `/etc/localtime` only, a fresh procfs for its own PID namespace, a minimal `/dev`, two
 size-capped tmpfs mounts, `/tmp` (its working directory, holding `main.py` and the caller's files)
-and `/dev/shm`; everything else, `/` included, is read-only. The project checkout, `/root`,
-`/home`, the host's `/tmp` and the host's environment variables are absent. Every namespace is
-new (`--unshare-all`: user, PID, network, IPC, UTS, cgroup), so the network is a loopback of
-its own, and nested user namespaces are refused (`--disable-userns`, bubblewrap >= 0.8).
+and `/dev/shm`, and, when the caller gives one, a workspace: a host directory bound read-write at
+`/workspace` (then the working directory); everything else, `/` included, is read-only. The
+project checkout, `/root`, `/home`, the host's `/tmp` and the host's environment variables are
+absent. Every namespace is new (`--unshare-all`: user, PID, network, IPC, UTS, cgroup), so the
+network is a loopback of its own, and nested user namespaces are refused (`--disable-userns`,
+bubblewrap >= 0.8).
 
 Interpreter: `/usr/bin/python3` (the system Python; it needs no bind beyond `/usr`). The
 project's `.venv` lives inside the checkout, which must stay invisible, so `sys.executable` is
@@ -24,11 +26,15 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
+from collections.abc import Mapping
 
 SANDBOX_UID = 65534  # "nobody": the host uid sandboxes run under when the caller is root
 WORKDIR = "/tmp"  # the program's working directory and only writable tree (with /dev/shm)
+WORKSPACE = "/workspace"  # where a workspace is bound (then the working directory instead)
 SYSTEM_PYTHON = "/usr/bin/python3"
 INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; Fedora: `dnf install "
@@ -73,7 +79,8 @@ def interpreter() -> tuple[str, tuple[str, ...]]:
 def _features(bwrap: str) -> frozenset[str]:
     out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, check=False)
     text = out.stdout + out.stderr
-    return frozenset(f for f in ("--disable-userns", "--size", "--perms") if f in text)
+    flags = ("--disable-userns", "--size", "--perms", "--bind-fd")
+    return frozenset(f for f in flags if f in text)
 
 
 def privilege_drop() -> tuple[list[str], dict]:
@@ -88,7 +95,11 @@ def privilege_drop() -> tuple[list[str], dict]:
 
 
 def bwrap_argv(
-    bwrap: str, files: list[tuple[int, str]], tmp_bytes: int, command: list[str]
+    bwrap: str,
+    files: list[tuple[int, str]],
+    tmp_bytes: int,
+    command: list[str],
+    workspace: tuple[int, str] | None = None,
 ) -> list[str]:
     """The bwrap command line that runs `command` in a fresh container.
 
@@ -97,6 +108,8 @@ def bwrap_argv(
       files: (readable fd, path inside) pairs copied into the container's tmpfs.
       tmp_bytes: size cap of each tmpfs (/tmp and /dev/shm).
       command: argv inside the container.
+      workspace: (O_PATH fd, host path) of a directory bound read-write at WORKSPACE; by fd
+        where bwrap can (>= 0.5), so the path is not resolved again.
     """
     feats = _features(bwrap)
     size = ["--size", str(tmp_bytes)] if "--size" in feats else []
@@ -127,7 +140,12 @@ def bwrap_argv(
     argv += [*size, *(["--perms", "1777"] if "--perms" in feats else []), "--tmpfs", WORKDIR]
     for fd, dest in files:
         argv += ["--file", str(fd), dest]
-    argv += ["--remount-ro", "/", "--chdir", WORKDIR, "--clearenv"]
+    if workspace is not None:
+        fd, path = workspace
+        argv += ["--bind-fd", str(fd)] if "--bind-fd" in feats else ["--bind", path]
+        argv.append(WORKSPACE)
+    cwd = WORKDIR if workspace is None else WORKSPACE
+    argv += ["--remount-ro", "/", "--chdir", cwd, "--clearenv"]
     for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", WORKDIR), ("LANG", "C.UTF-8")):
         argv += ["--setenv", key, value]
     return [*argv, "--", *command]
@@ -148,3 +166,63 @@ def check_usable(bwrap: str) -> None:
             "kernel.apparmor_restrict_unprivileged_userns=0), or opt into the weaker backend "
             "with backend='subprocess' / POSTTRAIN_SANDBOX=unsafe-subprocess."
         )
+
+
+def make_workspace(files: Mapping[str, str] | None = None, root: str | None = None) -> str:
+    """A new host directory for `run(workspace=...)`, holding `files` ({relative path: text}),
+    owned by the uid sandboxes run under (`SANDBOX_UID` when the caller is root)."""
+    names = {}
+    for name in files or {}:
+        norm = os.path.normpath(name) if isinstance(name, str) else ""
+        if not norm or os.path.isabs(name) or norm == "." or norm.split(os.sep)[0] == "..":
+            raise ValueError(
+                f"workspace file name {name!r} must be a relative path inside the workspace "
+                "(no leading '/', no '..')"
+            )
+        names[norm] = files[name]
+    root = os.path.realpath(root or tempfile.gettempdir())
+    if os.geteuid() == 0:  # bwrap, started as SANDBOX_UID, must reach the workspace's path
+        for d in [root, *_ancestors(root)]:
+            st = os.stat(d)
+            if not (st.st_mode & 0o001 or (st.st_uid == SANDBOX_UID and st.st_mode & 0o100)):
+                raise SandboxError(
+                    f"workspace root {root}: the sandbox's uid {SANDBOX_UID} cannot search {d} "
+                    f"(mode {oct(st.st_mode & 0o777)}); use a directory whose parents all allow "
+                    "others to search them (o+x), such as the system temp dir"
+                )
+    path = tempfile.mkdtemp(prefix="posttrain-ws-", dir=root)
+    try:
+        for name, text in names.items():
+            dest = os.path.join(path, name)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with open(dest, "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+        if os.geteuid() == 0:  # the sandbox runs as SANDBOX_UID: hand it the tree
+            for parent, dirs, names_ in os.walk(path):
+                for entry in [parent] + [os.path.join(parent, n) for n in dirs + names_]:
+                    os.chown(entry, SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
+    except BaseException:
+        remove_workspace(path)
+        raise
+    return path
+
+
+def remove_workspace(path: str) -> None:
+    """Deletes a workspace (never following its symlinks); a no-op if it is gone."""
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):  # a non-root caller: directories the program made unreadable
+        for parent, dirs, _ in os.walk(path):
+            for d in dirs:  # os.walk lists symlinks to directories here too: skip those
+                full = os.path.join(parent, d)
+                if stat.S_ISDIR(os.lstat(full).st_mode):
+                    os.chmod(full, 0o700)
+        shutil.rmtree(path)
+
+
+def _ancestors(path: str) -> list[str]:
+    """The directories above an absolute path, nearest first."""
+    out = []
+    while (parent := os.path.dirname(path)) != path:
+        out.append(parent)
+        path = parent
+    return out

@@ -1,7 +1,9 @@
-"""Runs untrusted Python in a fresh bubblewrap container per execution, under hard limits.
+"""Runs untrusted Python or bash in a fresh bubblewrap container per execution, under hard limits.
 
 Each `run` starts one container (see `_sandbox_bwrap` for what it can see) holding one tiny
-launcher that sets the rlimits and then executes `/tmp/main.py` as `__main__`:
+launcher that sets the rlimits and then executes `/tmp/main.py` as `__main__` (or `exec`s
+`/bin/bash /tmp/main.sh`). A `workspace` (a host directory made by `make_workspace`) is bound
+read-write at `/workspace`, the working directory, so an episode's files persist across runs:
 
 - CPU time (`RLIMIT_CPU`, a backstop to the wall-clock timeout), address space
   (`RLIMIT_AS` = `memory_mb`, per process), processes and threads (`RLIMIT_NPROC`, counted per
@@ -9,9 +11,13 @@ launcher that sets the rlimits and then executes `/tmp/main.py` as `__main__`:
   (`RLIMIT_FSIZE`) and no core dumps; /tmp and /dev/shm are tmpfs mounts capped at `tmp_mb`.
 - A wall-clock timeout SIGKILLs bwrap's process group; the container's PID 1 dies with it
   (`--die-with-parent`), and the kernel then kills everything left in its PID namespace, so
-  daemonised children never outlive a run, which also ends as soon as `main.py` exits.
+  daemonised children never outlive a run, which also ends as soon as `main.py` exits (bwrap
+  reports the exit a moment, milliseconds, before the kernel has killed the rest).
 - stdout and stderr are read concurrently, each kept up to `max_output_bytes` and then
   drained and discarded (flagged truncated), so a program printing 100 MB costs no memory.
+- The workspace (never itself a symlink) is bound read-write; inside, symlinks
+  resolve in the container's view, so one to `/etc/passwd` or to the workspace's host path
+  reaches nothing of the host. Its total size is not capped (each file is, by `file_size_mb`).
 
 Where bwrap is missing or unusable, `run` raises `SandboxUnavailableError` saying how to install
 it, unless the caller opts into `backend="subprocess"` (or `POSTTRAIN_SANDBOX=unsafe-subprocess`):
@@ -39,7 +45,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import posttrain.rewards._sandbox_bwrap as _bw
-from posttrain.rewards._sandbox_bwrap import SandboxError, SandboxUnavailableError
+from posttrain.rewards._sandbox_bwrap import (
+    SandboxError,
+    SandboxUnavailableError,
+    make_workspace,
+    remove_workspace,
+)
 
 __all__ = [
     "SandboxError",
@@ -47,11 +58,13 @@ __all__ = [
     "SandboxResult",
     "SandboxUnavailableError",
     "UnsafeSandboxWarning",
+    "make_workspace",
+    "remove_workspace",
     "run",
 ]
 
 _UNSAFE = ("subprocess", "unsafe-subprocess")
-_MAIN = "main.py"
+_MAINS = {"python": "main.py", "bash": "main.sh"}
 # Runs inside as `python -I -S -B -c _LAUNCHER`: reports "started" on its own pipe (so a
 # container that failed to start is an error, not a crash of the program), sets the limits, runs
 # main.py as __main__. -S skips site (faster start, no site-packages), so exit()/quit() are
@@ -71,12 +84,34 @@ sys.excepthook = _hook
 builtins.exit = builtins.quit = sys.exit
 sys.argv = [{main!r}]
 sys.path.insert(0, {workdir!r})
+sys.path.extend({path_tail!r})
 __file__ = {main!r}
 with open(__file__, "rb") as _f:
     _code = compile(_f.read(), __file__, "exec")
 del builtins, os, resource, sys, _k, _soft, _hard, _hook, _f
 exec(_code)
 """
+# bash: the same start report and limits, then the script replaces the launcher, with the
+# SIGPIPE and SIGXFSZ that Python ignores back to their defaults (`yes | head` ends, a write
+# past the file size limit kills the writer).
+_BASH_LAUNCHER = """\
+import os, resource, signal
+os.write({started_fd}, b"1")
+os.close({started_fd})
+for _k, _soft, _hard in {limits!r}:
+    resource.setrlimit(_k, (_soft, _hard))
+for _s in (signal.SIGPIPE, signal.SIGXFSZ):
+    signal.signal(_s, signal.SIG_DFL)
+os.execv("/bin/bash", ["bash", {main!r}])
+"""
+
+
+def _launcher(language: str, started_fd: int, limits, main: str, workdir: str, tail) -> str:
+    """The launcher's source: `main` is the program, `tail` goes at the end of `sys.path`."""
+    template = _LAUNCHER if language == "python" else _BASH_LAUNCHER
+    return template.format(
+        started_fd=started_fd, limits=limits, main=main, workdir=workdir, path_tail=list(tail)
+    )
 
 
 class UnsafeSandboxWarning(UserWarning):
@@ -114,21 +149,28 @@ def run(
     memory_mb: int,
     language: str = "python",
     files: dict[str, str] | None = None,
+    workspace: str | None = None,
     max_procs: int = 32,
     max_output_bytes: int = 1 << 20,
     file_size_mb: int = 16,
     tmp_mb: int = 64,
     backend: str | None = None,
 ) -> SandboxResult:
-    """Runs a Python program in a fresh sandbox and returns what it did.
+    """Runs a Python program or a bash script in a fresh sandbox and returns what it did.
 
     Args:
-      code: the program, run as `/tmp/main.py` (its working directory is `/tmp`).
+      code: the program, run as `/tmp/main.py` (or `/tmp/main.sh`); its working directory is
+        `/tmp`, or `/workspace` when there is a workspace.
       stdin: fed to the program's standard input.
       timeout_s: wall-clock limit; the whole process tree is killed at it.
       memory_mb: address-space limit of each process (Python itself needs ~20 MB).
-      language: only "python" (the system Python 3, standard library only).
-      files: extra files written next to main.py, {relative path: text}.
+      language: "python" (the system Python 3, standard library only) or "bash" (`/bin/bash`
+        and the system's `/usr/bin` tools).
+      files: extra files written next to the program in `/tmp` (never into the workspace),
+        {relative path: text}.
+      workspace: a host directory (from `make_workspace`) bound read-write at `/workspace`:
+        the working directory, and last on a Python program's `sys.path` (it can import the
+        workspace's modules, never shadow the standard library's).
       max_procs: processes and threads the program may have at once.
       max_output_bytes: kept of stdout and of stderr each; the rest is discarded.
       file_size_mb: largest file the program may write.
@@ -146,20 +188,26 @@ def run(
         or the machine, never of the program).
       ValueError: an unsupported language or backend, a bad file name or a non-positive limit.
     """
-    if language != "python":
-        raise ValueError(f"sandbox language {language!r} is not supported; use 'python'")
+    if language not in _MAINS:
+        raise ValueError(f"sandbox language {language!r} is not supported; use 'python' or 'bash'")
+    if workspace is not None and (os.path.islink(workspace) or not os.path.isdir(workspace)):
+        raise ValueError(
+            f"sandbox workspace {workspace!r} is not a directory (or is a symlink); "
+            "make one with make_workspace()"
+        )
     if min(timeout_s, memory_mb, max_procs, file_size_mb, tmp_mb) <= 0 or max_output_bytes < 0:
         raise ValueError(
             f"sandbox limits must be positive: timeout_s={timeout_s}, memory_mb={memory_mb}, "
             f"max_procs={max_procs}, file_size_mb={file_size_mb}, tmp_mb={tmp_mb}, "
             f"max_output_bytes={max_output_bytes}"
         )
-    files = {**(files or {})}
+    main, files = _MAINS[language], {**(files or {})}
     for name in files:
         norm = os.path.normpath(name)
-        if os.path.isabs(name) or norm.startswith("..") or norm in (".", _MAIN):
-            raise ValueError(f"sandbox file name {name!r} must be a relative path, not {_MAIN}")
-    files[_MAIN] = code
+        if os.path.isabs(name) or norm.startswith("..") or norm in (".", main):
+            raise ValueError(f"sandbox file name {name!r} must be a relative path, not {main}")
+    files[main] = code
+    program = (language, main, workspace)
     limits = [
         (resource.RLIMIT_AS, memory_mb << 20, memory_mb << 20),
         (resource.RLIMIT_CPU, int(timeout_s) + 1, int(timeout_s) + 2),
@@ -178,14 +226,14 @@ def run(
             UnsafeSandboxWarning,
             stacklevel=2,
         )
-        return _run_subprocess(files, limits, io)
+        return _run_subprocess(files, limits, io, program)
     if backend != "bwrap":
         raise ValueError(f"sandbox backend {backend!r}: use 'bwrap' or 'unsafe-subprocess'")
     limits.append((resource.RLIMIT_NPROC, max_procs, max_procs))
-    return _run_bwrap(files, limits, tmp_mb << 20, io)
+    return _run_bwrap(files, limits, tmp_mb << 20, io, program)
 
 
-def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io) -> SandboxResult:
+def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io, program) -> SandboxResult:
     bwrap = _bw.find_bwrap()
     if bwrap is None:
         where = os.environ.get("POSTTRAIN_BWRAP") or "PATH"
@@ -196,8 +244,12 @@ def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io) -> SandboxResu
             "network isolation)."
         )
     _bw.check_usable(bwrap)
-    fds = []
+    language, main, workspace = program
+    fds, bind = [], None
     try:
+        if workspace is not None:  # O_NOFOLLOW: the workspace itself may not be a symlink
+            flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            bind = (os.open(workspace, flags), workspace)
         for name, text in files.items():
             fd = os.memfd_create("posttrain-sandbox")
             fds.append((fd, f"{_bw.WORKDIR}/{name}"))
@@ -208,22 +260,21 @@ def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io) -> SandboxResu
         prefix, kwargs = _bw.privilege_drop()
 
         def argv_for(started_fd: int) -> list[str]:
-            launcher = _LAUNCHER.format(
-                started_fd=started_fd,
-                limits=limits,
-                main=f"{_bw.WORKDIR}/{_MAIN}",
-                workdir=_bw.WORKDIR,
+            tail = [_bw.WORKSPACE] if bind else []
+            launcher = _launcher(
+                language, started_fd, limits, f"{_bw.WORKDIR}/{main}", _bw.WORKDIR, tail
             )
             command = [_bw.interpreter()[0], "-I", "-S", "-B", "-c", launcher]
-            return prefix + _bw.bwrap_argv(bwrap, fds, tmp_bytes, command)
+            return prefix + _bw.bwrap_argv(bwrap, fds, tmp_bytes, command, bind)
 
-        return _execute(argv_for, "bwrap", io, cwd="/", pass_fds=[fd for fd, _ in fds], **kwargs)
+        pass_fds = [fd for fd, _ in fds] + ([bind[0]] if bind else [])
+        return _execute(argv_for, "bwrap", io, cwd="/", pass_fds=pass_fds, **kwargs)
     finally:
-        for fd, _ in fds:
+        for fd, _ in fds + ([bind] if bind else []):
             os.close(fd)
 
 
-def _run_subprocess(files: dict[str, str], limits, io) -> SandboxResult:
+def _run_subprocess(files: dict[str, str], limits, io, program) -> SandboxResult:
     with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as tmp:
         for name, text in files.items():
             path = os.path.join(tmp, name)
@@ -231,15 +282,15 @@ def _run_subprocess(files: dict[str, str], limits, io) -> SandboxResult:
             with open(path, "w", encoding="utf-8", errors="replace") as f:
                 f.write(text)
 
+        language, main, workspace = program
+
         def argv_for(started_fd: int) -> list[str]:
-            main = os.path.join(tmp, _MAIN)
-            launcher = _LAUNCHER.format(
-                started_fd=started_fd, limits=limits, main=main, workdir=tmp
-            )
+            tail = [os.path.abspath(workspace)] if workspace else []
+            launcher = _launcher(language, started_fd, limits, os.path.join(tmp, main), tmp, tail)
             return [_bw.interpreter()[0], "-I", "-S", "-B", "-c", launcher]
 
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
-        return _execute(argv_for, "subprocess", io, cwd=tmp, env=env)
+        return _execute(argv_for, "subprocess", io, cwd=workspace or tmp, env=env)
 
 
 def _execute(argv_for, backend: str, io, pass_fds=(), **popen_kwargs) -> SandboxResult:
