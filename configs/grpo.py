@@ -87,9 +87,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.env.max_tool_s = 120.0  # seconds of tool calls per episode
     c.env.tool_format = "auto"  # hermes | llama3_json | mistral | auto (from the chat template)
     c.env.fault_rate = 0.0  # > 0: tool calls fail this often (timeouts, errors, empty results)
-    c.env.workers_min = 0  # the tool worker pool grows and shrinks between these (threads)
-    c.env.workers_max = 8
-    c.env.truncated_reward = ml_collections.config_dict.placeholder(float)  # None: score them
+    c.env.workers_min = 0  # the tool worker pool shrinks to this many threads when idle
+    c.env.workers_max = 8  # and grows to this many while tool calls wait
+    # Reward of episodes cut by a budget (None: scored like finished ones).
+    c.env.truncated_reward = ml_collections.config_dict.placeholder(float)
 
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.advantage = "grpo"  # grpo | drgrpo | rloo | none

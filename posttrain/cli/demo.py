@@ -1,4 +1,5 @@
-"""`posttrain demo`: SFT, DPO and GRPO of the bundled tiny model on the arithmetic task."""
+"""`posttrain demo`: SFT, DPO and GRPO of the bundled tiny model on the arithmetic task, or
+(`--task=calculator`) SFT and GRPO of an agent that learns to use a calculator tool."""
 
 from __future__ import annotations
 
@@ -6,16 +7,28 @@ from posttrain.cli._flags import parse
 
 HELP = (
     "SFT, DPO and GRPO of a tiny model on a bundled arithmetic task, on CPU (~7 minutes).",
-    ["posttrain demo --workdir=runs/demo"],
+    ["posttrain demo --workdir=runs/demo", "posttrain demo --task=calculator --workdir=runs/agent"],
 )
 
 
 def main(argv: list[str]) -> int:
     def define(flags, fv):
-        flags.DEFINE_string("workdir", "runs/demo", "where the demo writes", flag_values=fv)
+        flags.DEFINE_string("workdir", "", "where the demo writes", flag_values=fv)
+        flags.DEFINE_enum(
+            "task",
+            "arithmetic",
+            ["arithmetic", "calculator"],
+            "arithmetic: SFT, DPO and GRPO; calculator: an agent learns to call a tool",
+            flag_values=fv,
+        )
 
     fv = parse(argv, define, HELP)
+    if fv.task == "calculator":
+        from posttrain.demo._calculator import run_calculator_demo
+
+        run_calculator_demo(fv.workdir or "runs/agent")
+        return 0
     from posttrain.demo import run_demo
 
-    run_demo(fv.workdir)
+    run_demo(fv.workdir or "runs/demo")
     return 0

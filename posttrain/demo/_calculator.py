@@ -69,31 +69,43 @@ def make_problems(n: int, seed: int, *, digits: int = 3, exclude=()) -> list[dic
     return out
 
 
-def solved_episode(record: dict) -> dict:
-    """The SFT record of a solved episode of `record` (messages with a tool call, and tools)."""
+def solved_episode(record: dict, *, use_tool: bool = True) -> dict:
+    """The SFT record of a solved episode of `record` (with tools): a tool call, its result and
+    the answer, or (`use_tool=False`) the answer straight away."""
+    opening = [
+        {"role": "system", "content": CALCULATOR_SYSTEM},
+        {"role": "user", "content": record["prompt"]},
+    ]
+    answer = {"role": "assistant", "content": record["answer"]}
+    tools = [tool_schema(calculate)]
+    if not use_tool:
+        return {"messages": [*opening, answer], "tools": tools}
     expression = record["prompt"].removeprefix("What is ").removesuffix("?")
-    call = {"name": "calculate", "arguments": {"expression": expression}}
-    return {
-        "messages": [
-            {"role": "system", "content": CALCULATOR_SYSTEM},
-            {"role": "user", "content": record["prompt"]},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"type": "function", "function": call}],
-            },
-            {"role": "tool", "content": calculate(expression)},
-            {"role": "assistant", "content": record["answer"]},
-        ],
-        "tools": [tool_schema(calculate)],
+    function = {"name": "calculate", "arguments": {"expression": expression}}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": function}],
     }
+    result = {"role": "tool", "content": calculate(expression)}
+    return {"messages": [*opening, call, result, answer], "tools": tools}
 
 
 def build_calculator_assets(
-    out_dir: str | Path, *, n_train: int = 2000, n_eval: int = 64, n_sft: int = 1024, seed: int = 0
+    out_dir: str | Path,
+    *,
+    n_train: int = 2000,
+    n_eval: int = 64,
+    n_sft: int = 1024,
+    tool_share: float = 0.5,
+    digits: int = 3,
+    seed: int = 0,
 ) -> dict[str, str]:
     """Writes `tokenizer/` (the demo tokenizer with `CALCULATOR_TEMPLATE`), `train.jsonl` and
-    `eval.jsonl` (RL prompts, disjoint) and `sft.jsonl` (solved episodes of other problems).
+    `eval.jsonl` (RL prompts, disjoint) and `sft.jsonl`: episodes of other problems, a
+    `tool_share` of them calling the tool and the rest answering at once (right answers the
+    tiny model cannot learn to compute), so the warm-started model uses the tool only some of
+    the time and RL has something to learn: that calling it pays.
 
     Returns:
       {"tokenizer": dir, "train": path, "eval": path, "sft": path}.
@@ -105,11 +117,121 @@ def build_calculator_assets(
     config = json.loads(config_path.read_text())
     config["chat_template"] = CALCULATOR_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
-    held_out = make_problems(n_eval, seed)
-    train = make_problems(n_train, seed + 1, exclude=held_out)
-    sft = [solved_episode(r) for r in make_problems(n_sft, seed + 2, exclude=held_out + train)]
+    held_out = make_problems(n_eval, seed, digits=digits)
+    train = make_problems(n_train, seed + 1, digits=digits, exclude=held_out)
+    rng = random.Random(seed + 3)
+    sft = [
+        solved_episode(r, use_tool=rng.random() < tool_share)
+        for r in make_problems(n_sft, seed + 2, digits=digits, exclude=held_out + train)
+    ]
     paths = {"tokenizer": str(tokenizer)}
     for name, rows in (("train", train), ("eval", held_out), ("sft", sft)):
         paths[name] = str(out / f"{name}.jsonl")
         Path(paths[name]).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
+
+
+def calculator_success(model, tokenizer, records, *, temperature: float = 0.0, samples: int = 1):
+    """(success rate, tool-call rate) of calculator episodes on `records` (greedy by default)."""
+    import jax
+    import numpy as np
+
+    from posttrain.envs import Budget, make_env, run_episodes
+    from posttrain.rewards import integer_correct
+    from posttrain.sampling import Engine, EngineConfig
+
+    engine = Engine(model, EngineConfig(slots=min(64, len(records) * samples)), max_len=320)
+    groups = [[make_env("calculator", r) for _ in range(samples)] for r in records]
+    keys = jax.random.split(jax.random.key(0), len(records))
+    budget = Budget(max_turns=3, max_tokens=128, turn_tokens=96)
+    episodes = run_episodes(
+        engine, tokenizer, groups, keys=keys, temperature=temperature, budget=budget
+    )
+    pairs = [(r, e) for r, group in zip(records, episodes, strict=True) for e in group]
+    solved = np.mean([integer_correct(e.text, r) for r, e in pairs])
+    return float(solved), float(np.mean([e.tool_calls > 0 for _, e in pairs]))
+
+
+def run_calculator_demo(
+    workdir: str = "runs/agent", *, sft_overrides: dict | None = None, rl_overrides=None
+) -> dict:
+    """Builds the task's assets in `workdir/assets`, warm-starts the tiny model with SFT
+    (`configs/agent.py:calculator_sft`), then GRPO with the calculator environment
+    (`configs/agent.py:calculator`); prints held-out success and tool use before and after.
+
+    Returns:
+      {"sft": {"success", "tool_rate"}, "rl": {...}, "eval_problems", "sft_seconds",
+      "rl_seconds"}.
+    """
+    import os
+    import time
+
+    import jax
+    from rich.console import Console
+    from rich.table import Table
+
+    from posttrain.config import build, load_config_file, override
+    from posttrain.data import load_tokenizer
+    from posttrain.models import Transformer
+    from posttrain.rl import RLConfig, run_rl
+    from posttrain.train import SFTConfig, run_sft
+
+    console = Console()
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "agent.py")
+    for stale in ("sft", "grpo"):  # a demo starts from scratch (a workdir would resume)
+        shutil.rmtree(os.path.join(workdir, stale), ignore_errors=True)
+    assets = build_calculator_assets(os.path.join(workdir, "assets"))
+    tokenizer = load_tokenizer(assets["tokenizer"])
+    held_out = [json.loads(line) for line in open(assets["eval"])]
+
+    def source(path, domain):
+        return {"path": path, "weight": 1.0, "domain": domain, "format": "auto"}
+
+    sft_dir, rl_dir = os.path.join(workdir, "sft"), os.path.join(workdir, "grpo")
+    values = {"tokenizer": assets["tokenizer"], "data.sources": [source(assets["sft"], "calc")]}
+    sft_dict = override(
+        load_config_file(f"{configs}:calculator_sft"), {**values, **(sft_overrides or {})}
+    )
+    sft = build(SFTConfig, {k: v for k, v in sft_dict.items() if k != "method"})
+    console.print(f"stage 1 · SFT from scratch: {sft.train.steps} steps on solved episodes")
+    start = time.perf_counter()
+    summary = run_sft(sft, sft_dir)
+    sft_seconds = time.perf_counter() - start
+    model = Transformer(jax.device_get(summary["state"].params), summary["model_config"])
+    before = calculator_success(jax.device_put(model), tokenizer, held_out)
+
+    rl_values = {
+        "model.checkpoint": sft_dir,
+        "tokenizer": assets["tokenizer"],
+        "data.sources": [source(assets["train"], "arithmetic")],
+        "eval_data": [source(assets["eval"], "arithmetic")],
+        **(rl_overrides or {}),
+    }
+    rl_dict = override(load_config_file(f"{configs}:calculator"), rl_values)
+    rl = build(RLConfig, {k: v for k, v in rl_dict.items() if k != "method"})
+    console.print(
+        f"stage 2 · GRPO with the calculator: {rl.train.steps} steps of {rl.data.batch_size} "
+        f"problems x {rl.rollout.num_generations} episodes"
+    )
+    start = time.perf_counter()
+    rl_summary = run_rl(rl, rl_dir)
+    rl_seconds = time.perf_counter() - start
+    policy = Transformer(jax.device_get(rl_summary["state"].params), rl_summary["model_config"])
+    after = calculator_success(jax.device_put(policy), tokenizer, held_out)
+
+    table = Table(title=f"held-out problems ({len(held_out)}), greedy episodes")
+    for column in ("stage", "solved", "called the tool", "train time"):
+        table.add_column(column)
+    for name, (solved, tool), seconds in (
+        ("after SFT", before, sft_seconds),
+        ("SFT + GRPO", after, rl_seconds),
+    ):
+        table.add_row(name, f"{100 * solved:.1f}%", f"{100 * tool:.1f}%", f"{seconds:.0f}s")
+    console.print(table)
+    return {
+        "sft": {"success": before[0], "tool_rate": before[1]},
+        "rl": {"success": after[0], "tool_rate": after[1]},
+        "eval_problems": len(held_out),
+        "sft_seconds": sft_seconds,
+        "rl_seconds": rl_seconds,
+    }

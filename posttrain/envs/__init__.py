@@ -15,6 +15,7 @@ from posttrain.envs._base import (
     tool_message,
 )
 from posttrain.envs._builtin import FaultInjection, calculate
+from posttrain.envs._endpoint import EpisodeServer
 from posttrain.envs._episodes import Budget, Episode, episode_metrics, run_episodes
 from posttrain.envs._pool import ElasticPool
 from posttrain.envs._terminal import TerminalEnvironment, TerminalOptions, terminal_tasks
@@ -23,6 +24,7 @@ __all__ = [
     "Budget",
     "ElasticPool",
     "Episode",
+    "EpisodeServer",
     "FaultInjection",
     "calculate",
     "episode_metrics",

@@ -77,6 +77,7 @@ class Episode:
       turns, tool_calls, tool_errors, tool_s: counts; recovered: a tool error was followed
         by a successful call or the final answer.
       turn_rewards: per-turn rewards the environment reported (`info["turn_reward"]`).
+      tools: the tool schemas the prompt rendered (for SFT on the episode's messages).
     """
 
     record: dict
@@ -94,6 +95,7 @@ class Episode:
     tool_s: float = 0.0
     recovered: bool = False
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    tools: list[dict] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -245,7 +247,12 @@ def run_episodes(
                 f"{budget.max_tokens} tokens of episode that exceeds the engine's max_len="
                 f"{engine.max_len}: raise rollout.max_prompt_len (RL) or the engine's max_len"
             )
-        item.episode = Episode(record=dict(item.env.record), prompt_ids=prompt, messages=messages)
+        item.episode = Episode(
+            record=dict(item.env.record),
+            prompt_ids=prompt,
+            messages=list(messages),
+            tools=item.env.schemas,
+        )
         opened[g] += 1
         if opened[g] < len(live[g]):
             return

@@ -99,14 +99,17 @@ def rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, m
         )
         for batch, completions, rewards in sampled:
             for p, group, r in zip(batch, completions, rewards, strict=True):
-                texts = {
-                    g.text
+                passed = [
+                    g
                     for g, ok in zip(group, r >= c.rewards.pass_threshold, strict=True)
                     if ok and g.finish_reason == "stop"
-                }
-                kept.extend(
-                    {"prompt": p["record"]["prompt"], "completion": t} for t in sorted(texts)
-                )
+                ]
+                if c.env.name:  # successful episodes, as multi-turn tool-use chats
+                    rows = {json.dumps({"messages": g.messages, "tools": g.tools}) for g in passed}
+                    kept.extend(json.loads(row) for row in sorted(rows))
+                else:
+                    texts = sorted({g.text for g in passed})
+                    kept.extend({"prompt": p["record"]["prompt"], "completion": t} for t in texts)
                 scored += len(group)
         if not kept:
             raise ValueError(
@@ -117,11 +120,12 @@ def rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, m
             )
         paths.write_text(data_path, "".join(json.dumps(r) + "\n" for r in kept))
         log.info("rejection sampling kept %d of %d completions", len(kept), scored)
+        kind = "messages" if c.env.name else "prompt_completion"
         sft = SFTConfig(
             model=c.model,
             tokenizer=c.tokenizer,
             data=DataConfig(
-                sources=(SourceConfig(data_path, format="prompt_completion"),),
+                sources=(SourceConfig(data_path, format=kind),),
                 max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens,
                 batch_size=c.rft.batch_size,
                 seed=c.data.seed,

@@ -260,6 +260,9 @@ class Rollouts:
                 [flat[i][0]["domain"] for i in scored],
             )
             rewards[scored] = [res.score for res in results]
+        # Per-turn rewards an environment reports add to its episode's (advantages are per
+        # episode: every token of a group's episode shares its advantage).
+        rewards += np.asarray([sum(ep.turn_rewards) for _, ep in flat], np.float32)
         if timings is not None:
             timings["generate_s"] = timings.get("generate_s", 0.0) + ran - start
             timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - ran

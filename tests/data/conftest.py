@@ -80,13 +80,18 @@ GENERATION_TEMPLATE = """\
 @pytest.fixture(scope="session")
 def tokenizer_json() -> dict:
     """A byte-level BPE tokenizer (vocab 400) as tokenizer.json's dict."""
+    return train_tokenizer_json(SPECIAL_TOKENS)
+
+
+def train_tokenizer_json(special_tokens) -> dict:
+    """A byte-level BPE (vocab 400) trained on the corpus, with `special_tokens` added."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

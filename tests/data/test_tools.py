@@ -21,7 +21,6 @@ from typing import Any, Literal, Optional, Union
 
 import pytest
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers.utils import get_json_schema
 
 from posttrain.data import (
@@ -33,7 +32,7 @@ from posttrain.data import (
     tool_format_for,
     tool_schema,
 )
-from tests.data.conftest import _CORPUS, _write_dir
+from tests.data.conftest import _write_dir, train_tokenizer_json
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -200,18 +199,7 @@ def test_schema_errors_name_the_function_and_parameter():
 @pytest.fixture(scope="module")
 def tool_tokenizer_json() -> dict:
     """A byte-level BPE (vocab 400) whose added tokens are all three templates' control tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer)
-    return json.loads(tok.to_str())
+    return train_tokenizer_json(SPECIAL)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 
 from posttrain.envs import ElasticPool, TerminalEnvironment, make_env, terminal_tasks
 from posttrain.rewards import _sandbox_bwrap, sandbox
+from tests.rewards.test_sandbox import _pids_with
 
 pytestmark = pytest.mark.skipif(
     _sandbox_bwrap.find_bwrap() is None,
@@ -47,20 +48,6 @@ def _bash(env, command):
     step = env.step(_turn(_call("bash", command=command)))
     assert not step.done and len(step.observations) == 1
     return step.observations[0]["content"], time.monotonic() - start
-
-
-def _pids_with(tag: str) -> list[int]:
-    """Host pids whose command line contains tag."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if tag.encode() in f.read():
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
 
 
 def _gone(tag: str) -> bool:
