@@ -5,7 +5,8 @@
 
 Presets:
   calculator_sft         warm start of the tiny model on solved calculator episodes (tool calls
-                         in the chat template; assistant-only loss), from scratch.
+                         in the chat template; assistant-only loss), from scratch: half call
+                         the tool, half answer at once.
   calculator             GRPO on 3-digit multiplications with the `calculate` tool, from
                          calculator_sft's run (runs/agent/sft); the answer's verifier is the reward.
   calculator_faults      calculator with 30% of tool calls failing (timeouts, errors, empty
@@ -51,7 +52,7 @@ def get_config(preset: str = "calculator"):
                 "eval_data": [],
                 "data.max_len": 320,
                 "data.batch_size": 16,
-                "train.steps": 300,
+                "train.steps": 600,
                 "train.log_every": 20,
                 "train.eval_every": 0,
                 "checkpoint.every": 300,
@@ -75,12 +76,13 @@ def get_config(preset: str = "calculator"):
                 "env.max_turns": 3,
                 "env.turn_tokens": 96,
                 "env.fault_rate": 0.3 if preset == "calculator_faults" else 0.0,
-                "optimizer.learning_rate": 1e-3,
-                "optimizer.warmup_steps": 0,
-                "train.steps": 30,
-                "train.log_every": 5,
-                "train.eval_every": 10,
-                "checkpoint.every": 30,
+                "rollout.temperature": 1.0,
+                "optimizer.learning_rate": 2e-4,
+                "optimizer.warmup_steps": 5,
+                "train.steps": 16,
+                "train.log_every": 1,
+                "train.eval_every": 8,
+                "checkpoint.every": 16,
             },
         )
     c = load_config_file(os.path.join(_HERE, "grpo.py") + ":qwen3_8b_v5p")

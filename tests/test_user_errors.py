@@ -162,6 +162,7 @@ CASES = [
         ["train", GRPO, "--workdir={run}", "--config.rollout.num_generations=0"],
         "num_generations",
     ),
+    ("env-name", ["train", GRPO, "--workdir={run}", "--config.env.name=calculater"], "calculater"),
     # paths: tokenizer, model directories, data files
     (
         "tokenizer-dir",

@@ -6,7 +6,8 @@ from __future__ import annotations
 from posttrain.cli._flags import parse
 
 HELP = (
-    "SFT, DPO and GRPO of a tiny model on a bundled arithmetic task, on CPU (~7 minutes).",
+    "SFT, DPO and GRPO of a tiny model on a bundled arithmetic task, on CPU (~7 minutes); "
+    "with --task=calculator, SFT and GRPO of an agent that learns to call a calculator tool.",
     ["posttrain demo --workdir=runs/demo", "posttrain demo --task=calculator --workdir=runs/agent"],
 )
 

@@ -5,6 +5,7 @@ import dataclasses
 
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig
+from posttrain.envs import env_names
 from posttrain.lora import LoRAConfig
 from posttrain.losses import (
     ADVANTAGE_MODES,
@@ -85,6 +86,11 @@ class EnvConfig:
     truncated_reward: float | None = None
 
     def __post_init__(self):
+        if self.name and self.name not in env_names():
+            raise ConfigError(
+                f"env.name={self.name!r} is not an environment; use one of {env_names()} or "
+                "register yours (posttrain.envs.register_env)"
+            )
         if self.max_turns < 1 or self.turn_tokens < 0 or self.max_tool_s <= 0:
             raise ConfigError("env: max_turns >= 1, turn_tokens >= 0 and max_tool_s > 0")
         if not 0 <= self.fault_rate <= 1:

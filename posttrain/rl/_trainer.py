@@ -30,7 +30,7 @@ import numpy as np
 
 from posttrain import paths
 from posttrain.config import ConfigError
-from posttrain.envs import env_names, rewards_itself
+from posttrain.envs import rewards_itself
 from posttrain.lora import Policy
 from posttrain.models import ModelConfig
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
@@ -167,10 +167,8 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             "rm: reward models score in one process for now (each process would score its "
             "share with a model on every process's devices); run on one host"
         )
-    if c.env.name and c.env.name not in env_names():
-        raise ConfigError(
-            f"env.name={c.env.name!r} is not an environment; use one of {env_names()}"
-        )
+    if c.env.name and jax.process_count() > 1:
+        raise ConfigError("multi-turn episodes (env.name) run in one process for now")
     max_len = c.rollout.max_prompt_len + c.rollout.max_new_tokens
     if max_len > model_config.max_seq_len:
         raise ConfigError(

@@ -32,6 +32,7 @@ from posttrain.data import (
     tool_format_for,
     tool_schema,
 )
+from posttrain.data._turns import Turns
 from tests.data.conftest import _write_dir, train_tokenizer_json
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -391,3 +392,49 @@ def test_registry():
         assert parse_tool_calls("hi", "test_shouty").content == "HI"
     finally:
         del TOOL_FORMATS["test_shouty"]
+
+
+def _tool_trajectory() -> list[dict]:
+    call = {"id": "call00000", "type": "function", "function": _calls(False)[0]}
+    return [
+        *CHAT,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call00000", "content": "21.5"},
+        {"role": "assistant", "content": "It is 21.5 degrees."},
+    ]
+
+
+def test_tool_trajectory_trains_on_the_assistant_turns_only(tokenizers_by_format):
+    """SFT on a multi-turn tool-use record ({"messages", "tools"}) with Qwen2.5's template: the
+    ids are transformers', the loss covers the call and the answer, never the tool's result."""
+    ours, hf = tokenizers_by_format["hermes"]
+    messages, schemas = _tool_trajectory(), [tool_schema(get_weather), tool_schema(add)]
+    ids, mask = ours.encode_chat(messages, tools=schemas)
+    assert ids == hf.apply_chat_template(messages, tools=[get_weather, add])["input_ids"]
+    spans, current = [], []
+    for token, trained in zip(ids, mask, strict=True):
+        if trained:
+            current.append(token)
+        elif current:
+            spans.append(ours.decode(current, skip_special_tokens=False))
+            current = []
+    call = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    assert spans == [
+        f"<tool_call>\n{call}\n</tool_call><|im_end|>",
+        "It is 21.5 degrees.<|im_end|>",
+    ]
+
+
+def test_turns_extend_the_official_template_token_in_token_out(tokenizers_by_format):
+    """`Turns` on Qwen2.5's template: prompt + the model's turn + the observation's ids equal
+    the template's rendering of the whole conversation."""
+    ours, _ = tokenizers_by_format["hermes"]
+    messages, schemas = _tool_trajectory(), [tool_schema(get_weather), tool_schema(add)]
+    turns = Turns(ours, schemas)
+    ids = turns.prompt(messages[:2])
+    rendered = turns.render(messages[:3], generation_prompt=False)
+    sampled = rendered[len(turns.render(messages[:2], generation_prompt=True)) :]
+    ids += turns.encode(sampled.removesuffix("\n"))  # the model stops at <|im_end|>
+    ids += turns.observation(messages[:3], messages[3:4])
+    full = ours.apply_chat_template(messages[:4], add_generation_prompt=True, tools=schemas)
+    assert ids == full

@@ -1,6 +1,8 @@
 """The calculator task's warm-started tiny model, trained once per session and shared by the
 tests that need a model which calls tools (GRPO on the calculator, the episode endpoint)."""
 
+import fcntl
+import json
 import os
 
 import jax
@@ -14,6 +16,7 @@ from posttrain.train._params import restore_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_STEPS = 200  # enough to learn the call format, not to copy every digit reliably
+MIXED_STEPS = 600  # configs/agent.py:calculator_sft: copies digits, calls the tool half the time
 
 
 def load_policy(workdir: str) -> Transformer:
@@ -25,23 +28,49 @@ def load_policy(workdir: str) -> Transformer:
 
 @pytest.fixture(scope="session")
 def calculator_sft(tmp_path_factory):
-    """{"workdir": the SFT run, "tokenizer", "train", "eval", "sft": asset paths}."""
-    root = tmp_path_factory.mktemp("calculator")
-    assets = build_calculator_assets(
-        root / "assets", n_train=512, n_eval=32, n_sft=1024, tool_share=1.0
-    )
-    source = {"path": assets["sft"], "weight": 1.0, "domain": "calculator", "format": "auto"}
-    values = {
-        "tokenizer": assets["tokenizer"],
-        "data.sources": [source],
-        "train.steps": SFT_STEPS,
-        "train.progress": False,
-        "checkpoint.every": SFT_STEPS,
-        "checkpoint.async_save": False,
-    }
-    config = override(
-        load_config_file(os.path.join(REPO, "configs", "agent.py:calculator_sft")), values
-    )
-    workdir = str(root / "sft")
-    run_sft(build(SFTConfig, {k: v for k, v in config.items() if k != "method"}), workdir)
-    return {"workdir": workdir, **assets}
+    """{"workdir": the SFT run, "tokenizer", "train", "eval", "sft": asset paths}: trained once
+    per test session, whichever xdist worker asks first (the others wait on a lock)."""
+    return _once(_session_dir(tmp_path_factory) / "calculator_sft", SFT_STEPS, tool_share=1.0)
+
+
+@pytest.fixture(scope="session")
+def calculator_mixed_sft(tmp_path_factory):
+    """The demo's warm start (configs/agent.py:calculator_sft): half its episodes call the tool,
+    half answer at once, so it uses the tool about half the time when sampling."""
+    root = _session_dir(tmp_path_factory) / "calculator_mixed_sft"
+    return _once(root, MIXED_STEPS, tool_share=0.5)
+
+
+def _session_dir(tmp_path_factory):
+    """This test session's directory, common to its xdist workers (each has its own basetemp
+    below it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _once(root, steps: int, **asset_options) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = root / "result.json"
+        if result.exists():
+            return json.loads(result.read_text())
+        assets = build_calculator_assets(
+            root / "assets", n_train=512, n_eval=32, n_sft=1024, **asset_options
+        )
+        source = {"path": assets["sft"], "weight": 1.0, "domain": "calculator", "format": "auto"}
+        values = {
+            "tokenizer": assets["tokenizer"],
+            "data.sources": [source],
+            "train.steps": steps,
+            "train.progress": False,
+            "checkpoint.every": steps,
+            "checkpoint.async_save": False,
+        }
+        preset = os.path.join(REPO, "configs", "agent.py:calculator_sft")
+        config = override(load_config_file(preset), values)
+        workdir = str(root / "sft")
+        run_sft(build(SFTConfig, {k: v for k, v in config.items() if k != "method"}), workdir)
+        out = {"workdir": workdir, **assets}
+        result.write_text(json.dumps(out))
+        return out

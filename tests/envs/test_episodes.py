@@ -177,3 +177,23 @@ def test_fault_injection_fails_calls_at_its_rate():
     again.reset()
     first = [again.step(message).info["tool_errors"] for _ in range(5)]
     assert first == outcomes[:5]
+
+
+def test_pool_grows_with_the_queue_and_shrinks_when_idle():
+    import threading
+    import time
+
+    release = threading.Event()
+    pool = ElasticPool(min_workers=1, max_workers=3, idle_s=0.2)
+    assert pool.size == 1
+    futures = [pool.submit(release.wait) for _ in range(5)]  # more waiting calls than threads
+    time.sleep(0.2)
+    assert pool.size == 3 and pool.peak == 3  # grew to its bound, not beyond
+    release.set()
+    assert all(f.result(timeout=5) for f in futures)
+    deadline = time.monotonic() + 5
+    while pool.size > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.size == 1  # idle threads left, down to min_workers
+    assert pool.submit(lambda: 7).result(timeout=5) == 7
+    pool.close()

@@ -1,0 +1,99 @@
+"""Agentic RL end to end on the calculator task: GRPO teaches the warm-started tiny model to use
+the tool (held-out success rises), and with 30% of tool calls failing episodes still complete,
+the failures are observations and the metrics count errors and recoveries."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from posttrain.config import build, load_config_file, override
+from posttrain.data import load_tokenizer
+from posttrain.demo._calculator import calculator_success
+from posttrain.envs import Budget, ElasticPool, episode_metrics, make_env, run_episodes
+from posttrain.rl import RLConfig, run_rl
+from posttrain.sampling import Engine, EngineConfig
+
+from .conftest import REPO, load_policy
+
+
+def _records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_grpo_raises_held_out_success_with_the_calculator(calculator_mixed_sft, tmp_path):
+    """configs/agent.py:calculator (16 GRPO steps) from the demo's warm start: held-out episodes
+    sampled as in training (temperature 1, 8 per problem, the same keys before and after)."""
+    run = calculator_mixed_sft
+    tokenizer = load_tokenizer(run["tokenizer"])
+    held_out = _records(run["eval"])
+    sampled = dict(temperature=1.0, samples=8)
+    solved_before, tool_before = calculator_success(
+        load_policy(run["workdir"]), tokenizer, held_out, **sampled
+    )
+
+    def source(path, domain):
+        return {"path": path, "weight": 1.0, "domain": domain, "format": "auto"}
+
+    values = {
+        "model.checkpoint": run["workdir"],
+        "tokenizer": run["tokenizer"],
+        "data.sources": [source(run["train"], "arithmetic")],
+        "eval_data": [],
+        "train.progress": False,
+        "train.eval_every": 0,
+        "checkpoint.async_save": False,
+        "rewards.workers": 1,
+    }
+    preset = os.path.join(REPO, "configs", "agent.py:calculator")
+    config = override(load_config_file(preset), values)
+    rl = build(RLConfig, {k: v for k, v in config.items() if k != "method"})
+    rows = []
+    run_rl(rl, str(tmp_path / "rl"), on_metrics=lambda step, m: rows.append(m))
+    policy = load_policy(str(tmp_path / "rl"))
+    solved_after, tool_after = calculator_success(policy, tokenizer, held_out, **sampled)
+    # Measured 2026-12-02: success 0.39 -> 0.72, tool use 0.51 -> 0.95. Answering at once
+    # never pays (the model cannot multiply); calling the tool does.
+    assert tool_after >= tool_before + 0.2, (tool_before, tool_after)
+    assert solved_after >= solved_before + 0.15, (solved_before, solved_after)
+    assert all(r["episode/turns"] >= 1 for r in rows if "episode/turns" in r)
+
+
+def test_faults_are_observations_and_episodes_recover(calculator_sft):
+    tokenizer = load_tokenizer(calculator_sft["tokenizer"])
+    model = load_policy(calculator_sft["workdir"])
+    records = _records(calculator_sft["train"])[:32]
+    groups = [
+        [make_env("fault_injection", r, inner="calculator", rate=0.3, seed=s) for s in range(2)]
+        for r in records
+    ]
+    engine = Engine(model, EngineConfig(slots=64), max_len=320)
+    episodes = run_episodes(
+        engine,
+        tokenizer,
+        groups,
+        keys=jax.random.split(jax.random.key(1), len(groups)),
+        temperature=0.0,
+        budget=Budget(max_turns=4, max_tokens=200, turn_tokens=96),
+        pool=ElasticPool(0, 2),
+    )
+    flat = [e for group in episodes for e in group]
+    metrics = episode_metrics(flat)
+    assert all(e.finish_reason != "error" for e in flat)  # nothing crashed
+    calls = sum(e.tool_calls for e in flat)
+    assert calls >= 32
+    assert 0.15 <= metrics["episode/tool_error_rate"] <= 0.45, metrics
+    erred = [e for e in flat if e.tool_errors]
+    assert erred and np.isfinite(metrics["episode/recovery_rate"])
+    # A failure is a tool message the model read, not an exception.
+    failures = [
+        m for e in erred for m in e.messages if m["role"] == "tool" and not m["content"].isdigit()
+    ]
+    assert len(failures) >= sum(e.tool_errors for e in erred)
+    for e in erred:
+        text = tokenizer.decode(e.token_ids, skip_special_tokens=False)
+        assert any(m["content"] in text for m in e.messages if m["role"] == "tool")
