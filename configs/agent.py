@@ -50,7 +50,7 @@ def get_config(preset: str = "calculator"):
                 "tokenizer": os.path.join(_ASSETS, "tokenizer"),
                 "data.sources": [_source(os.path.join(_ASSETS, "sft.jsonl"), "calculator")],
                 "eval_data": [],
-                "data.max_len": 320,
+                "data.max_len": 256,  # a solved episode is ~220 tokens
                 "data.batch_size": 16,
                 "train.steps": 600,
                 "train.log_every": 20,
