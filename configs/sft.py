@@ -34,10 +34,13 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model.preset = "tiny"  # posttrain.models preset when hf_path is empty
     c.model.hf_path = ""  # HF model directory (config.json + safetensors)
     c.model.checkpoint = ""  # or an earlier run's workdir: start from its latest params
-    c.model.attention = ""  # "" keeps the model's (auto); xla | cudnn | splash
+    c.model.attention = ""  # "" keeps the model's (auto); xla | flash | cudnn | splash
     c.model.remat = ""  # "" keeps the model's; none | full | dots | dots_no_batch
     c.model.compute_dtype = ""  # "" keeps the model's; float32 | bfloat16
     c.model.param_dtype = ""  # "" keeps the model's; float32 | bfloat16
+    c.model.logits_chunk = -1  # losses compute vocabulary logits this many positions of a row at
+    # a time (bounds their memory at long lengths); 0: all at once; -1 keeps the model's
+    c.model.context_parallel = ""  # mesh sequence > 1: ring | all_gather ("" keeps the model's)
     c.model.ep_capacity_factor = 0.0  # MoE: expert-parallel buffers over the balanced share (0: the
     # model's, worst-case buffers that never drop)
     c.model.routing_bias_rate = 0.0  # MoE: aux-loss-free balancing step (0: bias frozen)

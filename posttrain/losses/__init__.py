@@ -1,5 +1,7 @@
-"""Pure loss functions over logits / log-probs and masks."""
+"""Pure loss functions over logits / log-probs and masks, and the per-token statistics of the
+vocabulary distribution computed in chunks from hidden states (`token_stats`)."""
 
+from posttrain.losses._chunked import cross_entropy_from_stats, logit_stats, token_stats
 from posttrain.losses._preference import (
     LENGTH_NORMALISED,
     LOSS_TYPES,
@@ -36,15 +38,18 @@ __all__ = [
     "adaptive_kl_update",
     "aggregate",
     "bradley_terry_loss",
+    "cross_entropy_from_stats",
     "cross_entropy_sums",
     "entropy_from_logits",
     "gae",
     "group_advantages",
     "kl_estimate",
+    "logit_stats",
     "policy_loss",
     "preference_loss",
     "sequence_logps",
     "token_log_probs",
+    "token_stats",
     "value_loss",
     "whiten",
 ]

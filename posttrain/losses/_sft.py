@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+
+from posttrain.losses._chunked import cross_entropy_from_stats, logit_stats
 
 
 def token_log_probs(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     """log p(target) at every position, float32 `[B, L]`."""
-    logits = logits_BLV.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logits = jnp.take_along_axis(logits, targets_BL[..., None], axis=-1)[..., 0]
-    return target_logits - log_z
+    return logit_stats(logits_BLV, targets_BL)["logp"]
 
 
 def cross_entropy_sums(
@@ -30,17 +28,4 @@ def cross_entropy_sums(
       hits) and `num_tokens`: sums, so micro-batches and shards add up exactly and the caller
       divides once by the global `num_tokens` (a token mean, not a mean of means).
     """
-    logits = logits_BLV.astype(jnp.float32)
-    mask = mask_BL.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logits = jnp.take_along_axis(logits, targets_BL[..., None], axis=-1)[..., 0]
-    nll_sum = jnp.sum((log_z - target_logits) * mask)
-    z_sum = jnp.sum(jnp.square(log_z) * mask)
-    correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets_BL) * mask)
-    return {
-        "loss_sum": nll_sum + z_loss * z_sum,
-        "nll_sum": nll_sum,
-        "z_loss_sum": z_sum,
-        "accuracy_sum": correct,
-        "num_tokens": jnp.sum(mask),
-    }
+    return cross_entropy_from_stats(logit_stats(logits_BLV, targets_BL), mask_BL, z_loss)

@@ -1,9 +1,10 @@
 """Causal self-attention with packing (segment ids), GQA and sliding windows.
 
-Three implementations share one signature: the XLA reference (every backend, positions-based
-masks, also right for KV caches), cuDNN flash attention on GPU and the splash Pallas kernel on
-TPU. The fused kernels mask by index, which equals the positions-based mask for training rows
-(positions count up inside each packed document).
+Four implementations share one signature: the XLA reference (every backend, positions-based
+masks, also right for KV caches), its blocked online-softmax form (`flash`, every backend,
+memory linear in length: `posttrain.models._flash`), cuDNN flash attention on GPU and the
+splash Pallas kernel on TPU. The fused kernels mask by index, which equals the positions-based
+mask for training rows (positions count up inside each packed document).
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from posttrain.models._context import context_parallel_attention, length_axes
+from posttrain.models._flash import _MASKED, attention_mask, flash_attention
 from posttrain.parallel import logical_to_spec
-
-# Added to masked scores: exp() of it is 0, yet adding it to a score never overflows.
-_MASKED = -1e30
 
 
 def _target_platform() -> str:
@@ -61,6 +61,7 @@ def attention(
     impl: str = "xla",
     self_attention: bool = False,
     scale: float | None = None,
+    context_parallel: str = "ring",
 ):
     """Scaled dot-product attention of queries over keys, causal by position.
 
@@ -70,19 +71,29 @@ def attention(
       q_positions_BL, kv_positions_BS: token positions; a query sees keys at positions <= its own.
       q_segment_ids_BL, kv_segment_ids_BS: packed-document ids; attention stays inside a document.
       window: if > 0, a query sees only keys with `q_pos - kv_pos < window` (sliding window).
-      impl: "xla", "cudnn" or "splash" (see `resolve_impl`).
+      impl: "xla", "flash" (XLA in blocks, memory linear in length), "cudnn" or "splash" (see
+        `resolve_impl`).
       self_attention: queries and keys are the same tokens, with positions increasing along
         each document (training rows, packed or padded). The XLA path then skips key blocks
         that lie after each query block (all masked), as the fused kernels do.
       scale: multiplies the scores; default `1/sqrt(H)`.
+      context_parallel: "ring" or "all_gather": how self-attention reaches the other devices'
+        keys when the rows' length is sharded (the `sequence` axis); any `impl` then runs as
+        blocked XLA attention per shard (`posttrain.models._context`).
 
     Returns:
       The attended values, `[B, L, N, Hv]` in the dtype of `q_BLNH`.
     """
     H, Hv = q_BLNH.shape[-1], v_BSKH.shape[-1]
     scale = H**-0.5 if scale is None else scale
+    args = (q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window)
+    if self_attention and length_axes(q_BLNH):
+        return context_parallel_attention(
+            q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, mode=context_parallel
+        )
+    if impl == "flash":
+        return flash_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale)
     if impl == "xla":
-        args = (q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window)
         if self_attention:
             return _xla_causal_blocks(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale)
         return _xla_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale)
@@ -95,17 +106,6 @@ def attention(
     fused = _cudnn_attention if impl == "cudnn" else _splash_attention
     out = fused(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window, scale)
     return out[..., :Hv]
-
-
-def attention_mask(
-    q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window: int = 0
-):
-    """Boolean `[B, L, S]`: same document, causal by position, inside the window if any."""
-    q_pos, kv_pos = q_positions_BL[:, :, None], kv_positions_BS[:, None, :]
-    mask = (kv_pos <= q_pos) & (q_segment_ids_BL[:, :, None] == kv_segment_ids_BS[:, None, :])
-    if window:
-        mask &= q_pos - kv_pos < window
-    return mask
 
 
 def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, *, scale):

@@ -6,9 +6,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
+ATTENTION_IMPLS = ("auto", "xla", "flash", "cudnn", "splash")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+CONTEXT_PARALLEL = ("ring", "all_gather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +165,12 @@ class ModelConfig:
     compute_dtype: str = "float32"  # matmul/activation dtype; "bfloat16" for speed
     remat: str = "none"  # rematerialisation policy per layer, one of REMAT_POLICIES
     attention: str = "auto"  # one of ATTENTION_IMPLS; auto = cudnn on GPU, splash on TPU
+    # Losses compute the vocabulary logits this many positions of each row at a time, never
+    # all `[B, L, V]` at once (posttrain.losses.token_stats); 0: the whole row at once.
+    logits_chunk: int = 0
+    # With the rows' length sharded (mesh `sequence` axis): "ring" passes key/value shards
+    # around the devices, "all_gather" gathers them once per layer (posttrain.models._context).
+    context_parallel: str = "ring"
     name: str = "custom"  # preset or HF model name, for logs
 
     def __post_init__(self):
@@ -187,6 +194,10 @@ class ModelConfig:
             )
         if self.attention not in ATTENTION_IMPLS:
             fail(f"attention={self.attention!r}; choose one of {ATTENTION_IMPLS}")
+        if self.context_parallel not in CONTEXT_PARALLEL:
+            fail(f"context_parallel={self.context_parallel!r}; choose one of {CONTEXT_PARALLEL}")
+        if self.logits_chunk < 0:
+            fail(f"logits_chunk={self.logits_chunk} must be >= 0 (0: no chunking)")
         if self.remat not in REMAT_POLICIES:
             fail(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         for field in ("param_dtype", "compute_dtype"):

@@ -115,6 +115,7 @@ def mla_attention(
             impl=impl,
             self_attention=True,
             scale=scale,
+            context_parallel=config.context_parallel,
         )
         new_cache = None
     else:

@@ -96,6 +96,7 @@ def _attention(
                 q_segment_ids_BL=segment_ids_BL,
                 kv_segment_ids_BS=kv_segment_ids_BS,
                 self_attention=k_cache_BSKH is None,
+                context_parallel=config.context_parallel,
             )
             for w in windows
         ]

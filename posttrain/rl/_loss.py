@@ -23,13 +23,12 @@ from posttrain.losses import (
     KL_KINDS,
     RATIO_LEVELS,
     aggregate,
-    entropy_from_logits,
     kl_estimate,
     policy_loss,
-    token_log_probs,
+    token_stats,
     value_loss,
 )
-from posttrain.models import ModelConfig, forward
+from posttrain.models import ModelConfig, hidden_states
 from posttrain.train._step import add_moe_aux
 
 
@@ -67,10 +66,10 @@ class PolicyLossConfig:
 def sequence_log_probs(params, model_config: ModelConfig, batch: dict, **kwargs) -> jax.Array:
     """The log-prob `[B, L]` of every target token (old-policy and reference passes);
     `kwargs`: the model's forward arguments (a `posttrain.lora.Policy`'s)."""
-    logits = forward(
+    hidden = hidden_states(
         params, batch["tokens"], model_config, batch["positions"], batch["segment_ids"], **kwargs
     )
-    return token_log_probs(logits, batch["targets"])
+    return token_stats(params, hidden, batch["targets"], model_config)["logp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +112,7 @@ def rl_loss(
     def loss_fn(params, batch, rng):
         del rng
         model_params, kwargs = policy.apply(params)
-        logits, aux = forward(
+        hidden, aux = hidden_states(
             model_params,
             batch["tokens"],
             model_config,
@@ -122,7 +121,8 @@ def rl_loss(
             return_aux=True,
             **kwargs,
         )
-        logp = token_log_probs(logits, batch["targets"])
+        stats = token_stats(model_params, hidden, batch["targets"], model_config, entropy=True)
+        logp = stats["logp"]
         mask = batch["loss_mask"]
         if config.mask_truncated:
             mask = mask * (1.0 - batch["truncated"])[:, None]
@@ -139,7 +139,7 @@ def rl_loss(
             tis_cap=config.tis_cap or None,
         )
         per_token = out["losses"]
-        entropy = entropy_from_logits(logits)
+        entropy = stats["entropy"]
         if config.entropy_coef:
             per_token = per_token - config.entropy_coef * entropy
         else:

@@ -50,9 +50,9 @@ from posttrain.losses import (
     REFERENCE_FREE,
     preference_loss,
     sequence_logps,
-    token_log_probs,
+    token_stats,
 )
-from posttrain.models import ModelConfig, forward
+from posttrain.models import ModelConfig, hidden_states
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
@@ -78,7 +78,7 @@ def _logps(params: dict, model_config: ModelConfig, batch: dict, **forward_kwarg
     """Summed response log-probs `[2B]`, response lengths `[2B]` and the MoE aux outputs of
     the stacked pairs (`forward_kwargs`: LoRA's, see `posttrain.lora.wrap`)."""
     x = _stacked(batch)
-    logits_2BLV, aux = forward(
+    hidden_2BLD, aux = hidden_states(
         params,
         x["tokens"],
         model_config,
@@ -87,7 +87,8 @@ def _logps(params: dict, model_config: ModelConfig, batch: dict, **forward_kwarg
         return_aux=True,
         **forward_kwargs,
     )
-    logps_2B = sequence_logps(token_log_probs(logits_2BLV, x["targets"]), x["loss_mask"])
+    token_logps = token_stats(params, hidden_2BLD, x["targets"], model_config)["logp"]
+    logps_2B = sequence_logps(token_logps, x["loss_mask"])
     return logps_2B, jnp.sum(x["loss_mask"].astype(jnp.float32), axis=-1), aux
 
 

@@ -48,6 +48,10 @@ class ModelSpec:
     remat: str = ""  # override ModelConfig.remat
     compute_dtype: str = ""  # override ModelConfig.compute_dtype
     param_dtype: str = ""  # override ModelConfig.param_dtype
+    # Positions of each row whose vocabulary logits the losses compute at a time, which bounds
+    # the logits' memory at long lengths; 0: all at once; -1 keeps the model's.
+    logits_chunk: int = -1
+    context_parallel: str = ""  # override ModelConfig.context_parallel: ring | all_gather
     # MoE run settings (0 keeps the model's): expert-parallel buffer size over the balanced
     # share (MoEConfig.ep_capacity_factor), routing-bias step, load-balancing loss weight.
     ep_capacity_factor: float = 0.0
@@ -62,8 +66,9 @@ class ModelSpec:
             )
 
     def overrides(self) -> dict:
-        names = ("attention", "remat", "compute_dtype", "param_dtype")
-        return {n: getattr(self, n) for n in names if getattr(self, n)}
+        names = ("attention", "remat", "compute_dtype", "param_dtype", "context_parallel")
+        out = {n: getattr(self, n) for n in names if getattr(self, n)}
+        return out | ({"logits_chunk": self.logits_chunk} if self.logits_chunk >= 0 else {})
 
     def model_config(self) -> ModelConfig:
         if self.hf_path:
@@ -121,7 +126,9 @@ def check_same_model(workdir: str, model_config: ModelConfig) -> None:
         if shapes(saved) == shapes(model_config):
             return
         old, new = to_json(saved), to_json(model_config)
-        runtime = ("attention", "remat", "compute_dtype", "name")  # may change between runs
+        # Settings that may change between runs of one model.
+        runtime = ("attention", "remat", "logits_chunk", "context_parallel", "compute_dtype",
+                   "name")  # fmt: skip
         changed = [k for k in new if k not in runtime and old.get(k) != new[k]]
         details = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed)
         raise ConfigError(

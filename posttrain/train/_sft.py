@@ -13,8 +13,8 @@ from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
 from posttrain.lora import LoRAConfig, Policy
-from posttrain.losses import cross_entropy_sums
-from posttrain.models import ModelConfig, Transformer, forward
+from posttrain.losses import cross_entropy_from_stats, token_stats
+from posttrain.models import ModelConfig, Transformer, hidden_states
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
@@ -63,7 +63,7 @@ def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None 
     def loss_fn(params, batch, rng):
         del rng
         params, kwargs = policy.apply(params)
-        logits, aux = forward(
+        hidden, aux = hidden_states(
             params,
             batch["tokens"],
             model_config,
@@ -72,7 +72,8 @@ def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None 
             return_aux=True,
             **kwargs,
         )
-        sums = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"], z_loss)
+        stats = token_stats(params, hidden, batch["targets"], model_config)
+        sums = cross_entropy_from_stats(stats, batch["loss_mask"], z_loss)
         return add_moe_aux(sums, aux)
 
     return loss_fn
