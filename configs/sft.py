@@ -7,6 +7,10 @@ Presets:
   llama3_8b_v5p  Llama 3.1 8B full fine-tune on a v5p-64 slice (set model.hf_path, data).
   llama3_70b_v5p Llama 3.3 70B full fine-tune on a v5p-256 slice (set model.hf_path, data).
   qwen3_32b_v5p  Qwen3 32B full fine-tune on a v5p-256 slice (set model.hf_path, data).
+  llama3_8b_128k_v5p    Llama 3.1 8B at 128k tokens per row on v5p-64: each row's length
+                        split over sequence=8 (ring attention), logits in chunks.
+  qwen3_8b_1m_v5p       Qwen3 8B (YaRN to 1M positions) at 1M tokens per row on v5p-256:
+                        sequence=32.
   kimi_k2_1t            Kimi K2 (1T MoE, MLA) on v5p-1024 (512 chips).
   deepseek_v3_671b      DeepSeek-V3 (671B MoE, MLA) on v5p-1024.
   qwen3_235b_a22b       Qwen3-235B-A22B (MoE) on v5p-256.
@@ -24,6 +28,13 @@ def _source(path, weight=1.0, domain="default", fmt="auto"):
     return ml_collections.ConfigDict(
         {"path": path, "weight": weight, "domain": domain, "format": fmt}
     )
+
+
+# Long-context plans: model preset, tokens per row, rows per step, sequence-parallel chips.
+LONG_PLANS = {
+    "llama3_8b_128k_v5p": {"model": "llama3_8b", "length": 131_072, "rows": 4, "sequence": 8},
+    "qwen3_8b_1m_v5p": {"model": "qwen3_8b_1m", "length": 1_048_576, "rows": 4, "sequence": 32},
+}
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
@@ -139,6 +150,20 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.micro_batches = 2
         c.optimizer.learning_rate = 1e-5
         c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 1}
+    elif preset in LONG_PLANS:
+        # Long rows: the length split over `sequence` (ring attention: each chip holds its
+        # share of every row and passes keys around), the rest over fsdp; full remat, logits
+        # in chunks of 4096 positions per row (512 per chip at sequence=8).
+        plan = LONG_PLANS[preset]
+        c.model.preset = plan["model"]
+        c.model.remat = "full"
+        c.model.logits_chunk = 4096
+        c.model.context_parallel = "ring"
+        c.data.max_len = plan["length"]
+        c.data.batch_size = plan["rows"]
+        c.optimizer.learning_rate = 1e-5
+        c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": plan["sequence"],
+                      "tensor": 1}  # fmt: skip
     elif preset == "llama3_70b_v5p":
         # 70B on v5p-256 (128 chips): FSDP over all chips, full remat, bf16 compute;
         # `posttrain compile --topology=v5p-256` reports the fit.
@@ -173,7 +198,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.mesh.ici = {"data": 1, "fsdp": -1, "expert": plan["expert"], "sequence": 1, "tensor": 1}
         c.mesh.rules = [["embed", ["fsdp", "expert"]]]
     else:
-        names = ["tiny", "llama3_8b_v5p", "llama3_70b_v5p", "qwen3_32b_v5p", *MOE_PLANS]
+        names = ["tiny", "llama3_8b_v5p", "llama3_70b_v5p", "qwen3_32b_v5p", *LONG_PLANS]
+        names += list(MOE_PLANS)
         raise ValueError(f"unknown sft preset {preset!r}: {', '.join(names)}")
     return c
 

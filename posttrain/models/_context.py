@@ -25,10 +25,11 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from posttrain.models._config import CONTEXT_PARALLEL
-from posttrain.models._flash import flash_partial, merge_partials
+from posttrain.models._flash import flash_partial, flash_terms, merge_partials
 from posttrain.parallel import logical_to_spec
 
 
@@ -66,18 +67,8 @@ def context_parallel_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_
             gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
             out, _ = attend(q, gather(k), gather(v), qp, gather(kp), qs, gather(ks))
             return out.astype(q.dtype)
-
-        ring = [(i, (i + 1) % n) for i in range(n)]
-
-        def hop(carry, _):
-            partial, shard = carry
-            shard = jax.lax.ppermute(shard, axis, ring)
-            k, v, kp, ks = shard
-            return (merge_partials(*partial, *attend(q, k, v, qp, kp, qs, ks)), shard), None
-
-        own = attend(q, k, v, qp, kp, qs, ks)
-        (partial, _), _ = jax.lax.scan(hop, (own, (k, v, kp, ks)), length=n - 1)
-        return partial[0].astype(q.dtype)
+        out = _ring(axis, n, window, scale, q, k, v, qp, kp, qs, ks)
+        return out.astype(q.dtype)
 
     return jax.shard_map(
         local,
@@ -86,3 +77,57 @@ def context_parallel_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_
         out_specs=q_spec,
         check_vma=False,
     )(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ring(axis, n, window, scale, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    """Ring attention of this device's queries over every device's keys (inside `shard_map`):
+    float32 `[B, L, N, Hv]`. A custom VJP, so the backward pass keeps only this device's q, k,
+    v, output and log-normaliser: it passes the keys around the ring again, with their gradient
+    accumulators, and each hop adds its part (`flash_terms`)."""
+    return _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, window, scale)[0]
+
+
+def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, window, scale):
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    attend = functools.partial(flash_partial, window=window, scale=scale)
+
+    def hop(carry, _):
+        partial, shard = carry
+        shard = jax.lax.ppermute(shard, axis, ring)
+        k, v, kp, ks = shard
+        return (merge_partials(*partial, *attend(q, k, v, q_pos, kp, q_seg, ks)), shard), None
+
+    own = attend(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    (partial, _), _ = jax.lax.scan(hop, (own, (k, v, kv_pos, kv_seg)), length=n - 1)
+    return partial
+
+
+def _ring_fwd(axis, n, window, scale, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    out, lse = _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, axis, n, window, scale)
+    return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+
+
+def _ring_bwd(axis, n, window, scale, residuals, d_out):
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    d_mass = -jnp.sum(d_out * out, axis=-1)  # -rowsum(dO * O): the normaliser's share
+
+    def hop(carry, _):
+        dq, shard = carry
+        k, v, kp, ks, dk, dv = shard
+        terms = lambda q, k, v: flash_terms(q, k, v, q_pos, kp, q_seg, ks, lse, window,  # noqa: E731
+                                            scale=scale)  # fmt: skip
+        _, vjp = jax.vjp(terms, q, k, v)
+        dq_hop, dk_hop, dv_hop = vjp((d_out, d_mass))
+        # After n hops every shard, with its gradient, is back on its own device.
+        shard = jax.lax.ppermute((k, v, kp, ks, dk + dk_hop, dv + dv_hop), axis, ring)
+        return (dq + dq_hop, shard), None
+
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+    init = (zeros(q), (k, v, kv_pos, kv_seg, zeros(k), zeros(v)))
+    (dq, (*_, dk, dv)), _ = jax.lax.scan(hop, init, length=n)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -36,31 +36,58 @@ def attention_mask(
     return mask
 
 
-def block_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, *, scale):
-    """Attention of the queries over these keys only: `(out [B, L, N, Hv] float32, lse [B, L, N])`
-    with lse the log of the softmax normaliser over the visible keys (`_MASKED` where a query
-    sees none of them, out 0 there)."""
+def _scores(q_BLNH, k_BSKH, mask_BLS, scale):
+    """Scores `[B, K, G, L, S]` float32 of each kv head's G query heads, `_MASKED` where the
+    mask hides the key."""
     B, L, N, H = q_BLNH.shape
-    K, Hv = k_BSKH.shape[2], v_BSKH.shape[3]
-    G = N // K
-    q_BKGLH = q_BLNH.reshape(B, L, K, G, H).transpose(0, 2, 3, 1, 4)
-    s_BKGLS = (
-        jnp.einsum("BKGLH,BSKH->BKGLS", q_BKGLH, k_BSKH, preferred_element_type=jnp.float32) * scale
-    )
-    visible = mask_BLS[:, None, None]
-    s_BKGLS = jnp.where(visible, s_BKGLS, _MASKED)
-    m_BKGL = jnp.max(s_BKGLS, axis=-1)
-    p_BKGLS = jnp.where(visible, jnp.exp(s_BKGLS - m_BKGL[..., None]), 0.0)
-    l_BKGL = jnp.sum(p_BKGLS, axis=-1)
+    K = k_BSKH.shape[2]
+    q_BKGLH = q_BLNH.reshape(B, L, K, N // K, H).transpose(0, 2, 3, 1, 4)
+    s_BKGLS = jnp.einsum("BKGLH,BSKH->BKGLS", q_BKGLH, k_BSKH, preferred_element_type=jnp.float32)
+    return jnp.where(mask_BLS[:, None, None], s_BKGLS * scale, _MASKED)
+
+
+def _weighted_values(p_BKGLS, v_BSKH):
+    """`sum_j p_ij v_j` as `[B, L, N, Hv]` float32."""
     o_BKGLV = jnp.einsum(
         "BKGLS,BSKV->BKGLV", p_BKGLS.astype(v_BSKH.dtype), v_BSKH,
         preferred_element_type=jnp.float32,
     )  # fmt: skip
+    B, K, G, L, Hv = o_BKGLV.shape
+    return o_BKGLV.transpose(0, 3, 1, 2, 4).reshape(B, L, K * G, Hv)
+
+
+def _per_query(x_BKGL):
+    B, K, G, L = x_BKGL.shape
+    return x_BKGL.transpose(0, 3, 1, 2).reshape(B, L, K * G)
+
+
+def block_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, *, scale):
+    """Attention of the queries over these keys only: `(out [B, L, N, Hv] float32, lse [B, L, N])`
+    with lse the log of the softmax normaliser over the visible keys (`_MASKED` where a query
+    sees none of them, out 0 there)."""
+    s_BKGLS = _scores(q_BLNH, k_BSKH, mask_BLS, scale)
+    m_BKGL = jnp.max(s_BKGLS, axis=-1)
+    p_BKGLS = jnp.where(mask_BLS[:, None, None], jnp.exp(s_BKGLS - m_BKGL[..., None]), 0.0)
+    l_BKGL = jnp.sum(p_BKGLS, axis=-1)
     seen = l_BKGL > 0
-    o_BKGLV = o_BKGLV / jnp.where(seen, l_BKGL, 1.0)[..., None]
     lse_BKGL = jnp.where(seen, m_BKGL + jnp.log(jnp.where(seen, l_BKGL, 1.0)), _MASKED)
-    out = o_BKGLV.transpose(0, 3, 1, 2, 4).reshape(B, L, N, Hv)
-    return out, lse_BKGL.transpose(0, 3, 1, 2).reshape(B, L, N)
+    out = _weighted_values(p_BKGLS, v_BSKH) / _per_query(jnp.where(seen, l_BKGL, 1.0))[..., None]
+    return out, _per_query(lse_BKGL)
+
+
+def block_terms(q_BLNH, k_BSKH, v_BSKH, mask_BLS, lse_BLN, *, scale):
+    """These keys' share of attention normalised over more keys (`lse_BLN`: the log-normaliser
+    over all of them): `(sum_j p_ij v_j, sum_j p_ij)` with `p_ij = exp(s_ij - lse_i)`.
+
+    Their VJP with cotangents `(dO, -rowsum(dO * O))` (O the whole attention's output) is
+    these keys' part of attention's gradient (FlashAttention-2's `dS = P (dP - D)`): what ring
+    attention's backward pass computes at each hop."""
+    s_BKGLS = _scores(q_BLNH, k_BSKH, mask_BLS, scale)
+    B, L, N = lse_BLN.shape
+    K = k_BSKH.shape[2]
+    lse_BKGL = lse_BLN.reshape(B, L, K, N // K).transpose(0, 2, 3, 1)
+    p_BKGLS = jnp.where(mask_BLS[:, None, None], jnp.exp(s_BKGLS - lse_BKGL[..., None]), 0.0)
+    return _weighted_values(p_BKGLS, v_BSKH), _per_query(jnp.sum(p_BKGLS, axis=-1))
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -94,9 +121,39 @@ def flash_partial(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window: 
                   scale: float, block_q: int = 512, block_k: int = 512):  # fmt: skip
     """`flash_attention` as a partial result over these keys: `(out float32, lse)` as
     `block_attention` returns them, for `merge_partials` with other keys' (ring attention)."""
-    B, L, N, _ = q_BLNH.shape
-    S, Hv = k_BSKH.shape[1], v_BSKH.shape[3]
-    bq, bk = min(block_q, L), min(block_k, S)
+    B, _, N, _ = q_BLNH.shape
+    Hv = v_BSKH.shape[3]
+
+    def tile(carry, q, k, v, mask, _):
+        return merge_partials(*carry, *block_attention(q, k, v, mask, scale=scale))
+
+    init = lambda bq: (jnp.zeros((B, bq, N, Hv), jnp.float32), jnp.full((B, bq, N), _MASKED))  # noqa: E731
+    args = (q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k)
+    return _blockwise(tile, init, *args)
+
+
+def flash_terms(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, lse_BLN, window: int, *,
+                scale: float, block_q: int = 512, block_k: int = 512):  # fmt: skip
+    """`block_terms` over these keys, in blocks as `flash_partial`."""
+    B, _, N, _ = q_BLNH.shape
+    Hv = v_BSKH.shape[3]
+
+    def tile(carry, q, k, v, mask, lse):
+        terms = block_terms(q, k, v, mask, lse, scale=scale)
+        return tuple(a + b for a, b in zip(carry, terms, strict=True))
+
+    init = lambda bq: (jnp.zeros((B, bq, N, Hv), jnp.float32), jnp.zeros((B, bq, N)))  # noqa: E731
+    args = (q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k)
+    return _blockwise(tile, init, *args, per_query=lse_BLN)
+
+
+def _blockwise(tile, init, q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window,
+               block_q, block_k, per_query=None):  # fmt: skip
+    """Folds `tile(carry, q, k, v, mask, per_query)` over the key blocks each query block can
+    see, from `init(block rows)`; a `lax.map` over query blocks of a `lax.scan` over key blocks,
+    both rematerialised. Returns the carries, `[B, L, ...]` each."""
+    B, L = q_BLNH.shape[:2]
+    bq, bk = min(block_q, L), min(block_k, k_BSKH.shape[1])
     # Padded queries and keys belong to no document (ids -1, -2): they see and are seen by
     # nothing, and the padded outputs are cut off.
     ks = (_blocks(k_BSKH, bk, 0), _blocks(v_BSKH, bk, 0))
@@ -104,22 +161,18 @@ def flash_partial(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window: 
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def query_block(xs):
-        q, pos, seg = xs
+        q, pos, seg, extra = xs
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def key_block(carry, kv):
             k, v, k_pos, k_seg = kv
             mask = attention_mask(pos, k_pos, seg, k_seg, window)
+            fold = lambda c: tile(c, q, k, v, mask, extra)  # noqa: E731
+            return jax.lax.cond(jnp.any(mask), fold, lambda c: c, carry), None
 
-            def attend(carry):
-                return merge_partials(*carry, *block_attention(q, k, v, mask, scale=scale))
+        return jax.lax.scan(key_block, init(bq), ks)[0]
 
-            return jax.lax.cond(jnp.any(mask), attend, lambda c: c, carry), None
-
-        init = (jnp.zeros((B, bq, N, Hv), jnp.float32), jnp.full((B, bq, N), _MASKED))
-        return jax.lax.scan(key_block, init, ks)[0]
-
-    qs = (_blocks(q_BLNH, bq, 0), _blocks(q_pos, bq, 0), _blocks(q_seg, bq, -1))
-    out, lse = jax.lax.map(query_block, qs)
-    out = jnp.moveaxis(out, 0, 1).reshape(B, -1, N, Hv)[:, :L]
-    return out, jnp.moveaxis(lse, 0, 1).reshape(B, -1, N)[:, :L]
+    extra = None if per_query is None else _blocks(per_query, bq, 0)
+    qs = (_blocks(q_BLNH, bq, 0), _blocks(q_pos, bq, 0), _blocks(q_seg, bq, -1), extra)
+    carries = jax.lax.map(query_block, qs)
+    return tuple(jnp.moveaxis(c, 0, 1).reshape(B, -1, *c.shape[3:])[:, :L] for c in carries)

@@ -296,6 +296,16 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+# Qwen3 8B with YaRN stretched to 1M positions (32 x its 32k pre-training context, as Qwen's
+# own YaRN recipe stretches it 4x to 128k): the 1M-token long-context plan's model.
+PRESETS["qwen3_8b_1m"] = PRESETS["qwen3_8b"].replace(
+    max_seq_len=1_048_576,
+    rope_scaling=RopeScaling(
+        rope_type="yarn", factor=32.0, original_max_position_embeddings=32_768
+    ),
+    name="qwen3_8b_1m",
+)
+
 # Parameter counts published for the real presets (the shape checks compare against them).
 PUBLISHED_PARAMS = {
     "llama3_1b": 1.24e9,

@@ -23,19 +23,20 @@ def _mesh(devices, **axes):
 
 
 @pytest.mark.parametrize(
-    "axes, mode",
-    [({"sequence": 8}, "ring"), ({"sequence": 4, "tensor": 2}, "all_gather")],
-    ids=["ring8", "all_gather4_tensor2"],
+    "axes, mode, Hv",
+    [({"sequence": 8}, "ring", 32), ({"sequence": 4, "tensor": 2}, "all_gather", 64)],
+    ids=["ring8_mla_values", "all_gather4_tensor2"],
 )
-def test_sharded_attention_equals_one_device(devices, axes, mode):
-    """Packed rows (three documents and padding in row 1), GQA, a 40-token window: outputs and
-    gradients of q, k and v; the compiled program passes keys around (collective-permute) or
-    gathers them."""
+def test_sharded_attention_equals_one_device(devices, axes, mode, Hv):
+    """Packed rows (three documents and padding in row 1), GQA, a 40-token window, values with
+    a smaller head dim than the keys (MLA's): outputs and gradients of q, k and v; the compiled
+    program passes keys around (collective-permute) or gathers them."""
     q, k, v = _qkv(0, L=LENGTH * 4, dtype=jnp.float32)
+    v = v[..., :Hv]
     positions, segments = _packing(L=LENGTH * 4)
     ids = dict(q_positions_BL=positions, kv_positions_BS=positions)
     ids |= dict(q_segment_ids_BL=segments, kv_segment_ids_BS=segments)
-    cotangent = jnp.asarray(np.random.RandomState(1).randn(*q.shape), jnp.float32)
+    cotangent = jnp.asarray(np.random.RandomState(1).randn(*q.shape[:3], Hv), jnp.float32)
 
     def fn(q, k, v):
         out = attention(q, k, v, window=40, self_attention=True, context_parallel=mode, **ids)
