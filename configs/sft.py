@@ -49,8 +49,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model.remat = ""  # "" keeps the model's; none | full | dots | dots_no_batch
     c.model.compute_dtype = ""  # "" keeps the model's; float32 | bfloat16
     c.model.param_dtype = ""  # "" keeps the model's; float32 | bfloat16
-    c.model.logits_chunk = -1  # losses compute vocabulary logits this many positions of a row at
-    # a time (bounds their memory at long lengths); 0: all at once; -1 keeps the model's
+    c.model.logits_chunk = -1  # positions of a row whose logits a loss builds at once (0: all)
     c.model.context_parallel = ""  # mesh sequence > 1: ring | all_gather ("" keeps the model's)
     c.model.ep_capacity_factor = 0.0  # MoE: expert-parallel buffers over the balanced share (0: the
     # model's, worst-case buffers that never drop)

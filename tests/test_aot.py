@@ -160,6 +160,21 @@ def test_real_size_presets_compile_and_fit_their_slice(spec, topology):
         assert set(report.resident) == {"reference", "KV cache"}  # policy + reference + cache
 
 
+@pytest.mark.slow  # ~4 minutes each here
+@pytest.mark.parametrize(
+    "preset, topology, length",
+    [("llama3_8b_128k_v5p", "v5p-64", 131_072), ("qwen3_8b_1m_v5p", "v5p-256", 1_048_576)],
+)
+def test_long_context_plans_fit_their_slice(preset, topology, length):
+    """Rows of 128k and 1M tokens, their length split over `sequence` (ring attention) and the
+    logits in chunks: the compiled step fits (a row's float32 logits alone would be 63 GB at
+    128k x 128k vocabulary, 637 GB at 1M x 152k)."""
+    config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":" + preset)
+    assert config.data.max_len == length
+    report = compile_plan(config, topology)
+    assert report.compiled and report.fits, report.lines()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["sft", "grpo"])
 def test_kimi_k2_fits_v5p_1024(method):
