@@ -1,5 +1,6 @@
 """Evaluation suites: general (held-out loss), target (accuracy by verifier, pass@k,
-preferences) and safety (refusal / compliance) tasks.
+preferences), safety (refusal / compliance) and long-context (retrieval on a length x depth grid)
+tasks.
 
     make demo   # once: writes runs/demo/{sft,dpo,grpo} and runs/demo/preferences_eval.jsonl
     posttrain eval --workdir=runs/demo/sft --config=configs/eval.py:demo    # CPU, ~30 s
@@ -8,8 +9,10 @@ Presets:
   demo      the demo's checkpoints: held-out loss, greedy exact match on the 500 held-out
             problems and "prefers right answer" on the held-out pairs (the numbers `make demo`
             prints), pass@k of sampled answers, and the example safety set.
-  template  a suite on your own data (replace the paths); `_general`, `_target` and `_safety`
-            below list every field of a task with its default.
+  template  a suite on your own data (replace the paths); `_general`, `_target`, `_safety`
+            and `_long_context` below list every field of a task with its default.
+  long_context  needle in a haystack (the repository's docs as the haystack) and key-value
+            lookup, 1k-16k tokens x 5 depths, with a heatmap per checkpoint.
 Each category maps task names to tasks; override a field with
 --config.<category>.<task>.<field>=value, e.g. --config.target.arithmetic.max_examples=100.
 Fields and metrics: docs/eval.md.
@@ -82,12 +85,30 @@ def _safety(**fields) -> ml_collections.ConfigDict:
     return t
 
 
+def _long_context(**fields) -> ml_collections.ConfigDict:
+    """A retrieval grid task with every field."""
+    t = ml_collections.ConfigDict()
+    t.kind = "needle"  # needle | multi_needle | kv
+    t.haystack = []  # text or JSONL ("text") files, globs (kv needs none)
+    t.lengths = [1024, 2048, 4096]  # prompt tokens of each grid column
+    t.depths = [0.0, 0.25, 0.5, 0.75, 1.0]  # where the asked fact sits (0: start)
+    t.per_cell = 4  # records per (length, depth)
+    t.needles = 3  # facts per multi_needle record
+    t.key_chars = 6  # letters per random key
+    t.value_digits = 7  # digits per random value
+    t.seed = 0  # the records' randomness (the same records at every checkpoint)
+    t.batch_size = 4  # rows per forward pass
+    t.update(fields)
+    return t
+
+
 def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.method = "eval"  # what this config is for
     c.general = ml_collections.ConfigDict()  # {task name: held-out loss task}
     c.target = ml_collections.ConfigDict()  # {task name: accuracy / pass@k / preference task}
     c.safety = ml_collections.ConfigDict()  # {task name: refusal / compliance task}
+    c.long_context = ml_collections.ConfigDict()  # {task name: retrieval grid task}
     c.tokenizer = ""  # tokenizer directory; "" uses the run's (or the HF model directory)
     c.rewards = {}  # {domain: ["module:function" | "rm:<path>", ...]}; {}: built-in registry
     c.reward_workers = 0  # verifier processes with a deadline each; 0 scores in this process
@@ -168,6 +189,14 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
             max_new_tokens=256,
             batch_size=32,
         )
+        c.long_context.needles = _long_context(
+            haystack=["/data/books/*.txt"], lengths=[8192, 32768]
+        )
+    elif preset == "long_context":
+        docs = os.path.join(os.path.dirname(__file__), "..", "docs", "*.md")
+        lengths = [1024, 2048, 4096, 8192, 16384]
+        c.long_context.needle = _long_context(haystack=[docs], lengths=lengths)
+        c.long_context.kv = _long_context(kind="kv", lengths=lengths)
     else:
-        raise ValueError(f"unknown eval preset {preset!r}: demo, template")
+        raise ValueError(f"unknown eval preset {preset!r}: demo, template, long_context")
     return c

@@ -16,8 +16,9 @@ from collections.abc import Mapping
 
 from posttrain import paths
 from posttrain.config import ConfigError, build, load_config_file, to_plain
-from posttrain.data import SourceConfig
+from posttrain.data import LONG_CONTEXT_KINDS, SourceConfig
 
+CATEGORIES = ("general", "target", "safety", "long_context")
 KINDS = ("generate", "preference")
 SCORINGS = ("verifier", "exact_match")
 BEHAVIOURS = ("refuse", "comply")
@@ -120,12 +121,46 @@ class SafetyTask:
 
 
 @dataclasses.dataclass(frozen=True)
+class LongContextTask:
+    """Retrieval over long contexts on a grid of lengths x depths (needle in a haystack,
+    several needles, key-value lookup; `posttrain.data.long_context_records`): greedy exact
+    match of the answer per cell, and a heatmap per checkpoint in the eval report."""
+
+    name: str  # metrics are long_context/<name>/...
+    kind: str = "needle"  # needle | multi_needle | kv
+    haystack: tuple[str, ...] = ()  # text or JSONL ("text") files, globs; kv needs none
+    lengths: tuple[int, ...] = (1024, 2048, 4096)  # prompt tokens of each grid column
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the fact sits (0: start)
+    per_cell: int = 4  # records per (length, depth)
+    needles: int = 3  # facts per multi_needle record
+    key_chars: int = 6  # letters per random key
+    value_digits: int = 7  # digits per random value
+    seed: int = 0  # the records' randomness (the same records at every checkpoint)
+    batch_size: int = 4  # rows per forward pass
+
+    def __post_init__(self):
+        where = f"long_context task {self.name!r}"
+        if self.kind not in LONG_CONTEXT_KINDS:
+            raise ConfigError(f"{where}: kind={self.kind!r}; use one of {LONG_CONTEXT_KINDS}")
+        if self.kind != "kv" and not self.haystack:
+            raise ConfigError(f"{where}: kind={self.kind!r} needs haystack files (text or JSONL)")
+        if not self.lengths or min(self.lengths) < 16 or not self.depths:
+            raise ConfigError(f"{where}: set lengths (>= 16 tokens each) and depths")
+        if any(not 0 <= d <= 1 for d in self.depths):
+            raise ConfigError(f"{where}: depths must lie in [0, 1], got {list(self.depths)}")
+        if min(self.per_cell, self.batch_size, self.needles, self.key_chars, self.value_digits) < 1:
+            raise ConfigError(f"{where}: per_cell, batch_size, needles, key_chars and "
+                              "value_digits must be >= 1")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """A suite: general, target and safety tasks, and how completions are scored."""
 
     general: tuple[GeneralTask, ...] = ()  # held-out loss / perplexity
     target: tuple[TargetTask, ...] = ()  # accuracy by verifier, pass@k, preferences
     safety: tuple[SafetyTask, ...] = ()  # refusal / compliance rates
+    long_context: tuple[LongContextTask, ...] = ()  # retrieval on a length x depth grid
     tokenizer: str = ""  # tokenizer directory; default: the run's (or the HF model's)
     # {domain: [reward reference, ...]} ("module:function" or "rm:<path>[#head]"), weight 1
     # each; empty: the built-in registry (math, code, format, tool_call, arithmetic).
@@ -135,21 +170,23 @@ class EvalConfig:
     progress: bool = True  # progress bars
 
     def __post_init__(self):
-        for category in ("general", "target", "safety"):
+        for category in CATEGORIES:
             names = [t.name for t in getattr(self, category)]
             if dupes := sorted({n for n in names if names.count(n) > 1}):
                 raise ConfigError(f"{category} has several tasks named {dupes}")
             if bad := [n for n in names if not n or "/" in n]:
                 raise ConfigError(f"{category}: task names must be non-empty without '/': {bad}")
-        if not (self.general or self.target or self.safety):
-            raise ConfigError("the eval config has no tasks; add general, target or safety tasks")
+        if not any(getattr(self, category) for category in CATEGORIES):
+            raise ConfigError(
+                "the eval config has no tasks; add general, target, safety or long_context tasks"
+            )
 
     @classmethod
     def from_config(cls, values, where: str = "config") -> EvalConfig:
         """From a ConfigDict (or dict) whose categories map task names to task fields."""
         values = dict(to_plain(values))
         values.pop("method", None)
-        for category in ("general", "target", "safety"):
+        for category in CATEGORIES:
             tasks = values.get(category) or {}
             if isinstance(tasks, Mapping):
                 tasks = [{**fields, "name": name} for name, fields in tasks.items()]
@@ -158,7 +195,7 @@ class EvalConfig:
 
     def tasks(self):
         """(category, task) pairs in report order."""
-        for category in ("general", "target", "safety"):
+        for category in CATEGORIES:
             for task in getattr(self, category):
                 yield category, task
 
@@ -174,7 +211,10 @@ def check_files(config: EvalConfig) -> None:
     """Fails, naming every task and path, where a task's data file does not exist."""
     missing = []
     for category, task in config.tasks():
-        paths = [s.path for s in task.sources] if category == "general" else [task.path]
+        if category == "long_context":
+            paths = list(task.haystack)
+        else:
+            paths = [s.path for s in task.sources] if category == "general" else [task.path]
         missing += [f"{category}/{task.name}: {p}" for p in paths if not _exists(p)]
     if missing:
         raise FileNotFoundError(

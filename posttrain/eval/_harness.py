@@ -24,10 +24,9 @@ import jax
 from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.data import load_tokenizer
-from posttrain.eval._config import check_files, load_eval_config
+from posttrain.eval._config import CATEGORIES, check_files, load_eval_config
+from posttrain.eval._long_context import long_context_metrics, write_heatmaps
 from posttrain.eval._tasks import Scorer, general_metrics, safety_metrics, target_metrics
-
-CATEGORIES = ("general", "target", "safety")
 
 
 def evaluate(model, tokenizer, config, *, scorer: Scorer | None = None) -> dict[str, float]:
@@ -43,7 +42,7 @@ def evaluate(model, tokenizer, config, *, scorer: Scorer | None = None) -> dict[
       Flat metrics: `general/<task>/{loss,perplexity,tokens}`,
       `target/<task>/{accuracy,accuracy/<domain>,pass@<k>,examples}` or
       `target/<task>/{prefers_chosen,examples}`, `safety/<task>/{refusal_rate,compliance_rate,
-      examples}`.
+      examples}`, `long_context/<task>/{accuracy,accuracy/L<length>_d<depth>,examples}`.
     """
     config = load_eval_config(config)
     if isinstance(tokenizer, str | os.PathLike):
@@ -57,6 +56,8 @@ def evaluate(model, tokenizer, config, *, scorer: Scorer | None = None) -> dict[
                 out = general_metrics(model, tokenizer, task, progress=config.progress)
             elif category == "target":
                 out = target_metrics(model, tokenizer, task, scorer, progress=config.progress)
+            elif category == "long_context":
+                out = long_context_metrics(model, tokenizer, task, progress=config.progress)
             else:
                 out = safety_metrics(model, tokenizer, task, scorer, progress=config.progress)
             metrics.update({f"{category}/{task.name}/{k}": v for k, v in out.items()})
@@ -131,7 +132,8 @@ def evaluate_checkpoints(
     Returns:
       One `{"step", "model", "metrics"}` per checkpoint evaluated (step None for an HF dir).
       `<out_dir>/metrics.jsonl` keeps a line per step (re-evaluating a step replaces its line);
-      `table.md` and `table.csv` show every step it holds.
+      `table.md` and `table.csv` show every step it holds; each long-context task adds a
+      heatmap per evaluated step (`<task>_step<N>.png`).
     """
     from posttrain.models import from_hf
     from posttrain.train import load_checkpoint_model
@@ -169,7 +171,9 @@ def evaluate_checkpoints(
                 rows.append({"step": step, "model": str(paths.path(path)), "metrics": metrics})
     finally:
         scorer.close()
-    every = write_report(out_dir or paths.join(path, "eval"), rows)
+    out_dir = out_dir or paths.join(path, "eval")
+    every = write_report(out_dir, rows)
+    write_heatmaps(out_dir, rows, config.long_context)
     print_tables(every, title=path, console=console)
     return rows
 

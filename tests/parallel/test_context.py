@@ -88,9 +88,9 @@ def _loss_and_grads(method, config, mesh):
 
 @pytest.mark.parametrize(
     "method, mesh, mode",
-    [
-        ("sft", "seq8", "ring"),
-        ("sft", "seq4_fsdp2", "all_gather"),
+    [  # ~20 s each; sequence 8 and all-gather on the model in `make test-slow`
+        pytest.param("sft", "seq8", "ring", marks=pytest.mark.slow),
+        pytest.param("sft", "seq4_fsdp2", "all_gather", marks=pytest.mark.slow),
         ("sft", "seq2_fsdp2_tensor2", "ring"),
         ("dpo", "seq4_fsdp2", "ring"),
         ("grpo", "seq2_data2_tensor2", "ring"),
