@@ -69,6 +69,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.data.on_error = "raise"  # raise | skip malformed records (skipped ones are counted)
     c.data.overlong = "truncate"  # truncate | drop examples longer than max_len (counted)
     c.data.add_eos = True  # end text / completion examples with EOS
+    c.data.mix_by = "records"  # source weights share out records | tokens (of the packed rows)
     c.eval_data = []  # held-out sources for the eval loss (same fields as data.sources)
     # An eval suite run at every eval step, logged as eval suite/<category>/<task>/<metric>:
     # "configs/eval.py:<preset>" (docs/eval.md); "" for none.

@@ -56,6 +56,10 @@ class DataConfig:
       read_threads: threads decoding and tokenizing records ahead of packing (no effect on the
         batches).
       read_buffer: records decoded ahead of packing (no effect on the batches).
+      mix_by: what the sources' weights share out when repeating forever: "records" (a
+        weight-0.2 source gives 20% of the examples) or "tokens" (20% of the tokens in the
+        packed rows: each weight is divided by the source's mean tokens per example, measured
+        on up to 256 of its records), so long examples keep a set share of training.
     """
 
     sources: tuple[SourceConfig, ...]
@@ -70,6 +74,7 @@ class DataConfig:
     add_eos: bool = True
     read_threads: int = 4
     read_buffer: int = 64
+    mix_by: str = "records"
 
     def __post_init__(self):
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -83,6 +88,7 @@ class DataConfig:
             (self.on_error in ("raise", "skip"), f"on_error={self.on_error!r}: raise or skip"),
             (self.overlong in ("truncate", "drop"), f"overlong={self.overlong!r}: truncate|drop"),
             (self.read_threads >= 0 and self.read_buffer >= 0, "read_threads/read_buffer >= 0"),
+            (self.mix_by in ("records", "tokens"), f"mix_by={self.mix_by!r}: records or tokens"),
         ]
         for ok, message in checks:
             if not ok:
@@ -208,6 +214,15 @@ def index_mixture(
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
 
 
+def _mean_tokens(encode, records, sample: int = 256) -> float:
+    """Mean tokens per example (as packed: truncated to max_len) of up to `sample` records
+    spread evenly over the source; records that become no example count as none."""
+    picks = np.linspace(0, len(records) - 1, min(sample, len(records))).astype(int)
+    lengths = [len(out["example"]["tokens"]) for out in (encode(records[int(i)]) for i in picks)
+               if "example" in out]  # fmt: skip
+    return float(np.mean(lengths)) if lengths else 1.0
+
+
 def _sha256_file(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
@@ -286,22 +301,22 @@ class SFTData:
 
     def _dataset(self) -> grain.IterDataset:
         c, pi, pc = self.config, self.process_index, self.process_count
-        parts = [
-            grain.MapDataset.source(recs)
-            .map(
-                ExampleEncoder(
-                    self.tokenizer,
-                    s.format,
-                    c.max_len,
-                    source=i,
-                    domain=self.domains.index(s.domain),
-                    add_eos=c.add_eos,
-                    on_error=c.on_error,
-                    overlong=c.overlong,
-                )
+        encoders = [
+            ExampleEncoder(
+                self.tokenizer,
+                s.format,
+                c.max_len,
+                source=i,
+                domain=self.domains.index(s.domain),
+                add_eos=c.add_eos,
+                on_error=c.on_error,
+                overlong=c.overlong,
             )
-            .slice(slice(pi, None, pc))
-            for i, (s, recs) in enumerate(zip(c.sources, self._records, strict=True))
+            for i, s in enumerate(c.sources)
+        ]
+        parts = [
+            grain.MapDataset.source(recs).map(encode).slice(slice(pi, None, pc))
+            for encode, recs in zip(encoders, self._records, strict=True)
         ]
         if c.num_epochs is None:
             parts = [
@@ -309,6 +324,9 @@ class SFTData:
             ]
             parts = [p.repeat() for p in parts]
             weights = [s.weight for s in c.sources]
+            if c.mix_by == "tokens":
+                weights = [w / _mean_tokens(e, r) for w, e, r in
+                           zip(weights, encoders, self._records, strict=True)]  # fmt: skip
             ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
         else:
             ds = parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)

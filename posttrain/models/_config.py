@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 ATTENTION_IMPLS = ("auto", "xla", "flash", "cudnn", "splash")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CONTEXT_PARALLEL = ("ring", "all_gather")
 

@@ -28,6 +28,9 @@ _REMAT_POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing, recompute the whole layer
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # dots_no_batch, but the saved matmul outputs wait in host memory for the backward pass
+    # instead of in HBM (a copy each way instead of a recompute).
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 

@@ -2,12 +2,21 @@
 model's tokens, the asked fact at its depth and nowhere else, answers that follow from the
 context, and the records' two shapes (SFT messages, prompt + answer)."""
 
+import json
 import os
 import re
 
+import numpy as np
 import pytest
 
-from posttrain.data import load_tokenizer, long_context_records, read_paragraphs
+from posttrain.data import (
+    DataConfig,
+    SourceConfig,
+    load_tokenizer,
+    long_context_records,
+    make_pipeline,
+    read_paragraphs,
+)
 from posttrain.demo import ASSETS_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,3 +89,26 @@ def test_bad_arguments_are_clear(tok, paragraphs, tmp_path):
         long_context_records([], tok, kind="needle")
     with pytest.raises(FileNotFoundError, match="no haystack file"):
         read_paragraphs([str(tmp_path / "*.txt")])
+
+
+@pytest.mark.parametrize("mix_by", ["records", "tokens"])
+def test_mixing_by_tokens_keeps_the_long_sources_share(tok, tmp_path, mix_by):
+    """Short arithmetic examples (~20 tokens) and long key-value ones (~200) at weights 0.7 /
+    0.3: by records the long source fills most of the packed rows' tokens; by tokens it fills
+    its 30%."""
+    records = long_context_records([], tok, kind="kv", lengths=(200,), depths=(0.5,), per_cell=64)
+    long_path = tmp_path / "long.jsonl"
+    long_path.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in records))
+    sources = (
+        SourceConfig(str(ASSETS_DIR / "train.jsonl"), weight=0.7, domain="short"),
+        SourceConfig(str(long_path), weight=0.3, domain="long"),
+    )
+    config = DataConfig(sources, max_len=256, batch_size=16, mix_by=mix_by, read_threads=0)
+    data = make_pipeline(config, tok, process_index=0, process_count=1)
+    domain_ids = np.concatenate([next(data)["domain_ids"].ravel() for _ in range(40)])
+    data.close()
+    long_share = (domain_ids == data.domains.index("long")).sum() / (domain_ids >= 0).sum()
+    if mix_by == "tokens":
+        assert abs(long_share - 0.3) < 0.06, long_share
+    else:
+        assert long_share > 0.7, long_share
