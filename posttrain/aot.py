@@ -95,6 +95,7 @@ class CompileReport:
     bytes_accessed: float  # per device per step
     compile_seconds: float
     compiled: bool = True  # False: the arguments alone exceed HBM, XLA was not asked
+    host_temporaries: float = 0.0  # activations offloaded to host memory (remat=offload_dots)
 
     @property
     def total(self) -> float:
@@ -139,6 +140,9 @@ class CompileReport:
             f"{self.aliased / GiB:.2f} GiB)",
             f"  temporaries   {gib(self.temporaries)}",
         ]
+        if self.host_temporaries:
+            out.append(f"  host memory   {gib(self.host_temporaries)}  (offloaded activations, "
+                       "not in HBM)")  # fmt: skip
         out += [f"  {name:<13} {gib(size)}" for name, size in self.resident.items()]
         out += [
             f"  total         {gib(self.total)}  of {self.capacity / GiB:.0f} GiB "
@@ -252,9 +256,11 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
                 memory.temp_size_in_bytes,
                 memory.alias_size_in_bytes,
             )
+            host = float(getattr(memory, "host_temp_size_in_bytes", 0))
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list | tuple) else cost
         except _TooLarge:
+            host = 0.0
             sizes = (state_bytes + batch_bytes, state_bytes, 0.0, state_bytes)
             cost, compiled_ok = {}, False
         except jax.errors.JaxRuntimeError as e:
@@ -264,7 +270,7 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
                 raise
             temporaries = float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024
             sizes = (state_bytes + batch_bytes, state_bytes, temporaries, state_bytes)
-            cost = {}
+            cost, host = {}, 0.0
         seconds = time.perf_counter() - start
         program = matmul_flops(jax.make_jaxpr(step)(*low.arguments()).jaxpr)
         expert_buffer = _expert_buffer(low.model_config, low.mesh)
@@ -291,6 +297,7 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         compile_seconds=seconds,
         compiled=compiled_ok,
+        host_temporaries=host,
     )
 
 

@@ -48,6 +48,22 @@ def test_cli_compiles_the_tiny_sft_step_for_a_v5e_slice(capsys):
     assert "8 x TPU v5e, 16 GiB HBM each" in out and "temporaries" in out
 
 
+@pytest.mark.slow  # two TPU compiles, ~40 s
+def test_offload_remat_keeps_saved_activations_in_host_memory():
+    """remat=offload_dots on a TPU slice: the matmul outputs the backward pass reads wait in
+    pinned host memory (the report's host line), which dots_no_batch keeps on the chip."""
+    host = {}
+    for remat in ("dots_no_batch", "offload_dots"):
+        config = override(
+            load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny"),
+            {"model.remat": remat, "data.batch_size": 64, "data.max_len": 256},
+        )
+        report = compile_plan(config, "v5e-8")
+        host[remat] = report.host_temporaries
+    assert host["dots_no_batch"] == 0 and host["offload_dots"] > 0, host
+    assert any(line.startswith("  host memory") for line in report.lines())
+
+
 @pytest.mark.parametrize(  # dpo, rm and grpo (~30 s each) in `make test-slow`; ppo has both
     "method",  # a policy and a value head
     [pytest.param("dpo", marks=pytest.mark.slow), pytest.param("rm", marks=pytest.mark.slow),

@@ -64,7 +64,7 @@ def test_compile_time_is_flat_in_depth():
     assert deep < 3 * shallow
 
 
-@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch", "offload_dots"])
 def test_remat_policies_keep_gradients(remat):
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 16)), jnp.int32)
     params = init_params(TINY, jax.random.key(0))
