@@ -45,4 +45,3 @@ def test_the_grid_reports_every_cell_and_draws_a_heatmap(tok, tmp_path):
     assert sorted(os.path.basename(p) for p in written) == ["kv_step5.png", "needle_step5.png"]
     image = matplotlib.image.imread(written[0])
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
-

@@ -32,7 +32,9 @@ def close_trees(a, b, *, rtol, err_msg=""):
         assert_close(x, y, rtol=rtol, ulps=16, scale=np.abs(y).max(), err_msg=f"{err_msg}{path}")
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["lm_head", "tied"])
+@pytest.mark.parametrize(
+    "tie", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["lm_head", "tied"]
+)
 def test_token_stats_equal_the_full_logits(tie):
     config = CONFIG.replace(tie_embeddings=tie)
     params = init_params(config, jax.random.key(0))
@@ -144,8 +146,7 @@ def _compiled_sft_step_memory(length: int) -> int:
 
 def test_a_long_sft_step_never_holds_the_full_logits():
     """At L = 32k and V = 32k the `[1, L, V]` float32 logits alone are 4 GiB; the compiled step
-    allocates a fraction of that, and doubling L from 16k adds far less than the logits grow."""
-    logits = lambda length: length * 32_768 * 4  # noqa: E731
-    half, full = _compiled_sft_step_memory(16_384), _compiled_sft_step_memory(32_768)
-    assert full < logits(32_768) / 8, full
-    assert full - half < (logits(32_768) - logits(16_384)) / 16, (half, full)
+    allocates less than an eighth of that (how it grows with L:
+    benchmarks/long_context_memory.py)."""
+    temporaries = _compiled_sft_step_memory(32_768)
+    assert temporaries < 32_768 * 32_768 * 4 / 8, temporaries
