@@ -223,23 +223,6 @@ PRESETS: dict[str, ModelConfig] = {
         norm_eps=1e-6,
         name="tiny",
     ),
-    # The tiny model at long lengths (long-context tests and the memory benchmark): a 32k
-    # vocabulary, positions up to 128k, blocked attention and chunked logits.
-    "tiny_long": ModelConfig(
-        vocab_size=32_768,
-        embed_dim=64,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=16,
-        mlp_dim=128,
-        max_seq_len=131_072,
-        rope_theta=1_000_000.0,
-        norm_eps=1e-6,
-        attention="flash",
-        logits_chunk=1024,
-        name="tiny_long",
-    ),
     # Tiny MoE models: Qwen3-MoE-like, and DeepSeek-V3-like (MLA, groups, shared expert,
     # one dense layer, routing bias).
     "tiny_moe": ModelConfig(
@@ -295,6 +278,17 @@ PRESETS: dict[str, ModelConfig] = {
         name="demo",
     ),
 }
+
+# The tiny model at long lengths (long-context tests and the memory benchmark): a 32k
+# vocabulary, positions up to 128k, blocked attention and chunked logits.
+PRESETS["tiny_long"] = PRESETS["tiny"].replace(
+    vocab_size=32_768,
+    max_seq_len=131_072,
+    rope_theta=1_000_000.0,
+    attention="flash",
+    logits_chunk=1024,
+    name="tiny_long",
+)
 
 # Qwen3 8B with YaRN stretched to 1M positions (32 x its 32k pre-training context, as Qwen's
 # own YaRN recipe stretches it 4x to 128k): the 1M-token long-context plan's model.
