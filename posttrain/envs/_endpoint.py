@@ -33,10 +33,10 @@ from posttrain.data._tools import ParsedTurn, parse_tool_calls, tool_format_for
 from posttrain.data._turns import Turns
 from posttrain.envs._episodes import Episode
 from posttrain.models import Transformer
-from posttrain.sampling._backend import EngineFailed, ServeConfig, _Backend
+from posttrain.sampling._backend import ServeConfig, _Backend
 from posttrain.sampling._engine import Engine, EngineConfig
 from posttrain.sampling._generate import Completion
-from posttrain.sampling._serve import _APIError, _engine_error, _get, _settings, _tools
+from posttrain.sampling._serve import _APIError, _get, _settings, _tools, api_app
 
 MODEL_NAME = "posttrain-episodes"  # the model the answers name (requests may name any)
 
@@ -357,18 +357,9 @@ def _reply(message: dict, completion: Completion, prompt_tokens: int) -> dict:
 def _app(server: EpisodeServer):
     """The app: `POST /episodes/{episode_id}/v1/chat/completions`."""
     import fastapi
-    from fastapi.responses import JSONResponse
 
-    app = fastapi.FastAPI(title="posttrain episodes")
+    app = api_app("posttrain episodes")
     backend = server._backend
-
-    @app.exception_handler(_APIError)
-    async def refused(request, e: _APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(EngineFailed)
-    async def failed(request, e: EngineFailed):
-        return JSONResponse(_engine_error(e).body(), status_code=500)
 
     @app.post("/episodes/{episode_id}/v1/chat/completions")
     async def chat_completions(episode_id: str, request: fastapi.Request):

@@ -8,9 +8,10 @@ activation memory grows linearly with the length, as the fused kernels' does, on
 (`model.attention="flash"`; the CPU and GPU fallback for long rows). Key blocks that no query of
 the block can see (after it causally, outside the window, other documents) are skipped.
 
-`block_attention` is one tile's partial result with its log-normaliser, and `merge_partials`
-combines partials over disjoint key sets: the pieces ring attention (context parallelism) runs
-per rotation step.
+`block_attention` is one tile's partial result with its log-normaliser, `merge_partials`
+combines partials over disjoint key sets, and `block_terms` is a tile's share of attention
+normalised over all keys, whose VJP is that tile's part of the gradient: the pieces ring
+attention (context parallelism) runs per rotation step, forward and backward.
 """
 
 from __future__ import annotations

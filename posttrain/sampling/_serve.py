@@ -278,16 +278,13 @@ async def _released(pieces: AsyncIterator[Piece], release: Callable[[], None]):
         release()
 
 
-def create_app(backend, config: ServeConfig):
-    """The FastAPI app of the OpenAI API over `backend` (a `_Backend`, or anything with its
-    `tokenizer`, `max_seq_len`, `stats`, and the coroutine `complete` and async generator
-    `stream`)."""
+def api_app(title: str):
+    """A FastAPI app whose errors are OpenAI's: a refused request (`_APIError`) as its status
+    and error body, a failed engine step as a 500."""
     import fastapi
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
 
-    app = fastapi.FastAPI(title=f"posttrain serve: {config.model_name}")
-    slots = threading.BoundedSemaphore(config.max_requests)
-    started = int(time.time())
+    app = fastapi.FastAPI(title=title)
 
     @app.exception_handler(_APIError)
     async def refused(request, e: _APIError):
@@ -296,6 +293,20 @@ def create_app(backend, config: ServeConfig):
     @app.exception_handler(EngineFailed)
     async def failed(request, e: EngineFailed):
         return JSONResponse(_engine_error(e).body(), status_code=500)
+
+    return app
+
+
+def create_app(backend, config: ServeConfig):
+    """The FastAPI app of the OpenAI API over `backend` (a `_Backend`, or anything with its
+    `tokenizer`, `max_seq_len`, `stats`, and the coroutine `complete` and async generator
+    `stream`)."""
+    import fastapi
+    from fastapi.responses import StreamingResponse
+
+    app = api_app(f"posttrain serve: {config.model_name}")
+    slots = threading.BoundedSemaphore(config.max_requests)
+    started = int(time.time())
 
     @app.get("/health")
     def health():

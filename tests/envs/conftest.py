@@ -6,11 +6,13 @@ import json
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from posttrain.config import build, load_config_file, override
 from posttrain.demo._calculator import build_calculator_assets
 from posttrain.models import Transformer, get_preset
+from posttrain.rl import rollout_batch, sequence_log_probs
 from posttrain.train import SFTConfig, run_sft
 from posttrain.train._params import restore_params
 
@@ -24,6 +26,32 @@ def load_policy(workdir: str) -> Transformer:
     config = get_preset("tiny")
     abstract = jax.eval_shape(lambda: Transformer.init(config, 0).params)
     return Transformer(jax.device_put(restore_params(workdir, abstract)), config)
+
+
+def assert_trained_as_sampled(model, episodes, *, max_len: int, pad_id: int):
+    """`episodes` (one group each) as an RL batch: the trainer's log-probs of the sampled
+    tokens equal the sampler's (mean gap < 1e-3), and each row's loss positions are exactly
+    its sampled tokens (observation tokens get no loss)."""
+    batch = rollout_batch(
+        [{"prompt_ids": [], "domain_id": 0}] * len(episodes),
+        [[ep] for ep in episodes],
+        np.zeros((len(episodes), 1)),
+        groups=len(episodes),
+        max_len=max_len,
+        pad_id=pad_id,
+    )
+    logps = np.asarray(sequence_log_probs(model.params, model.config, batch))
+    mask = batch["loss_mask"] > 0
+    assert mask.sum() == sum(sum(ep.mask) for ep in episodes)
+    gap = np.abs(logps - batch["sampler_logps"])[mask]
+    assert gap.mean() < 1e-3, gap.mean()
+    for r, ep in enumerate(episodes):
+        start = len(ep.prompt_ids) - 1
+        np.testing.assert_array_equal(batch["loss_mask"][r, start : start + len(ep.mask)], ep.mask)
+        np.testing.assert_array_equal(
+            batch["targets"][r, start : start + len(ep.mask)], ep.token_ids
+        )
+    return gap
 
 
 @pytest.fixture(scope="session")

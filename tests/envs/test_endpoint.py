@@ -6,7 +6,6 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 from openai import BadRequestError, ConflictError, NotFoundError, OpenAI
 
@@ -14,8 +13,7 @@ from posttrain.data import load_tokenizer, tool_schema
 from posttrain.envs import EpisodeServer, calculate
 from posttrain.envs._builtin import CALCULATOR_SYSTEM
 from posttrain.rewards import integer_correct
-from posttrain.rl import rollout_batch, sequence_log_probs
-from tests.envs.conftest import load_policy
+from tests.envs.conftest import assert_trained_as_sampled, load_policy
 
 MAX_LEN, PROBLEMS, MAX_TURNS = 512, 8, 4
 TOOLS = [tool_schema(calculate)]
@@ -118,25 +116,7 @@ def test_an_openai_agent_produces_trainable_episodes(served, calculator_sft):
         for message in ep.messages:
             if message["role"] == "tool":
                 assert message["content"] in observed
-    batch = rollout_batch(
-        [{"prompt_ids": [], "domain_id": 0}] * PROBLEMS,
-        [[ep] for ep in episodes],
-        np.array([[ep.reward] for ep in episodes]),
-        groups=PROBLEMS,
-        max_len=MAX_LEN,
-        pad_id=tokenizer.pad_id or 0,
-    )
-    logps = np.asarray(sequence_log_probs(model.params, model.config, batch))
-    mask = batch["loss_mask"] > 0
-    assert mask.sum() == sum(sum(ep.mask) for ep in episodes)
-    gap = np.abs(logps - batch["sampler_logps"])[mask]
-    assert gap.mean() < 1e-3, gap.mean()
-    for r, ep in enumerate(episodes):
-        start = len(ep.prompt_ids) - 1
-        np.testing.assert_array_equal(batch["loss_mask"][r, start : start + len(ep.mask)], ep.mask)
-        np.testing.assert_array_equal(
-            batch["targets"][r, start : start + len(ep.mask)], ep.token_ids
-        )
+    assert_trained_as_sampled(model, episodes, max_len=MAX_LEN, pad_id=tokenizer.pad_id or 0)
 
 
 def test_rewritten_history_unknown_and_busy_episodes_are_refused(served):

@@ -18,8 +18,8 @@ from posttrain.envs import (
     run_episodes,
 )
 from posttrain.models import Transformer, get_preset
-from posttrain.rl import rollout_batch, sequence_log_probs
 from posttrain.sampling import Engine, EngineConfig
+from tests.envs.conftest import assert_trained_as_sampled
 
 
 @pytest.fixture(scope="module")
@@ -68,26 +68,7 @@ def test_four_turn_episode_is_scored_as_sampled(model, tokenizer):
         for turn in (1, 2, 3):
             assert f"<|im_start|>user\ngo on {turn}<|im_end|>\n<|im_start|>assistant\n" in text
         assert sum(ep.mask) == sum(1 for lp in ep.logprobs if lp != 0.0)
-    batch = rollout_batch(
-        [{"prompt_ids": [], "domain_id": 0}] * 2,
-        episodes,
-        np.zeros((2, 2)),
-        groups=2,
-        max_len=256,
-        pad_id=tokenizer.pad_id or 0,
-    )
-    logps = np.asarray(sequence_log_probs(model.params, model.config, batch))
-    mask = batch["loss_mask"] > 0
-    assert mask.sum() == sum(sum(ep.mask) for ep in flat)
-    gap = np.abs(logps - batch["sampler_logps"])[mask]
-    assert gap.mean() < 1e-3, gap.mean()
-    # Every row: its loss positions are exactly the sampled tokens' targets.
-    for r, ep in enumerate(flat):
-        start = len(ep.prompt_ids) - 1
-        np.testing.assert_array_equal(batch["loss_mask"][r, start : start + len(ep.mask)], ep.mask)
-        np.testing.assert_array_equal(
-            batch["targets"][r, start : start + len(ep.mask)], ep.token_ids
-        )
+    assert_trained_as_sampled(model, flat, max_len=256, pad_id=tokenizer.pad_id or 0)
 
 
 def test_episode_tokens_equal_the_rendered_conversation(tokenizer):
