@@ -13,6 +13,8 @@ Presets:
   kimi_k2_1t    Kimi K2 (1T MoE) GRPO on v5p-1024: policy, reference and KV cache.
   rloo_tiny     RLOO: leave-one-out baseline.
   qwen3_8b_v5p  GRPO for Qwen3 8B on a v5p-64 slice (set model.hf_path / checkpoint, data).
+  qwen3_8b_32k_v5p  the same with 32k-token rollouts (1k prompt + 31k completion): rows split
+                over sequence=4 (ring attention), logits in chunks.
 Every field of configs/sft.py applies (model, data, optimizer, train, checkpoint, mesh);
 `data.batch_size` is prompts per RL step, `train.steps` RL steps. Prompt records:
 {"prompt": str or messages, "domain": ..., plus the fields the domain's reward reads}.
@@ -45,10 +47,11 @@ VARIANTS = {
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     variant, _, size = preset.rpartition("_") if preset.endswith("_tiny") else ("grpo", "", preset)
-    if size not in ("tiny", "qwen3_8b_v5p", "kimi_k2_1t") or variant not in VARIANTS:
+    sizes = ("tiny", "qwen3_8b_v5p", "qwen3_8b_32k_v5p", "kimi_k2_1t")
+    if size not in sizes or variant not in VARIANTS:
         names = [f"{v}_tiny" for v in VARIANTS if v != "grpo"]
         raise ValueError(
-            f"unknown grpo preset {preset!r}: tiny, {', '.join(names)}, qwen3_8b_v5p, kimi_k2_1t"
+            f"unknown grpo preset {preset!r}: tiny, {', '.join(names)}, {', '.join(sizes[1:])}"
         )
     base = {"tiny": "tiny", "kimi_k2_1t": "kimi_k2_1t"}.get(size, "llama3_8b_v5p")
     c = load_config_file(os.path.join(_HERE, "sft.py") + ":" + base)
@@ -194,4 +197,14 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.micro_batches = 4
         c.train.steps = 500
         c.kl.coef = 0.001
+        if size == "qwen3_8b_32k_v5p":
+            # Long reasoning rollouts: 8 prompts x 8 samples of up to 32k tokens; the train
+            # step's rows split over sequence=4 x fsdp=8, one row per fsdp group per micro-batch.
+            c.model.logits_chunk = 4096
+            c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 4, "tensor": 1}
+            c.data.batch_size = 8
+            c.rollout.num_generations = 8
+            c.rollout.max_prompt_len = 1024
+            c.rollout.max_new_tokens = 31_744
+            c.algorithm.minibatches = 2
     return override(c, VARIANTS[variant])

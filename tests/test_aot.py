@@ -178,15 +178,23 @@ def test_real_size_presets_compile_and_fit_their_slice(spec, topology):
 
 @pytest.mark.slow  # ~4 minutes each here
 @pytest.mark.parametrize(
-    "preset, topology, length",
-    [("llama3_8b_128k_v5p", "v5p-64", 131_072), ("qwen3_8b_1m_v5p", "v5p-256", 1_048_576)],
+    "spec, topology, length",
+    [
+        ("sft.py:llama3_8b_128k_v5p", "v5p-64", 131_072),
+        ("sft.py:qwen3_8b_1m_v5p", "v5p-256", 1_048_576),
+        ("grpo.py:qwen3_8b_32k_v5p", "v5p-64", 32_768),
+    ],
 )
-def test_long_context_plans_fit_their_slice(preset, topology, length):
-    """Rows of 128k and 1M tokens, their length split over `sequence` (ring attention) and the
-    logits in chunks: the compiled step fits (a row's float32 logits alone would be 63 GB at
-    128k x 128k vocabulary, 637 GB at 1M x 152k)."""
-    config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":" + preset)
-    assert config.data.max_len == length
+def test_long_context_plans_fit_their_slice(spec, topology, length):
+    """Rows of 128k and 1M tokens (SFT) and 32k-token rollouts (GRPO, with its reference and KV
+    cache beside the step), their length split over `sequence` (ring attention) and the logits
+    in chunks: the compiled step fits (a row's float32 logits alone would be 63 GB at 128k x
+    128k vocabulary, 637 GB at 1M x 152k)."""
+    config = load_config_file(os.path.join(REPO, "configs", spec))
+    rows = config.data.max_len if spec.startswith("sft") else (
+        config.rollout.max_prompt_len + config.rollout.max_new_tokens
+    )  # fmt: skip
+    assert rows == length
     report = compile_plan(config, topology)
     assert report.compiled and report.fits, report.lines()
 
