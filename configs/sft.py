@@ -11,6 +11,8 @@ Presets:
                         split over sequence=8 (ring attention), logits in chunks.
   qwen3_8b_1m_v5p       Qwen3 8B (YaRN to 1M positions) at 1M tokens per row on v5p-256:
                         sequence=32.
+  llama3_8b_pp_2x_v5p   Llama 3.1 8B on two v5p-64 slices: pipeline stages over DCN (one
+                        per slice, 8 GPipe microbatches), FSDP inside each slice.
   kimi_k2_1t            Kimi K2 (1T MoE, MLA) on v5p-1024 (512 chips).
   deepseek_v3_671b      DeepSeek-V3 (671B MoE, MLA) on v5p-1024.
   qwen3_235b_a22b       Qwen3-235B-A22B (MoE) on v5p-256.
@@ -51,6 +53,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model.param_dtype = ""  # "" keeps the model's; float32 | bfloat16
     c.model.logits_chunk = -1  # positions of a row whose logits a loss builds at once (0: all)
     c.model.context_parallel = ""  # mesh sequence > 1: ring | all_gather ("" keeps the model's)
+    c.model.pipeline_microbatches = 0  # mesh stage > 1: GPipe microbatches (0 keeps the model's)
     c.model.ep_capacity_factor = 0.0  # MoE: expert-parallel buffers over the balanced share (0: the
     # model's, worst-case buffers that never drop)
     c.model.routing_bias_rate = 0.0  # MoE: aux-loss-free balancing step (0: bias frozen)
@@ -122,8 +125,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
 
     # Mesh: sizes per axis inside a slice (ici) and across slices (dcn); -1 fills.
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 1}
-    c.mesh.dcn = {"data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+    c.mesh.ici = {"data": 1, "stage": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 1}
+    c.mesh.dcn = {"data": 1, "stage": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
     c.mesh.rules = []  # extra logical-axis rules: [[name, mesh_axis_or_list], ...]
 
     if preset == "tiny":
@@ -164,6 +167,20 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.optimizer.learning_rate = 1e-5
         c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": plan["sequence"],
                       "tensor": 1}  # fmt: skip
+    elif preset == "llama3_8b_pp_2x_v5p":
+        # Two slices joined over DCN: the 32 layers split in two stages, one per slice (only
+        # activations cross the slow links, once per microbatch); FSDP over each slice's 32
+        # chips; 8 microbatches of 32 rows: bubble 1/9 of the step.
+        # `posttrain compile --config=configs/sft.py:llama3_8b_pp_2x_v5p --topology=v5p-64
+        #  --num-slices=2`
+        c.model.preset = "llama3_8b"
+        c.model.remat = "full"
+        c.model.pipeline_microbatches = 8
+        c.data.max_len = 8192
+        c.data.batch_size = 256
+        c.optimizer.learning_rate = 1e-5
+        c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 1}
+        c.mesh.dcn = {"stage": 2}
     elif preset == "llama3_70b_v5p":
         # 70B on v5p-256 (128 chips): FSDP over all chips, full remat, bf16 compute;
         # `posttrain compile --topology=v5p-256` reports the fit.
@@ -199,6 +216,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.mesh.rules = [["embed", ["fsdp", "expert"]]]
     else:
         names = ["tiny", "llama3_8b_v5p", "llama3_70b_v5p", "qwen3_32b_v5p", *LONG_PLANS]
+        names += ["llama3_8b_pp_2x_v5p"]
         names += list(MOE_PLANS)
         raise ValueError(f"unknown sft preset {preset!r}: {', '.join(names)}")
     return c

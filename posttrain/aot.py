@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from posttrain._flops import _expected_ratio, _expert_buffer, matmul_flops
 from posttrain.config import ConfigError
+from posttrain.models import bubble_fraction
 from posttrain.parallel import axis_rules
 
 GiB = 1024**3
@@ -96,6 +97,7 @@ class CompileReport:
     compile_seconds: float
     compiled: bool = True  # False: the arguments alone exceed HBM, XLA was not asked
     host_temporaries: float = 0.0  # activations offloaded to host memory (remat=offload_dots)
+    bubble: float = 0.0  # pipeline stages' idle share of the step (mesh stage > 1)
 
     @property
     def total(self) -> float:
@@ -140,6 +142,9 @@ class CompileReport:
             f"{self.aliased / GiB:.2f} GiB)",
             f"  temporaries   {gib(self.temporaries)}",
         ]
+        if self.bubble:
+            out.append(f"  pipeline bubble {100 * self.bubble:.0f}% of the step (GPipe: stages - 1 "
+                       "idle ticks per microbatches + stages - 1)")  # fmt: skip
         if self.host_temporaries:
             out.append(f"  host memory   {gib(self.host_temporaries)}  (offloaded activations, "
                        "not in HBM)")  # fmt: skip
@@ -298,6 +303,10 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         compile_seconds=seconds,
         compiled=compiled_ok,
         host_temporaries=host,
+        bubble=bubble_fraction(
+            dict(low.mesh.shape).get("stage", 1),
+            model_config.pipeline_microbatches or dict(low.mesh.shape).get("stage", 1),
+        ),
     )
 
 

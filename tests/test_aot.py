@@ -199,6 +199,15 @@ def test_long_context_plans_fit_their_slice(spec, topology, length):
     assert report.compiled and report.fits, report.lines()
 
 
+@pytest.mark.slow  # ~3 minutes
+def test_a_two_slice_plan_with_pipeline_stages_over_dcn_compiles_and_reports_its_bubble():
+    config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":llama3_8b_pp_2x_v5p")
+    report = compile_plan(config, "v5p-64", num_slices=2)
+    assert report.chips == 64 and report.compiled and report.fits, report.lines()
+    assert report.bubble == 1 / 9  # 2 stages, 8 microbatches
+    assert any(line.startswith("  pipeline bubble 11%") for line in report.lines())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["sft", "grpo"])
 def test_kimi_k2_fits_v5p_1024(method):

@@ -15,6 +15,7 @@ from posttrain.models._params import (
     param_shardings,
     param_specs,
 )
+from posttrain.models._pipeline import bubble_fraction
 from posttrain.models._presets import PRESETS, get_preset
 from posttrain.models._transformer import (
     Transformer,
@@ -38,6 +39,7 @@ __all__ = [
     "Transformer",
     "attention",
     "attention_mask",
+    "bubble_fraction",
     "check_export_destination",
     "forward",
     "from_hf",

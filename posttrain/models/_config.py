@@ -171,6 +171,9 @@ class ModelConfig:
     # With the rows' length sharded (mesh `sequence` axis): "ring" passes key/value shards
     # around the devices, "all_gather" gathers them once per layer (posttrain.models._context).
     context_parallel: str = "ring"
+    # With mesh stage > 1: microbatches per pipelined forward (GPipe; 0: one per stage). More
+    # shrink the bubble, (stages - 1) / (microbatches + stages - 1) of the step.
+    pipeline_microbatches: int = 0
     name: str = "custom"  # preset or HF model name, for logs
 
     def __post_init__(self):
@@ -196,6 +199,8 @@ class ModelConfig:
             fail(f"attention={self.attention!r}; choose one of {ATTENTION_IMPLS}")
         if self.context_parallel not in CONTEXT_PARALLEL:
             fail(f"context_parallel={self.context_parallel!r}; choose one of {CONTEXT_PARALLEL}")
+        if self.pipeline_microbatches < 0:
+            fail(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0")
         if self.logits_chunk < 0:
             fail(f"logits_chunk={self.logits_chunk} must be >= 0 (0: no chunking)")
         if self.remat not in REMAT_POLICIES:

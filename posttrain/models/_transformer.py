@@ -21,6 +21,7 @@ from posttrain.models._mla import mla_attention
 from posttrain.models._moe import moe_aux, moe_forward
 from posttrain.models._ops import dense, rms_norm
 from posttrain.models._params import init_params
+from posttrain.models._pipeline import pipeline_layers, stage_count
 from posttrain.models._rope import apply_rope, rope_angles
 from posttrain.parallel import constrain
 
@@ -251,25 +252,36 @@ def hidden_states(
             cache_update=update,
             cache_attend=attend,
         )
-    layer = functools.partial(
-        _layer,
-        config=config,
-        impl=resolve_impl(config.attention, config.dtype),
-        windows=windows,
-        cos=cos,
-        sin=sin,
-        positions_BL=positions_BL,
-        segment_ids_BL=segment_ids_BL,
-        **cache_kwargs,
-    )
-    if layer_transform is not None:
-        inner = layer
+    impl = resolve_impl(config.attention, config.dtype)
 
-        def layer(x, p, extra, *rest):
-            return inner(x, layer_transform(p, extra), *rest)
+    def build(cos, sin, positions_BL, segment_ids_BL):
+        """The layer function for rows with these per-row inputs."""
+        layer = functools.partial(
+            _layer,
+            config=config,
+            impl=impl,
+            windows=windows,
+            cos=cos,
+            sin=sin,
+            positions_BL=positions_BL,
+            segment_ids_BL=segment_ids_BL,
+            **cache_kwargs,
+        )
+        if layer_transform is not None:
+            inner = layer
 
-    if config.remat != "none":
-        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
+            def layer(x, p, extra, *rest):
+                return inner(x, layer_transform(p, extra), *rest)
+
+        if config.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
+        return layer
+
+    side = (cos, sin, positions_BL, segment_ids_BL)
+    layer = build(*side)
+    pipelined = cache is None and stage_count() > 1
+    if pipelined and (config.moe is not None or config.first_k_dense):
+        raise ValueError("pipeline stages (mesh stage > 1) run dense models only for now")
     caches, aux_T = [], {}
     unstacked = isinstance(params["layers"], tuple)
     if unstacked:  # `unstack_layers`: a loop over each layer's arrays
@@ -289,7 +301,11 @@ def hidden_states(
         if cache is not None:
             k_T, v_T = cache.stores()
             xs += jax.tree.map(lambda a, layers=layers: a[layers], (k_T, v_T))
-        x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
+        if pipelined:
+            micro = config.pipeline_microbatches
+            x_BLD, kv, aux = pipeline_layers(build, x_BLD, xs, side, microbatches=micro), None, {}
+        else:
+            x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
         caches.append(kv)
         aux_T = aux or aux_T
     hidden_BLD = rms_norm(x_BLD, params["final_norm"], config.norm_eps)

@@ -1,4 +1,4 @@
-"""Device mesh from config: five named axes, sizes inside a slice (ici) and across slices (dcn)."""
+"""Device mesh from config: six named axes, sizes inside a slice (ici) and across slices (dcn)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-# Outermost first: data parallelism crosses the slowest links, tensor parallelism the fastest.
-MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+# Outermost first: data parallelism crosses the slowest links, tensor parallelism the fastest;
+# pipeline stages pass only activations between neighbours, so they too can cross slices.
+MESH_AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
+_BEFORE_STAGE = ("data", "fsdp", "expert", "sequence", "tensor")  # saved configs before "stage"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,9 +22,9 @@ class MeshConfig:
     """Mesh shape. Each axis size is an int; -1 (at most once per level) takes what is left."""
 
     # Sizes inside one slice (ICI links), per axis of MESH_AXES.
-    ici: tuple[int, ...] = (1, -1, 1, 1, 1)
+    ici: tuple[int, ...] = (1, 1, -1, 1, 1, 1)
     # Sizes across slices (DCN links); their product is the number of slices.
-    dcn: tuple[int, ...] = (1, 1, 1, 1, 1)
+    dcn: tuple[int, ...] = (1, 1, 1, 1, 1, 1)
     # Logical-axis rules added to (and overriding) DEFAULT_RULES: ((name, mesh axes), ...).
     rules: tuple = ()
 
@@ -42,9 +44,10 @@ class MeshConfig:
         for level in ("ici", "dcn"):
             sizes = values.get(level)
             if isinstance(sizes, list | tuple):  # the saved form: one size per axis
-                if len(sizes) != len(MESH_AXES):
+                axes = _BEFORE_STAGE if len(sizes) == len(_BEFORE_STAGE) else MESH_AXES
+                if len(sizes) != len(axes):
                     raise ValueError(f"{where}.{level} needs {len(MESH_AXES)} sizes {MESH_AXES}")
-                sizes = dict(zip(MESH_AXES, sizes, strict=True))
+                sizes = dict(zip(axes, sizes, strict=True))
             levels[level] = sizes
         base = cls.from_dict(levels["ici"], levels["dcn"])
         return dataclasses.replace(base, rules=rules)
@@ -100,7 +103,7 @@ def _resolve(sizes: Sequence[int], total: int, level: str) -> tuple[int, ...]:
 def make_mesh(
     config: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | None = None
 ) -> Mesh:
-    """Lays the devices out on the five named axes.
+    """Lays the devices out on the six named axes.
 
     Args:
       config: axis sizes inside (ici) and across (dcn) slices.

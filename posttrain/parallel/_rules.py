@@ -28,7 +28,7 @@ DEFAULT_RULES: Rules = (
     ("experts", "expert"),
     ("q_lora", "fsdp"),  # MLA latents: where `embed` is not in the same weight
     ("kv_lora", "fsdp"),
-    ("layers", None),
+    ("layers", "stage"),  # pipeline parallelism: each stage holds its share of the layers
     # Activations. Every data-like axis splits the batch; `sequence` splits the length.
     ("act_batch", ("data", "fsdp", "expert")),
     ("act_length", "sequence"),

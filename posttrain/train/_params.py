@@ -52,6 +52,7 @@ class ModelSpec:
     # the logits' memory at long lengths; 0: all at once; -1 keeps the model's.
     logits_chunk: int = -1
     context_parallel: str = ""  # override ModelConfig.context_parallel: ring | all_gather
+    pipeline_microbatches: int = 0  # override ModelConfig.pipeline_microbatches (0 keeps it)
     # MoE run settings (0 keeps the model's): expert-parallel buffer size over the balanced
     # share (MoEConfig.ep_capacity_factor), routing-bias step, load-balancing loss weight.
     ep_capacity_factor: float = 0.0
@@ -66,7 +67,8 @@ class ModelSpec:
             )
 
     def overrides(self) -> dict:
-        names = ("attention", "remat", "compute_dtype", "param_dtype", "context_parallel")
+        names = ("attention", "remat", "compute_dtype", "param_dtype", "context_parallel",
+                 "pipeline_microbatches")  # fmt: skip
         out = {n: getattr(self, n) for n in names if getattr(self, n)}
         return out | ({"logits_chunk": self.logits_chunk} if self.logits_chunk >= 0 else {})
 
@@ -127,8 +129,8 @@ def check_same_model(workdir: str, model_config: ModelConfig) -> None:
             return
         old, new = to_json(saved), to_json(model_config)
         # Settings that may change between runs of one model.
-        runtime = ("attention", "remat", "logits_chunk", "context_parallel", "compute_dtype",
-                   "name")  # fmt: skip
+        runtime = ("attention", "remat", "logits_chunk", "context_parallel",
+                   "pipeline_microbatches", "compute_dtype", "name")  # fmt: skip
         changed = [k for k in new if k not in runtime and old.get(k) != new[k]]
         details = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed)
         raise ConfigError(
