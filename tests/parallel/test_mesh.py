@@ -9,8 +9,17 @@ from posttrain.parallel import MESH_AXES, MeshConfig, axis_rules, logical_to_spe
 def test_mesh_axes_and_fill(devices):
     mesh = make_mesh(MeshConfig.from_dict({"data": 2, "tensor": -1}))
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 4}
+    assert dict(mesh.shape) == {
+        "data": 2, "stage": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 4
+    }  # fmt: skip
     assert dict(make_mesh().shape)["fsdp"] == 8  # default: all devices on fsdp
+
+
+def test_mesh_configs_saved_before_the_stage_axis_still_load():
+    """Checkpoints store the mesh as one size per axis; those written with five axes (no
+    `stage`) resume."""
+    saved = MeshConfig.from_config({"ici": [1, -1, 1, 1, 2], "dcn": [2, 1, 1, 1, 1]})
+    assert saved.ici == (1, 1, -1, 1, 1, 2) and saved.dcn == (2, 1, 1, 1, 1, 1)
 
 
 @pytest.mark.parametrize(
