@@ -27,9 +27,22 @@ def tok():
     return load_tokenizer(str(ASSETS_DIR / "tokenizer"))
 
 
+WORDS = (
+    "the a river stone cloud paper light garden window music table ocean forest reads writes "
+    "carries under over near slowly quietly bright old new long small city road"
+).split()
+
+
 @pytest.fixture(scope="module")
-def paragraphs():
-    return read_paragraphs([os.path.join(REPO, "docs", "*.md")])  # English text as a haystack
+def paragraphs(tmp_path_factory):
+    """A seeded haystack: 300 paragraphs of 1 to 3 sentences (a fixed corpus, so the lengths
+    the generator reaches do not move when the repository's docs change)."""
+    rng = np.random.RandomState(0)
+    sentence = lambda: " ".join(rng.choice(WORDS, rng.randint(4, 9))).capitalize() + "."  # noqa: E731
+    text = "\n\n".join(" ".join(sentence() for _ in range(rng.randint(1, 4))) for _ in range(300))
+    path = tmp_path_factory.mktemp("haystack") / "haystack.txt"
+    path.write_text(text)
+    return read_paragraphs([str(path)])
 
 
 def _prompt_tokens(tok, record):

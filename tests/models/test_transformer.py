@@ -102,7 +102,7 @@ def test_real_presets_shape_check(name):
     "changes, message",
     [
         (dict(num_kv_heads=3), "multiple of num_kv_heads"),
-        (dict(attention="flash"), "attention='flash'"),
+        (dict(attention="flashy"), "attention='flashy'"),
         (dict(remat="some"), "remat='some'"),
         (dict(compute_dtype="float17"), "not a dtype name"),
         (dict(sliding_window=4, sliding_window_layers=(5,)), r"outside 0\.\.1"),
