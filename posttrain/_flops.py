@@ -71,7 +71,11 @@ def matmul_flops(jaxpr) -> float:
         elif name == "cond":
             total += max(counts)
         elif name == "shard_map":
-            total += sum(counts) * math.prod(eqn.params["mesh"].shape.values())
+            # The body's shapes are per device along its manual axes only (a pipeline's
+            # `stage`), global along the others.
+            sizes = dict(eqn.params["mesh"].shape)
+            manual = eqn.params.get("newly_manual_axes") or sizes
+            total += sum(counts) * math.prod(sizes[a] for a in manual)
         else:
             total += sum(counts)
     return total

@@ -5,11 +5,13 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from posttrain import cli
 from posttrain.aot import matmul_flops, parse_topology
 from posttrain.config import ConfigError, load_config_file, override
 from posttrain.methods import compile_plan
+from posttrain.parallel import MeshConfig, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("libtpu")
@@ -39,6 +41,18 @@ def test_matmul_flops_count_scans_and_recompute():
     # two matmuls for each forward one.
     grads = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w)
     assert matmul_flops(grads.jaxpr) == 4 * forward
+
+
+def test_matmul_flops_count_shard_map_bodies_per_manual_device(devices):
+    """A fully manual body holds one device's shapes (count it on every device); a body manual
+    over `stage` only holds global shapes along the other axes (count it once per stage)."""
+    mesh = make_mesh(MeshConfig.from_dict({"stage": 2, "fsdp": 4}))
+    x = jnp.ones((8, 8))
+    matmul = 2 * 8 * 8 * 8
+    for axes, copies in ((set(), 8), ({"stage"}, 2)):
+        f = jax.shard_map(lambda x: x @ x, mesh=mesh, in_specs=P(), out_specs=P(),
+                          axis_names=axes, check_vma=False)  # fmt: skip
+        assert matmul_flops(jax.make_jaxpr(f)(x).jaxpr) == copies * matmul
 
 
 def test_cli_compiles_the_tiny_sft_step_for_a_v5e_slice(capsys):
