@@ -11,7 +11,7 @@ import pytest
 from posttrain.config import build, load_config_file, override
 from posttrain.data import load_tokenizer, long_context_records
 from posttrain.demo import ASSETS_DIR
-from posttrain.eval import evaluate, load_eval_config
+from posttrain.eval import evaluate, load_eval_config, suite_evaluator
 from posttrain.eval._long_context import write_heatmaps
 from posttrain.models import Transformer, get_preset
 from posttrain.train import SFTConfig, load_checkpoint_model, run_sft
@@ -34,9 +34,10 @@ def tok():
 
 
 def test_the_grid_reports_every_cell_and_draws_a_heatmap(tok, tmp_path):
+    """Through `suite_evaluator`, what SFT's periodic `eval_suite` calls."""
     config = load_eval_config(SUITE)
     model = Transformer.init(get_preset("tiny"), 0)
-    metrics = evaluate(model, tok, config)
+    metrics = suite_evaluator(SUITE)(model, tok)
     for name, lengths, depths, per_cell in [("kv", (64, 128), (0, 1), 3), ("needle", (200,),
                                             (0, 0.5, 1), 2)]:  # fmt: skip
         prefix = f"long_context/{name}/"

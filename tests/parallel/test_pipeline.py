@@ -1,5 +1,6 @@
-"""Pipeline parallelism on 8 fake CPU devices: the layer stack split over `stage` (with fsdp)
-gives one device's losses and gradients for SFT and DPO (GPipe schedule, microbatches)."""
+"""Pipeline parallelism on 8 fake CPU devices: the layer stack split over `stage` (with fsdp,
+and data) gives one device's losses and gradients for SFT, DPO and the GRPO loss (GPipe
+schedule, microbatches)."""
 
 import jax
 import numpy as np
@@ -42,8 +43,9 @@ def _loss_and_grads(method, config, axes=None, devices=None):
         ("sft", {"stage": 2, "fsdp": 4}, 4),
         ("sft", {"stage": 4, "fsdp": 2}, 2),
         ("dpo", {"stage": 4, "fsdp": 2}, 4),
+        ("grpo", {"data": 2, "stage": 2, "fsdp": 2}, 2),
     ],
-    ids=["sft-stage2-fsdp4", "sft-stage4-fsdp2", "dpo-stage4-fsdp2"],
+    ids=["sft-stage2-fsdp4", "sft-stage4-fsdp2", "dpo-stage4-fsdp2", "grpo-data2-stage2-fsdp2"],
 )
 def test_pipelined_losses_equal_one_device(devices, method, axes, microbatches):
     config = CONFIG.replace(pipeline_microbatches=microbatches)
