@@ -12,7 +12,7 @@ import pytest
 from posttrain import methods
 from posttrain.config import load_config_file, override
 from posttrain.losses import logit_stats, token_stats
-from posttrain.models import get_preset, init_params, lm_logits
+from posttrain.models import get_preset, init_params, lm_logits, param_shardings
 from posttrain.rl import PolicyLossConfig, rl_loss
 from posttrain.train import dpo_loss, sft_loss
 from tests.tolerance import assert_close
@@ -109,22 +109,31 @@ def loss_and_batch(method: str, rng, config, rows: int = B, length: int = L):
     return rl_loss(config, loss_config, max_new_tokens=length, use_reference=True), batch
 
 
+def loss_and_grads(method, config, *, rows=B, length=L, seed=2, mesh=None, collective=None):
+    """((loss, sums), gradients) of a method's loss (`loss_and_batch`) at random params, on one
+    device or sharded over `mesh` (whose lowered program must then contain `collective`)."""
+    loss, batch = loss_and_batch(method, np.random.RandomState(seed), config, rows, length)
+    params = init_params(config, jax.random.key(seed - 1))
+
+    def objective(params, batch):
+        sums = loss(params, batch, None)
+        return sums["loss_sum"], sums
+
+    run = jax.jit(jax.value_and_grad(objective, has_aux=True))
+    if mesh is None:
+        return jax.device_get(run(params, batch))
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, param_shardings(config, mesh))
+        assert collective in run.lower(params, batch).as_text()
+        return jax.device_get(run(params, batch))
+
+
 @pytest.mark.parametrize("method", ["sft", "dpo", "grpo"])
 def test_every_methods_loss_is_unchanged_by_chunking(method):
     """The loss sums (each metric numerator) and their gradients with 8-position chunks equal
     the ones over the full logits."""
-    params = init_params(CONFIG, jax.random.key(1))
-    results = []
-    for chunk in (0, 8):
-        config = CONFIG.replace(logits_chunk=chunk)
-        loss, batch = loss_and_batch(method, np.random.RandomState(2), config)
-
-        def objective(params, batch, loss=loss):
-            sums = loss(params, batch, None)
-            return sums["loss_sum"], sums
-
-        results.append(jax.jit(jax.value_and_grad(objective, has_aux=True))(params, batch))
-    ((_, sums), grads), ((_, sums0), grads0) = results[1], results[0]
+    (_, sums0), grads0 = loss_and_grads(method, CONFIG)
+    (_, sums), grads = loss_and_grads(method, CONFIG.replace(logits_chunk=8))
     assert set(sums) == set(sums0)
     for name, value in sums0.items():
         assert_close(sums[name], value, rtol=1e-6, err_msg=name)

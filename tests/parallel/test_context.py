@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.models import attention, get_preset, init_params, param_shardings
+from posttrain.models import attention, get_preset
 from posttrain.parallel import MeshConfig, make_mesh
-from tests.losses.test_chunked import close_trees, loss_and_batch
+from tests.losses.test_chunked import close_trees, loss_and_grads
 from tests.models.test_attention import _packing, _qkv
 from tests.tolerance import assert_close
 
@@ -65,25 +65,7 @@ MESHES = {
 
 @functools.cache
 def _one_device(method: str):
-    return jax.device_get(_loss_and_grads(method, WINDOWED, None))
-
-
-def _loss_and_grads(method, config, mesh):
-    loss, batch = loss_and_batch(method, np.random.RandomState(2), config, ROWS, LENGTH)
-    params = init_params(config, jax.random.key(1))
-
-    def objective(params, batch):
-        sums = loss(params, batch, None)
-        return sums["loss_sum"], sums
-
-    run = jax.jit(jax.value_and_grad(objective, has_aux=True))
-    if mesh is None:
-        return run(params, batch)
-    with jax.set_mesh(mesh):
-        params = jax.device_put(params, param_shardings(config, mesh))
-        collective = {"ring": "collective_permute", "all_gather": "all_gather"}
-        assert collective[config.context_parallel] in run.lower(params, batch).as_text()
-        return run(params, batch)
+    return loss_and_grads(method, WINDOWED, rows=ROWS, length=LENGTH)
 
 
 @pytest.mark.parametrize(
@@ -100,9 +82,12 @@ def test_sequence_sharded_losses_equal_one_device(devices, method, mesh, mode):
     """The loss sums (every metric's numerator) and the parameter gradients of SFT on packed
     rows, DPO and the GRPO loss with 8-position logits chunks, on the windowed tiny model."""
     config = WINDOWED.replace(context_parallel=mode, logits_chunk=8)
-    ((_, sums), grads) = jax.device_get(
-        _loss_and_grads(method, config, _mesh(devices, **MESHES[mesh]))
+    collective = {"ring": "collective_permute", "all_gather": "all_gather"}[mode]
+    mesh = _mesh(devices, **MESHES[mesh])
+    (_, sums), grads = loss_and_grads(
+        method, config, rows=ROWS, length=LENGTH, mesh=mesh, collective=collective
     )
+
     ((_, sums0), grads0) = _one_device(method)
     for name, value in sums0.items():
         assert_close(sums[name], value, rtol=1e-5, err_msg=name)

@@ -2,14 +2,12 @@
 and data) gives one device's losses and gradients for SFT, DPO and the GRPO loss (GPipe
 schedule, microbatches)."""
 
-import jax
-import numpy as np
 import pytest
 
-from posttrain.models import get_preset, init_params, param_shardings
+from posttrain.models import get_preset
 from posttrain.models._pipeline import bubble_fraction
 from posttrain.parallel import MeshConfig, make_mesh
-from tests.losses.test_chunked import close_trees, loss_and_batch
+from tests.losses.test_chunked import close_trees, loss_and_grads
 from tests.tolerance import assert_close
 
 # Four layers (a sliding window on the first) and rows that split into 4 microbatches of 2.
@@ -17,24 +15,6 @@ CONFIG = get_preset(
     "tiny", attention="xla", num_layers=4, sliding_window=24, sliding_window_layers=(0,)
 )
 ROWS, LENGTH = 8, 32
-
-
-def _loss_and_grads(method, config, axes=None, devices=None):
-    loss, batch = loss_and_batch(method, np.random.RandomState(3), config, ROWS, LENGTH)
-    params = init_params(config, jax.random.key(2))
-
-    def objective(params, batch):
-        sums = loss(params, batch, None)
-        return sums["loss_sum"], sums
-
-    run = jax.jit(jax.value_and_grad(objective, has_aux=True))
-    if axes is None:
-        return jax.device_get(run(params, batch))
-    mesh = make_mesh(MeshConfig.from_dict(axes), devices)
-    with jax.set_mesh(mesh):
-        params = jax.device_put(params, param_shardings(config, mesh))
-        assert "collective_permute" in run.lower(params, batch).as_text()  # stages pass rows on
-        return jax.device_get(run(params, batch))
 
 
 @pytest.mark.parametrize(
@@ -49,8 +29,13 @@ def _loss_and_grads(method, config, axes=None, devices=None):
 )
 def test_pipelined_losses_equal_one_device(devices, method, axes, microbatches):
     config = CONFIG.replace(pipeline_microbatches=microbatches)
-    (_, sums0), grads0 = _loss_and_grads(method, CONFIG)
-    (_, sums), grads = _loss_and_grads(method, config, axes, devices)
+    shape = dict(rows=ROWS, length=LENGTH, seed=3)
+    (_, sums0), grads0 = loss_and_grads(method, CONFIG, **shape)
+    mesh = make_mesh(MeshConfig.from_dict(axes), devices)
+    # The stages pass rows on.
+    (_, sums), grads = loss_and_grads(
+        method, config, mesh=mesh, collective="collective_permute", **shape
+    )
     for name, value in sums0.items():
         assert_close(sums[name], value, rtol=1e-5, err_msg=name)
     close_trees(grads, grads0, rtol=1e-5)
