@@ -304,8 +304,7 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         compiled=compiled_ok,
         host_temporaries=host,
         bubble=bubble_fraction(
-            dict(low.mesh.shape).get("stage", 1),
-            model_config.pipeline_microbatches or dict(low.mesh.shape).get("stage", 1),
+            dict(low.mesh.shape).get("stage", 1), model_config.pipeline_microbatches
         ),
     )
 

@@ -28,7 +28,9 @@ def stage_count() -> int:
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The share of a GPipe step's ticks in which a stage idles."""
+    """The share of a GPipe step's ticks in which a stage idles (microbatches 0: one per
+    stage, as `pipeline_layers` runs them)."""
+    microbatches = microbatches or stages
     return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
 
 

@@ -45,3 +45,4 @@ def test_bubble_fraction():
     assert bubble_fraction(1, 8) == 0.0
     assert bubble_fraction(4, 4) == 3 / 7
     assert bubble_fraction(2, 16) == 1 / 17
+    assert bubble_fraction(4, 0) == 3 / 7  # 0: one microbatch per stage
