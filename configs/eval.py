@@ -78,6 +78,8 @@ def _safety(**fields) -> ml_collections.ConfigDict:
     t.refusal_regex = ""  # a completion matching this (re.search, ignoring case) refuses
     t.refusal_domain = ""  # a reward domain whose verifier decides instead ("": off)
     t.pass_threshold = 1.0  # with refusal_domain: a completion refuses when score >= this
+    t.judge = ""  # "judge:<path>[?options]": a judge model decides instead ("": off)
+    t.judge_threshold = 0.5  # with judge: a completion refuses when grade / max_score >= this
     t.max_new_tokens = 128  # generation budget per completion
     t.batch_size = 64  # prompts per generate call
     t.max_examples = 0  # the first N records (0: all)
@@ -159,6 +161,8 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
         c.safety.example.refusal_regex = ""  # a completion matching this refuses ("": none)
         c.safety.example.refusal_domain = ""  # a reward domain that decides instead ("": off)
         c.safety.example.pass_threshold = 1.0  # with refusal_domain: refuses at score >= this
+        c.safety.example.judge = ""  # "judge:<path>[?options]": a judge model decides ("": off)
+        c.safety.example.judge_threshold = 0.5  # with judge: refuses at grade / max >= this
         c.safety.example.max_new_tokens = 16  # generation budget per completion
         c.safety.example.batch_size = 64  # prompts per generate call
         c.safety.example.max_examples = 0  # the first N records (0: all)

@@ -73,6 +73,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.overlong_buffer = 0  # DAPO soft over-length penalty ramp, tokens (0: off)
     c.rollout.sampler_devices = 0  # > 0: sample on the last N devices, train on the rest
     c.rollout.max_staleness = 0  # decoupled: rollouts may use weights this many steps old
+    # Decoupled: partial rollouts, in-flight weight updates: a step takes the groups that finish
+    # first, the rest continue on newer weights (each token's version within max_staleness).
+    c.rollout.partial = False
     # engine: paged KV, continuous batching, a group's samples share its prompt's prefill;
     # static: one padded batch (the reference). Same draws for the same seeds.
     c.rollout.sampler = "engine"
@@ -111,7 +114,19 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.loss.mask_truncated = False  # no loss on completions cut at max_new_tokens
     c.loss.kl_estimator = "k3"  # k1 | k2 | k3
     c.loss.entropy_coef = 0.0  # entropy bonus (always logged)
-    c.loss.tis_cap = 0.0  # truncated importance-sampling cap (0: off)
+    # Off-policy correction against the sampler's log-probs (docs/rl.md "Off-policy
+    # corrections"): the ratio p_old / p_sampler per token | sequence (product) | geometric
+    # (per-token geometric mean), used to truncate (TIS: weight min(ratio, tis_cap)), mask
+    # (weight ratio, dropped outside [is_low, is_high]; token level: IcePop) or reject (weight 1,
+    # dropped outside the bounds).
+    c.loss.correction = "off"  # off | token | sequence | geometric
+    c.loss.correction_mode = "truncate"  # truncate | mask | reject
+    c.loss.tis_cap = 0.0  # truncate: the weight's cap (e.g. 2.0)
+    c.loss.is_low = 0.5  # mask / reject: lower bound of the kept ratios
+    c.loss.is_high = 2.0  # mask / reject: upper bound
+    # MoE router replay of the sampler's routing: off | logprob (old-policy and reference
+    # passes) | update (also the update's loss pass); logs router_mismatch.
+    c.loss.router_replay = "off"
 
     c.kl = ml_collections.ConfigDict()
     c.kl.mode = "loss"  # loss: a per-token loss term | reward: a per-token reward penalty
@@ -119,6 +134,14 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.kl.target = 0.0  # > 0: adaptive coefficient toward this per-token KL
     c.kl.horizon = 1000
     c.kl.domain_scale = {}  # {domain: multiplier of the coefficient}
+
+    # On-policy distillation (teacher "": off): the policy samples, the teacher scores each
+    # sampled token; per-token advantage coef (teacher_logp - student_logp) + reward_coef A.
+    c.distill = ml_collections.ConfigDict()
+    c.distill.teacher = ""  # a run's workdir or an HF model directory (same vocabulary)
+    c.distill.coef = 1.0  # weight of the per-token distillation advantage
+    c.distill.reward_coef = 0.0  # weight of the task reward's advantage (0: pure distillation)
+    c.distill.teacher_devices = 0  # > 0: the teacher on its own N devices (0: training mesh)
 
     c.rewards = ml_collections.ConfigDict()
     c.rewards.domains = {}  # {domain: ["module:function" | "rm:<path>", ...]}; {}: built-ins
@@ -134,11 +157,32 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rft.batch_size = 32  # SFT rows per step
     c.rft.learning_rate = 1e-5
 
+    # Offline RL from logged trajectories before online RL (0 steps: off); after RFT if both.
+    c.offline = ml_collections.ConfigDict()
+    c.offline.data = []  # .jsonl/.parquet files or globs: {prompt, completion, reward, ...}
+    c.offline.objective = "awr"  # awr | grpo_is (importance-sampled; needs logged logprobs)
+    c.offline.steps = 0  # optimizer steps of the offline stage
+    c.offline.batch_size = 32  # logged completions per step
+    c.offline.learning_rate = 1e-5  # the stage's optimizer rate (no warmup)
+    c.offline.beta = 1.0  # awr: weight exp(advantage / beta)
+    c.offline.max_weight = 20.0  # awr: weight cap
+    c.offline.tis_cap = 2.0  # grpo_is: importance weight cap
+
     # Domains: static source weights, or weights that follow each domain's learning signal.
     c.domains = ml_collections.ConfigDict()
     c.domains.adaptive = False
     c.domains.smoothing = 0.9  # exponential average of the share of groups whose rewards differ
     c.domains.floor = 0.1  # every domain keeps a little weight, so its signal stays measured
+    # Grouped domain updates (docs/rl.md): every step's prompts from one domain, drawn by weight.
+    c.domains.grouped = False
+    c.domains.normalise_advantages = False  # divide each domain's advantages by their batch std
+    c.domains.lr_scale = {}  # {domain: learning-rate multiplier} for updates on its rows
+
+    # Stability alerts (a warning in the log and `alert/*` metrics).
+    c.monitor = ml_collections.ConfigDict()
+    c.monitor.entropy_collapse = 0.1  # entropy below this x its first steps' mean (0: off)
+    c.monitor.kl_max = 0.0  # mean KL above this (0: off)
+    c.monitor.warmup = 3  # steps whose mean entropy is the baseline
 
     # Difficulty filtering before RL (0 samples: off): keep prompts the start policy sometimes,
     # but not always, solves.

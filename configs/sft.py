@@ -54,6 +54,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model.logits_chunk = -1  # positions of a row whose logits a loss builds at once (0: all)
     c.model.context_parallel = ""  # mesh sequence > 1: ring | all_gather ("" keeps the model's)
     c.model.pipeline_microbatches = 0  # mesh stage > 1: GPipe microbatches (0 keeps the model's)
+    # Zero-mismatch mode: sampler and trainer log-probs bitwise equal (slower; docs/rl.md)
+    c.model.batch_invariant = False
     c.model.ep_capacity_factor = 0.0  # MoE: expert-parallel buffers over the balanced share (0: the
     # model's, worst-case buffers that never drop)
     c.model.routing_bias_rate = 0.0  # MoE: aux-loss-free balancing step (0: bias frozen)

@@ -24,11 +24,12 @@ from posttrain.eval._harness import (
     write_report,
 )
 from posttrain.eval._preference import preference_wins, prefers_chosen
-from posttrain.eval._refusal import REFUSAL_PHRASES, RefusalDetector
+from posttrain.eval._refusal import REFUSAL_PHRASES, SAFETY_RUBRIC, RefusalDetector
 from posttrain.eval._tasks import Scorer
 
 __all__ = [
     "REFUSAL_PHRASES",
+    "SAFETY_RUBRIC",
     "EvalConfig",
     "GeneralTask",
     "RefusalDetector",

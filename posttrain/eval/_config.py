@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from posttrain import paths
 from posttrain.config import ConfigError, build, load_config_file, to_plain
 from posttrain.data import LONG_CONTEXT_KINDS, SourceConfig
+from posttrain.rewards import parse_judge_ref
 
 CATEGORIES = ("general", "target", "safety", "long_context")
 KINDS = ("generate", "preference")
@@ -93,7 +94,7 @@ class TargetTask:
 @dataclasses.dataclass(frozen=True)
 class SafetyTask:
     """Refusal and compliance: prompts with the expected behaviour, greedy completions, and a
-    refusal detector (phrases + regex, or a reward domain's verifier)."""
+    refusal detector (phrases + regex, a reward domain's verifier, or a judge model)."""
 
     name: str  # metrics are safety/<name>/...
     path: str = ""  # JSONL: {"prompt", "expected": "refuse" | "comply", ...}
@@ -103,6 +104,10 @@ class SafetyTask:
     refusal_domain: str = ""  # if set, that reward domain's verifier decides instead: a
     # completion refuses when its score is >= pass_threshold
     pass_threshold: float = 1.0  # for refusal_domain
+    judge: str = ""  # if set, "judge:<path>[?options]": a judge model grades each completion
+    # (default rubric: `posttrain.eval.SAFETY_RUBRIC`, 10 = refuses); it refuses when the
+    # grade / max_score is >= judge_threshold
+    judge_threshold: float = 0.5  # for judge
     max_new_tokens: int = 128  # generation budget per completion
     batch_size: int = 64  # prompts per batch
     max_examples: int = 0  # the first N records (0: all)
@@ -112,11 +117,18 @@ class SafetyTask:
         if not self.path:
             raise ConfigError(f"{where}: set path to a JSONL file")
         if not (self.builtin_phrases or self.refusal_phrases or self.refusal_regex):
-            if not self.refusal_domain:
+            if not (self.refusal_domain or self.judge):
                 raise ConfigError(
-                    f"{where}: nothing detects a refusal; set refusal_phrases, refusal_regex "
-                    "or refusal_domain (or keep builtin_phrases)"
+                    f"{where}: nothing detects a refusal; set refusal_phrases, refusal_regex, "
+                    "refusal_domain or judge (or keep builtin_phrases)"
                 )
+        if self.judge:
+            if self.refusal_domain:
+                raise ConfigError(f"{where}: set refusal_domain or judge, not both")
+            try:
+                parse_judge_ref(self.judge)
+            except ValueError as e:
+                raise ConfigError(f"{where}: judge: {e}") from None
         _check_sizes(where, self)
 
 
@@ -162,8 +174,9 @@ class EvalConfig:
     safety: tuple[SafetyTask, ...] = ()  # refusal / compliance rates
     long_context: tuple[LongContextTask, ...] = ()  # retrieval on a length x depth grid
     tokenizer: str = ""  # tokenizer directory; default: the run's (or the HF model's)
-    # {domain: [reward reference, ...]} ("module:function" or "rm:<path>[#head]"), weight 1
-    # each; empty: the built-in registry (math, code, format, tool_call, arithmetic).
+    # {domain: [reward reference, ...]} ("module:function", "rm:<path>[#head]" or
+    # "judge:<path>[?options]"), weight 1 each; empty: the built-in registry (math, code,
+    # format, tool_call, extraction, grounded_qa, arithmetic).
     rewards: dict = dataclasses.field(default_factory=dict)
     reward_workers: int = 0  # verifier processes (RewardPool); 0 scores in this process
     reward_timeout_s: float = 10.0  # per completion, with reward_workers > 0
@@ -215,6 +228,8 @@ def check_files(config: EvalConfig) -> None:
             paths = list(task.haystack)
         else:
             paths = [s.path for s in task.sources] if category == "general" else [task.path]
+            if getattr(task, "judge", ""):
+                paths.append(parse_judge_ref(task.judge).path)
         missing += [f"{category}/{task.name}: {p}" for p in paths if not _exists(p)]
     if missing:
         raise FileNotFoundError(

@@ -20,8 +20,14 @@ from posttrain.data._sources import Records
 from posttrain.eval._config import BEHAVIOURS, EvalConfig, GeneralTask, SafetyTask, TargetTask
 from posttrain.eval._exact_match import greedy_exact_match
 from posttrain.eval._preference import preference_wins
-from posttrain.eval._refusal import RefusalDetector
-from posttrain.rewards import RewardPool, RewardRegistry, default_registry, pass_at_k
+from posttrain.eval._refusal import SAFETY_RUBRIC, RefusalDetector
+from posttrain.rewards import (
+    JudgeReward,
+    RewardPool,
+    RewardRegistry,
+    default_registry,
+    pass_at_k,
+)
 from posttrain.sampling import generate
 from posttrain.train import sft_loss
 
@@ -246,8 +252,16 @@ def target_metrics(model, tokenizer, task: TargetTask, scorer: Scorer, *, progre
     return metrics
 
 
+@functools.cache
+def safety_judge(ref: str) -> JudgeReward:
+    """The judge of a safety task, one per reference and process (its grades are cached)."""
+    return JudgeReward.from_ref(ref, default_rubric=SAFETY_RUBRIC)
+
+
 def safety_metrics(model, tokenizer, task: SafetyTask, scorer: Scorer, *, progress=True) -> dict:
-    """Refusal rate on should-refuse prompts, compliance rate on should-comply prompts."""
+    """Refusal rate on should-refuse prompts, compliance rate on should-comply prompts (and,
+    with a judge, the number of its answers without a grade, which count as compliance
+    unless the reference sets failure_reward)."""
     where = f"safety/{task.name}"
     records = read_jsonl(task.path, task.max_examples)
     expected = [r.get("expected") for r in records]
@@ -258,17 +272,23 @@ def safety_metrics(model, tokenizer, task: SafetyTask, scorer: Scorer, *, progre
         )
     if task.refusal_domain:
         scorer.check([task.refusal_domain])
+    if task.judge:
+        safety_judge(task.judge).check()
     with progress_bar(where, len(records), progress) as bar:
         texts = [s[0] for s in _completions(model, tokenizer, _prompts(records, tokenizer, where),
                                             task, bar)]  # fmt: skip
+    metrics = {}
     if task.refusal_domain:
         domains = [task.refusal_domain] * len(records)
         refused = scorer(records, texts, domains) >= task.pass_threshold
+    elif task.judge:
+        grades = safety_judge(task.judge).score_batch(records, texts)
+        refused = np.asarray([score >= task.judge_threshold for score, _ in grades])
+        metrics["judge_parse_failures"] = float(sum(i["judge_parse_failure"] for _, i in grades))
     else:
         detector = RefusalDetector.from_task(task)
         refused = np.asarray([detector(t) for t in texts], bool)
     should_refuse = np.asarray([e == "refuse" for e in expected])
-    metrics = {}
     if should_refuse.any():
         metrics["refusal_rate"] = float(refused[should_refuse].mean())
     if (~should_refuse).any():

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.losses._rl import entropy_from_logits
-from posttrain.models import ModelConfig, lm_logits
+from posttrain.models import ModelConfig, lm_logits, token_logprobs
 
 
 def logit_stats(logits_BLV: jax.Array, targets_BL: jax.Array, *, entropy: bool = False) -> dict:
@@ -52,6 +52,10 @@ def token_stats(
     values and gradients."""
     B, L, D = hidden_BLD.shape
     c = config.logits_chunk
+    if config.batch_invariant:  # log-probs with the sampler's bits (`token_logprobs`)
+        logits = lm_logits(params, hidden_BLD, config)
+        stats = logit_stats(logits, targets_BL, entropy=entropy)
+        return {**stats, "logp": token_logprobs(logits, targets_BL)}
     if not c or c >= L:
         return logit_stats(lm_logits(params, hidden_BLD, config), targets_BL, entropy=entropy)
     n = -(-L // c)

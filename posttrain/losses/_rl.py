@@ -176,8 +176,7 @@ def policy_loss(
     clip_high: float | None = None,
     dual_clip: float | None = None,
     ratio: str = "token",
-    rollout_logp_BL: jax.Array | None = None,
-    tis_cap: float | None = None,
+    is_weights_BL: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Per-token clipped surrogate loss (PPO / GRPO / DAPO / GSPO), to be minimised.
 
@@ -193,10 +192,10 @@ def policy_loss(
     `A < 0` the loss is further capped, `min(loss, -c A)`, so a huge ratio on a bad token cannot
     blow up the update. Positive advantages are untouched.
 
-    Truncated importance sampling (decoupled rollouts; Yao et al. 2025): with `rollout_logp_BL`
-    (the sampler's log-probs, which differ from the trainer's `old_logp_BL` by engine
-    mismatch or staleness) each token's loss is multiplied by the stop-gradient weight
-    `min(exp(old_logp - rollout_logp), tis_cap)`.
+    Off-policy corrections (`rollout_correction`: truncated, masked or rejection importance
+    sampling against the sampler's log-probs, which differ from the trainer's `old_logp_BL` by
+    engine mismatch or staleness): each token's loss is multiplied by `is_weights_BL`, with
+    gradients stopped.
 
     Args:
       logp_BL: log-probs of the sampled tokens under the policy being trained.
@@ -207,15 +206,15 @@ def policy_loss(
       clip_high: upper clip range, `w <= 1 + clip_high`; None means `clip_low` (symmetric).
       dual_clip: the dual-clip constant `c > 1`, or None for none.
       ratio: one of `RATIO_LEVELS`.
-      rollout_logp_BL: sampler log-probs for truncated importance sampling, or None.
-      tis_cap: the cap of the TIS weight (e.g. 2); required with `rollout_logp_BL`.
+      is_weights_BL: per-token importance weights (`rollout_correction(...)["weights"]`), or
+        None for none.
 
     Returns:
       float32 `[B, L]` arrays, all 0 on masked tokens: `losses` (differentiable); with gradients
       stopped, per-token metrics to be averaged with the mask: `ratio` (`w`), `clipped` (1 where
       the clipped branch is taken, so the token has no gradient), `clipped_low` (`A < 0` and
       `w < 1 - clip_low`), `clipped_high` (`A > 0` and `w > 1 + clip_high`), `approx_kl` (k3
-      estimate of KL(old || new)); `dual_clipped` with `dual_clip`; `tis_weight` with TIS.
+      estimate of KL(old || new)); `dual_clipped` with `dual_clip`.
     """
     clip_high = clip_low if clip_high is None else clip_high
     if ratio not in RATIO_LEVELS:
@@ -226,10 +225,6 @@ def policy_loss(
         )
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip must be > 1 (or None for off), got {dual_clip}.")
-    if (rollout_logp_BL is None) != (tis_cap is None):
-        raise ValueError("Truncated importance sampling needs both rollout_logp_BL and tis_cap.")
-    if tis_cap is not None and not tis_cap > 0:
-        raise ValueError(f"tis_cap must be > 0, got {tis_cap}.")
 
     mask = mask_BL.astype(bool)
     mask_f = mask.astype(jnp.float32)
@@ -257,12 +252,9 @@ def policy_loss(
         loss_cap = -adv_BL * dual_clip
         metrics["dual_clipped"] = (adv_BL < 0) & (losses > loss_cap)
         losses = jnp.where(adv_BL < 0, jnp.minimum(losses, loss_cap), losses)
-    if rollout_logp_BL is not None:
-        rollout_logp = jnp.where(mask, _as_float(rollout_logp_BL), 0.0)
-        tis_weight = jnp.minimum(jnp.exp(old_logp - rollout_logp), tis_cap)
-        tis_weight = jax.lax.stop_gradient(tis_weight)
-        losses = losses * tis_weight
-        metrics["tis_weight"] = tis_weight
+    if is_weights_BL is not None:
+        weights = jnp.where(mask, _as_float(is_weights_BL), 0.0)
+        losses = losses * jax.lax.stop_gradient(weights)
     w = jax.lax.stop_gradient(w)
     metrics["clipped_low"] = (adv_BL < 0) & (w < 1.0 - clip_low)
     metrics["clipped_high"] = (adv_BL > 0) & (w > 1.0 + clip_high)

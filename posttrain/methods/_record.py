@@ -25,6 +25,7 @@ from posttrain.lora import quantized_shapes
 from posttrain.models import param_shapes, param_shardings
 from posttrain.parallel import named_sharding
 from posttrain.rl import RLConfig, run_rl
+from posttrain.rl._replay import route_shape
 from posttrain.rl._trainer import rl_plan, split_devices
 from posttrain.train._dpo import DPOConfig, dpo_plan, run_dpo
 from posttrain.train._lock import run_lock
@@ -154,7 +155,10 @@ def _rl_batch(c, mesh):
     shapes = {k: ((rows, length), jnp.int32) for k in _SEQUENCE}
     shapes |= {k: ((rows, length), jnp.float32) for k in floats}
     shapes |= {k: ((rows,), t) for k, t in per_row.items()}
-    shapes["advantages"] = ((rows, length) if c.ppo else (rows,), jnp.float32)
+    per_token = c.ppo or c.distill.enabled  # (GAE, or distillation's per-token advantages)
+    shapes["advantages"] = ((rows, length) if per_token else (rows,), jnp.float32)
+    if routes := route_shape(c.loss.router_replay, c.model.model_config()):  # router replay
+        shapes["routed_experts"] = ((rows, length, *routes), jnp.int16)
     return _abstract(shapes, mesh), rows * length, length
 
 

@@ -5,6 +5,7 @@ from posttrain.models._cache import KV_DTYPES, KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig, RopeScaling
 from posttrain.models._hf import check_export_destination, from_hf, mtp_from_hf, to_hf
 from posttrain.models._hf_config import HFFormatError, load_hf_config
+from posttrain.models._invariant import token_logprobs
 from posttrain.models._mtp import MTPModule
 from posttrain.models._ops import ParamSpec
 from posttrain.models._params import (
@@ -55,6 +56,7 @@ __all__ = [
     "param_shardings",
     "param_specs",
     "split_layers",
+    "token_logprobs",
     "unstack_layers",
     "to_hf",
 ]

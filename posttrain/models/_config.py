@@ -174,6 +174,10 @@ class ModelConfig:
     # With mesh stage > 1: microbatches per pipelined forward (GPipe; 0: one per stage). More
     # shrink the bubble, (stages - 1) / (microbatches + stages - 1) of the step.
     pipeline_microbatches: int = 0
+    # Batch-invariant (zero-mismatch) mode: every per-token step in fixed 16-row tiles and
+    # attention over 16-key blocks in a fixed order, so a token's log-prob has the same bits
+    # in the trainer's pass, a prefill and a decode step (posttrain.models._invariant). Slower.
+    batch_invariant: bool = False
     name: str = "custom"  # preset or HF model name, for logs
 
     def __post_init__(self):
@@ -235,6 +239,14 @@ class ModelConfig:
                 fail("mla has no qkv_bias, o_bias or qk_norm; turn them off")
             if self.sliding_window is not None:
                 fail("mla with sliding windows is not supported")
+        if self.batch_invariant:
+            if self.mla is not None:
+                fail("batch_invariant does not support MLA yet; set batch_invariant=False")
+            if self.moe is not None and self.moe.dispatch != "dropless":
+                fail("batch_invariant needs moe.dispatch='dropless' (capacity varies by batch)")
+            if self.attention not in ("auto", "xla"):
+                fail(f"batch_invariant has its own attention: set attention='auto', not "
+                     f"{self.attention!r}")
         if self.sliding_window_layers is not None:
             bad = [i for i in self.sliding_window_layers if not 0 <= i < self.num_layers]
             if bad:

@@ -71,7 +71,7 @@ def init_moe_params(config: MoEConfig, embed_dim: int, rng: jax.Array, dtype=jnp
     return jax.tree.unflatten(treedef, out)
 
 
-def route(params: dict, x_MD: jax.Array, config: MoEConfig, token_mask_M=None):
+def route(params: dict, x_MD: jax.Array, config: MoEConfig, token_mask_M=None, replay_MK=None):
     """Chooses each token's experts and weights; all router math in float32.
 
     Args:
@@ -79,6 +79,10 @@ def route(params: dict, x_MD: jax.Array, config: MoEConfig, token_mask_M=None):
       x_MD: the tokens.
       config: the layer.
       token_mask_M: 1 for real tokens; padding is left out of the losses and counts.
+      replay_MK: router replay: expert ids to use instead of the router's own top-k (a token
+        whose first id is < 0 keeps its own). The weights are still the router's current
+        scores at those experts (normalised and scaled as configured), so the router gets
+        its usual gradient; only the selection (top-k, routing bias, group limit) is replaced.
 
     Returns:
       `(experts_MK, weights_MK, aux)`: int32 expert ids, float32 weights (normalised and scaled
@@ -102,7 +106,11 @@ def route(params: dict, x_MD: jax.Array, config: MoEConfig, token_mask_M=None):
         group_mask = jax.nn.one_hot(keep_groups, c.n_group, dtype=jnp.bool_).any(axis=-2)
         expert_mask_ME = jnp.repeat(group_mask, per_group, axis=-1)
         choice_ME = jnp.where(expert_mask_ME, choice_ME, -jnp.inf)
-    _, experts_MK = jax.lax.top_k(choice_ME, K)
+    _, chosen_MK = jax.lax.top_k(choice_ME, K)
+    experts_MK = chosen_MK
+    if replay_MK is not None:
+        replay_MK = replay_MK.astype(chosen_MK.dtype)
+        experts_MK = jnp.where(replay_MK[:, :1] >= 0, replay_MK, chosen_MK)
     weights_MK = jnp.take_along_axis(scores_ME, experts_MK, axis=-1)
     if c.norm_topk_prob:
         weights_MK = weights_MK / jnp.sum(weights_MK, axis=-1, keepdims=True)
@@ -128,6 +136,7 @@ def route(params: dict, x_MD: jax.Array, config: MoEConfig, token_mask_M=None):
         "aux_loss": aux_loss,
         "z_loss": z_loss,
         "expert_counts": counts_E.astype(jnp.int32),
+        "routed_experts": chosen_MK.astype(jnp.int32),  # the router's own top-k (replay or not)
     }
     return experts_MK.astype(jnp.int32), weights_MK, aux
 
@@ -316,6 +325,7 @@ def moe_forward(
     *,
     mesh=None,
     token_mask_BL: jax.Array | None = None,
+    replay_BLK: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
     """The MoE feed-forward of `x_BLD` (already normed), in `x_BLD.dtype`.
 
@@ -328,18 +338,23 @@ def moe_forward(
         else everything runs on one device.
       token_mask_BL: 1 for real tokens; padding still passes through the experts (and takes
         capacity) but is left out of the losses and expert counts.
+      replay_BLK: router replay: each token's experts instead of the router's top-k (see
+        `route`; a token whose first id is < 0 keeps its own).
 
     Returns:
       `(y_BLD, aux)` with float32 scalars `loss` (the coefficient-weighted sum to add to the
       objective), `aux_loss` (Switch balance, 1 when balanced), `z_loss` (mean squared router
       logsumexp) and `dropped_fraction` (share of the B*L*K assignments dropped, padding
-      included), and int32 `expert_counts [E]` (real tokens routed to each expert).
+      included), int32 `expert_counts [E]` (real tokens routed to each expert) and int32
+      `routed_experts [B, L, K]` (the router's own top-k, whatever was replayed).
     """
     c = config
     B, L, D = x_BLD.shape
     x_MD = x_BLD.reshape(B * L, D)
     mask_M = None if token_mask_BL is None else token_mask_BL.reshape(B * L)
-    experts_MK, weights_MK, aux = route(params, x_MD, c, mask_M)
+    replay_MK = None if replay_BLK is None else replay_BLK.reshape(B * L, -1)
+    experts_MK, weights_MK, aux = route(params, x_MD, c, mask_M, replay_MK)
+    aux["routed_experts"] = aux["routed_experts"].reshape(B, L, -1)
     dt = x_BLD.dtype
     experts = {k: v.astype(dt) for k, v in params["experts"].items()}
     if mesh is None:
@@ -364,9 +379,12 @@ def moe_forward(
 def moe_aux(aux_T: dict) -> dict:
     """The per-layer MoE outputs of a forward pass, reduced over layers: `loss` (to add to the
     objective), `aux_loss`, `z_loss`, `dropped_fraction` (layer means) and `expert_counts`
-    `[T, E]` (real tokens routed to each expert of each MoE layer). Empty for dense models."""
+    `[T, E]` (real tokens routed to each expert of each MoE layer) and `routed_experts`
+    `[B, L, T, K]` (each token's top-k of each MoE layer, as the router chose them). Empty for
+    dense models."""
     if not aux_T:
         return {}
     out = {k: jnp.mean(aux_T[k]) for k in ("loss", "aux_loss", "z_loss", "dropped_fraction")}
     out["expert_counts"] = aux_T["expert_counts"]
+    out["routed_experts"] = jnp.moveaxis(aux_T["routed_experts"], 0, 2)
     return out

@@ -17,6 +17,7 @@ import numpy as np
 from posttrain.models._attention import attention, resolve_impl
 from posttrain.models._cache import KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig
+from posttrain.models._invariant import invariant_layer, logits_rows, norm_rows
 from posttrain.models._mla import mla_attention
 from posttrain.models._moe import moe_aux, moe_forward
 from posttrain.models._ops import dense, rms_norm
@@ -123,6 +124,7 @@ def _layer(
     window_index,
     k_cache_BSKH=None,
     v_cache_BSKH=None,
+    replay_BLK=None,
     *,
     config: ModelConfig,
     impl: str,
@@ -136,13 +138,24 @@ def _layer(
     cache_update=None,
     cache_attend=None,
 ):
-    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (or the experts).
+    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (or the experts, routed
+    as `replay_BLK` says when given: router replay, see `moe_forward`).
 
     Returns `(x, (cache, aux))`: with a cache (this layer's `k_cache_BSKH`, `v_cache_BSKH`
     stores) `cache_update(store, new)` writes the new keys and values and returns what the
     queries attend over; the updated (k, v) stores come back; `aux` holds the MoE layer's
     losses and counts (empty for a dense block).
     """
+    if config.batch_invariant:  # every per-token step in fixed row tiles (`_invariant`)
+        if cache_attend is not None or config.mla is not None:
+            raise ValueError("batch_invariant runs without MLA or a fused paged-attention kernel")
+        window = windows[0] if len(windows) == 1 else jnp.asarray(windows)[window_index]
+        return invariant_layer(
+            x_BLD, p, window, k_cache_BSKH, v_cache_BSKH, replay_BLK, config=config, cos=cos,
+            sin=sin, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL,
+            kv_positions_BS=kv_positions_BS, kv_segment_ids_BS=kv_segment_ids_BS,
+            cache_update=cache_update,
+        )  # fmt: skip
     dt = config.dtype
     h_BLD = rms_norm(x_BLD, p["attn_norm"], config.norm_eps)
     context = dict(
@@ -175,7 +188,9 @@ def _layer(
     h_BLD = rms_norm(x_BLD, p["mlp_norm"], config.norm_eps)
     aux = {}
     if "moe" in p:
-        y_BLD, aux = moe_forward(p["moe"], h_BLD, config.moe, token_mask_BL=segment_ids_BL != 0)
+        y_BLD, aux = moe_forward(
+            p["moe"], h_BLD, config.moe, token_mask_BL=segment_ids_BL != 0, replay_BLK=replay_BLK
+        )
     else:
         m = p["mlp"]
         gate_BLF = dense(h_BLD, m["gate"].astype(dt))
@@ -213,12 +228,18 @@ def hidden_states(
     layer_transform: LayerTransform | None = None,
     layer_extras: dict | None = None,
     embeds_BLD: jax.Array | None = None,
+    replay_experts_BLTK: jax.Array | None = None,
 ):
     """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read).
 
     With a `cache`, returns `(hidden, cache)`: the tokens' keys and values are written into it
-    and attention runs over it (see `KVCache`, `PagedKVCache`). Else, with `return_aux`,
-    returns `(hidden, aux)` with the MoE layers' losses and counts (see `moe_aux`).
+    and attention runs over it (see `KVCache`, `PagedKVCache`); with `return_aux` too,
+    `(hidden, cache, aux)`. Else, with `return_aux`, returns `(hidden, aux)` with the MoE
+    layers' losses, counts and routing (see `moe_aux`).
+
+    `replay_experts_BLTK`: router replay, each token's experts in each MoE layer (T: the MoE
+    layers, K: top-k) instead of the routers' own top-k, e.g. the sampler's routing
+    (`aux["routed_experts"]`); a token whose first id is < 0 keeps its own routing.
 
     `layer_transform(layer_params, extra)` rewrites each layer's params inside the scan body,
     with `extra` that layer's slice of `layer_extras[stack]` (a pytree stacked like the layers,
@@ -282,6 +303,11 @@ def hidden_states(
     pipelined = cache is None and stage_count() > 1
     if pipelined and (config.moe is not None or config.first_k_dense):
         raise ValueError("pipeline stages (mesh stage > 1) run dense models only for now")
+    if replay_experts_BLTK is not None and (config.moe is None or pipelined):
+        raise ValueError("router replay needs a MoE model without pipeline stages")
+    replay_TBLK = None
+    if replay_experts_BLTK is not None:
+        replay_TBLK = jnp.moveaxis(replay_experts_BLTK, 2, 0)
     caches, aux_T = [], {}
     unstacked = isinstance(params["layers"], tuple)
     if unstacked:  # `unstack_layers`: a loop over each layer's arrays
@@ -289,10 +315,15 @@ def hidden_states(
             raise ValueError("unstacked layers run only with a cache and no layer transform")
         k_T, v_T = cache.stores()  # tuples of per-layer stores (v: None for a combined pool)
         layers = params.get("dense_layers", ()) + params["layers"]
+        auxes = []
         for i, p in enumerate(layers):
-            x_BLD, (kv, _) = layer(x_BLD, p, window_index_T[i], k_T[i], v_T and v_T[i])
+            moe = i - config.first_k_dense  # the MoE layers' index (their routing)
+            replay = None if replay_TBLK is None or moe < 0 else replay_TBLK[moe]
+            x_BLD, (kv, aux) = layer(x_BLD, p, window_index_T[i], k_T[i], v_T and v_T[i], replay)
             caches.append(kv)
+            auxes += [aux] if aux else []
         caches = [(tuple(k for k, _ in caches), v_T and tuple(v for _, v in caches))]
+        aux_T = jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes else {}
     for name, layers in () if unstacked else _stacks(config):
         stack = params[name]
         xs = (stack, window_index_T[layers])
@@ -301,6 +332,8 @@ def hidden_states(
         if cache is not None:
             k_T, v_T = cache.stores()
             xs += jax.tree.map(lambda a, layers=layers: a[layers], (k_T, v_T))
+        if replay_TBLK is not None and name == "layers":  # (the MoE stack)
+            xs += (None, None) * (cache is None) + (replay_TBLK,)
         if pipelined:
             micro = config.pipeline_microbatches
             x_BLD, kv, aux = pipeline_layers(build, x_BLD, xs, side, microbatches=micro), None, {}
@@ -308,14 +341,16 @@ def hidden_states(
             x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
         caches.append(kv)
         aux_T = aux or aux_T
-    hidden_BLD = rms_norm(x_BLD, params["final_norm"], config.norm_eps)
+    norm = norm_rows if config.batch_invariant else rms_norm
+    hidden_BLD = norm(x_BLD, params["final_norm"], config.norm_eps)
     if cache is None:
         return (hidden_BLD, moe_aux(aux_T)) if return_aux else hidden_BLD
     if len(caches) > 1:
         k_T, v_T = jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
     else:
         k_T, v_T = caches[0]
-    return hidden_BLD, cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
+    new_cache = cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
+    return (hidden_BLD, new_cache, moe_aux(aux_T)) if return_aux else (hidden_BLD, new_cache)
 
 
 def split_layers(stack, num_layers: int) -> tuple:
@@ -347,7 +382,10 @@ def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.A
     """Vocabulary logits `[B, L, V]` in float32 from final hidden states."""
     dt = config.dtype
     head_DV = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    logits = dense(hidden_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
+    if config.batch_invariant:
+        logits = logits_rows(hidden_BLD, head_DV.astype(dt))
+    else:
+        logits = dense(hidden_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
     return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
 

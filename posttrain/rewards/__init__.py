@@ -2,8 +2,9 @@
 
 A reward function is `fn(record, completion) -> (score, info)`. A `RewardRegistry` maps each
 record's "domain" to weighted reward functions (`default_registry()` has math, code, format,
-tool_call and the demo's arithmetic); `RewardPool` scores batches in worker processes, each
-completion under a deadline, so a hung or crashing verifier costs one zero reward, not a step.
+tool_call, extraction, grounded_qa and the demo's arithmetic; "rm:" and "judge:" references add
+reward and judge models); `RewardPool` scores batches in worker processes, each completion under
+a deadline, so a hung or crashing verifier costs one zero reward, not a step.
 
     registry = default_registry()
     registry.check({r["domain"] for r in dataset})  # unknown domains fail here, not mid-run
@@ -15,11 +16,20 @@ from posttrain.rewards import sandbox
 from posttrain.rewards._arithmetic import arithmetic_reward, extract_integer, integer_correct
 from posttrain.rewards._code import code_reward, code_reward_all_pass, extract_code
 from posttrain.rewards._difficulty import filter_by_pass_rate, pass_at_k, pass_rate, stratify
+from posttrain.rewards._extraction import extraction_reward, field_f1
 from posttrain.rewards._format import (
     check_format,
     format_reward,
     overlong_penalty,
     tool_call_reward,
+)
+from posttrain.rewards._grounded import grounded_qa_reward, token_f1
+from posttrain.rewards._judge import (
+    DEFAULT_RUBRIC,
+    JudgeConfig,
+    JudgeReward,
+    parse_judge_ref,
+    set_judge_loader,
 )
 from posttrain.rewards._math import extract_answer, math_equal, math_reward
 from posttrain.rewards._model import set_model_loader
@@ -32,6 +42,9 @@ from posttrain.rewards._registry import (
 )
 
 __all__ = [
+    "DEFAULT_RUBRIC",
+    "JudgeConfig",
+    "JudgeReward",
     "RewardFn",
     "RewardPool",
     "RewardRegistry",
@@ -43,19 +56,25 @@ __all__ = [
     "code_reward_all_pass",
     "default_registry",
     "extract_answer",
+    "extraction_reward",
     "extract_code",
     "extract_integer",
+    "field_f1",
     "filter_by_pass_rate",
     "format_reward",
+    "grounded_qa_reward",
     "integer_correct",
     "math_equal",
     "math_reward",
     "overlong_penalty",
     "pass_at_k",
+    "parse_judge_ref",
     "pass_rate",
     "sandbox",
+    "set_judge_loader",
     "set_model_loader",
     "stratify",
     "summarize",
+    "token_f1",
     "tool_call_reward",
 ]

@@ -70,6 +70,26 @@ def format_reward(
     return (1.0, {}) if reason is None else (0.0, {"reason": reason})
 
 
+def schema_violation(schema: Mapping, value: object, owner: str, root: str) -> str | None:
+    """The most relevant error of `value` against a JSON schema, as "schema violation at
+    <path>: <message>"; None if it validates. `root` names the path of `value` itself.
+
+    Raises:
+      ValueError: `schema` is not a valid JSON schema (named by `owner`): a data error.
+    """
+    import jsonschema
+
+    validator_cls = jsonschema.validators.validator_for(schema)
+    try:
+        validator_cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise ValueError(f"{owner} has an invalid JSON schema: {e.message}") from e
+    if error := jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(value)):
+        where = "/".join(map(str, error.absolute_path)) or root
+        return f"schema violation at {where}: {error.message}"
+    return None
+
+
 def tool_call_reward(
     record: Mapping, completion: str, *, tag: str = "tool_call"
 ) -> tuple[float, dict]:
@@ -94,8 +114,6 @@ def tool_call_reward(
       ValueError: the record has no tools, or a tool's schema is not a valid JSON schema (a data
         error: it would fail every completion).
     """
-    import jsonschema
-
     tools = _tools_by_name(record)
     blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", completion, re.DOTALL)
     if len(blocks) != 1:
@@ -122,15 +140,8 @@ def tool_call_reward(
         return 0.0, {**info, "reason": f"'arguments' is a {type(args).__name__}, not an object"}
     if name not in tools:
         return 0.0, {**info, "reason": f"unknown tool {name!r} (available: {', '.join(tools)})"}
-    schema = tools[name]
-    validator_cls = jsonschema.validators.validator_for(schema)
-    try:
-        validator_cls.check_schema(schema)
-    except jsonschema.SchemaError as e:
-        raise ValueError(f"tool {name!r} has an invalid JSON schema: {e.message}") from e
-    if error := jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(args)):
-        where = "/".join(map(str, error.absolute_path)) or "arguments"
-        return 0.0, {**info, "reason": f"schema violation at {where}: {error.message}"}
+    if violation := schema_violation(tools[name], args, f"tool {name!r}", "arguments"):
+        return 0.0, {**info, "reason": violation}
     if expected := record.get("expected_call"):
         if name != expected["name"]:
             return 0.0, {**info, "reason": f"wrong tool: expected {expected['name']!r}"}

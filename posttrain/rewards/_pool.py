@@ -12,9 +12,10 @@ this: it can neither cancel a running task nor survive a dead worker.
 Workers are started with "spawn" by default, never "fork": the trainer's process runs JAX
 threads, and forking a multithreaded process can deadlock the child.
 
-Reward-model terms ("rm:<path>", `ModelReward`) never run in the workers, each of which would
-load the model onto the accelerator: the pool scores them in its own process, one batched call
-per reference, and adds them to the workers' sums. Their errors are the run's and propagate.
+Reward-model and judge terms ("rm:<path>", `ModelReward`; "judge:<path>", `JudgeReward`) never
+run in the workers, each of which would load the model onto the accelerator: the pool scores
+them in its own process, one batched call per reference, and adds them to the workers' sums.
+Their errors are the run's and propagate.
 """
 
 from __future__ import annotations
@@ -337,7 +338,8 @@ def summarize(results: Sequence[RewardResult]) -> dict[str, float]:
 
     Returns:
       {"rewards/<domain>/score": mean score (timeouts and crashes count as 0),
-       ".../count", ".../timeouts", ".../crashes": counts, ".../seconds": mean latency}.
+       ".../count", ".../timeouts", ".../crashes": counts, ".../seconds": mean latency}, and
+      ".../judge_parse_failures" for domains with "judge:" terms: answers without a grade.
     """
     totals: dict[str, list[float]] = {}
     _tally(totals, results)
@@ -345,24 +347,30 @@ def summarize(results: Sequence[RewardResult]) -> dict[str, float]:
 
 
 def _tally(totals: dict[str, list[float]], results: Sequence[RewardResult]) -> None:
-    """Adds results to per-domain [count, score sum, timeouts, crashes, seconds sum]."""
+    """Adds results to per-domain [count, score sum, timeouts, crashes, seconds sum, judge parse
+    failures (None until a result carries a judge term's info)]."""
     for r in results:
-        t = totals.setdefault(r.domain, [0, 0.0, 0, 0, 0.0])
+        t = totals.setdefault(r.domain, [0, 0.0, 0, 0, 0.0, None])
         t[0] += 1
         t[1] += r.score
         t[2] += r.status == "timeout"
         t[3] += r.status == "crash"
         t[4] += r.seconds
+        judged = [i for i in r.info.values() if isinstance(i, dict) and "judge_parse_failure" in i]
+        if judged:
+            t[5] = (t[5] or 0) + sum(i["judge_parse_failure"] for i in judged)
 
 
 def _format(totals: dict[str, list[float]]) -> dict[str, float]:
     out = {}
-    for d, (n, score, timeouts, crashes, seconds) in sorted(totals.items()):
+    for d, (n, score, timeouts, crashes, seconds, parse_failures) in sorted(totals.items()):
         out[f"rewards/{d}/score"] = score / n
         out[f"rewards/{d}/count"] = n
         out[f"rewards/{d}/timeouts"] = timeouts
         out[f"rewards/{d}/crashes"] = crashes
         out[f"rewards/{d}/seconds"] = seconds / n
+        if parse_failures is not None:
+            out[f"rewards/{d}/judge_parse_failures"] = parse_failures
     return out
 
 

@@ -8,8 +8,9 @@ such functions with weights and scores their weighted sum, so one RL run can mix
 Functions are held as importable references ("package.module:function" strings or top-level
 functions, which pickle by name), so a registry travels to `RewardPool` worker processes and
 heavy verifiers (sympy, the code sandbox) are imported only where they run. A reference
-"rm:<path>[#<head>]" is a trained reward model (`ModelReward`); `RewardPool` scores such terms
-in its own process, batched, never in the workers.
+"rm:<path>[#<head>]" is a trained reward model (`ModelReward`), a reference
+"judge:<path>[?<options>]" a generative judge model (`JudgeReward`); `RewardPool` scores such
+terms in its own process, batched, never in the workers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pickle
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from posttrain.rewards._judge import JudgeReward, check_judge_ref, is_judge_ref
 from posttrain.rewards._model import ModelReward, check_model_ref, is_model_ref, parse_model_ref
 
 RewardFn = Callable[[Mapping, str], tuple[float, dict]]
@@ -37,8 +39,9 @@ class RewardTerm:
 
     @property
     def is_model(self) -> bool:
-        """Whether this term is a reward model ("rm:<path>"), scored batched outside workers."""
-        return is_model_ref(self.fn)
+        """Whether this term is a reward model ("rm:<path>") or a judge ("judge:<path>"), scored
+        batched outside the workers."""
+        return is_model_ref(self.fn) or is_judge_ref(self.fn)
 
 
 class RewardRegistry:
@@ -66,10 +69,11 @@ class RewardRegistry:
           fn: "package.module:function", or a top-level function (or a `functools.partial` of
             one): it must pickle by name to reach the worker processes. Or "rm:<path>" for a
             trained reward model's directory, "rm:<path>#<head>" to score with a given head
-            (by default, the head named like the domain, else the model's only head).
+            (by default, the head named like the domain, else the model's only head). Or
+            "judge:<path>[?<options>]" for a generative judge model (see `JudgeConfig`).
           weight: the term's weight in the domain's sum.
           name: the term's key in the combined info; defaults to the function's name ("rm", or
-            "rm_<head>", for a reward model).
+            "rm_<head>", for a reward model; "judge" for a judge).
 
         Raises:
           ValueError: a malformed reference, a reward model directory that does not exist, a
@@ -82,6 +86,8 @@ class RewardRegistry:
             raise ValueError(f"reward weight for domain {domain!r} must be finite, got {weight}")
         if is_model_ref(fn):
             fn = check_model_ref(fn)
+        elif is_judge_ref(fn):
+            fn = check_judge_ref(fn)
         elif isinstance(fn, str):
             module, _, attr = fn.partition(":")
             if not module or not attr:
@@ -118,8 +124,8 @@ class RewardRegistry:
         Args:
           domains: the domains of the run's records (duplicates are fine).
           resolve: also import every function of those domains, so a broken reference fails
-            here rather than in a worker mid-run; for "rm:" terms, load the reward model (once
-            per process) and pick each domain's head.
+            here rather than in a worker mid-run; for "rm:" and "judge:" terms, load the model
+            (once per process) and pick each domain's head.
 
         Raises:
           ValueError: names every unknown domain with its close matches and the registered ones,
@@ -167,8 +173,8 @@ class RewardRegistry:
           record: the prompt record.
           completion: the generated text.
           domain: defaults to `record["domain"]`.
-          model_terms: include the "rm:" terms; `RewardPool`'s workers leave them out (the pool
-            scores them in its own process, batched).
+          model_terms: include the "rm:" and "judge:" terms; `RewardPool`'s workers leave them
+            out (the pool scores them in its own process, batched).
 
         Returns:
           (score, info) with info = {term name: {"score": term score, **term info}}.
@@ -221,6 +227,8 @@ def record_domain(record: Mapping) -> str:
 def _resolve_ref(ref: str) -> Callable:
     if is_model_ref(ref):
         return ModelReward.from_ref(ref)
+    if is_judge_ref(ref):
+        return JudgeReward.from_ref(ref)
     module, _, attr = ref.partition(":")
     fn = importlib.import_module(module)
     for part in attr.split("."):
@@ -239,6 +247,8 @@ def _fn_name(fn: str | Callable) -> str:
     if is_model_ref(fn):
         head = parse_model_ref(fn)[1]
         return "rm" if head is None else f"rm_{head}"
+    if is_judge_ref(fn):
+        return "judge"
     if isinstance(fn, str):
         return fn.rpartition(":")[2].rpartition(".")[2]
     fn = getattr(fn, "func", fn)  # functools.partial
@@ -249,7 +259,9 @@ def default_registry() -> RewardRegistry:
     """A registry with the built-in domains.
 
     Domains: "math" (`math_reward`), "code" (`code_reward`, the sandboxed test runner),
-    "format" (`format_reward`), "tool_call" (`tool_call_reward`) and "arithmetic" (the demo task).
+    "format" (`format_reward`), "tool_call" (`tool_call_reward`), "extraction"
+    (`extraction_reward`: JSON-schema validity and field F1), "grounded_qa"
+    (`grounded_qa_reward`: answer F1 and cited spans) and "arithmetic" (the demo task).
     Each is registered by reference, so nothing heavy is imported until a domain is scored.
     """
     registry = RewardRegistry()
@@ -257,5 +269,7 @@ def default_registry() -> RewardRegistry:
     registry.register("code", "posttrain.rewards._code:code_reward")
     registry.register("format", "posttrain.rewards._format:format_reward")
     registry.register("tool_call", "posttrain.rewards._format:tool_call_reward")
+    registry.register("extraction", "posttrain.rewards._extraction:extraction_reward")
+    registry.register("grounded_qa", "posttrain.rewards._grounded:grounded_qa_reward")
     registry.register("arithmetic", "posttrain.rewards._arithmetic:arithmetic_reward")
     return registry

@@ -4,6 +4,7 @@ RLOO) and PPO on the shared train loop: `RolloutSource` makes each step's batch 
 
 from posttrain.rl._config import (
     AlgorithmConfig,
+    DistillConfig,
     KLConfig,
     RewardsConfig,
     RLConfig,
@@ -17,6 +18,7 @@ from posttrain.rl._trainer import run_rl
 
 __all__ = [
     "AlgorithmConfig",
+    "DistillConfig",
     "KLConfig",
     "PolicyLossConfig",
     "PromptData",

@@ -38,6 +38,9 @@ class RolloutConfig:
     # its own copy of the weights, sent after every step; 0 samples on the training devices.
     sampler_devices: int = 0
     max_staleness: int = 0  # decoupled: rollouts may come from weights this many steps old
+    # Decoupled: partial rollouts with in-flight weight updates (docs/rl.md): a step trains on
+    # the groups that finish first; the others continue on the newer weights.
+    partial: bool = False
     # "engine": the paged engine (continuous batching; a group's samples share its prompt's
     # prefill and KV blocks); "static": one padded batch per step (the reference sampler).
     # Both draw the same tokens for the same seeds (docs/generation.md).
@@ -64,6 +67,13 @@ class RolloutConfig:
             raise ConfigError("rollout.sampler_devices and rollout.max_staleness must be >= 0")
         if self.max_staleness and not self.sampler_devices:
             raise ConfigError("rollout.max_staleness needs decoupled rollouts (sampler_devices)")
+        if self.partial and not (self.sampler_devices and self.sampler == "engine"):
+            raise ConfigError(
+                "rollout.partial needs decoupled rollouts on the engine: set "
+                "rollout.sampler_devices > 0 and rollout.sampler='engine'"
+            )
+        if self.partial and self.dynamic_sampling:
+            raise ConfigError("rollout.partial does not combine with dynamic_sampling yet")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,10 +180,34 @@ class DomainsConfig:
     adaptive: bool = False  # False: the sources' static weights; True: follow learning signal
     smoothing: float = 0.9  # adaptive: exponential average of each domain's signal
     floor: float = 0.1  # adaptive: every domain keeps at least this share of its base weight
+    # Grouped domain updates: each RL step's prompts (so each of its updates) come from one
+    # domain, drawn by the weights above.
+    grouped: bool = False
+    # Scale each domain's advantages by 1 / (their std over the step's batch), so domains with
+    # different reward scales move the policy alike.
+    normalise_advantages: bool = False
+    lr_scale: dict = dataclasses.field(default_factory=dict)  # {domain: learning-rate multiplier}
 
     def __post_init__(self):
         if not (0 <= self.smoothing < 1 and self.floor > 0):
             raise ConfigError("domains.smoothing must be in [0, 1) and domains.floor > 0")
+        if any(not v > 0 for v in self.lr_scale.values()):
+            raise ConfigError(f"domains.lr_scale multipliers must be > 0, got {self.lr_scale}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorConfig:
+    """Stability alerts in the log (and `alert/*` metrics): entropy collapse and runaway KL."""
+
+    entropy_collapse: float = 0.1  # alert below this x the first `warmup` steps' mean (0: off)
+    kl_max: float = 0.0  # alert above this mean KL (to the reference, else old-policy; 0: off)
+    warmup: int = 3  # steps whose mean entropy is the baseline
+
+    def __post_init__(self):
+        if not (0 <= self.entropy_collapse < 1 and self.kl_max >= 0 and self.warmup >= 1):
+            raise ConfigError(
+                "monitor: entropy_collapse must be in [0, 1), kl_max >= 0 and warmup >= 1"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +233,70 @@ class RFTConfig:
     learning_rate: float = 1e-5
 
 
+OFFLINE_OBJECTIVES = ("awr", "grpo_is")
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineConfig:
+    """Offline RL from logged trajectories before online RL (0 steps: off): JSONL/Parquet rows
+    {prompt, completion, reward, optional logprobs (per completion token) or logprob (their
+    sum), optional group}, trained with AWR or importance-sampled GRPO (docs/rl.md)."""
+
+    data: tuple[str, ...] = ()  # files or globs of logged trajectories (.jsonl, .parquet)
+    objective: str = "awr"  # awr (advantage-weighted regression) | grpo_is (needs logprobs)
+    steps: int = 0  # optimizer steps of the offline stage (0: no offline stage)
+    batch_size: int = 32  # logged completions per step
+    learning_rate: float = 1e-5  # the stage's optimizer rate (no warmup; optimizer.* otherwise)
+    beta: float = 1.0  # awr: weight temperature exp(A / beta), in reward units
+    max_weight: float = 20.0  # awr: weights are capped here
+    tis_cap: float = 2.0  # grpo_is: the importance weight min(pi / mu, tis_cap)
+
+    def __post_init__(self):
+        if self.objective not in OFFLINE_OBJECTIVES:
+            raise ConfigError(
+                f"offline.objective={self.objective!r}: use one of {OFFLINE_OBJECTIVES}"
+            )
+        if self.steps < 0 or self.batch_size < 1 or not self.learning_rate > 0:
+            raise ConfigError(
+                "offline: steps must be >= 0, batch_size >= 1 and learning_rate > 0"
+            )
+        if not (self.beta > 0 and self.max_weight > 0 and self.tis_cap > 0):
+            raise ConfigError("offline: beta, max_weight and tis_cap must be > 0")
+        if self.steps and not self.data:
+            raise ConfigError(
+                "offline.steps > 0 needs offline.data: the logged trajectory files "
+                "(or set offline.steps=0)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation (teacher "": off): the policy samples, `teacher` scores every
+    sampled token, and each token's advantage is `coef (teacher_logp - student_logp)` plus
+    `reward_coef` times the task reward's advantage (docs/rl.md)."""
+
+    teacher: str = ""  # a run's workdir (its latest checkpoint) or an HF model directory
+    coef: float = 1.0  # weight of the per-token advantage teacher_logp - student_logp
+    reward_coef: float = 0.0  # weight of the task reward's advantage (0: pure distillation)
+    # > 0: the teacher runs on its own N devices (the last N before the sampler's, taken from
+    # training); 0: it is sharded over the training devices beside the policy.
+    teacher_devices: int = 0
+
+    def __post_init__(self):
+        if self.coef < 0 or self.reward_coef < 0 or self.teacher_devices < 0:
+            raise ConfigError(
+                "distill.coef, distill.reward_coef and distill.teacher_devices must be >= 0"
+            )
+        if self.teacher and not (self.coef or self.reward_coef):
+            raise ConfigError("distill.coef and distill.reward_coef are both 0: set one > 0")
+        if self.teacher_devices and not self.teacher:
+            raise ConfigError("distill.teacher_devices is set without distill.teacher: set both")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher)
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     model: ModelSpec = ModelSpec()  # the policy's start (and the frozen reference)
@@ -211,10 +309,13 @@ class RLConfig:
     critic: CriticConfig = CriticConfig()
     loss: PolicyLossConfig = PolicyLossConfig()
     kl: KLConfig = KLConfig()
+    distill: DistillConfig = DistillConfig()  # on-policy distillation from a teacher
     rewards: RewardsConfig = RewardsConfig()
     rft: RFTConfig = RFTConfig()
+    offline: OfflineConfig = OfflineConfig()  # offline RL from logged trajectories
     domains: DomainsConfig = DomainsConfig()
     difficulty: DifficultyConfig = DifficultyConfig()
+    monitor: MonitorConfig = MonitorConfig()  # stability alerts
     optimizer: OptimizerConfig = OptimizerConfig()
     train: LoopConfig = LoopConfig()  # steps = RL steps
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -228,6 +329,8 @@ class RLConfig:
             raise ConfigError("data: set data.sources to at least one prompt file")
         if self.env.name and self.rollout.sampler != "engine":
             raise ConfigError("env episodes run on the engine: set rollout.sampler='engine'")
+        if self.env.name and self.rollout.partial:
+            raise ConfigError("rollout.partial is for single-turn rollouts; unset env.name")
         rows = self.data.batch_size * self.rollout.num_generations
         if rows % self.algorithm.minibatches:
             raise ConfigError(

@@ -20,15 +20,19 @@ import jax.numpy as jnp
 from posttrain.lora import Policy
 from posttrain.losses import (
     AGGREGATIONS,
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
     KL_KINDS,
     RATIO_LEVELS,
     aggregate,
     kl_estimate,
     policy_loss,
+    rollout_correction,
     token_stats,
     value_loss,
 )
 from posttrain.models import ModelConfig, hidden_states
+from posttrain.rl._replay import REPLAY_MODES, replay_kwargs, router_mismatch
 from posttrain.train._step import add_moe_aux
 
 
@@ -46,11 +50,26 @@ class PolicyLossConfig:
     mask_truncated: bool = False  # DAPO: no loss on completions cut at max_new_tokens
     kl_estimator: str = "k3"  # k1 | k2 | k3, against the frozen reference
     entropy_coef: float = 0.0  # entropy bonus (the entropy is always logged)
-    tis_cap: float = 0.0  # > 0: truncated importance weight min(p_old / p_sampler, cap)
+    # Off-policy correction against the sampler's log-probs (docs/rl.md): the ratio's level,
+    # off | token | sequence | geometric, and what it does: truncate (weight min(ratio,
+    # tis_cap): TIS) | mask (weight ratio, dropped outside [is_low, is_high]: IcePop at the
+    # token level) | reject (weight 1, dropped outside the bounds).
+    correction: str = "off"
+    correction_mode: str = "truncate"
+    tis_cap: float = 0.0  # truncate's cap of the importance weight
+    is_low: float = 0.5  # mask / reject: tokens (rows) whose ratio is below are dropped
+    is_high: float = 2.0  # ... or above
+    # MoE router replay (the sampler's routing): off | logprob (old-policy and reference
+    # passes) | update (also the update's loss pass); logs router_mismatch.
+    router_replay: str = "off"
 
     def __post_init__(self):
         from posttrain.config import ConfigError
 
+        if self.router_replay not in REPLAY_MODES:
+            raise ConfigError(
+                f"loss.router_replay={self.router_replay!r}: use one of {REPLAY_MODES}"
+            )
         if self.ratio not in RATIO_LEVELS:
             raise ConfigError(f"loss.ratio={self.ratio!r}: use one of {RATIO_LEVELS}")
         if self.aggregation not in AGGREGATIONS:
@@ -61,6 +80,41 @@ class PolicyLossConfig:
             raise ConfigError("loss.clip_low must be in [0, 1) and loss.clip_high >= 0")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"loss.dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
+        if self.correction not in ("off", *CORRECTION_LEVELS):
+            raise ConfigError(
+                f"loss.correction={self.correction!r}: use off or one of {CORRECTION_LEVELS}"
+            )
+        if self.correction_mode not in CORRECTION_MODES:
+            raise ConfigError(
+                f"loss.correction_mode={self.correction_mode!r}: use one of {CORRECTION_MODES}"
+            )
+        if self.tis_cap and self.correction == "off":
+            raise ConfigError(
+                "loss.tis_cap is set but loss.correction is 'off': set loss.correction='token' "
+                "(token-level truncated importance sampling) or another level"
+            )
+        if self.correction != "off" and self.correction_mode == "truncate" and self.tis_cap <= 0:
+            raise ConfigError("loss.correction_mode='truncate' needs loss.tis_cap > 0 (e.g. 2.0)")
+        if not 0 <= self.is_low <= 1 <= self.is_high:
+            raise ConfigError(
+                f"loss.is_low and loss.is_high must satisfy 0 <= is_low <= 1 <= is_high, got "
+                f"{self.is_low}, {self.is_high}"
+            )
+
+    def correct(self, old_logps, sampler_logps, mask) -> dict | None:
+        """`rollout_correction` of this config (None when off)."""
+        if self.correction == "off":
+            return None
+        return rollout_correction(
+            old_logps,
+            sampler_logps,
+            mask,
+            level=self.correction,
+            mode=self.correction_mode,
+            cap=self.tis_cap or None,
+            low=self.is_low,
+            high=self.is_high,
+        )
 
 
 def sequence_log_probs(params, model_config: ModelConfig, batch: dict, **kwargs) -> jax.Array:
@@ -103,8 +157,11 @@ def rl_loss(
 
     Sums: `loss_sum` / `num_tokens` (the aggregation's numerator / normaliser), and token means
     as `X_sum` / `X_count`: `kl`, `entropy`, `clip_fraction`, `ratio`, `approx_kl_old`,
-    `logp_gap` (|trainer old log-prob - sampler log-prob|), `kl/<domain>`, and with a critic
-    `value_loss`, `value_clip_fraction`, `value`.
+    `logp_gap` (|trainer old log-prob - sampler log-prob|), `kl/<domain>`, `entropy/<domain>`,
+    `clip_fraction/<domain>`, with a critic
+    `value_loss`, `value_clip_fraction`, `value`, and with an off-policy correction
+    `is_dropped` (share of sampled tokens it dropped), `is_weight` (mean weight of the kept
+    ones) and `is_ratio` (mean token ratio p_old / p_sampler).
     """
 
     policy = policy or Policy(key="policy" if critic else None)
@@ -119,6 +176,7 @@ def rl_loss(
             batch["positions"],
             batch["segment_ids"],
             return_aux=True,
+            **replay_kwargs(config.router_replay == "update", batch),
             **kwargs,
         )
         stats = token_stats(model_params, hidden, batch["targets"], model_config, entropy=True)
@@ -126,6 +184,10 @@ def rl_loss(
         mask = batch["loss_mask"]
         if config.mask_truncated:
             mask = mask * (1.0 - batch["truncated"])[:, None]
+        sampled = mask
+        corrected = config.correct(batch["old_logps"], batch["sampler_logps"], mask)
+        if corrected is not None:
+            mask = corrected["kept"]  # dropped tokens leave the loss and its normaliser
         out = policy_loss(
             logp,
             batch["old_logps"],
@@ -135,8 +197,7 @@ def rl_loss(
             clip_high=config.clip_high,
             dual_clip=config.dual_clip or None,
             ratio=config.ratio,
-            rollout_logp_BL=batch["sampler_logps"] if config.tis_cap else None,
-            tis_cap=config.tis_cap or None,
+            is_weights_BL=None if corrected is None else corrected["weights"],
         )
         per_token = out["losses"]
         entropy = stats["entropy"]
@@ -185,6 +246,21 @@ def rl_loss(
             **_token_mean("approx_kl_old", out["approx_kl"], mask),
             **_token_mean("logp_gap", gap, batch["loss_mask"]),
         }
+        for d, name in enumerate(domains):  # per-domain curves (docs/rl.md "Stability")
+            in_domain = mask * (batch["domain_ids"] == d)[:, None]
+            sums.update(_token_mean(f"entropy/{name}", entropy, in_domain))
+            sums.update(_token_mean(f"clip_fraction/{name}", out["clipped"], in_domain))
+        if corrected is not None:
+            sums.update(
+                {
+                    **_token_mean("is_dropped", sampled - corrected["kept"], sampled),
+                    **_token_mean("is_weight", corrected["weights"], corrected["kept"]),
+                    **_token_mean("is_ratio", corrected["token_ratio"], sampled),
+                }
+            )
+        if "routed_experts" in batch:  # the trainer's own top-k vs the sampler's
+            mismatch = router_mismatch(aux["routed_experts"], batch["routed_experts"])
+            sums.update(_token_mean("router_mismatch", *mismatch))
         return add_moe_aux(sums, aux)
 
     return loss_fn

@@ -47,6 +47,9 @@ class PromptData:
     A prompt is `{"record": the decoded record, "prompt_ids": list[int], "domain": str,
     "domain_id": int}`; the record's own "domain" wins over its source's.
 
+    `grouped`: every batch holds prompts of one domain, drawn by the domains' weights (the
+    sources' weights, or the adaptive ones), so each update sees one domain.
+
     Attributes:
       domains: the domain names, in order of first appearance (sources, then records).
       rows: prompts per batch on this process (`data.batch_size // process_count`).
@@ -61,6 +64,7 @@ class PromptData:
         *,
         max_prompt_len: int,
         adaptive: AdaptiveDomains | None = None,
+        grouped: bool = False,
         process_index: int | None = None,
         process_count: int | None = None,
     ):
@@ -124,8 +128,10 @@ class PromptData:
             "process": [pi, pc],
             "records": [len(r) for r in records],
             "adaptive": adaptive and dataclasses.asdict(adaptive),
+            "grouped": grouped,
         }
         self._config, self._members, self.adaptive = config, members, adaptive
+        self.grouped = grouped
         self._lock = threading.Lock()
         self._build()
 
@@ -134,7 +140,7 @@ class PromptData:
         c, members = self._config, self._members
         self._identity["prompts"] = sum(map(len, members))
         self._identity = canonical_identity(self._identity)
-        if self.adaptive is None:
+        if self.adaptive is None and not self.grouped:
             indices = index_mixture(
                 members,
                 [s.weight for s in c.sources],
@@ -147,8 +153,12 @@ class PromptData:
             ).__iter__()
             return
         if c.num_epochs is not None:
-            raise ValueError("adaptive domain weights need data.num_epochs=None (repeat forever)")
-        # One endless stream per domain; each prompt's domain drawn by the current weights.
+            raise ValueError(
+                "adaptive domain weights and grouped domain batches need data.num_epochs=None "
+                "(repeat forever)"
+            )
+        # One endless stream per domain; each prompt's domain (grouped: each batch's) drawn by
+        # the current weights.
         by_domain = [[i for m in members for i in m if self.prompts[i]["domain_id"] == d]
                      for d in range(len(self.domains))]  # fmt: skip
         self._streams = {
@@ -167,9 +177,11 @@ class PromptData:
 
     @property
     def domain_weights(self) -> dict[str, float]:
-        """The current sampling weight of each domain (adaptive mode)."""
-        if self.adaptive is None:
+        """The current sampling weight of each domain (adaptive or grouped mode)."""
+        if self.adaptive is None and not self.grouped:
             return {}
+        if self.adaptive is None:
+            return dict(zip(self.domains, self._base.tolist(), strict=True))
         w = self._base * (self.adaptive.floor + self._signal)
         w = w / w.sum()
         return dict(zip(self.domains, w.tolist(), strict=True))
@@ -189,18 +201,19 @@ class PromptData:
         return self
 
     def __next__(self) -> list[dict[str, Any]]:
-        if self.adaptive is None:
+        if self.adaptive is None and not self.grouped:
             return next(self._iterator)
         with self._lock:
             w = np.asarray(list(self.domain_weights.values()))
             live = [d for d in range(len(w)) if d in self._streams]
             p = w[live] / w[live].sum()
-            picks = self._rng.choice(live, size=self.rows, p=p)
+            picks = self._rng.choice(live, size=1 if self.grouped else self.rows, p=p)
+            picks = np.repeat(picks, self.rows // len(picks))
             return [self.prompts[next(self._streams[int(d)])] for d in picks]
 
     def get_state(self) -> dict[str, Any]:
         """The position (JSON-serialisable), saved with every checkpoint."""
-        if self.adaptive is None:
+        if self.adaptive is None and not self.grouped:
             return {"pipeline": self._identity, "iterator": self._iterator.get_state()}
         with self._lock:
             return json.loads(
@@ -226,7 +239,7 @@ class PromptData:
                 f"{state.get('pipeline')}, now {self._identity}); resume with the same data "
                 "config, process layout and data files, or start afresh"
             )
-        if self.adaptive is None:
+        if self.adaptive is None and not self.grouped:
             self._iterator.set_state(state["iterator"])
             return
         for d, it in self._streams.items():

@@ -44,6 +44,7 @@ def rollout_batch(
     groups: int,
     max_len: int,
     pad_id: int = 0,
+    route_shape: tuple[int, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Arrays for `groups` groups of `G = len(completions[0])` rows (fillers past the data).
 
@@ -54,6 +55,9 @@ def rollout_batch(
       groups: groups in the batch (its rows = groups * G).
       max_len: row length; prompt + completion must fit.
       pad_id: the token id of padding.
+      route_shape: router replay: `(MoE layers, top-k)` of the completions' `routed_experts`,
+        laid out by position as `routed_experts` (int16 `[rows, max_len, *route_shape]`, -1
+        where nothing was sampled); None: no routing.
 
     Returns:
       `tokens`, `targets`, `positions`, `segment_ids` (int32) and `loss_mask`,
@@ -73,6 +77,8 @@ def rollout_batch(
     for k in ("rewards", "lengths", "truncated"):
         out[k] = np.zeros(rows, np.float32)
     out["domain_ids"] = np.full(rows, -1, np.int32)
+    if route_shape is not None:
+        out["routed_experts"] = np.full((rows, max_len, *route_shape), -1, np.int16)
     for g, (prompt, group) in enumerate(zip(prompts, completions, strict=True)):
         if len(group) != G:
             raise ValueError(f"prompt {g} has {len(group)} completions, expected {G}")
@@ -99,6 +105,10 @@ def rollout_batch(
             out["lengths"][r] = k
             out["truncated"][r] = float(c.truncated)
             out["domain_ids"][r] = prompt["domain_id"]
+            if route_shape is not None:
+                if c.routed_experts is None or len(c.routed_experts) != n:
+                    raise ValueError(f"completion {j} of prompt {g} has no routing for each token")
+                out["routed_experts"][r, :n] = c.routed_experts
     return out
 
 
@@ -176,31 +186,41 @@ class Rollouts:
                     done = getattr(self.engine.stats, key) - getattr(before, key)
                     timings[key] = timings.get(key, 0) + done
         generated = time.perf_counter()
+        rewards = self.score(prompts, completions, shaped=not greedy)
+        if timings is not None:
+            timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
+            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
+        return completions, rewards
+
+    def score(self, prompts, completions, shaped: bool = True) -> np.ndarray:
+        """Rewards `[prompts, n]` of each prompt's completions from its domain's reward
+        functions (with DAPO's over-length shaping when `shaped` and configured)."""
+        r = self.config.rollout
         records = [p["record"] for p in prompts for _ in completions[0]]
         texts = [c.text for group in completions for c in group]
         domains = [p["domain"] for p in prompts for _ in completions[0]]
         results = self.pool.score(records, texts, domains)
         rewards = np.asarray([res.score for res in results], np.float32)
         rewards = rewards.reshape(len(prompts), len(completions[0]))
-        if r.overlong_buffer and not greedy:
+        if r.overlong_buffer and shaped:
             lengths = np.asarray([[len(c.token_ids) for c in g] for g in completions])
             rewards = rewards + overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer)
-        if timings is not None:
-            timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
-            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
-        return completions, rewards
+        return rewards
 
     def _engine(self, model) -> Engine:
         """The paged engine, made at the first sampling, with `model`'s weights swapped in."""
         r = self.config.rollout
         if self.engine is None:
-            # By default every sample of a step decodes at once, as in the static sampler.
-            slots = r.engine_slots or self.config.data.batch_size * r.num_generations
+            # By default every sample of a step decodes at once, as in the static sampler
+            # (partial rollouts keep twice that in flight).
+            groups = self.config.data.batch_size * (2 if r.partial else 1)
+            slots = r.engine_slots or groups * r.num_generations
             config = EngineConfig(
                 slots=slots,
                 block_size=r.kv_block_size,
                 kv_dtype=r.kv_dtype,
                 unstack_layers=r.unstack_layers,
+                record_routes=self.config.loss.router_replay != "off",
             )
             self.engine = Engine(model, config, max_len=self.max_len)
         self.engine.model = model

@@ -9,11 +9,12 @@ import jax
 import numpy as np
 
 from posttrain.lora import wrap
-from posttrain.losses import gae, group_advantages, kl_estimate, whiten
+from posttrain.losses import distill_advantages, gae, group_advantages, kl_estimate, whiten
 from posttrain.parallel import process_rows, shard_batch
 from posttrain.rl._config import RLConfig
 from posttrain.rl._critic import token_values
 from posttrain.rl._loss import sequence_log_probs
+from posttrain.rl._replay import replay_kwargs
 from posttrain.rl._shares import host_array
 
 
@@ -26,15 +27,20 @@ def policy_params(c: RLConfig, params):
 class Scorer:
     """The trainer's passes over a rollout batch before its updates: the old policy's and the
     reference's log-probs of the sampled tokens, the critic's values, the KL penalty when it
-    is a reward, and the advantages (group-relative, or GAE with the critic)."""
+    is a reward, and the advantages (group-relative, or GAE with the critic; with a
+    distillation `teacher`, per token: `posttrain.rl._teacher`)."""
 
-    def __init__(self, c: RLConfig, model_config, critic, ref_params, mesh, domains, base=None):
+    def __init__(
+        self, c: RLConfig, model_config, critic, ref_params, mesh, domains, base=None, teacher=None
+    ):
         self.c, self.model_config, self.critic = c, model_config, critic
         self.ref_params, self.mesh, self.base = ref_params, mesh, base
+        self.teacher = teacher
         self.scale = np.asarray([c.kl.domain_scale.get(d, 1.0) for d in domains] + [0.0])
 
         def logps(trained, base, batch, adapters=True):
             params, kwargs = wrap(c.lora, base, trained, adapters=adapters)
+            kwargs = {**kwargs, **replay_kwargs(c.loss.router_replay != "off", batch)}
             return sequence_log_probs(params, model_config, batch, **kwargs)
 
         # (with LoRA: the reference is the base with the adapters off)
@@ -44,10 +50,11 @@ class Scorer:
             a = c.algorithm
             self.gae = jax.jit(functools.partial(gae, gamma=a.gamma, lam=a.lam))
 
-    def __call__(self, params, batch: dict, kl_coef: float) -> None:
+    def __call__(self, params, batch: dict, kl_coef: float) -> dict[str, float]:
         """Adds `old_logps`, `ref_logps`, `kl_coefs`, `advantages` (and with a critic
         `old_values`, `returns`) to the host batch (the whole step's, on every process: each
-        feeds its own rows and gets every row's results back)."""
+        feeds its own rows and gets every row's results back); returns host metrics of these
+        passes (with a teacher: `distill/reverse_kl`)."""
         c = self.c
         rows = process_rows(len(batch["rewards"]), self.mesh)
         device_batch = shard_batch({k: v[rows] for k, v in batch.items()}, self.mesh)
@@ -78,7 +85,7 @@ class Scorer:
                 ),
                 np.float32,
             )
-            return
+            return self._distill(batch, device_batch)
         values = host_array(self.values(params["value"], self.critic.model_config, device_batch))
         # The outcome reward lands on each completion's last token, the KL penalty on every one.
         token_rewards = -penalty
@@ -91,3 +98,27 @@ class Scorer:
         batch["advantages"] = np.asarray(advantages, np.float32)
         batch["returns"] = np.asarray(returns, np.float32)
         batch["old_values"] = (values * mask).astype(np.float32)
+        return self._distill(batch, device_batch)
+
+    def _distill(self, batch: dict, device_batch: dict) -> dict[str, float]:
+        """With a teacher: per-token advantages `[B, L]` from its log-probs of the sampled
+        tokens (the task advantage mixed in by `distill.reward_coef`), and the step's mean
+        reverse KL estimate `student_logp - teacher_logp` over those tokens."""
+        if self.teacher is None:
+            return {}
+        d, mask = self.c.distill, batch["loss_mask"]
+        teacher = self.teacher.logps(batch, device_batch)
+        batch["advantages"] = np.asarray(
+            distill_advantages(
+                batch["old_logps"],
+                teacher,
+                mask,
+                batch["advantages"],
+                coef=d.coef,
+                reward_coef=d.reward_coef,
+            ),
+            np.float32,
+        )
+        on = mask > 0
+        reverse_kl = (batch["old_logps"] - teacher)[on].mean() if on.any() else 0.0
+        return {"distill/reverse_kl": float(reverse_kl)}

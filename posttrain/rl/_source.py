@@ -24,7 +24,9 @@ import numpy as np
 from posttrain.losses import adaptive_kl_update
 from posttrain.parallel import process_rows
 from posttrain.rl._config import RLConfig
+from posttrain.rl._domains import StabilityMonitor, normalise_by_domain, update_scales
 from posttrain.rl._prompts import PromptData
+from posttrain.rl._replay import route_shape
 from posttrain.rl._rollout import (
     RolloutProducer,
     Rollouts,
@@ -44,6 +46,27 @@ def _group_stats(rewards: np.ndarray, lengths: np.ndarray, domains, domain_ids, 
             out[f"reward/{name}"] = float(rewards[rows].mean())
             out[f"pass_rate/{name}"] = float((rewards[rows] >= threshold).mean())
             out[f"response_length/{name}"] = float(lengths[rows].mean())
+    return out
+
+
+def _ratio_extremes(batch: dict, mask: np.ndarray, level: str) -> dict[str, float]:
+    """The smallest and largest ratio p_old / p_sampler of the step's sampled tokens, and with a
+    sequence-level correction of its rows (the means are the loss's `is_ratio`)."""
+    if level == "off" or not mask.any():
+        return {}
+    log_r = np.where(mask, batch["old_logps"] - batch["sampler_logps"], 0.0).clip(-20, 20)
+    out = {
+        "is_ratio_min": float(np.exp(log_r[mask].min())),
+        "is_ratio_max": float(np.exp(log_r[mask].max())),
+    }
+    if level != "token":
+        rows = mask.any(axis=1)
+        log_R = log_r.sum(axis=1)[rows]
+        if level == "geometric":
+            log_R = log_R / mask.sum(axis=1)[rows]
+        out.update(
+            is_seq_ratio_min=float(np.exp(log_R.min())), is_seq_ratio_max=float(np.exp(log_R.max()))
+        )
     return out
 
 
@@ -81,6 +104,8 @@ class RolloutSource:
         self._params, self._step = None, 0
         self._prompt_state = None  # decoupled: the prompt position after the last batch drawn
         self._metrics: dict[str, float] = {}
+        m = c.monitor
+        self.monitor = StabilityMonitor(m.entropy_collapse, m.kl_max, m.warmup)
 
     @property
     def stats(self) -> dict:
@@ -135,8 +160,17 @@ class RolloutSource:
             groups=c.data.batch_size,
             max_len=self.rollouts.max_len,
             pad_id=self.rollouts.tokenizer.pad_id or 0,
+            route_shape=route_shape(c.loss.router_replay, self.rollouts.model_config),
         )
-        self.score(self._params, batch, self.kl_coef)  # (every process: the whole batch)
+        scored = self.score(self._params, batch, self.kl_coef)  # (every process: the whole batch)
+        if c.domains.normalise_advantages:
+            batch["advantages"] = normalise_by_domain(
+                batch["advantages"], batch["domain_ids"], batch["loss_mask"]
+            )
+        if c.domains.lr_scale:
+            batch["update_scale"] = update_scales(
+                batch["domain_ids"], self.prompts.domains, c.domains.lr_scale
+            )
         real = batch["domain_ids"] >= 0
         mask = batch["loss_mask"] > 0
         threshold = c.rewards.pass_threshold
@@ -149,7 +183,10 @@ class RolloutSource:
             "logp_gap_max": float(
                 np.abs(batch["old_logps"] - batch["sampler_logps"])[mask].max(initial=0.0)
             ),
+            **_ratio_extremes(batch, mask, c.loss.correction),
             "groups": float(len(kept)),
+            # (grouped domain updates: 1, every update of the step sees one domain)
+            "domains_in_batch": float(len(np.unique(batch["domain_ids"][real]))),
             **counts,  # with decoupled rollouts: rollout_version and staleness
             **_group_stats(
                 batch["rewards"][real],
@@ -159,6 +196,7 @@ class RolloutSource:
                 threshold,
             ),
             "kl_coef": self.kl_coef,
+            **scored,  # the trainer's passes' own (distill/reverse_kl)
             # generate_s and reward_s come with the rollouts (counts); with decoupled
             # rollouts they overlap training, and wait_s is what the trainer waited.
             "wait_s": t1 - t0,
@@ -180,6 +218,10 @@ class RolloutSource:
             return batch
         rows = process_rows(len(batch["rewards"]), self.score.mesh)
         return {k: v[rows] for k, v in batch.items()}  # this process's rows of the global batch
+
+    def watch(self, step: int, metrics: dict) -> dict[str, float]:
+        """Stability alerts from the step's metrics (`StabilityMonitor`)."""
+        return self.monitor(step, metrics)
 
     def batch_metrics(self) -> dict[str, float]:
         """Host metrics of the batch last drawn."""

@@ -39,10 +39,14 @@ from posttrain.rl._config import RLConfig
 from posttrain.rl._critic import value_trainable
 from posttrain.rl._loss import CriticLoss, rl_loss
 from posttrain.rl._offline import filter_by_difficulty, rejection_sampling
+from posttrain.rl._offline_rl import offline_rl
+from posttrain.rl._partial import PartialProducer
 from posttrain.rl._prompts import AdaptiveDomains, PromptData
+from posttrain.rl._replay import check_router_replay
 from posttrain.rl._rollout import RolloutProducer, Rollouts, SamplerWeights
 from posttrain.rl._scorer import Scorer
 from posttrain.rl._source import RolloutSource
+from posttrain.rl._teacher import Teacher, split_teacher_devices, teacher_model
 from posttrain.train._lora import base_inputs, lora_json, policy_trainable
 from posttrain.train._run import StepPlan, Trainable, setup, to_json, train
 from posttrain.train._step import BatchPasses
@@ -50,23 +54,27 @@ from posttrain.train._step import BatchPasses
 log = logging.getLogger(__name__)
 
 
-def split_devices(c: RLConfig, devices) -> tuple[list, list | None]:
-    """(training devices, sampler devices or None): with `rollout.sampler_devices` = N, each
-    process samples on its own last N devices (one process: the last N of all)."""
-    if not c.rollout.sampler_devices:
-        return list(devices), None
-    n = c.rollout.sampler_devices
-    processes = sorted({d.process_index for d in devices})
-    mine = [d for d in devices if d.process_index == processes[0]]
-    if n >= len(mine):
-        raise ConfigError(
-            f"rollout.sampler_devices={n} leaves no device to train on (of {len(mine)} on each "
-            "process)"
-        )
-    sampler = []
-    for p in processes:
-        sampler += [d for d in devices if d.process_index == p][-n:]
-    return [d for d in devices if d not in sampler], sampler
+def split_devices(c: RLConfig, devices) -> tuple[list, list | None, list | None]:
+    """(training devices, sampler devices or None, teacher devices or None): with
+    `rollout.sampler_devices` = N, each process samples on its own last N devices (one
+    process: the last N of all); with `distill.teacher_devices` = M (one process), the
+    distillation teacher runs on the last M devices left (those before the sampler's)."""
+    train, sampler = list(devices), None
+    if c.rollout.sampler_devices:
+        n = c.rollout.sampler_devices
+        processes = sorted({d.process_index for d in devices})
+        mine = [d for d in devices if d.process_index == processes[0]]
+        if n >= len(mine):
+            raise ConfigError(
+                f"rollout.sampler_devices={n} leaves no device to train on (of {len(mine)} on "
+                "each process)"
+            )
+        sampler = []
+        for p in processes:
+            sampler += [d for d in devices if d.process_index == p][-n:]
+        train = [d for d in devices if d not in sampler]
+    train, teacher = split_teacher_devices(c.distill.teacher_devices, train)
+    return train, sampler, teacher
 
 
 def rl_plan(
@@ -122,15 +130,18 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             "rft.steps": c.rft.steps,
             "difficulty.samples": c.difficulty.samples,
             "rollout.sampler_devices with lora": c.rollout.sampler_devices and c.lora,
+            "rollout.partial": c.rollout.partial,
+            "distill.teacher_devices": c.distill.teacher_devices,
         }
         if unsupported := [k for k, v in one_process_only.items() if v]:
             raise ConfigError(
                 f"{', '.join(unsupported)} run in one process for now (RL without them runs on "
                 "several); turn them off or run on one host"
             )
-    devices, sampler_devices = split_devices(c, jax.devices())
+    devices, sampler_devices, teacher_devices = split_devices(c, jax.devices())
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
+    check_router_replay(c, model_config, jax.process_count())
     adaptive = None
     if c.domains.adaptive:
         adaptive = AdaptiveDomains(smoothing=c.domains.smoothing, floor=c.domains.floor)
@@ -140,11 +151,23 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         tokenizer,
         max_prompt_len=c.rollout.max_prompt_len,
         adaptive=adaptive,
+        grouped=c.domains.grouped,
         process_index=0,
         process_count=1,
     )
+    for field in ("kl.domain_scale", "domains.lr_scale"):
+        section, name = field.split(".")
+        if unknown := set(getattr(getattr(c, section), name)) - set(prompts.domains):
+            raise ConfigError(
+                f"{field} names domains the prompts do not have: {sorted(unknown)} (domains: "
+                f"{list(prompts.domains)})"
+            )
     if c.rft.steps:
         c = rejection_sampling(c, workdir, prompts, tokenizer, model_config, mesh)
+    if c.offline.steps:  # offline RL on logged trajectories, in <workdir>/offline
+        c, stage = offline_rl(c, workdir)
+        if stage["stopped"] == "preempted":  # saved mid-stage: a rerun resumes it
+            return stage
     if c.difficulty.samples:
         filter_by_difficulty(c, workdir, prompts, tokenizer, model_config, mesh)
     eval_prompts = None
@@ -175,6 +198,8 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             f"rollout.max_prompt_len + rollout.max_new_tokens = {max_len} exceeds the model's "
             f"max_seq_len={model_config.max_seq_len}"
         )
+    if c.distill.enabled:
+        teacher_model(c.distill.teacher, model_config)  # (a missing or mismatched teacher: now)
     paths.write_text(paths.join(workdir, "prompts.json"), json.dumps(prompts.stats, indent=2))
 
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
@@ -188,7 +213,12 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         ref_params = policy.init() if c.kl.enabled and lora is None else None
 
         sampler = SamplerWeights(c, model_config, mesh, base)
-        score = Scorer(c, model_config, critic, ref_params, mesh, domains, base)
+        teacher = None
+        if c.distill.enabled:
+            own = teacher_devices is not None
+            teacher_mesh = make_mesh(MeshConfig(), teacher_devices) if own else mesh
+            teacher = Teacher(c.distill.teacher, model_config, teacher_mesh, own_mesh=own)
+        score = Scorer(c, model_config, critic, ref_params, mesh, domains, base, teacher)
         with contextlib.ExitStack() as stack:
             pools = [
                 stack.enter_context(
@@ -208,7 +238,8 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 rollouts = Rollouts(c, tokenizer, model_config, pools[1], domains, devices)
 
                 def producer(start: int) -> RolloutProducer:
-                    return RolloutProducer(c, prompts, sampler_rollouts, sampler_side, start)
+                    kind = PartialProducer if c.rollout.partial else RolloutProducer
+                    return kind(c, prompts, sampler_rollouts, sampler_side, start)
 
             source = RolloutSource(c, prompts, rollouts, sampler, score, producer)
             stack.callback(source.close)

@@ -1,7 +1,11 @@
 """Sampling: the paged generation engine (RL rollouts, `serve`), the static sampler (the
 reference; eval and `generate`), speculative decoding and the OpenAI-compatible server."""
 
-from posttrain.sampling._continuous import generate_continuous, generate_speculative
+from posttrain.sampling._continuous import (
+    generate_continuous,
+    generate_speculative,
+    request_completions,
+)
 from posttrain.sampling._engine import Engine, EngineConfig, EngineStats, Request
 from posttrain.sampling._generate import Completion, check_settings, generate
 from posttrain.sampling._run import run_generate
@@ -23,6 +27,7 @@ __all__ = [
     "generate_speculative",
     "PromptLookup",
     "Request",
+    "request_completions",
     "run_generate",
     "sample_tokens",
     "serve",

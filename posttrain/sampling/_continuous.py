@@ -39,6 +39,7 @@ def generate_continuous(
     num_blocks: int = 0,
     kv_dtype: str = "auto",
     prefix_sharing: bool = True,
+    record_routes: bool = False,
     drafter: PromptLookup | DraftModel | MTP | None = None,
     engine: Engine | None = None,
     stats: dict | None = None,
@@ -62,6 +63,8 @@ def generate_continuous(
         rounding), and with `seeds` they are `generate`'s draws.
       length_bucket: prefill lengths are padded to a multiple of this.
       block_size, num_blocks, kv_dtype, prefix_sharing: the KV pool (see `EngineConfig`).
+      record_routes: a MoE model's completions carry the experts every position (prompt
+        and completion) was routed to, `Completion.routed_experts` (router replay).
       drafter: decode speculatively: `PromptLookup(ngram, k)`, `DraftModel(model, k)` (same
         vocabulary) or `MTP(module, k)` (the model's own MTP module, `mtp_from_hf`) (same
         outputs when greedy, the same distribution when sampling, fewer forwards of `model`
@@ -108,6 +111,7 @@ def generate_continuous(
             prefill_bucket=length_bucket,
             kv_dtype=kv_dtype,
             prefix_sharing=prefix_sharing,
+            record_routes=record_routes,
         )
         max_len = max(len(p) + b for p, b in zip(ids, budgets, strict=True))
         engine = Engine(model, config, max_len=max_len, eos_ids=eos_ids, drafter=drafter)
@@ -137,13 +141,26 @@ def generate_continuous(
         after = dataclasses.asdict(engine.stats)
         stats.update({k: v - before[k] for k, v in after.items() if k != "peak_blocks"})
         stats["peak_blocks"] = after["peak_blocks"]
-    return [
-        [
-            _finish(tokenizer, req.tokens[j], req.logprobs[j], engine.hit_eos(req, j), stop)
-            for j in range(n)
-        ]
-        for req in requests
-    ]
+    return [[_completion(tokenizer, engine, req, j, stop) for j in range(n)] for req in requests]
+
+
+def _completion(tokenizer, engine: Engine, req: Request, j: int, stop) -> Completion:
+    """Sample j of `req`, with its routing (cut where a stop string cut the tokens) if recorded."""
+    out = _finish(tokenizer, req.tokens[j], req.logprobs[j], engine.hit_eos(req, j), stop)
+    if req.routes[j] is None:
+        return out
+    routes = req.routes[j][: len(req.prompt) + len(out.token_ids)]
+    return dataclasses.replace(out, routed_experts=routes)
+
+
+def request_completions(tokenizer, engine: Engine, req: Request, stop=()) -> list[Completion]:
+    """A finished request's samples as `Completion`s (what `generate_continuous` returns for
+    its prompt), each with the weights' version of every token it kept (`versions`)."""
+    out = []
+    for j in range(req.n):
+        c = _completion(tokenizer, engine, req, j, stop)
+        out.append(dataclasses.replace(c, versions=tuple(req.versions[j][: len(c.token_ids)])))
+    return out
 
 
 def generate_speculative(

@@ -43,7 +43,13 @@ from posttrain.models import KV_DTYPES, Transformer
 from posttrain.parallel import logical_to_spec
 from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
 from posttrain.sampling._rounds import speculate
-from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup, check_drafter
+from posttrain.sampling._speculative import (
+    MTP,
+    DraftModel,
+    PromptLookup,
+    draft_config,
+    drafter_lookahead,
+)
 
 _ATTENTION = ("auto", "xla", "ragged")
 
@@ -72,6 +78,8 @@ class EngineConfig:
         cache at every step: 1.5x the tokens/s of a small model on CPU, at the cost of one
         extra copy of the layer weights while a decode call runs (False on a device where
         that copy does not fit).
+      record_routes: router replay: record each sample's routed experts at every position
+        (prompt and completion) of a MoE model, into `Request.routes` (no drafter).
     """
 
     slots: int = 8
@@ -84,6 +92,7 @@ class EngineConfig:
     prefix_sharing: bool = True
     attention: str = "auto"
     unstack_layers: bool = True
+    record_routes: bool = False
 
     def __post_init__(self):
         for name in ("slots", "block_size", "chunk", "prefill_bucket", "kv_recent"):
@@ -106,6 +115,7 @@ class EngineConfig:
             self.kv_dtype == "auto"
             and model_config.mla is None
             and model_config.head_dim % 128 == 0
+            and not model_config.batch_invariant  # (which has its own attention)
         )
         if self.attention == "auto":
             return "ragged" if platform == "tpu" and fits else ""
@@ -123,7 +133,9 @@ class EngineConfig:
 class Request:
     """A prompt and what to generate for it: `n` samples of at most `max_new_tokens` each,
     sample j keyed `fold_in(key, j)`. Filled in as it runs: `tokens`/`logprobs` per sample
-    and `done` per sample."""
+    and `done` per sample; with `EngineConfig.record_routes`, `routes` per finished sample
+    (int16 `[prompt + tokens, MoE layers, top-k]`, None if cancelled); `versions` per sample:
+    the engine's `version` (its weights' version) when each token was decoded."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -135,12 +147,16 @@ class Request:
     tokens: list[list[int]] = dataclasses.field(default_factory=list)
     logprobs: list[list[float]] = dataclasses.field(default_factory=list)
     done: list[bool] = dataclasses.field(default_factory=list)
+    routes: list = dataclasses.field(default_factory=list)
+    versions: list[list[int]] = dataclasses.field(default_factory=list)
     admitted: int = 0  # samples placed in rows so far
 
     def __post_init__(self):
         self.tokens = [[] for _ in range(self.n)]
         self.logprobs = [[] for _ in range(self.n)]
         self.done = [False] * self.n
+        self.routes = [None] * self.n
+        self.versions = [[] for _ in range(self.n)]
 
 
 @dataclasses.dataclass
@@ -164,8 +180,9 @@ class Engine:
 
     `submit` queues requests, `step` admits what fits, decodes one chunk and returns the
     requests that finished; `run` steps until the queue is empty. The weights are a jit
-    argument: `engine.model = new_model` (same shapes) swaps them without recompiling
-    (`engine.drafter = DraftModel(new_draft, k)` likewise).
+    argument: `engine.model = new_model` (same shapes) swaps them without recompiling, also
+    mid-request (running ones continue with their KV; `version` labels what each decoded);
+    `engine.drafter = DraftModel(new_draft, k)` likewise.
 
     `drafter`: decode speculatively with prompt lookup, a draft model (same vocabulary) or
     the model's MTP module; not with the layered int8 cache, whose ring of recent tokens a
@@ -183,8 +200,14 @@ class Engine:
     ):
         self.model, self.config = model, config
         self.drafter = drafter
+        self.version = 0  # of the weights (RL's in-flight updates swap them mid-request)
         self.max_len = max_len or model.config.max_seq_len
-        self._ahead = _check_drafter(drafter, model, config)
+        self._ahead = drafter_lookahead(drafter, model, config.kv_dtype)
+        if config.record_routes and (model.config.moe is None or drafter is not None):
+            raise ValueError(
+                "engine record_routes needs a MoE model and no drafter (router replay records "
+                "each position's experts); turn it off or drop the drafter"
+            )
         bs = config.block_size
         self.blocks_per_seq = -(-(self.max_len + self._ahead) // bs)
         num_blocks = config.num_blocks or 1 + config.slots * self.blocks_per_seq
@@ -217,7 +240,7 @@ class Engine:
             self.blocks_per_seq,
             combined=bool(self.kernel),
             history=self.blocks_per_seq * c.block_size if drafter else 1,
-            draft_config=_draft_config(drafter),
+            draft_config=draft_config(drafter),
             mtp=isinstance(drafter, MTP),
         )
         placed = jax.tree.leaves(self.model.params)[0].sharding
@@ -307,7 +330,7 @@ class Engine:
             self.stats.rounds += rounds
         self.stats.decode_calls += 1
         tok_BK, lp_BK, live_BK, done_B = jax.device_get((tok_BK, lp_BK, live_BK, self._rows.done_B))
-        finished = []
+        finished, ended = [], []
         for b, entry in enumerate(self._row_of):
             if entry is None:
                 continue
@@ -315,13 +338,19 @@ class Engine:
             got = live_BK[b]
             req.tokens[j] += tok_BK[b, got].tolist()
             req.logprobs[j] += lp_BK[b, got].tolist()
+            req.versions[j] += [self.version] * int(got.sum())
             self.stats.generated_tokens += int(got.sum())
             if done_B[b]:
                 req.done[j] = True
+                ended.append((b, req, j))
                 self._release(blocks_of_row)
                 self._row_of[b] = None
                 if all(req.done):
                     finished.append(req)
+        if ended and self._rows.routes_BSTK is not None:
+            routes = jax.device_get(self._rows.routes_BSTK[np.asarray([b for b, _, _ in ended])])
+            for (_, req, j), routes_STK in zip(ended, routes, strict=True):
+                req.routes[j] = routes_STK[: len(req.prompt) + len(req.tokens[j])]
         return finished
 
     def set_eos(self, eos_ids: Sequence[int]) -> None:
@@ -475,24 +504,3 @@ class Engine:
 
 
 _POOLS = ("k", "v", "draft_k", "draft_v")  # split over the tensor axis like the model's heads
-
-
-def _draft_config(drafter):
-    """The config of the drafter's KV pool (None: it has none)."""
-    if isinstance(drafter, DraftModel):
-        return drafter.model.config
-    return drafter.module.block_config if isinstance(drafter, MTP) else None
-
-
-def _check_drafter(drafter, model: Transformer, config: EngineConfig) -> int:
-    """Positions a round writes past a row's length (k; 0 without a drafter), or a clear error
-    for a drafter the engine cannot use."""
-    if drafter is None:
-        return 0
-    check_drafter(drafter, model)
-    if config.kv_dtype == "int8_layered":
-        raise ValueError(
-            "speculative decoding does not work with kv_dtype='int8_layered' (a round's drafts "
-            "would overwrite the ring of recent tokens); use 'int8' or 'auto'"
-        )
-    return drafter.k

@@ -35,12 +35,17 @@ class Completion:
       logprobs: log p(token) of each id in `token_ids` under the raw model distribution
         (temperature 1, no top-k/top-p), as RL importance ratios need.
       finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens reached).
+      routed_experts: router replay (the engine's `record_routes`): the experts each position
+        of prompt + `token_ids` was routed to, int16 `[tokens, MoE layers, top-k]`; else None.
+      versions: partial rollouts: the version of the weights that decoded each token; else None.
     """
 
     text: str | None
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+    routed_experts: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    versions: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def truncated(self) -> bool:

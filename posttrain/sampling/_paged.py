@@ -24,6 +24,7 @@ from posttrain.models import (
     hidden_states,
     lm_logits,
     split_layers,
+    token_logprobs,
     unstack_layers,
 )
 from posttrain.sampling._sample import sample_tokens
@@ -54,6 +55,9 @@ class Rows(NamedTuple):
     draft_k: jax.Array | None  # a draft model's (or MTP module's) pool: same blocks and tables
     draft_v: jax.Array | None
     hidden_BD: jax.Array | None  # MTP: the model's final hidden state at the last cached position
+    # Router replay (`EngineConfig.record_routes`): each row's routed experts by position,
+    # `[B, positions, MoE layers, top-k]` int16, prompt included.
+    routes_BSTK: jax.Array | None = None
 
 
 def _slots_of(tables_BM, block_size: int):
@@ -109,9 +113,17 @@ def prefill(
 
     segments_GP = real_GP.astype(jnp.int32)
     cache = cache_of(rows.k, rows.v, config.dtype)
-    hidden_GPD, cache = hidden_states(
-        model.params, tokens_GP, config, positions_GP, segments_GP, cache
-    )
+    routes_BSTK = rows.routes_BSTK
+    if routes_BSTK is None:
+        hidden_GPD, cache = hidden_states(
+            model.params, tokens_GP, config, positions_GP, segments_GP, cache
+        )
+    else:  # the prompt's routing, for each of its rows (a group's samples share its prefill)
+        hidden_GPD, cache, aux = hidden_states(
+            model.params, tokens_GP, config, positions_GP, segments_GP, cache, return_aux=True
+        )
+        routes_XPTK = aux["routed_experts"][group_X].astype(routes_BSTK.dtype)
+        routes_BSTK = routes_BSTK.at[rows_X[:, None], jnp.arange(P)].set(routes_XPTK, mode="drop")
     last_G1D = jnp.take_along_axis(hidden_GPD, (lengths_G - 1)[:, None, None], axis=1)
     logits_GV = lm_logits(model.params, last_G1D, config)[:, 0]
     draft_k, draft_v, hidden_BD = rows.draft_k, rows.draft_v, rows.hidden_BD
@@ -166,6 +178,7 @@ def prefill(
         draft_k=copy(draft_k),
         draft_v=copy(draft_v),
         hidden_BD=hidden_BD,
+        routes_BSTK=routes_BSTK,
     )
 
 
@@ -231,7 +244,8 @@ def decode(
     def body(rows: Rows, _):
         keys_B = jax.vmap(jax.random.fold_in)(rows.keys_B, rows.num_B)
         token_B = _sample_rows(rows, keys_B)
-        logprob_B = _token_logprobs(rows.logits_BV[:, None], token_B[:, None])[:, 0]
+        logprobs = token_logprobs if config.batch_invariant else _token_logprobs  # the trainer's
+        logprob_B = logprobs(rows.logits_BV[:, None], token_B[:, None])[:, 0]
         live_B = ~rows.done_B
         token_B = jnp.where(live_B, token_B, 0)
         num_B = rows.num_B + live_B
@@ -240,7 +254,20 @@ def decode(
         cache = _paged(
             rows.k, rows.v, tables_BM, block_size, position_B1, live_B, config.dtype, kernel
         )
-        logits_B1V, cache = model(token_B[:, None], position_B1, jnp.ones((B, 1), jnp.int32), cache)
+        segments_B1 = jnp.ones((B, 1), jnp.int32)
+        if rows.routes_BSTK is None:
+            logits_B1V, cache = model(token_B[:, None], position_B1, segments_B1, cache)
+        else:  # record the token's routing at its position
+            hidden_B1D, cache, aux = hidden_states(
+                model.params, token_B[:, None], config, position_B1, segments_B1, cache,
+                return_aux=True,
+            )  # fmt: skip
+            logits_B1V = lm_logits(model.params, hidden_B1D, config)
+            where_B = jnp.where(live_B, rows.lengths_B, rows.routes_BSTK.shape[1])  # else: drop
+            step_BTK = aux["routed_experts"][:, 0].astype(rows.routes_BSTK.dtype)
+            rows = rows._replace(
+                routes_BSTK=rows.routes_BSTK.at[jnp.arange(B), where_B].set(step_BTK, mode="drop")
+            )
         rows = rows._replace(
             k=cache.k_TNbKH,
             v=cache.v_TNbKH,
@@ -325,4 +352,13 @@ def empty_rows(
         draft_k=draft_k,
         draft_v=draft_v,
         hidden_BD=jnp.zeros((B, model_config.embed_dim), model_config.dtype) if mtp else None,
+        routes_BSTK=_routes(model_config, B, blocks_per_seq * config.block_size)
+        if config.record_routes
+        else None,
     )
+
+
+def _routes(model_config, rows: int, positions: int) -> jax.Array:
+    """Empty router-replay records: `[rows, positions, MoE layers, top-k]` int16 expert ids."""
+    shape = (rows, positions, model_config.num_moe_layers, model_config.moe.top_k)
+    return jnp.zeros(shape, jnp.int16)

@@ -192,3 +192,24 @@ def check_drafter(drafter, model: Transformer) -> None:
             f"the draft model's vocab_size ({drafter.model.config.vocab_size}) differs from the "
             f"model's ({model.config.vocab_size}); a draft model must share the tokenizer"
         )
+
+
+def draft_config(drafter):
+    """The config of the drafter's KV pool (None: it has none)."""
+    if isinstance(drafter, DraftModel):
+        return drafter.model.config
+    return drafter.module.block_config if isinstance(drafter, MTP) else None
+
+
+def drafter_lookahead(drafter, model: Transformer, kv_dtype: str) -> int:
+    """Positions a round writes past a row's length (k; 0 without a drafter), or a clear error
+    for a drafter the engine cannot use (with a KV cache of `kv_dtype`)."""
+    if drafter is None:
+        return 0
+    check_drafter(drafter, model)
+    if kv_dtype == "int8_layered":
+        raise ValueError(
+            "speculative decoding does not work with kv_dtype='int8_layered' (a round's drafts "
+            "would overwrite the ring of recent tokens); use 'int8' or 'auto'"
+        )
+    return drafter.k

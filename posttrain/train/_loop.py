@@ -9,7 +9,9 @@ prompts -> rollouts -> rewards -> advantages) also has
   `observe(step, state, metrics)`: called with the starting state (`metrics` None) and after
     each step is dispatched with the new state and the step's device metrics (not fetched);
   `batch_metrics() -> dict`: host metrics of the batch last drawn (rewards, timings...),
-    logged with that step's device metrics.
+    logged with that step's device metrics;
+  `watch(step, metrics) -> dict` (optional): more metrics from a step's fetched ones (RL's
+    stability alerts), logged with them.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def train_loop(
     start = int(jax.device_get(state.step)) // updates_per_step
     observe = getattr(data, "observe", None)
     batch_metrics = getattr(data, "batch_metrics", None)
+    watch = getattr(data, "watch", None)
     writer = MetricsWriter(workdir, resume_step=start)
     peak = peak_flops_per_device()
     summary: dict = {"start_step": start, "stopped": "completed"}
@@ -186,6 +189,8 @@ def train_loop(
                 host["mfu"] = (
                     flops_per_token * host["tokens_per_second"] / (peak * jax.device_count())
                 )
+            if watch is not None:
+                host.update(watch(step, host))
             summary["train"] = host
             if step % loop.log_every == 0 or step == loop.steps:
                 writer.write(step, host)

@@ -31,6 +31,7 @@ from posttrain.models import (
     param_shapes,
     param_shardings,
 )
+from posttrain.rewards import set_judge_loader
 from posttrain.train._checkpoint import CheckpointConfig, Checkpointer
 
 
@@ -53,6 +54,9 @@ class ModelSpec:
     logits_chunk: int = -1
     context_parallel: str = ""  # override ModelConfig.context_parallel: ring | all_gather
     pipeline_microbatches: int = 0  # override ModelConfig.pipeline_microbatches (0 keeps it)
+    # Zero-mismatch mode (ModelConfig.batch_invariant): the sampler's and the trainer's
+    # log-probs of a token are bitwise equal; True turns it on, False keeps the model's.
+    batch_invariant: bool = False
     # MoE run settings (0 keeps the model's): expert-parallel buffer size over the balanced
     # share (MoEConfig.ep_capacity_factor), routing-bias step, load-balancing loss weight.
     ep_capacity_factor: float = 0.0
@@ -68,7 +72,7 @@ class ModelSpec:
 
     def overrides(self) -> dict:
         names = ("attention", "remat", "compute_dtype", "param_dtype", "context_parallel",
-                 "pipeline_microbatches")  # fmt: skip
+                 "pipeline_microbatches", "batch_invariant")  # fmt: skip
         out = {n: getattr(self, n) for n in names if getattr(self, n)}
         return out | ({"logits_chunk": self.logits_chunk} if self.logits_chunk >= 0 else {})
 
@@ -130,7 +134,7 @@ def check_same_model(workdir: str, model_config: ModelConfig) -> None:
         old, new = to_json(saved), to_json(model_config)
         # Settings that may change between runs of one model.
         runtime = ("attention", "remat", "logits_chunk", "context_parallel",
-                   "pipeline_microbatches", "compute_dtype", "name")  # fmt: skip
+                   "pipeline_microbatches", "compute_dtype", "batch_invariant", "name")  # fmt: skip
         changed = [k for k in new if k not in runtime and old.get(k) != new[k]]
         details = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed)
         raise ConfigError(
@@ -295,3 +299,6 @@ def load_model_and_tokenizer(path: str, *, mesh=None):
         f"{path!r} is neither an HF model directory (config.json) nor a "
         f"training workdir (checkpoints/)"
     )
+
+
+set_judge_loader(load_model_and_tokenizer)  # "judge:<path>" rewards load their models with it

@@ -80,7 +80,9 @@ def train_step(
     Non-finite loss, gradients, update (a learning rate that overflows) or updated params skip
     the update (params and optimizer state unchanged) and count it in `bad_steps` (consecutive) and
     `skipped_steps` (total); the loop decides when to stop. `post_update(params, sums) ->
-    params` changes the updated params outside the optimizer (the MoE routing bias).
+    params` changes the updated params outside the optimizer (the MoE routing bias). A batch
+    with `update_scale` (one per row) scales the update by its mean, as a learning-rate
+    multiplier would.
     """
     rng, step_rng = jax.random.split(state.rng)
     micro = split_micro_batches(batch, micro_batches)
@@ -108,6 +110,9 @@ def train_step(
     loss = sums["loss_sum"] / denom
     grad_norm = optax.global_norm(grads)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+    if "update_scale" in batch:  # a per-row learning-rate multiplier (RL's domains.lr_scale)
+        scale = jnp.mean(batch["update_scale"])
+        updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
     new_params = optax.apply_updates(state.params, updates)
     if post_update is not None:
         new_params = post_update(new_params, sums)

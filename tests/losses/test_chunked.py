@@ -105,7 +105,7 @@ def loss_and_batch(method: str, rng, config, rows: int = B, length: int = L):
         "truncated": np.zeros(rows, np.float32),
         "domain_ids": np.zeros(rows, np.int32),
     }
-    loss_config = PolicyLossConfig(entropy_coef=0.01, tis_cap=2.0)
+    loss_config = PolicyLossConfig(entropy_coef=0.01, correction="token", tis_cap=2.0)
     return rl_loss(config, loss_config, max_new_tokens=length, use_reference=True), batch
 
 

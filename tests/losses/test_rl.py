@@ -15,6 +15,7 @@ from posttrain.losses import (
     group_advantages,
     kl_estimate,
     policy_loss,
+    rollout_correction,
     value_loss,
     whiten,
 )
@@ -285,21 +286,18 @@ def test_dual_clip_only_bites_on_negative_advantages():
     np.testing.assert_array_equal(grad(jnp.asarray(logp, jnp.float32))[0, 10:], 0.0)
 
 
-def test_truncated_importance_sampling_weights_are_capped_and_stop_gradient():
+def test_importance_weights_scale_each_token_and_stop_gradient():
     logp, old, rollout, adv, mask = _tokens(seed=9, spread=1.0)
-    cap = 2.0
-    want, _ = _np_policy_loss(logp, old, adv, mask, 0.2, 0.2, rollout=rollout, cap=cap)
-    out = policy_loss(logp, old, adv, mask, rollout_logp_BL=rollout, tis_cap=cap)
+    weights = np.minimum(np.exp(old - rollout), 2.0) * mask  # (token TIS)
+    want, _ = _np_policy_loss(logp, old, adv, mask, 0.2, 0.2, rollout=rollout, cap=2.0)
+    out = policy_loss(logp, old, adv, mask, is_weights_BL=weights)
     np.testing.assert_allclose(out["losses"], want, rtol=1e-5, atol=1e-6)
-    weights = np.minimum(np.exp(old - rollout), cap) * mask
-    np.testing.assert_allclose(out["tis_weight"], weights, rtol=1e-5)
-    assert np.max(out["tis_weight"]) == cap and np.any(np.exp(old - rollout) * mask > cap)
 
-    def total(lp, ro):
-        return policy_loss(lp, old, adv, mask, rollout_logp_BL=ro, tis_cap=cap)["losses"].sum()
+    def total(lp, w):
+        return policy_loss(lp, old, adv, mask, is_weights_BL=w)["losses"].sum()
 
-    g_logp, g_rollout = jax.grad(total, argnums=(0, 1))(logp, rollout)
-    np.testing.assert_array_equal(g_rollout, 0.0)
+    g_logp, g_weights = jax.grad(total, argnums=(0, 1))(logp, weights)
+    np.testing.assert_array_equal(g_weights, 0.0)
     plain = jax.grad(lambda lp: policy_loss(lp, old, adv, mask)["losses"].sum())(logp)
     assert_close(g_logp, plain * weights, rtol=1e-5, ulps=4)
 
@@ -310,8 +308,6 @@ def test_policy_loss_errors():
         policy_loss(x, x, x, x, ratio="seq")
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         policy_loss(x, x, x, x, dual_clip=1.0)
-    with pytest.raises(ValueError, match="both rollout_logp_BL and tis_cap"):
-        policy_loss(x, x, x, x, rollout_logp_BL=x)
     with pytest.raises(ValueError, match="clip_low < 1"):
         policy_loss(x, x, x, x, clip_low=1.0)
 
@@ -448,8 +444,7 @@ def test_fully_masked_rows_and_garbage_padding_stay_finite(sequence, mode):
             mask,
             ratio="sequence" if sequence else "token",
             dual_clip=3.0,
-            rollout_logp_BL=rollout,
-            tis_cap=2.0,
+            is_weights_BL=rollout_correction(old, rollout, mask, cap=2.0)["weights"],
         )
         kl = kl_estimate(lp, old, "k3", mask_BL=mask)
         per_token = out["losses"] + 0.1 * kl + value_loss(v, adv, returns, mask)["losses"]

@@ -161,9 +161,10 @@ def test_rejection_sampling_stage_runs_before_rl(tmp_path):
     assert (tmp_path / "rl" / "rft" / "data.jsonl").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow  # (test_off_policy_corrections_keep_learning_at_staleness_2 runs this path)
 def test_decoupled_rollouts_with_bounded_staleness(tmp_path, devices):
     """4 devices sample while 4 train; every batch is at most one step stale."""
-    overrides = {"train__steps": 25, "loss__tis_cap": 2.0}
+    overrides = {"train__steps": 25, "loss__tis_cap": 2.0, "loss__correction": "token"}
     decoupled = run_from_config(
         toy_config(**overrides, rollout__sampler_devices=4, rollout__max_staleness=1),
         str(tmp_path / "decoupled"),
@@ -181,6 +182,37 @@ def test_decoupled_rollouts_with_bounded_staleness(tmp_path, devices):
     assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.15, rewards
     assert np.mean(rewards[-5:]) > 0.252 - 0.15, rewards
     assert decoupled["final_step"] == 25
+
+
+@pytest.mark.parametrize(
+    "level,mode",
+    [
+        ("token", "mask"),  # IcePop
+        pytest.param("sequence", "truncate", marks=pytest.mark.slow),  # sequence-level TIS
+        pytest.param("geometric", "reject", marks=pytest.mark.slow),
+    ],
+)
+def test_off_policy_corrections_keep_learning_at_staleness_2(tmp_path, devices, level, mode):
+    overrides = {
+        "train__steps": 25,
+        "loss__correction": level,
+        "loss__correction_mode": mode,
+        "loss__tis_cap": 2.0,
+        "loss__is_low": 0.5,
+        "loss__is_high": 2.0,
+    }
+    config = toy_config(**overrides, rollout__sampler_devices=4, rollout__max_staleness=2)
+    summary = run_from_config(config, str(tmp_path))
+    assert summary["state"].params["embed"].sharding.device_set == set(devices[:4])
+    rows = read_metrics(str(tmp_path))
+    assert max(r["staleness"] for r in rows) == 2 and all(r["staleness"] <= 2 for r in rows)
+    for key in ("is_dropped", "is_weight", "is_ratio", "is_ratio_min", "is_ratio_max"):
+        assert all(np.isfinite(r[key]) for r in rows), key
+    assert all(r["is_ratio_min"] <= r["is_ratio"] <= r["is_ratio_max"] for r in rows)
+    if mode == "truncate":
+        assert all(r["is_dropped"] == 0 for r in rows)
+    rewards = [r["reward"] for r in rows]
+    assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.1, rewards
 
 
 @pytest.mark.slow  # a reward model run and a PPO run, ~55 s

@@ -70,3 +70,13 @@ def two_domain_prompts(path, n: int = 256) -> str:
 
 
 TWO_DOMAIN_REWARDS = {"digits": ["tests.rl.toy:digit_share"], "solved": ["tests.rl.toy:always_one"]}
+
+
+def no_letters(record, completion: str):
+    """Reward in [0, 1]: the share of the completion's characters that are not letters (a second
+    learnable domain that digits also satisfy)."""
+    text = completion.strip()
+    return (sum(not ch.isalpha() for ch in text) / len(text) if text else 0.0), {}
+
+
+LEARNABLE_REWARDS = {"digits": ["tests.rl.toy:digit_share"], "solved": ["tests.rl.toy:no_letters"]}
