@@ -92,6 +92,21 @@ def test_teacher_errors_name_the_fix(tmp_path, devices):
     assert not (tmp_path / "run" / "prompts.json").exists()
 
 
+def test_compile_plans_per_token_advantages(devices):
+    """`posttrain compile` lowers the step on the batch a distillation run feeds it: per-token
+    advantages `[rows, length]` (one per row without a teacher), on the training devices
+    only."""
+    from posttrain.parallel import make_mesh
+
+    for teacher, per_token in (("", False), ("t", True)):
+        method, config = method_config(toy_config(distill__teacher=teacher))
+        batch, _, length = method.batch(config, make_mesh(config.mesh, devices))
+        rows = config.rows
+        assert batch["advantages"].shape == ((rows, length) if per_token else (rows,))
+    _, config = method_config(toy_config(distill__teacher="t", distill__teacher_devices=2))
+    assert method.devices(config, devices) == devices[:6]
+
+
 def _held_out(tmp_path, teacher: Transformer) -> dict:
     """The held-out prompts with the teacher's greedy completions, as an eval source whose
     reward is exact match with them."""
@@ -147,11 +162,13 @@ def test_a_teacher_equal_to_the_student_is_at_reverse_kl_zero(tmp_path):
 
 @pytest.mark.slow
 def test_student_moves_toward_an_sft_teacher(tmp_path):
-    """The teacher: a tiny model trained by SFT on the demo task (40 steps), read at
-    temperature 1/4 (its logits times 4, exported as an HF directory) so that its greedy
-    answers are clear choices. 30 steps of pure distillation
-    pull the random student to it: the reverse KL falls and the student's greedy completions
-    of held-out prompts become the teacher's."""
+    """The teacher: a tiny model trained by SFT on the demo task (40 steps: it has learnt the
+    answer format, a digit then EOS, and answers "1" to every held-out prompt), read at
+    temperature 1/10 (its logits times 10, exported as an HF directory) so that its greedy
+    answer is a clear choice. 50 steps of pure distillation pull the random student (random
+    tokens up to the budget) to it: the reverse KL falls from ~66 nats per token to under a
+    tenth of that, and the student's greedy completions of held-out prompts become the
+    teacher's (none to nearly all)."""
     from tests.train.conftest import small_config
 
     sft = small_config(
@@ -159,12 +176,12 @@ def test_student_moves_toward_an_sft_teacher(tmp_path):
     )
     run_from_config(sft, str(tmp_path / "sft"))
     trained = load_checkpoint_model(str(tmp_path / "sft"))
-    params = {**trained.params, "lm_head": trained.params["lm_head"] * 4.0}
+    params = {**trained.params, "lm_head": trained.params["lm_head"] * 10.0}
     teacher = Transformer(params, trained.config)
     to_hf(teacher, str(tmp_path / "teacher"))
     rows, match = _distill(
-        tmp_path, str(tmp_path / "teacher"), teacher, steps=30, optimizer__learning_rate=1e-2
+        tmp_path, str(tmp_path / "teacher"), teacher, steps=50, optimizer__learning_rate=1e-2
     )
     kl = [r["distill/reverse_kl"] for r in rows]
-    assert np.mean(kl[-5:]) < 0.25 * np.mean(kl[:5]), kl
-    assert match[1] > match[0] + 0.5, match
+    assert np.mean(kl[-5:]) < 0.1 * np.mean(kl[:5]), kl
+    assert match[0] < 0.1 and match[1] > 0.8, match
