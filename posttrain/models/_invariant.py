@@ -35,7 +35,6 @@ from posttrain.models._ops import dense, rms_norm
 from posttrain.models._rope import apply_rope
 
 TILE = 16  # rows per tile and keys per attention block (a multiple of the vector width)
-_NO_SEGMENT = -3  # padded query rows: the id of no key (cache slots never written are -1)
 
 
 def rows(fn, *xs_M, tile: int = TILE):
@@ -87,7 +86,11 @@ def attention_rows(
 ):
     """Causal attention by position and segment id (as `attention(impl="xla")`), per row and
     tile of `TILE` queries, over key blocks of `TILE` folded in order (see the module
-    docstring); `window` (0: none) may be traced. `[B, L, N, Hv]` in q's dtype."""
+    docstring); `window` (0: none) may be traced. `[B, L, N, Hv]` in q's dtype.
+
+    Segment id 0 is padding (the convention of every caller): its queries see nothing and come
+    out 0, so a query tile of padding, and a key block no query of the tile sees, are skipped
+    (folding it would leave the running sums exactly as they are)."""
     B, L, N, H = q_BLNH.shape
     S, K, Hv = k_BSKH.shape[1], k_BSKH.shape[2], v_BSKH.shape[3]
     G, t = N // K, TILE
@@ -102,11 +105,16 @@ def attention_rows(
         q_KGtH = q_tNH.reshape(t, K, G, H).transpose(1, 2, 0, 3)
 
         def key_block(carry, kv):
-            m_KGt, l_KGt, acc_KGtV = carry
             k_bKH, v_bKV, kv_pos_b, kv_seg_b = kv
             mask_tb = (kv_pos_b[None] <= q_pos_t[:, None]) & (kv_seg_b[None] == q_seg_t[:, None])
+            mask_tb &= (q_seg_t != 0)[:, None]
             in_window = (q_pos_t[:, None] - kv_pos_b[None]) < window
             mask_tb &= (window <= 0) | in_window
+            fold = lambda c: fold_block(c, k_bKH, v_bKV, mask_tb)  # noqa: E731
+            return jax.lax.cond(jnp.any(mask_tb), fold, lambda c: c, carry), None
+
+        def fold_block(carry, k_bKH, v_bKV, mask_tb):
+            m_KGt, l_KGt, acc_KGtV = carry
             s_KGtb = jnp.einsum("KGtH,bKH->KGtb", q_KGtH, k_bKH, preferred_element_type=jnp.float32)
             s_KGtb = jnp.where(mask_tb, s_KGtb * scale, _MASKED)
             m_new = jnp.maximum(m_KGt, jnp.max(s_KGtb, axis=-1))
@@ -116,12 +124,11 @@ def attention_rows(
                 "KGtb,bKV->KGtV", p_KGtb.astype(v_bKV.dtype), v_bKV,
                 preferred_element_type=jnp.float32,
             )  # fmt: skip
-            carry = (
+            return (
                 m_new,
                 alpha * l_KGt + jnp.sum(p_KGtb, axis=-1),
                 alpha[..., None] * acc_KGtV + pv_KGtV,
             )
-            return carry, None
 
         init = (
             jnp.full((K, G, t), _MASKED, jnp.float32),
@@ -132,13 +139,16 @@ def attention_rows(
         out_KGtV = acc_KGtV / jnp.where(l_KGt > 0, l_KGt, 1.0)[..., None]
         return out_KGtV.transpose(2, 0, 1, 3).reshape(t, N, Hv).astype(q_BLNH.dtype)
 
+    def real_query_tile(keys, xs):
+        empty = jnp.zeros((t, N, Hv), q_BLNH.dtype)
+        return jax.lax.cond(jnp.any(xs[2] != 0), query_tile, lambda *_: empty, keys, xs)
+
     def row(xs):
         q_LNH, q_pos_L, q_seg_L, k_SKH, v_SKV, kv_pos_S, kv_seg_S = xs
         keys = (blocks(k_SKH, nk, 0), blocks(v_SKV, nk, 0))
-        keys += (blocks(kv_pos_S, nk, 0), blocks(kv_seg_S, nk, _NO_SEGMENT - 1))
-        queries = (blocks(q_LNH, nq, 0), blocks(q_pos_L, nq, 0))
-        queries += (blocks(q_seg_L, nq, _NO_SEGMENT),)
-        out = jax.lax.map(lambda qs: query_tile(keys, qs), queries)
+        keys += (blocks(kv_pos_S, nk, 0), blocks(kv_seg_S, nk, 0))
+        queries = (blocks(q_LNH, nq, 0), blocks(q_pos_L, nq, 0), blocks(q_seg_L, nq, 0))
+        out = jax.lax.map(lambda qs: real_query_tile(keys, qs), queries)
         return out.reshape(nq * t, N, Hv)[:L]
 
     return jax.lax.map(row, (q_BLNH, q_pos_BL, q_seg_BL, k_BSKH, v_BSKH, kv_pos_BS, kv_seg_BS))

@@ -158,10 +158,9 @@ def rl_loss(
     Sums: `loss_sum` / `num_tokens` (the aggregation's numerator / normaliser), and token means
     as `X_sum` / `X_count`: `kl`, `entropy`, `clip_fraction`, `ratio`, `approx_kl_old`,
     `logp_gap` (|trainer old log-prob - sampler log-prob|), `kl/<domain>`, `entropy/<domain>`,
-    `clip_fraction/<domain>`, with a critic
-    `value_loss`, `value_clip_fraction`, `value`, and with an off-policy correction
-    `is_dropped` (share of sampled tokens it dropped), `is_weight` (mean weight of the kept
-    ones) and `is_ratio` (mean token ratio p_old / p_sampler).
+    `clip_fraction/<domain>`; with a critic `value_loss`, `value_clip_fraction`, `value`; with
+    an off-policy correction `is_dropped` (share of sampled tokens it dropped), `is_weight`
+    (mean weight of the kept ones) and `is_ratio` (mean token ratio p_old / p_sampler).
     """
 
     policy = policy or Policy(key="policy" if critic else None)

@@ -71,11 +71,11 @@ def test_the_mode_computes_the_same_model(preset):
 def test_grpo_logp_gap_is_exactly_zero_in_bfloat16(preset, tmp_path):
     config = toy_config(
         "tiny", train__steps=3, model__preset=preset, model__compute_dtype="bfloat16",
-        model__batch_invariant=True,
+        model__batch_invariant=True, rollout__max_prompt_len=64,
     )  # fmt: skip
     run_from_config(config, str(tmp_path))
     rows = read_metrics(str(tmp_path))
-    assert len(rows) == 3
+    assert len(rows) == 3 and all(r["groups"] == 8 for r in rows)  # (no prompt too long)
     assert all(r["logp_gap"] == 0.0 and r["logp_gap_max"] == 0.0 for r in rows), rows
 
 
