@@ -111,7 +111,7 @@ def main() -> None:
     command = "python " + " ".join(sys.argv)
     moe = " (MoE)" if args.moe else ""
     print(f"{command}\n{_cpu_model()} ({os.cpu_count()} cores), jax {jax.__version__}, "
-          f"{num_params(params) / 1e6:.1f}M params{moe}, bfloat16, {args.prompts}x{args.n} "
+          f"{num_params(default) / 1e6:.1f}M params{moe}, bfloat16, {args.prompts}x{args.n} "
           f"completions of {args.new} tokens after {args.prompt_len}")  # fmt: skip
     print(f"{'phase':<12}{'default':>10}{'zero-mismatch':>15}{'ratio':>8}")
     for k in ("sample_s", "logprob_s", "grad_s", "total_s"):

@@ -245,8 +245,10 @@ class ModelConfig:
             if self.moe is not None and self.moe.dispatch != "dropless":
                 fail("batch_invariant needs moe.dispatch='dropless' (capacity varies by batch)")
             if self.attention not in ("auto", "xla"):
-                fail(f"batch_invariant has its own attention: set attention='auto', not "
-                     f"{self.attention!r}")
+                fail(
+                    f"batch_invariant has its own attention: set attention='auto', not "
+                    f"{self.attention!r}"
+                )
         if self.sliding_window_layers is not None:
             bad = [i for i in self.sliding_window_layers if not 0 <= i < self.num_layers]
             if bad:

@@ -166,9 +166,12 @@ def grouped_experts(x_MD, experts_MK, gate_EDF, up_EDF, down_EFD):
     sizes_E = jnp.bincount(flat_A, length=E)
     padded_E = -(-sizes_E // t) * t
     ends_E = jnp.cumsum(padded_E)
-    slot_A = ends_E[expert_A] - padded_E[expert_A] + jnp.arange(A) - (
-        jnp.cumsum(sizes_E) - sizes_E
-    )[expert_A]
+    slot_A = (
+        ends_E[expert_A]
+        - padded_E[expert_A]
+        + jnp.arange(A)
+        - (jnp.cumsum(sizes_E) - sizes_E)[expert_A]
+    )
     n = -(-A // t) + E  # enough tiles for any routing
     x_nD = jnp.zeros((n * t, D), x_MD.dtype).at[slot_A].set(x_MD[order_A // K])
     tile_expert_n = jnp.minimum(jnp.searchsorted(ends_E, jnp.arange(n) * t, side="right"), E - 1)

@@ -257,9 +257,7 @@ class OfflineConfig:
                 f"offline.objective={self.objective!r}: use one of {OFFLINE_OBJECTIVES}"
             )
         if self.steps < 0 or self.batch_size < 1 or not self.learning_rate > 0:
-            raise ConfigError(
-                "offline: steps must be >= 0, batch_size >= 1 and learning_rate > 0"
-            )
+            raise ConfigError("offline: steps must be >= 0, batch_size >= 1 and learning_rate > 0")
         if not (self.beta > 0 and self.max_weight > 0 and self.tis_cap > 0):
             raise ConfigError("offline: beta, max_weight and tis_cap must be > 0")
         if self.steps and not self.data:

@@ -2,31 +2,26 @@
 
 Requests wait in a queue; `slots` rows decode together, and a row whose sample ends takes the
 next request between jitted chunks of `chunk` decode steps, so one long answer does not idle
-the batch. Keys and values live in a pool of fixed-size blocks (`PagedKVCache`): a request is
-admitted when the pool has the blocks its prompt and token budget need, not when a row of
-`max_len` slots is free, and gives them back when it ends.
+the batch. Keys and values live in a pool of fixed-size blocks: a request is admitted when the
+pool has the blocks its prompt and token budget need, and gives them back when it ends.
 
-The n samples of a prompt (a GRPO group) share its blocks: the prompt is prefilled once, into
-the first sample's blocks; every other sample points its block table at the same full blocks
-and gets its own copy of the last, partly filled one (copy-on-write at the first block they
-can differ in; an MTP drafter's cache runs a position behind, so the block holding the prompt's
-last token is always copied). Block reference counts free a shared block when its last user
-ends.
+The n samples of a prompt (a GRPO group) share its blocks: the prompt is prefilled once into
+the first sample's blocks; the others point their block tables at its full blocks and copy the
+last, partly filled one (an MTP drafter's cache runs a position behind, so the block holding
+the prompt's last token is always copied). Reference counts free a block with its last user.
 
 Sampling is keyed per request: sample j of prompt i draws its k-th token with
 `fold_in(fold_in(key_i, j), k)`, where `key_i` is the prompt's own seed (`seeds`) or
 `fold_in(key(seed), i)`; so outputs do not depend on the slot, the chunk or what else runs, and
 with `seeds` they are the static sampler's draws (`generate(..., seeds=...)` keys the same way).
 
-With a drafter (`PromptLookup`, `DraftModel` or `MTP`) every chunk is rounds of speculative decoding
-(`_rounds.speculate`): a row emits 1 to k+1 tokens per forward of the model, greedy output is
-the plain engine's and sampling keeps the model's distribution. Each request reserves k slots
-more than its prompt and budget (a round writes k drafts past its length); a draft model (or an
-MTP module) keeps its own pool on the same blocks and tables, so prefix sharing and block
-accounting cover it.
+With a drafter (`PromptLookup`, `DraftModel` or `MTP`) every chunk is rounds of speculative
+decoding (`_rounds.speculate`): a row emits 1 to k+1 tokens per model forward, greedy output is
+the plain engine's, sampling keeps the model's distribution. A request reserves k slots past
+its prompt and budget; a draft model (or MTP module) keeps its own pool on the same blocks and
+tables, so prefix sharing and block accounting cover it.
 
-The device functions are in `_paged`; this module is the host side: admission, block tables,
-reference counts, collecting tokens.
+The device functions are in `_paged`; this is the host side (admission, block tables, counts).
 """
 
 from __future__ import annotations
@@ -200,7 +195,7 @@ class Engine:
     ):
         self.model, self.config = model, config
         self.drafter = drafter
-        self.version = 0  # of the weights (RL's in-flight updates swap them mid-request)
+        self.version = 0  # of the weights (RL's partial rollouts swap them mid-request)
         self.max_len = max_len or model.config.max_seq_len
         self._ahead = drafter_lookahead(drafter, model, config.kv_dtype)
         if config.record_routes and (model.config.moe is None or drafter is not None):
