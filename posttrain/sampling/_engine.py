@@ -21,8 +21,7 @@ the plain engine's, sampling keeps the model's distribution. A request reserves 
 its prompt and budget; a draft model (or MTP module) keeps its own pool on the same blocks and
 tables, so prefix sharing and block accounting cover it.
 
-The device functions are in `_paged`; this is the host side (admission, block tables, counts).
-"""
+The device functions are in `_paged`; this is the host side (admission, block tables, counts)."""
 
 from __future__ import annotations
 
