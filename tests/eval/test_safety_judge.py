@@ -55,6 +55,7 @@ def suite(tmp_path, monkeypatch):
     return config, model, load_tokenizer(str(ASSETS_DIR / "tokenizer"))
 
 
+@pytest.mark.slow  # ~40 s: trains its own judge (tests/rewards/test_judge.py uses one by default)
 def test_judge_decides_refusals(tmp_path, suite):
     config, model, tokenizer = suite
     (tmp_path / "judge").mkdir()
