@@ -41,7 +41,7 @@ class _Group:
 
 
 class _Stopped(Exception):
-    pass
+    """The producer was closed while it waited for weights."""
 
 
 class PartialProducer(RolloutProducer):
@@ -97,7 +97,7 @@ class PartialProducer(RolloutProducer):
             weights, version = self.weights, self.version
         if version != self._prepared_version:
             model = Transformer(self.side.prepare(weights), self.rollouts.model_config)
-            self.engine = self.rollouts._engine(model)
+            self.engine = self.rollouts.engine_for(model)
             self.engine.set_eos(self.rollouts.tokenizer.eos_ids)
             self.engine.version, self._prepared_version = version, version
         return version

@@ -176,7 +176,7 @@ class Rollouts:
         if r.sampler == "static":
             completions = generate(model, self.tokenizer, prompt_ids, **kwargs)
         else:
-            self._engine(model)
+            self.engine_for(model)
             before = dataclasses.replace(self.engine.stats)
             completions = generate_continuous(
                 model, self.tokenizer, prompt_ids, engine=self.engine, **kwargs
@@ -207,7 +207,7 @@ class Rollouts:
             rewards = rewards + overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer)
         return rewards
 
-    def _engine(self, model) -> Engine:
+    def engine_for(self, model) -> Engine:
         """The paged engine, made at the first sampling, with `model`'s weights swapped in."""
         r = self.config.rollout
         if self.engine is None:
@@ -251,7 +251,7 @@ class Rollouts:
             max_tool_s=e.max_tool_s,
         )
         episodes = run_episodes(
-            self._engine(model),
+            self.engine_for(model),
             self.tokenizer,
             groups,
             keys=keys,
