@@ -26,6 +26,8 @@ and the per-tile loops; `benchmarks/zero_mismatch.py` measures it.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -33,22 +35,53 @@ from posttrain.models._flash import _MASKED
 from posttrain.models._moe import route
 from posttrain.models._ops import dense, rms_norm
 from posttrain.models._rope import apply_rope
+from posttrain.parallel import logical_to_spec
 
 TILE = 16  # rows per tile and keys per attention block (a multiple of the vector width)
 
 
 def rows(fn, *xs_M, tile: int = TILE):
     """`fn` over tiles of `tile` rows of the `xs_M` (same leading M, padded with zeros); its
-    outputs (a pytree of `[tile, ...]` arrays) as `[M, ...]`."""
+    outputs (a pytree of `[tile, ...]` arrays) as `[M, ...]`.
+
+    On a mesh whose batch axes split M into S equal shards, each shard is tiled on its own
+    device (`[S, n, tile, ...]`, S sharded): every device runs whole `[tile, ...]` tiles of
+    its own rows. Tiled globally, n tiles that S does not divide would leave the partitioner
+    free to split a tile's rows or columns across devices, and a reduction split that way
+    sums in another order (one float32 ulp in the log-softmax, measured)."""
     M = xs_M[0].shape[0]
-    n = max(-(-M // tile), 1)
+    S, spec = _row_shards(M)
+    m = M // S
+    n = max(-(-m // tile), 1)
 
     def split(x):
-        x = jnp.pad(x, [(0, n * tile - M)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(n, tile, *x.shape[1:])
+        x = x.reshape(S, m, *x.shape[1:])
+        x = jnp.pad(x, [(0, 0), (0, n * tile - m)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(S, n, tile, *x.shape[2:])
+        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
 
-    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(x) for x in xs_M))
-    return jax.tree.map(lambda y: y.reshape(n * tile, *y.shape[2:])[:M], out)
+    def shard(xs):
+        return jax.lax.map(lambda t: fn(*t), xs)
+
+    out = jax.vmap(shard)(tuple(split(x) for x in xs_M))
+
+    def join(y):
+        return y.reshape(S, n * tile, *y.shape[3:])[:, :m].reshape(M, *y.shape[3:])
+
+    return jax.tree.map(join, out)
+
+
+def _row_shards(M: int):
+    """(S, PartitionSpec of a `[S, ...]` array) for M rows on the enclosing mesh's batch axes
+    (`act_batch`); (1, None) off a mesh or when they do not divide M."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1, None
+    spec = logical_to_spec(("act_batch",), (M,), mesh)
+    if not spec or spec[0] is None:
+        return 1, None
+    axes = (spec[0],) if isinstance(spec[0], str) else spec[0]
+    return math.prod(dict(mesh.shape)[a] for a in axes), spec
 
 
 def norm_rows(x_BLD, scale_D, eps: float):
@@ -151,7 +184,12 @@ def attention_rows(
         out = jax.lax.map(lambda qs: real_query_tile(keys, qs), queries)
         return out.reshape(nq * t, N, Hv)[:L]
 
-    return jax.lax.map(row, (q_BLNH, q_pos_BL, q_seg_BL, k_BSKH, v_BSKH, kv_pos_BS, kv_seg_BS))
+    xs = (q_BLNH, q_pos_BL, q_seg_BL, k_BSKH, v_BSKH, kv_pos_BS, kv_seg_BS)
+    S, spec = _row_shards(B)  # each device its own rows (`rows`)
+    xs = tuple(x.reshape(S, B // S, *x.shape[1:]) for x in xs)
+    if spec is not None:
+        xs = jax.lax.with_sharding_constraint(xs, spec)
+    return jax.vmap(lambda xs: jax.lax.map(row, xs))(xs).reshape(B, L, N, Hv)
 
 
 def grouped_experts(x_MD, experts_MK, gate_EDF, up_EDF, down_EFD):
@@ -277,7 +315,12 @@ def _experts(params, h_MD, c, segment_ids_BL, replay_BLK, dt):
         choose = lambda h, r: route(params, h, c, None, r)[:2]  # noqa: E731
         experts_MK, weights_MK = rows(choose, h_MD, replay_MK)
     ex = {k: w.astype(dt) for k, w in params["experts"].items()}
-    out_MKD = grouped_experts(h_MD, experts_MK, ex["gate"], ex["up"], ex["down"])
+    S, spec = _row_shards(M)  # each device groups its own tokens (`rows`)
+    xs = (h_MD.reshape(S, M // S, -1), experts_MK.reshape(S, M // S, -1))
+    if spec is not None:
+        xs = jax.lax.with_sharding_constraint(xs, spec)
+    group = lambda x, e: grouped_experts(x, e, ex["gate"], ex["up"], ex["down"])  # noqa: E731
+    out_MKD = jax.vmap(group)(*xs).reshape(M, *experts_MK.shape[1:], -1)
 
     def combine(out_tKD, weights_tK, h_tD):
         y = jnp.einsum("tKD,tK->tD", out_tKD.astype(jnp.float32), weights_tK).astype(dt)
