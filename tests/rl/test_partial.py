@@ -9,7 +9,7 @@ from posttrain.train import read_metrics
 from .toy import toy_config
 
 
-@pytest.mark.parametrize("steps", [6, pytest.param(16, marks=pytest.mark.slow)])  # ~40 s, ~100 s
+@pytest.mark.parametrize("steps", [4, pytest.param(16, marks=pytest.mark.slow)])  # ~55 s, ~150 s
 def test_long_rollouts_continue_on_new_weights_within_the_staleness_bound(tmp_path, devices, steps):
     """32-token completions (4 engine calls of 8 tokens each), weights updated every step: the
     groups that finish first make each batch, the others continue on the newer weights; every

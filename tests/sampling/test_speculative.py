@@ -72,17 +72,14 @@ def _first_layer_mtp(model):
 
 
 def _windowed():
-    """TINY (sliding windows on two of three layers). Drafters: prompt lookup, the target's own
-    first layer as a draft model, and an MTP module built from that layer, chained for 2
-    drafts (both often accepted; a random MTP module drafts in the MTP cache test)."""
+    """TINY (sliding windows on two of three layers). Drafters: the target's own first layer as
+    a draft model, and an MTP module built from that layer, chained for 2 drafts (both often
+    accepted; a random MTP module drafts in the MTP cache test). Prompt lookup: the MLA/MoE
+    case here, and a windowed model's greedy output against HF's in test_engine.py."""
     model = _init(TINY, 0)
     first_layer = dict(model.params, layers=jax.tree.map(lambda w: w[:1], model.params["layers"]))
     draft = Transformer(first_layer, _one_layer(TINY))
-    return model, [
-        PromptLookup(ngram=3, k=4),
-        DraftModel(draft, k=3),
-        MTP(_first_layer_mtp(model), k=2),
-    ]
+    return model, [DraftModel(draft, k=3), MTP(_first_layer_mtp(model), k=2)]
 
 
 @jax.jit
@@ -182,9 +179,11 @@ def test_greedy_matches_generate(build):
             )
 
     assert reasons == {"stop", "length"}  # both endings exercised
-    assert acceptance[0] > 0.05  # prompt lookup hits the repetitive prompt (and greedy loops)
-    if len(acceptance) == 3:  # drafters built from the target's own first layer
-        assert min(acceptance[1:]) > 0.05, acceptance
+    # Prompt lookup hits the repetitive prompt (and greedy loops); drafters built from the
+    # target's own first layer agree with it often.
+    assert acceptance[0] > 0.05, acceptance
+    if build is _windowed:
+        assert min(acceptance) > 0.05, acceptance
 
 
 def test_mtp_cache_holds_the_models_hidden_states_of_each_sample():
