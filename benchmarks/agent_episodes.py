@@ -29,12 +29,11 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 
 import jax
+from _machine import cpu_model  # benchmarks/ is the script directory
 
 from posttrain.config import build, load_config_file, override
 from posttrain.data import load_tokenizer
@@ -157,16 +156,6 @@ def _engine_counts(engine) -> dict:
     }
 
 
-def _cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="runs/bench_agent", help="assets + the SFT run")
@@ -207,7 +196,7 @@ def main() -> None:
     base = best[next(iter(modes))]["seconds"]
     print(
         f"\n{args.episodes} python_tool episodes, tiny model (SFT {SFT_STEPS} steps), greedy, "
-        f"best of {args.reps}, {_cpu_model()} ({os.cpu_count()} cores)\n"
+        f"best of {args.reps}, {cpu_model()}\n"
     )
     print(
         "| mode | seconds | episodes/s | tool calls/s | sampled tokens/s | turns | tool calls "
@@ -225,7 +214,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/agent_episodes.py "
         f"--episodes={args.episodes} --reps={args.reps} --slots={slots}",
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "jax": jax.__version__,
         "budget": dataclasses.asdict(BUDGET),

@@ -13,24 +13,15 @@ lookup then predicts. Prints one markdown table row per batch size (`--batch=1,8
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from functools import partial
 
 import numpy as np
+from _machine import cpu_model  # benchmarks/ is the script directory
 from generate_throughput import HF_CONFIG, benchmark_llama  # benchmarks/ is the script directory
 
 from posttrain.models import num_params
 from posttrain.sampling import PromptLookup, generate, generate_continuous, generate_speculative
-
-
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown CPU"
-    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line]
-    return names[0] if names else "unknown CPU"
 
 
 def _race(fns, repeats: int):
@@ -102,7 +93,7 @@ def main():
         assert ids[0] == ids[1] == ids[2], "greedy outputs differ"
         tokens = batch * args.new
         print(
-            f"| {_cpu_model()} | {batch} | {tokens / plain_s:,.0f} | {tokens / engine_s:,.0f} | "
+            f"| {cpu_model()} | {batch} | {tokens / plain_s:,.0f} | {tokens / engine_s:,.0f} | "
             f"{tokens / spec_s:,.0f} | {engine_s / spec_s:.2f}x | {plain_s / spec_s:.2f}x | "
             f"{stats['acceptance']:.0%} | "
             f"{args.new} -> {stats['rounds']} |"

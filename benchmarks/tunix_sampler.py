@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from _machine import cpu_model  # benchmarks/ is the script directory
+
 TUNIX_ROPE_THETA = 1e6  # what Tunix's Llama3 uses whatever its config says (see above)
 _READY, _REPLY = "@@tunix-ready", "@@tunix-seconds "
 RESULT = os.path.join(
@@ -193,15 +195,6 @@ class _TunixProcess:
 # ---------------------------------------------------------------- driver (posttrain's venv)
 
 
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return f"{fields.get('Model name', '?').strip()} ({fields.get('CPU(s)', '?').strip()} CPUs)"
-
-
 def _checkout() -> str:
     """The posttrain commit, "+ local changes" when posttrain/ differs from it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -296,7 +289,7 @@ def main(args):
     if zeros:
         print(f"warning: posttrain generated the pad id 0 {zeros} times")
 
-    cpu = _cpu_model()
+    cpu = cpu_model()
     ours = {
         "posttrain": _checkout(),
         "jax": jax.__version__,

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _machine import cpu_model  # benchmarks/ is the script directory
 
 from posttrain.models import Transformer, get_preset, num_params
 from posttrain.models._config import MoEConfig
@@ -35,16 +33,6 @@ SIZE = dict(  # small, but every matmul and attention block is more than a toy's
     vocab_size=4096, embed_dim=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
     mlp_dim=1024, max_seq_len=1024, compute_dtype="bfloat16",
 )  # fmt: skip
-
-
-def _cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _phases(config, params, prompts, args):
@@ -110,7 +98,7 @@ def main() -> None:
         results[name] = {**times, "gap_mean": float(gap.mean()), "gap_max": float(gap.max())}
     command = "python " + " ".join(sys.argv)
     moe = " (MoE)" if args.moe else ""
-    print(f"{command}\n{_cpu_model()} ({os.cpu_count()} cores), jax {jax.__version__}, "
+    print(f"{command}\n{cpu_model()}, jax {jax.__version__}, "
           f"{num_params(default) / 1e6:.1f}M params{moe}, bfloat16, {args.prompts}x{args.n} "
           f"completions of {args.new} tokens after {args.prompt_len}")  # fmt: skip
     print(f"{'phase':<12}{'default':>10}{'zero-mismatch':>15}{'ratio':>8}")
@@ -121,7 +109,7 @@ def main() -> None:
         print(f"{name}: log-prob gap mean {r['gap_mean']:.3g}, max {r['gap_max']:.3g}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": command, "cpu": _cpu_model(), **results}, f, indent=1)
+            json.dump({"command": command, "cpu": cpu_model(), **results}, f, indent=1)
 
 
 if __name__ == "__main__":
