@@ -42,46 +42,44 @@ TILE = 16  # rows per tile and keys per attention block (a multiple of the vecto
 
 def rows(fn, *xs_M, tile: int = TILE):
     """`fn` over tiles of `tile` rows of the `xs_M` (same leading M, padded with zeros); its
-    outputs (a pytree of `[tile, ...]` arrays) as `[M, ...]`.
+    outputs (a pytree of `[tile, ...]` arrays) as `[M, ...]`. On a mesh each device tiles its
+    own rows (`per_shard`)."""
 
-    On a mesh whose batch axes split M into S equal shards, each shard is tiled on its own
-    device (`[S, n, tile, ...]`, S sharded): every device runs whole `[tile, ...]` tiles of
-    its own rows. Tiled globally, n tiles that S does not divide would leave the partitioner
-    free to split a tile's rows or columns across devices, and a reduction split that way
-    sums in another order (one float32 ulp in the log-softmax, measured)."""
+    def local(*xs_m):
+        m = xs_m[0].shape[0]
+        n = max(-(-m // tile), 1)
+
+        def split(x):
+            x = jnp.pad(x, [(0, n * tile - m)] + [(0, 0)] * (x.ndim - 1))
+            return x.reshape(n, tile, *x.shape[1:])
+
+        out = jax.lax.map(lambda xs: fn(*xs), tuple(split(x) for x in xs_m))
+        return jax.tree.map(lambda y: y.reshape(n * tile, *y.shape[2:])[:m], out)
+
+    return per_shard(local, *xs_M)
+
+
+def per_shard(fn, *xs_M):
+    """`fn` of each device's own rows: the `xs_M` (same leading M) as `[S, M / S, ...]` with S
+    split over the enclosing mesh's batch axes (`act_batch`; S = 1 off a mesh or when they do
+    not divide M), `fn` vmapped over S; its outputs back as `[M, ...]`.
+
+    Tiled globally, tiles that S does not divide leave the partitioner free to split one
+    tile's rows across devices, and a reduction split that way sums in another order: an
+    engine's 8 replicated slots on a 4-device data mesh took the log-softmax of `[2, V]`
+    blocks, one float32 ulp from the trainer's `[16, V]` tiles (measured)."""
     M = xs_M[0].shape[0]
-    S, spec = _row_shards(M)
-    m = M // S
-    n = max(-(-m // tile), 1)
-
-    def split(x):
-        x = x.reshape(S, m, *x.shape[1:])
-        x = jnp.pad(x, [(0, 0), (0, n * tile - m)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(S, n, tile, *x.shape[2:])
-        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
-
-    def shard(xs):
-        return jax.lax.map(lambda t: fn(*t), xs)
-
-    out = jax.vmap(shard)(tuple(split(x) for x in xs_M))
-
-    def join(y):
-        return y.reshape(S, n * tile, *y.shape[3:])[:, :m].reshape(M, *y.shape[3:])
-
-    return jax.tree.map(join, out)
-
-
-def _row_shards(M: int):
-    """(S, PartitionSpec of a `[S, ...]` array) for M rows on the enclosing mesh's batch axes
-    (`act_batch`); (1, None) off a mesh or when they do not divide M."""
+    S, spec = 1, None
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1, None
-    spec = logical_to_spec(("act_batch",), (M,), mesh)
-    if not spec or spec[0] is None:
-        return 1, None
-    axes = (spec[0],) if isinstance(spec[0], str) else spec[0]
-    return math.prod(dict(mesh.shape)[a] for a in axes), spec
+    if not mesh.empty:
+        spec = logical_to_spec(("act_batch",), (M,), mesh)
+        axes = spec[0] if spec else None
+        axes = (axes,) if isinstance(axes, str) else axes or ()
+        S = math.prod(dict(mesh.shape)[a] for a in axes)
+    xs = tuple(x.reshape(S, M // S, *x.shape[1:]) for x in xs_M)
+    if S > 1:
+        xs = jax.lax.with_sharding_constraint(xs, spec)
+    return jax.tree.map(lambda y: y.reshape(M, *y.shape[2:]), jax.vmap(fn)(*xs))
 
 
 def norm_rows(x_BLD, scale_D, eps: float):
@@ -185,11 +183,7 @@ def attention_rows(
         return out.reshape(nq * t, N, Hv)[:L]
 
     xs = (q_BLNH, q_pos_BL, q_seg_BL, k_BSKH, v_BSKH, kv_pos_BS, kv_seg_BS)
-    S, spec = _row_shards(B)  # each device its own rows (`rows`)
-    xs = tuple(x.reshape(S, B // S, *x.shape[1:]) for x in xs)
-    if spec is not None:
-        xs = jax.lax.with_sharding_constraint(xs, spec)
-    return jax.vmap(lambda xs: jax.lax.map(row, xs))(xs).reshape(B, L, N, Hv)
+    return per_shard(lambda *xs: jax.lax.map(row, xs), *xs)  # each device its own rows
 
 
 def grouped_experts(x_MD, experts_MK, gate_EDF, up_EDF, down_EFD):
@@ -315,12 +309,8 @@ def _experts(params, h_MD, c, segment_ids_BL, replay_BLK, dt):
         choose = lambda h, r: route(params, h, c, None, r)[:2]  # noqa: E731
         experts_MK, weights_MK = rows(choose, h_MD, replay_MK)
     ex = {k: w.astype(dt) for k, w in params["experts"].items()}
-    S, spec = _row_shards(M)  # each device groups its own tokens (`rows`)
-    xs = (h_MD.reshape(S, M // S, -1), experts_MK.reshape(S, M // S, -1))
-    if spec is not None:
-        xs = jax.lax.with_sharding_constraint(xs, spec)
     group = lambda x, e: grouped_experts(x, e, ex["gate"], ex["up"], ex["down"])  # noqa: E731
-    out_MKD = jax.vmap(group)(*xs).reshape(M, *experts_MK.shape[1:], -1)
+    out_MKD = per_shard(group, h_MD, experts_MK)  # each device groups its own tokens
 
     def combine(out_tKD, weights_tK, h_tD):
         y = jnp.einsum("tKD,tK->tD", out_tKD.astype(jnp.float32), weights_tK).astype(dt)

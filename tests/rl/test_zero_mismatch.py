@@ -62,7 +62,7 @@ def test_engine_and_trainer_log_probs_are_bitwise_equal_in_bfloat16(preset):
     # blocks. `tiny` runs on a 4-device data mesh as in an RL run: there the partitioner used
     # to split a decode tile's 8 rows 2 per device, and the log-softmax of a [2, V] block
     # summed in another order than the trainer's [16, V] tiles (one float32 ulp, max 9.5e-7);
-    # now each device tiles its own rows (`_invariant._row_shards`).
+    # now each device tiles its own rows (`_invariant.per_shard`).
     mesh = make_mesh(MeshConfig.from_dict({"data": 4}), jax.devices()[:4])
     mesh, slots = (mesh, 8) if preset == "tiny" else (None, 5)
     logp, sampled, mask = _gap(invariant, slots=slots, block_size=8, mesh=mesh)
@@ -94,9 +94,9 @@ def test_the_mode_computes_the_same_model(preset):
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
 def test_grpo_logp_gap_is_exactly_zero_in_bfloat16(preset, tmp_path):
     """A GRPO run in the mode on the 8-device test mesh: the trainer's old-policy log-probs
-    equal the sampler's on every token of both steps. 4 prompts x 4 gives rows of 70 tokens,
-    70 row tiles over 8 data shards: tiled globally (before `_row_shards`) a tile's rows were
-    split across devices and the log-softmax differed by one float32 ulp (max 9.5e-7). The
+    equal the sampler's on every token of both steps (4 prompts x 4, rows of 70 tokens).
+    Tiled globally (before `per_shard`), the partitioner split the engine's decode tiles
+    across the devices and the log-softmax differed by one float32 ulp (max 9.5e-7). The
     default mode's gap here is ~5e-4 mean, 2.5e-3 max."""
     config = toy_config(
         "tiny", train__steps=2, model__preset=preset, model__compute_dtype="bfloat16",
