@@ -75,6 +75,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.data.overlong = "truncate"  # truncate | drop examples longer than max_len (counted)
     c.data.add_eos = True  # end text / completion examples with EOS
     c.data.mix_by = "records"  # source weights share out records | tokens (of the packed rows)
+    # Curriculum (docs/data.md): phases replacing the weights, e.g. difficulty buckets from
+    # `posttrain data stratify`: [{"weights": {"easy": 1}, "steps": 100}, {"weights": {"easy":
+    # 1, "hard": 1}}] (steps need packing=False; or "examples"; the last phase: the rest).
+    c.data.curriculum = []
     c.eval_data = []  # held-out sources for the eval loss (same fields as data.sources)
     # An eval suite run at every eval step, logged as eval suite/<category>/<task>/<metric>:
     # "configs/eval.py:<preset>" (docs/eval.md); "" for none.

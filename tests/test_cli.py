@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from posttrain import cli
+from posttrain.cli import data
 
 
 def test_help_lists_every_command(capsys):
@@ -20,16 +21,26 @@ def test_unknown_commands_name_the_nearest_one(capsys):
     assert "unknown command 'trian'; did you mean 'train'?" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", sorted(cli._COMMANDS))
+@pytest.mark.parametrize(
+    "command", sorted({*cli._COMMANDS, *(f"data {v}" for v in data.VERBS)} - {"data"})
+)
 def test_every_command_has_help_with_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main([command, "--help"])
+        cli.main([*command.split(), "--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0
     assert out.startswith(f"usage: posttrain {command} [flags]")
     examples = out.split("examples:")[1].split("flags:")[0]
-    assert f"posttrain {command} --" in examples
+    assert f"posttrain {command} " in examples
     assert "--" in out.split("flags:")[1]  # the command's own flags, each with its help
+
+
+def test_data_lists_its_verbs_and_names_the_nearest_one(capsys):
+    assert cli.main(["data", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {verb} " in out for verb in data.VERBS)
+    assert cli.main(["data", "stratfy"]) == 2
+    assert "unknown data verb 'stratfy'; did you mean 'stratify'?" in capsys.readouterr().err
 
 
 def _refused(argv, capsys) -> str:

@@ -10,7 +10,7 @@ import sys
 import traceback
 
 from posttrain import errors
-from posttrain.cli import compile, demo, eval, export, generate, serve, sweep, train
+from posttrain.cli import compile, data, demo, eval, export, generate, serve, sweep, train
 from posttrain.cli._errors import exit_code, message
 
 USAGE = """usage: posttrain <command> [flags]
@@ -31,6 +31,7 @@ commands:
   demo       the end-to-end demo on a bundled tiny model and task (--workdir=DIR)
   serve      serve a model over the OpenAI HTTP API (--model=HF_DIR_OR_WORKDIR [--port=8000]
              [--preset=throughput|latency])
+  data       data tools: `posttrain data --help` lists the verbs (clean, dedup, ...)
 
 --debug (or POSTTRAIN_DEBUG=1) prints the traceback of an error. Exit codes: 0 done, 1 internal
 error, 2 user error, 3 watchdog, 4 diverged, 75 preempted and saved: rerun to resume.
@@ -45,6 +46,7 @@ _COMMANDS = {
     "sweep": sweep.main,
     "demo": demo.main,
     "serve": serve.main,
+    "data": data.main,
 }
 
 # Commands whose drivers have not landed yet, with the issue that brings each one.

@@ -26,6 +26,7 @@ import numpy as np
 
 from posttrain.data._accounting import Tally, find_tally, log_source, source_names
 from posttrain.data._accounting import metrics as count_metrics
+from posttrain.data._curriculum import Phase, check_curriculum, curriculum_dataset
 from posttrain.data._formats import ExampleEncoder
 from posttrain.data._sources import Records, SourceConfig, canonical_identity
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
@@ -60,6 +61,9 @@ class DataConfig:
         weight-0.2 source gives 20% of the examples) or "tokens" (20% of the tokens in the
         packed rows: each weight is divided by the source's mean tokens per example, measured
         on up to 256 of its records), so long examples keep a set share of training.
+      curriculum: phases that replace the sources' weights (`_curriculum.Phase`: weights by
+        source name, lasting a number of steps or examples), e.g. easy buckets first; each
+        source's `data/<source>/used` count is then logged with every step.
     """
 
     sources: tuple[SourceConfig, ...]
@@ -75,9 +79,11 @@ class DataConfig:
     read_threads: int = 4
     read_buffer: int = 64
     mix_by: str = "records"
+    curriculum: tuple[Phase, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "curriculum", tuple(self.curriculum))
         checks = [
             (self.sources, "sources must name at least one SourceConfig"),
             (all(isinstance(s, SourceConfig) for s in self.sources), "sources: SourceConfigs"),
@@ -89,10 +95,14 @@ class DataConfig:
             (self.overlong in ("truncate", "drop"), f"overlong={self.overlong!r}: truncate|drop"),
             (self.read_threads >= 0 and self.read_buffer >= 0, "read_threads/read_buffer >= 0"),
             (self.mix_by in ("records", "tokens"), f"mix_by={self.mix_by!r}: records or tokens"),
+            (not (self.curriculum and self.mix_by == "tokens"), "curriculum mixes by records"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"DataConfig: {message}")
+        if self.curriculum:
+            names = source_names([s.path for s in self.sources])
+            check_curriculum(self.curriculum, names, self.packing)
 
 
 def process_share(
@@ -243,10 +253,13 @@ def data_manifest(
                 "format": s.format,
                 "records": len(recs),
                 "files": recs.describe(),
+                **({"build": recs.build} if recs.build else {}),  # a `posttrain data build`
             }
             for s, recs in zip(config.sources, records, strict=True)
         ],
-        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "sources"},
+        "config": json.loads(
+            json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k != "sources"})
+        ),
         "tokenizer": {
             "path": tokenizer.name_or_path,
             "sha256": _sha256_file(root / "tokenizer.json")
@@ -327,7 +340,12 @@ class SFTData:
             if c.mix_by == "tokens":
                 weights = [w / _mean_tokens(e, r) for w, e, r in
                            zip(weights, encoders, self._records, strict=True)]  # fmt: skip
-            ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+            if c.curriculum:
+                ds = curriculum_dataset(
+                    parts, c.curriculum, self.source_names, rows=self.rows, process_count=pc
+                )
+            else:
+                ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
         else:
             ds = parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)
             ds = (ds.shuffle(seed=_seed(c.seed)) if c.shuffle else ds).repeat(c.num_epochs)
@@ -414,8 +432,11 @@ class SFTData:
     def batch_metrics(self) -> dict[str, float]:
         """`stats` as train metrics, which the loop logs with each step: data/truncated,
         data/dropped, data/skipped and data/no_loss (this process's counts so far), and the same
-        per source, data/<source name>/truncated etc., once non-zero (`_accounting`)."""
-        return count_metrics(self.stats)
+        per source, data/<source name>/truncated etc., once non-zero (`_accounting`); with a
+        curriculum also data/<source name>/used, the examples of each source so far."""
+        stats = self.stats
+        used = {f"data/{n}/used": float(s["used"]) for n, s in stats["sources"].items()}
+        return {**count_metrics(stats), **(used if self.config.curriculum else {})}
 
     def log_stats(self, when: str = "at the end of the run") -> None:
         """Logs one line per source that cut or left out records (as each epoch's end does)."""

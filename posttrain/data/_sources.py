@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from posttrain import paths
+from posttrain.data._build_check import open_build, sha256_file
 
 FORMATS = ("auto", "messages", "prompt_completion", "text")
 _KINDS = {
@@ -99,14 +100,6 @@ def _readable(files: list[Path]) -> list[Path]:
     return files
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class _JsonLines:
     """A JSON-lines file: byte offsets of its non-blank lines, read back with `pread`."""
 
@@ -171,7 +164,7 @@ class _Parquet:
 
     @property
     def sha256(self) -> str:
-        return _sha256(self.path)
+        return sha256_file(self.path)
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -209,7 +202,7 @@ class _ArrayRecord:
 
     @property
     def sha256(self) -> str:
-        return _sha256(self.path)
+        return sha256_file(self.path)
 
     def __len__(self) -> int:
         return len(self._source)
@@ -227,14 +220,19 @@ class Records:
     A raw record is the bytes of one JSON object (JSON lines, ArrayRecord) or a dict (a Parquet
     row). Locations name the file and the 1-based line (JSON lines) or 0-based row/record index.
 
+    A build directory (`posttrain data build`) reads as its shards, after they are checked
+    against its manifest; `build` is then {"id", "path"} of it, else None.
+
     Raises (at construction):
       FileNotFoundError: the path is missing or the glob matches nothing.
-      ValueError: a file has an unknown suffix, or the source holds no records at all.
+      ValueError: a file has an unknown suffix, the source holds no records at all, or a build's
+        shard no longer matches its manifest.
     """
 
     def __init__(self, pattern: str):
         self.pattern = pattern
-        self.files = [_READERS[_KINDS[p.suffix.lower()]](p) for p in expand(pattern)]
+        shards, self.build = open_build(pattern)
+        self.files = [_READERS[_KINDS[p.suffix.lower()]](p) for p in shards or expand(pattern)]
         self._offsets = np.cumsum([0, *map(len, self.files)])
         if len(self) == 0:
             names = ", ".join(str(f.path) for f in self.files)

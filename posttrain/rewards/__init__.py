@@ -15,7 +15,7 @@ a deadline, so a hung or crashing verifier costs one zero reward, not a step.
 from posttrain.rewards import sandbox
 from posttrain.rewards._arithmetic import arithmetic_reward, extract_integer, integer_correct
 from posttrain.rewards._code import code_reward, code_reward_all_pass, extract_code
-from posttrain.rewards._difficulty import filter_by_pass_rate, pass_at_k, pass_rate, stratify
+from posttrain.rewards._difficulty import filter_by_pass_rate, pass_at_k, pass_rate
 from posttrain.rewards._extraction import extraction_reward, field_f1
 from posttrain.rewards._format import (
     check_format,
@@ -73,7 +73,6 @@ __all__ = [
     "sandbox",
     "set_judge_loader",
     "set_model_loader",
-    "stratify",
     "summarize",
     "token_f1",
     "tool_call_reward",

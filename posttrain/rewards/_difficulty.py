@@ -1,4 +1,5 @@
-"""Prompt difficulty from sampled rewards: pass rates, pass@k, filtering and stratification.
+"""Prompt difficulty from sampled rewards: pass rates, pass@k and filtering (bucketing by
+difficulty: `posttrain.data.stratify`).
 
 Scores come grouped by prompt: a mapping {prompt key: [score of each of k samples]} or a list of
 such lists (keyed by position). A sample passes when its score is at least `threshold`.
@@ -72,42 +73,6 @@ def filter_by_pass_rate(
     """
     rates = pass_rate(scores_by_prompt, threshold=threshold)
     return [key for key, rate in rates.items() if min_rate < rate < max_rate]
-
-
-def stratify(
-    pass_rates: Mapping[Hashable, float],
-    *,
-    num_buckets: int = 3,
-    edges: Sequence[float] | None = None,
-) -> list[list[Hashable]]:
-    """Buckets prompts by estimated difficulty, hardest (lowest pass rate) first.
-
-    By default the buckets are quantiles: prompts sorted by pass rate (ties in input order) and
-    split into `num_buckets` near-equal parts. With `edges`, bucket i holds the rates in
-    [edges[i-1], edges[i]) instead, e.g. edges=(0.2, 0.8) -> hard, medium, easy.
-
-    Args:
-      pass_rates: {key: pass rate}, e.g. from `pass_rate`.
-      num_buckets: the number of quantile buckets (ignored with `edges`).
-      edges: increasing fixed bucket boundaries.
-
-    Returns:
-      Lists of keys, one per bucket; with quantiles, sizes differ by at most one.
-    """
-    keys = list(pass_rates)
-    rates = np.array([pass_rates[k] for k in keys], np.float64)
-    if edges is not None:
-        edges = np.asarray(edges, np.float64)
-        if edges.ndim != 1 or np.any(np.diff(edges) <= 0):
-            raise ValueError(f"stratify edges must be strictly increasing, got {edges.tolist()}")
-        bucket = np.searchsorted(edges, rates, side="right")
-        return [
-            [k for k, b in zip(keys, bucket, strict=True) if b == i] for i in range(len(edges) + 1)
-        ]
-    if num_buckets < 1:
-        raise ValueError(f"stratify needs num_buckets >= 1, got {num_buckets}")
-    order = np.argsort(rates, kind="stable")
-    return [[keys[i] for i in part] for part in np.array_split(order, num_buckets)]
 
 
 def _items(scores_by_prompt: Scores):

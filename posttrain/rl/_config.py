@@ -325,6 +325,8 @@ class RLConfig:
     def __post_init__(self):
         if self.data is None:
             raise ConfigError("data: set data.sources to at least one prompt file")
+        if self.data.curriculum:
+            raise ConfigError("data.curriculum: SFT runs only so far; set data.curriculum=[]")
         if self.env.name and self.rollout.sampler != "engine":
             raise ConfigError("env episodes run on the engine: set rollout.sampler='engine'")
         if self.env.name and self.rollout.partial:

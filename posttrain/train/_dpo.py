@@ -304,6 +304,8 @@ class PreferenceRunConfig:
             raise ConfigError("data: set data.sources to at least one preference file")
         if self.data.packing:
             raise ConfigError("data.packing: preference pairs take one row each; set it False")
+        if self.data.curriculum:
+            raise ConfigError("data.curriculum: SFT runs only so far; set data.curriculum=[]")
 
 
 @dataclasses.dataclass(frozen=True)

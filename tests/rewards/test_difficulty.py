@@ -5,7 +5,8 @@ from math import comb
 
 import pytest
 
-from posttrain.rewards import filter_by_pass_rate, pass_at_k, pass_rate, stratify
+from posttrain.data import stratify
+from posttrain.rewards import filter_by_pass_rate, pass_at_k, pass_rate
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 10])

@@ -1,0 +1,70 @@
+"""`posttrain data stratify`: records split into difficulty buckets for a curriculum."""
+
+from __future__ import annotations
+
+from posttrain.cli._flags import parse
+from posttrain.errors import UserError
+
+HELP = (
+    "Split records into difficulty buckets (hardest first) by a pass rate or score, one file "
+    "per bucket, for data.curriculum (docs/data.md).",
+    [
+        "posttrain data stratify --input=prompts.jsonl --score-field=pass_rate --out=buckets",
+        "posttrain data stratify --input=prompts.jsonl --pass-rates=runs/grpo/difficulty.json "
+        "--edges=0.2,0.8 --out=buckets",
+    ],
+)
+
+
+def main(argv: list[str]) -> int:
+    def define(flags, fv):
+        flags.DEFINE_string("input", None, "records: a file or glob (JSONL/Parquet/ArrayRecord)",
+                            flag_values=fv)  # fmt: skip
+        flags.DEFINE_string("out", None, "folder for the bucket files", flag_values=fv)
+        flags.DEFINE_string("score_field", "", "each record's pass rate or score", flag_values=fv)
+        flags.DEFINE_string("pass_rates", "", "or a JSON {record index: pass rate} (an RL run's "
+                            "difficulty.json)", flag_values=fv)  # fmt: skip
+        flags.DEFINE_integer("buckets", 3, "quantile buckets (equal sizes)", flag_values=fv)
+        flags.DEFINE_list("edges", [], "fixed bucket edges instead, e.g. 0.2,0.8", flag_values=fv)
+        flags.DEFINE_list("names", [], "bucket names, hardest first (default hard,medium,easy "
+                          "for 3, else bucket_0...)", flag_values=fv)  # fmt: skip
+        flags.DEFINE_bool("higher_is_easier", True, "scores are pass rates; --nohigher-is-easier "
+                          "for difficulty ratings", flag_values=fv)  # fmt: skip
+        flags.DEFINE_string("format", "jsonl", "bucket files: jsonl, parquet or arrayrecord",
+                            flag_values=fv)  # fmt: skip
+
+    fv = parse(argv, define, HELP)
+    if not fv.input or not fv.out:
+        raise UserError("--input=FILE_OR_GLOB and --out=DIR are required")
+    if bool(fv.score_field) == bool(fv.pass_rates):
+        raise UserError("give --score-field=FIELD or --pass-rates=FILE (one of them)")
+    from rich.console import Console
+    from rich.table import Table
+
+    from posttrain.data._stratify import read_pass_rates, stratify_records
+
+    try:
+        edges = [float(e) for e in fv.edges] or None
+    except ValueError:
+        raise UserError(f"--edges={','.join(fv.edges)}: numbers, e.g. 0.2,0.8") from None
+    report = stratify_records(
+        fv.input,
+        fv.out,
+        score_field=fv.score_field,
+        pass_rates=read_pass_rates(fv.pass_rates) if fv.pass_rates else None,
+        num_buckets=fv.buckets,
+        edges=edges,
+        higher_is_easier=fv.higher_is_easier,
+        names=fv.names,
+        suffix="." + fv.format,
+    )
+    table = Table(title=f"stratify {fv.input} by {report['score']}")
+    for column in ("bucket", "records", "score min", "score max", "file"):
+        table.add_column(column)
+    for b in report["buckets"]:
+        table.add_row(b["name"], str(b["records"]), str(b["score_min"]), str(b["score_max"]),
+                      b["path"])  # fmt: skip
+    Console().print(table)
+    if report["unscored"]:
+        print(f"{report['unscored']} records without a score were left out")
+    return 0
