@@ -112,13 +112,14 @@ def build(
     if local:
         out_dir = os.fspath(paths.path(out_dir))
         os.makedirs(out_dir, exist_ok=True)
-    described = [_describe(pattern, Records(pattern)) for pattern in sources]
+    readers = [Records(pattern) for pattern in sources]  # scanned once, read by both passes
+    described = [_describe(p, r) for p, r in zip(sources, readers, strict=True)]
     if found := _built_before(out_dir, described, params, shard_records):
         manifest = verify(found)
         return BuildResult(manifest["id"], found, True, manifest)
     staging = tempfile.mkdtemp(prefix=".build-", dir=out_dir if local else None)
     try:
-        manifest = _write(sources, described, staging, shard_records, params, progress)
+        manifest = _write(readers, described, staging, shard_records, params, progress)
         return _publish(staging, out_dir, manifest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when renamed into place
@@ -144,12 +145,12 @@ def _built_before(out_dir, described, params, shard_records) -> str | None:
     return None
 
 
-def _write(sources, described, staging, shard_records, params, progress) -> dict[str, Any]:
+def _write(readers, described, staging, shard_records, params, progress) -> dict[str, Any]:
     """Writes the shards and the hashes file into `staging`; returns the manifest."""
     from tqdm.auto import tqdm
 
     total = sum(s["records"] for s in described)
-    records = itertools.chain.from_iterable(read_records(p) for p in sources)
+    records = itertools.chain.from_iterable(read_records(r) for r in readers)
     shards = []
     with (
         open(os.path.join(staging, HASHES), "wb") as hashes,

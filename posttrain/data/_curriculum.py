@@ -76,7 +76,7 @@ def proportions(weights: Sequence[float]) -> list[int]:
     share = w / w.sum() * _RESOLUTION
     p = np.floor(share).astype(np.int64)
     p[(w > 0) & (p == 0)] = 1
-    for i in np.argsort(-(share - np.floor(share)), kind="stable")[: _RESOLUTION - p.sum()]:
+    for i in np.argsort(-(share - np.floor(share)), kind="stable")[: max(_RESOLUTION - p.sum(), 0)]:
         p[i] += 1
     g = math.gcd(*p.tolist())
     return (p // g).tolist()

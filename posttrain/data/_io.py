@@ -23,10 +23,11 @@ from posttrain.data._sources import _KINDS, Records
 ROW_GROUP = 4096
 
 
-def read_records(pattern: str) -> Iterator[tuple[dict[str, Any], str]]:
-    """(record, location) for every record of `pattern`, in file then record order. A line that
-    is not a JSON object raises ValueError naming its location."""
-    records = Records(pattern)
+def read_records(source: str | Records) -> Iterator[tuple[dict[str, Any], str]]:
+    """(record, location) for every record of `source` (a file or glob, or its `Records`, which
+    a second pass can reuse instead of scanning the files again), in file then record order. A
+    line that is not a JSON object raises ValueError naming its location."""
+    records = source if isinstance(source, Records) else Records(source)
     for i in range(len(records)):
         raw, where = records[i]
         try:
@@ -37,11 +38,6 @@ def read_records(pattern: str) -> Iterator[tuple[dict[str, Any], str]]:
             kind = type(record).__name__
             raise ValueError(f"{where}: a record must be a JSON object, got {kind}")
         yield dict(record), where
-
-
-def count_records(pattern: str) -> int:
-    """How many records `pattern` holds (for progress bars; JSON lines are scanned once)."""
-    return len(Records(pattern))
 
 
 def kind_of(path: str) -> str:

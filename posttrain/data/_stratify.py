@@ -15,7 +15,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain import paths
-from posttrain.data._io import RecordWriter, count_records, kind_of, read_records
+from posttrain.data._io import RecordWriter, kind_of, read_records
+from posttrain.data._sources import Records
 
 
 def stratify(
@@ -84,11 +85,12 @@ def stratify_records(
     if bool(score_field) == (pass_rates is not None):
         raise ValueError("stratify: give a score field or a pass-rate map (exactly one)")
     kind_of(f"x{suffix}")  # a format the writer knows
-    total = count_records(pattern)
+    records = Records(pattern)  # both passes read it (JSON lines are scanned once)
+    total = len(records)
     scores: dict[int, float] = {}
     unscored = 0
     for i, (record, where) in enumerate(
-        tqdm(read_records(pattern), total=total, desc="scores", disable=not progress)
+        tqdm(read_records(records), total=total, desc="scores", disable=not progress)
     ):
         value = record.get(score_field) if score_field else pass_rates.get(i)
         if value is None:
@@ -107,7 +109,7 @@ def stratify_records(
     writers = [RecordWriter(paths.join(out_dir, f"{n}{suffix}")) for n in names]
     try:
         for i, (record, _) in enumerate(
-            tqdm(read_records(pattern), total=total, desc="buckets", disable=not progress)
+            tqdm(read_records(records), total=total, desc="buckets", disable=not progress)
         ):
             if i in bucket_of:
                 writers[bucket_of[i]].write(record)

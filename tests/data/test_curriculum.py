@@ -44,6 +44,7 @@ def test_phases_pick_their_shares_and_each_source_continues_where_it_was():
         assert keys == list(range(len(keys)))
     assert proportions([0.2, 0.3, 0.5]) == [2, 3, 5]
     assert proportions([1, 0, 1e-6]) == [999, 0, 1]  # a positive weight keeps a share
+    assert proportions([1, 1e-6, 1e-6]) == [999, 1, 1]  # (its share is not taken back twice)
 
 
 def _sources(tmp_path):
