@@ -6,6 +6,10 @@
 Presets:
   tiny           the demo's stage 2: the SFT model of `make demo` (runs/demo/sft) on pairs of its
                  own answers to training problems, right vs wrong (runs/demo/preferences_*.jsonl).
+  iterative      iterative (online) DPO, two rounds from the demo's SFT model: each round samples
+                 4 answers to 2048 new training problems from its starting policy, pairs a right
+                 with a wrong one (the verifier), and trains DPO on them from that policy
+                 (method "iterative_dpo"; rounds in <workdir>/round_<r>; CPU, ~1 minute).
   llama3_8b_v5p  Llama 3.1 8B (an SFT checkpoint or HF directory) on a v5p-64 slice.
 Every field of configs/sft.py applies (model, data, optimizer, train, checkpoint, mesh), plus
 `loss`. Override any field: --config.loss.type=ipo --config.loss.beta=0.5
@@ -22,7 +26,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-    presets = {"tiny": "tiny", "llama3_8b_v5p": "llama3_8b_v5p"}
+    presets = {"tiny": "tiny", "iterative": "tiny", "llama3_8b_v5p": "llama3_8b_v5p"}
     if preset not in presets:
         raise ValueError(f"unknown dpo preset {preset!r}: {', '.join(presets)}")
     c = load_config_file(os.path.join(_HERE, "sft.py") + ":" + presets[preset])
@@ -40,8 +44,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.loss.sft_weight = 0.0  # add this x the chosen responses' NLL (RPO)
     c.loss.reference = "auto"  # auto (precomputed; none for simpo/orpo) | on_the_fly | precomputed
 
-    if preset == "tiny":
+    if preset in ("tiny", "iterative"):
         runs = os.path.join("runs", "demo")
+        prompts = c.data.sources  # (the demo's training problems: prompts the verifier checks)
         c.model.checkpoint = os.path.join(runs, "sft")
         c.data.sources = [
             {
@@ -67,6 +72,35 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.log_every = 10
         c.train.eval_every = 100
         c.checkpoint.every = 100
+    if preset == "iterative":
+        c.method = "iterative_dpo"
+        c.data.sources = prompts  # prompt records; each round writes its pairs.jsonl
+        c.eval_data = []  # (held-out pairs would come from one policy; rounds.json has scores)
+        # Two epochs of each round's ~1000 pairs: longer rounds overfit this tiny model (300
+        # steps of 1024 prompts: 67% -> 72% -> 70% held-out exact match; 60 of 2048: 67% ->
+        # 76% -> 78%, and 77% -> 78% with other seeds).
+        c.train.steps = 60  # per round
+        c.train.eval_every = 0
+        c.checkpoint.every = 60
+        c.pairs = ml_collections.ConfigDict()
+        c.pairs.rounds = 2
+        c.pairs.limit = 2048  # prompts per round; round r takes prompts [r * 2048, ...)
+        c.pairs.offset = 0
+        c.pairs.samples = 4  # answers per prompt
+        c.pairs.max_new_tokens = 8
+        c.pairs.max_prompt_len = 64
+        c.pairs.temperature = 1.0
+        c.pairs.top_p = 1.0
+        c.pairs.top_k = 0
+        c.pairs.seed = 1
+        c.pairs.chunk = 64
+        c.pairs.min_margin = 0.0
+        c.pairs.per_prompt = 1
+        c.pairs.rewards = ml_collections.ConfigDict()
+        c.pairs.rewards.domains = {}  # {} : the built-in verifiers (arithmetic here)
+        c.pairs.rewards.workers = 2
+        c.pairs.rewards.timeout_s = 10.0
+        c.pairs.rewards.pass_threshold = 1.0
     elif preset == "llama3_8b_v5p":
         c.data.sources = [
             {"path": "preferences.jsonl", "weight": 1.0, "domain": "default", "format": "auto"}

@@ -21,6 +21,9 @@ VERBS: dict[str, str] = {
     "manifest) that training reads and verifies",
     "diff": "what changed between two builds (sources, parameters, records)",
     "stratify": "split records into difficulty buckets for a curriculum (data.curriculum)",
+    "pairs": "on-policy preference pairs from a checkpoint: k samples per prompt, scored, "
+    "chosen/rejected with margins",
+    "synth": "rejection-sampled SFT data from a teacher checkpoint (generate, verify, keep)",
 }
 
 

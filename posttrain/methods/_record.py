@@ -25,6 +25,7 @@ from posttrain.lora import quantized_shapes
 from posttrain.models import param_shapes, param_shardings
 from posttrain.parallel import named_sharding
 from posttrain.rl import RLConfig, run_rl
+from posttrain.rl._iterative import IterativeDPOConfig, run_iterative_dpo
 from posttrain.rl._replay import route_shape
 from posttrain.rl._trainer import rl_plan, split_devices
 from posttrain.train._dpo import DPOConfig, dpo_plan, run_dpo
@@ -41,7 +42,7 @@ class Method:
     """A training method.
 
     Attributes:
-      name: what a config's `method` says ("sft", "dpo", "rm", "grpo", "ppo").
+      name: what a config's `method` says ("sft", "dpo", "iterative_dpo", "rm", "grpo", "ppo").
       config: its config class (built from the config file's values).
       run: `(config, workdir, *, on_metrics=None) -> summary`, the driver.
       plan: `(config, model_config, mesh, domains) -> StepPlan`, the step the run jits;
@@ -220,6 +221,15 @@ METHODS: dict[str, Method] = {
             name="dpo",
             config=DPOConfig,
             run=run_dpo,
+            plan=dpo_plan,
+            frozen=_dpo_frozen,
+            batch=_dpo_batch,
+            rows=lambda c: c.data.batch_size,
+        ),
+        Method(  # rounds of on-policy pairs (posttrain.rl._pairs) and DPO
+            name="iterative_dpo",
+            config=IterativeDPOConfig,
+            run=run_iterative_dpo,
             plan=dpo_plan,
             frozen=_dpo_frozen,
             batch=_dpo_batch,
