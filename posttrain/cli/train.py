@@ -46,6 +46,9 @@ def main(argv: list[str]) -> int:
         if not several:
             raise
         _leave_the_run()
+    for r in summary.get("rounds", ()):  # iterative DPO
+        print(f"round {r['round']}: {r['pairs']} pairs from {r['prompts']} prompts (on-policy "
+              f"reward {r['mean_reward']:.3f}); DPO {r['stopped']}")  # fmt: skip
     if summary["stopped"] == "preempted":  # not done: a scheduler should requeue the job
         print(f"saved at step {summary['final_step']} after SIGTERM; rerun to resume: {fv.workdir}")
         return EXIT_PREEMPTED

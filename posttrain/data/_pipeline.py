@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,19 +206,26 @@ def index_mixture(
     seed: int,
     shuffle: bool,
     num_epochs: int | None,
+    curriculum: tuple[Phase, ...] = (),
+    names: Sequence[str] = (),
+    rows: int = 1,
 ) -> grain.IterDataset:
     """A Grain stream of item indices from several sources (`members[i]`: source i's items).
 
     num_epochs=None repeats every source forever, each reshuffled per epoch with its own seed,
-    mixed by `weights`; n concatenates the sources, shuffles and makes n passes. Its iterator
-    state is a small dict (the position), saved with checkpoints.
+    mixed by `weights`, or picked by the `curriculum` phases (sources by `names`, phases in
+    steps of `rows` items); n concatenates the sources, shuffles and makes n passes. Its
+    iterator state is a small dict (the position), saved with checkpoints.
     """
     parts = [grain.MapDataset.source(m) for m in members]
     if num_epochs is None:
         if shuffle:
             parts = [p.shuffle(seed=_seed(seed, i)) for i, p in enumerate(parts)]
         parts = [p.repeat() for p in parts]
-        ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+        if curriculum:
+            ds = curriculum_dataset(parts, curriculum, names, rows=rows, process_count=1)
+        else:
+            ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
     else:
         ds = parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)
         ds = (ds.shuffle(seed=_seed(seed)) if shuffle else ds).repeat(num_epochs)

@@ -325,8 +325,13 @@ class RLConfig:
     def __post_init__(self):
         if self.data is None:
             raise ConfigError("data: set data.sources to at least one prompt file")
-        if self.data.curriculum:
-            raise ConfigError("data.curriculum: SFT runs only so far; set data.curriculum=[]")
+        if self.data.curriculum and (self.domains.adaptive or self.domains.grouped):
+            raise ConfigError(
+                "data.curriculum sets the prompt mix by step; adaptive or grouped domain weights "
+                "set it too: turn domains.adaptive and domains.grouped off, or drop the curriculum"
+            )
+        if self.data.curriculum and self.data.num_epochs is not None:
+            raise ConfigError("data.curriculum needs data.num_epochs=None (prompts repeat)")
         if self.env.name and self.rollout.sampler != "engine":
             raise ConfigError("env episodes run on the engine: set rollout.sampler='engine'")
         if self.env.name and self.rollout.partial:

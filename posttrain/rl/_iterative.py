@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 class PairsConfig(SampleConfig):
     """The rounds and how each samples its pairs (every `SampleConfig` field, plus these).
 
-    `limit` is the prompts of one round; round r starts at prompt `offset + r * limit` (wrapping
-    is not done: give enough prompts), with seed `seed + r`."""
+    `limit` is the prompts of one round; round r starts at prompt `offset + r * limit` (no
+    wrapping: give enough prompts; `limit=0`: every round samples all of them), with seed
+    `seed + r`."""
 
     rounds: int = 2
     min_margin: float = 0.0  # keep pairs whose reward margin is above this

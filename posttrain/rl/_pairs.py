@@ -72,10 +72,10 @@ class SampleConfig:
 
 
 def _prompts(sources, tokenizer, c: SampleConfig, counts: dict, registry) -> Iterator[dict]:
-    """The usable prompts of `sources` [(path, domain of records without one)], counted."""
+    """The usable prompts of `sources` [(Records, domain of records without one)], counted."""
     index, checked = 0, set()
-    for path, default_domain in sources:
-        for record, where in read_records(path):
+    for records, default_domain in sources:
+        for record, where in read_records(records):
             counts["read"] += 1
             domain = record.get("domain") or default_domain
             try:
@@ -115,7 +115,8 @@ def scored_groups(
     counts.update({k: counts.get(k, 0) for k in ("read", "malformed", "overlong", "prompts")})
     counts.setdefault("errors", [])
     registry = c.rewards.registry()
-    total = sum(len(Records(path)) for path, _ in sources)
+    sources = [(Records(path), domain) for path, domain in sources]  # (indexed once)
+    total = sum(len(records) for records, _ in sources)
     total = max(0, total - c.offset) if not c.limit else min(c.limit, max(0, total - c.offset))
     rows = c.chunk * c.samples
     engine = Engine(

@@ -25,6 +25,7 @@ from posttrain.data._pipeline import (
     index_mixture,
     process_share,
 )
+from posttrain.data._accounting import source_names
 from posttrain.data._sources import Records
 
 _log = logging.getLogger(__name__)
@@ -147,6 +148,9 @@ class PromptData:
                 seed=c.seed,
                 shuffle=c.shuffle,
                 num_epochs=c.num_epochs,
+                curriculum=c.curriculum,  # phases in steps: prompt batches drawn
+                names=source_names([s.path for s in c.sources]),
+                rows=self.rows,
             )
             self._iterator = indices.batch(
                 self.rows, batch_fn=lambda idx: [self.prompts[i] for i in idx]

@@ -83,6 +83,38 @@ def test_batches_follow_the_schedule_and_resume_exactly(tmp_path, chatml):
             np.testing.assert_array_equal(got[k], want[k])
 
 
+def test_rl_prompt_batches_follow_the_schedule_and_resume_exactly(tmp_path, chatml):
+    """The RL prompt stream (`PromptData`) takes a curriculum too: a phase's steps are prompt
+    batches drawn."""
+    from posttrain.rl import PromptData
+
+    sources = []
+    for b in BUCKETS:
+        records = [{"prompt": f"{b} problem {i}", "domain": b} for i in range(7)]
+        sources.append(SourceConfig(str(write_records(tmp_path / f"{b}.jsonl", records))))
+    config = DataConfig(sources=tuple(sources), max_len=16, batch_size=4, packing=False,
+                        curriculum=PHASES)  # fmt: skip
+
+    def prompts():
+        return PromptData(config, chatml, max_prompt_len=16, process_index=0, process_count=1)
+
+    data = prompts()
+    batches = [next(data) for _ in range(8)]
+    mixes = [tuple(sum(p["domain"] == b for p in batch) for b in BUCKETS) for batch in batches]
+    assert mixes == [mix for steps, mix in SCHEDULE for _ in range(steps or 4)]
+    easy = [p["record"]["prompt"] for batch in batches for p in batch if p["domain"] == "easy"]
+    assert len(set(easy[:7])) == 7  # each source runs through its records before repeating
+
+    data = prompts()
+    for _ in range(3):
+        next(data)
+    resumed = prompts()
+    resumed.set_state(json.loads(json.dumps(data.get_state())))
+    assert [[p["record"] for p in next(resumed)] for _ in range(5)] == [
+        [p["record"] for p in batch] for batch in batches[3:]
+    ]
+
+
 def test_bad_curricula_say_what_to_change(tmp_path):
     sources = _sources(tmp_path)
     base = dict(sources=sources, max_len=16, batch_size=4, packing=False)
@@ -99,6 +131,11 @@ def test_bad_curricula_say_what_to_change(tmp_path):
     dpo.data.curriculum = [{"weights": {name: 1.0}}]
     with pytest.raises(ConfigError, match="data.curriculum: SFT runs only so far"):
         run_from_config(dpo, str(tmp_path / "dpo"))
+    grpo = load_config_file(os.path.join(REPO, "configs", "grpo.py") + ":tiny")
+    grpo.data.curriculum = [{"weights": {"train": 1.0}}]
+    grpo.domains.adaptive = True
+    with pytest.raises(ConfigError, match="turn domains.adaptive and domains.grouped off"):
+        run_from_config(grpo, str(tmp_path / "grpo"))
 
 
 def test_an_sft_run_logs_the_scheduled_bucket_counts(tmp_path):
