@@ -12,6 +12,8 @@ HELP = (
         "posttrain data stratify --input=prompts.jsonl --score-field=pass_rate --out=buckets",
         "posttrain data stratify --input=prompts.jsonl --pass-rates=runs/grpo/difficulty.json "
         "--edges=0.2,0.8 --out=buckets",
+        "posttrain data stratify --input=problems.jsonl --model=runs/demo/sft --samples=8 "
+        "--max-new-tokens=8 --out=buckets",
     ],
 )
 
@@ -24,6 +26,15 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_string("score_field", "", "each record's pass rate or score", flag_values=fv)
         flags.DEFINE_string("pass_rates", "", "or a JSON {record index: pass rate} (an RL run's "
                             "difficulty.json)", flag_values=fv)  # fmt: skip
+        flags.DEFINE_string("model", "", "or sample each record's pass rate from this checkpoint "
+                            "(training workdir or HF directory)", flag_values=fv)  # fmt: skip
+        flags.DEFINE_integer("samples", 8, "--model: samples per record", flag_values=fv)
+        flags.DEFINE_integer("max_new_tokens", 128, "--model: completion budget", flag_values=fv)
+        flags.DEFINE_float("temperature", 1.0, "--model: sampling temperature", flag_values=fv)
+        flags.DEFINE_string("domain", "", "--model: reward domain of records without one",
+                            flag_values=fv)  # fmt: skip
+        flags.DEFINE_float("pass_threshold", 1.0, "--model: a sample passes with reward >= this",
+                           flag_values=fv)  # fmt: skip
         flags.DEFINE_integer("buckets", 3, "quantile buckets (equal sizes)", flag_values=fv)
         flags.DEFINE_list("edges", [], "fixed bucket edges instead, e.g. 0.2,0.8", flag_values=fv)
         flags.DEFINE_list("names", [], "bucket names, hardest first (default hard,medium,easy "
@@ -36,8 +47,8 @@ def main(argv: list[str]) -> int:
     fv = parse(argv, define, HELP)
     if not fv.input or not fv.out:
         raise UserError("--input=FILE_OR_GLOB and --out=DIR are required")
-    if bool(fv.score_field) == bool(fv.pass_rates):
-        raise UserError("give --score-field=FIELD or --pass-rates=FILE (one of them)")
+    if sum(map(bool, (fv.score_field, fv.pass_rates, fv.model))) != 1:
+        raise UserError("give --score-field=FIELD, --pass-rates=FILE or --model=CHECKPOINT (one)")
     from rich.console import Console
     from rich.table import Table
 
@@ -47,11 +58,14 @@ def main(argv: list[str]) -> int:
         edges = [float(e) for e in fv.edges] or None
     except ValueError:
         raise UserError(f"--edges={','.join(fv.edges)}: numbers, e.g. 0.2,0.8") from None
+    rates = read_pass_rates(fv.pass_rates) if fv.pass_rates else None
+    if fv.model:
+        rates = _sampled(fv)
     report = stratify_records(
         fv.input,
         fv.out,
         score_field=fv.score_field,
-        pass_rates=read_pass_rates(fv.pass_rates) if fv.pass_rates else None,
+        pass_rates=rates,
         num_buckets=fv.buckets,
         edges=edges,
         higher_is_easier=fv.higher_is_easier,
@@ -68,3 +82,21 @@ def main(argv: list[str]) -> int:
     if report["unscored"]:
         print(f"{report['unscored']} records without a score were left out")
     return 0
+
+
+def _sampled(fv) -> dict[int, float]:
+    """Each record's pass rate under --model (k samples, scored by its reward domain)."""
+    from posttrain.rl._config import RewardsConfig
+    from posttrain.rl._pairs import SampleConfig, pass_rates
+    from posttrain.train import load_model_and_tokenizer
+
+    try:
+        model, tokenizer = load_model_and_tokenizer(fv.model)
+    except FileNotFoundError as e:
+        raise UserError(f"--model={fv.model}: {e}") from None
+    config = SampleConfig(
+        samples=fv.samples, max_new_tokens=fv.max_new_tokens, temperature=fv.temperature,
+        rewards=RewardsConfig(pass_threshold=fv.pass_threshold),
+    )  # fmt: skip
+    rates, _ = pass_rates(model, tokenizer, [(fv.input, fv.domain)], config)
+    return rates

@@ -100,7 +100,9 @@ def _prompts(sources, tokenizer, c: SampleConfig, counts: dict, registry) -> Ite
             index += 1
             if index <= c.offset:
                 continue
-            yield {"record": record, "prompt_ids": ids, "domain": domain, "index": index - 1}
+            position = counts["read"] - 1  # (in the records of all sources, malformed too)
+            yield {"record": record, "prompt_ids": ids, "domain": domain, "index": index - 1,
+                   "position": position}  # fmt: skip
             if c.limit and index - c.offset >= c.limit:
                 return
 
@@ -288,6 +290,22 @@ def synthesize(
             counts["kept"] += len(good[:per_prompt])
             counts["prompts_kept"] += bool(good)
         return _summary(counts, total, passed, samples)
+
+
+def pass_rates(
+    model, tokenizer, sources: Sequence[tuple[str, str]], c: SampleConfig, *,
+    progress: bool = True,
+) -> tuple[dict[int, float], dict]:  # fmt: skip
+    """Each usable prompt's pass rate under the checkpoint: the share of its `c.samples`
+    samples reaching `c.rewards.pass_threshold`, keyed by the record's position in `sources`
+    (what `stratify_records(pass_rates=...)` takes); and the counts."""
+    counts, rates = {}, {}
+    groups = scored_groups(
+        model, tokenizer, sources, c, counts, progress=progress, desc="pass rate"
+    )
+    for prompt, _, rewards in groups:
+        rates[prompt["position"]] = float(np.mean(rewards >= c.rewards.pass_threshold))
+    return rates, counts
 
 
 def _mean(values) -> float:

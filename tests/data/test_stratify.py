@@ -48,7 +48,7 @@ def test_fixed_edges_from_an_rl_runs_pass_rates_through_the_cli(tmp_path, capsys
     assert _prompts_in(out / "mid.parquet") == ["q2", "q5", "q6", "q8"]
     assert _prompts_in(out / "easy.parquet") == ["q0", "q7"]  # >= 0.75
     assert "hard" in capsys.readouterr().out
-    with pytest.raises(UserError, match="--score-field=FIELD or --pass-rates=FILE"):
+    with pytest.raises(UserError, match="--score-field=FIELD, --pass-rates=FILE or --model"):
         main(["posttrain data stratify", "--input=x.jsonl", f"--out={out}"])
     with pytest.raises(ValueError, match="line 2: score pass_rate='high' is not a number"):
         bad = write_records(tmp_path / "bad.jsonl", [{"pass_rate": 0.5}, {"pass_rate": "high"}])

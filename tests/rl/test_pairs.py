@@ -14,7 +14,7 @@ from posttrain.data import load_tokenizer
 from posttrain.demo import ASSETS_DIR
 from posttrain.models import ModelConfig, Transformer
 from posttrain.rl._config import RewardsConfig
-from posttrain.rl._pairs import SampleConfig, make_pairs, scored_groups, synthesize
+from posttrain.rl._pairs import SampleConfig, make_pairs, pass_rates, scored_groups, synthesize
 from tests.train.conftest import REPO
 
 REWARD = "tests.rl.test_pairs:characters"
@@ -147,6 +147,23 @@ def test_synth_keeps_passing_distinct_samples_best_first(policy, prompts, tmp_pa
     assert [(r["prompt"], r["completion"]) for r in rows] == expected
     assert 0 < stats["kept"] == len(rows) < 7 * 4
     assert all(r["reward"] >= threshold and "messages" not in r for r in rows)
+
+
+def test_pass_rates_key_each_record_by_its_position_for_stratify(policy, prompts, tmp_path):
+    from posttrain.data._stratify import stratify_records
+
+    model, tokenizer = policy
+    config = _config(rewards=RewardsConfig(domains={"len": [REWARD]}, workers=1,
+                                           pass_threshold=12.0))  # fmt: skip
+    groups = list(scored_groups(model, tokenizer, [(prompts, "len")], config, {}, progress=False))
+    rates, counts = pass_rates(model, tokenizer, [(prompts, "len")], config, progress=False)
+    usable = [0, 1, 2, 4, 6, 7, 8]  # (record 3 is malformed, record 5 overlong)
+    assert sorted(rates) == usable and counts["prompts"] == 7
+    for position, (_, _, rewards) in zip(usable, groups, strict=True):
+        assert rates[position] == (rewards >= 12.0).mean()
+    report = stratify_records(prompts, str(tmp_path / "buckets"), pass_rates=rates,
+                              edges=[0.5])  # fmt: skip
+    assert sum(b["records"] for b in report["buckets"]) == 7 and report["unscored"] == 2
 
 
 def test_pairs_command_refuses_missing_flags_and_an_unknown_domain(policy, prompts, tmp_path):
