@@ -40,7 +40,8 @@ class SampleConfig:
     Attributes:
       samples: completions per prompt.
       max_new_tokens, temperature, top_p, top_k: the sampling settings.
-      max_prompt_len: longer prompts are left out (counted as overlong).
+      max_prompt_len: longer prompts are left out (counted as overlong); at most the model's
+        max_seq_len - max_new_tokens.
       seed: prompt i's samples draw from seed `seed * 1_000_003 + i` (i counts usable
         prompts from the start of the stream, `offset` included).
       offset, limit: skip the first `offset` usable prompts, then use at most `limit` (0: all);
@@ -120,10 +121,16 @@ def scored_groups(
     sources = [(Records(path), domain) for path, domain in sources]  # (indexed once)
     total = sum(len(records) for records, _ in sources)
     total = max(0, total - c.offset) if not c.limit else min(c.limit, max(0, total - c.offset))
-    rows = c.chunk * c.samples
+    longest = min(c.max_prompt_len, model.config.max_seq_len - c.max_new_tokens)
+    if longest < 1:
+        raise ConfigError(
+            f"max_new_tokens={c.max_new_tokens} leaves no room for a prompt in the model's "
+            f"max_seq_len={model.config.max_seq_len}; lower it"
+        )
+    c = dataclasses.replace(c, max_prompt_len=longest)  # (longer prompts: counted as overlong)
     engine = Engine(
         model,
-        EngineConfig(slots=min(rows, 256), prefill_bucket=16),
+        EngineConfig(slots=min(c.chunk * c.samples, 256), prefill_bucket=16),
         max_len=c.max_prompt_len + c.max_new_tokens,
         eos_ids=tokenizer.eos_ids,
     )

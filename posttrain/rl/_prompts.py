@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from posttrain.data import DataConfig, Tokenizer
+from posttrain.data._accounting import source_names
 from posttrain.data._formats import RecordError, decode, encode_prompt
 from posttrain.data._pipeline import (
     _RUNTIME_FIELDS,
@@ -25,7 +26,6 @@ from posttrain.data._pipeline import (
     index_mixture,
     process_share,
 )
-from posttrain.data._accounting import source_names
 from posttrain.data._sources import Records
 
 _log = logging.getLogger(__name__)
