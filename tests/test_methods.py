@@ -142,5 +142,5 @@ def test_compiled_step_is_the_step_a_run_jits(method, pair_files, tmp_path):  # 
 def test_an_unknown_method_names_the_available_ones():
     config = small_config()
     config.method = "dpoo"
-    with pytest.raises(ConfigError, match="available: sft, dpo, rm, grpo, ppo"):
+    with pytest.raises(ConfigError, match="available: sft, dpo, iterative_dpo, rm, grpo, ppo"):
         methods.method_config(config)

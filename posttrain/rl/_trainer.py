@@ -172,7 +172,9 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         filter_by_difficulty(c, workdir, prompts, tokenizer, model_config, mesh)
     eval_prompts = None
     if c.eval_data:
-        eval_config = dataclasses.replace(c.data, sources=c.eval_data, shuffle=False)
+        eval_config = dataclasses.replace(
+            c.data, sources=c.eval_data, shuffle=False, curriculum=()
+        )  # (the training curriculum names the training sources)
         eval_prompts = PromptData(
             eval_config,
             tokenizer,

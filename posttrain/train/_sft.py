@@ -113,8 +113,8 @@ class _Evaluator:
         self.data_config = None
         if config.eval_data:
             self.data_config = dataclasses.replace(
-                config.data, sources=config.eval_data, shuffle=False, num_epochs=1
-            )
+                config.data, sources=config.eval_data, shuffle=False, num_epochs=1, curriculum=()
+            )  # (the training curriculum names the training sources)
 
             def step(params, inputs, batch):
                 policy = Policy(self.lora, inputs.get("base"))

@@ -148,13 +148,15 @@ def test_an_sft_run_logs_the_scheduled_bucket_counts(tmp_path):
         sources.append({"path": str(path), "weight": 1.0, "domain": b, "format": "auto"})
     config = small_config(**{"data.packing": False, "train.steps": 6, "checkpoint.every": 6})
     config.data.sources = sources
+    held_out = write_records(tmp_path / "held_out.jsonl", demo[:8])  # (not a curriculum source)
+    config.eval_data = [{**sources[0], "path": str(held_out), "domain": "held_out"}]
     config.data.curriculum = [
         {"weights": {"easy": 1.0}, "steps": 2},
         {"weights": {"easy": 1.0, "medium": 1.0}, "steps": 2},
         {"weights": {"medium": 1.0, "hard": 3.0}},
     ]
     run_from_config(config, str(tmp_path / "run"))
-    rows = read_metrics(str(tmp_path / "run"))
+    rows = read_metrics(str(tmp_path / "run"), "train")
     used = np.array([[r.get(f"data/{b}/used", 0.0) for b in BUCKETS] for r in rows])
     per_step = np.diff(np.vstack([np.zeros(3), used]), axis=0).astype(int).tolist()
     assert config.data.batch_size == 8
