@@ -115,7 +115,8 @@ def scored_groups(
     """(prompt, its `c.samples` completions, their rewards) for every usable prompt of
     `sources`, in order; `counts` gets read / malformed / overlong / prompts and the first
     errors."""
-    counts.update({k: counts.get(k, 0) for k in ("read", "malformed", "overlong", "prompts")})
+    tallies = ("read", "malformed", "overlong", "prompts", "samples", "passed", "reward_sum")
+    counts.update({k: counts.get(k, 0) for k in tallies})
     counts.setdefault("errors", [])
     registry = c.rewards.registry()
     sources = [(Records(path), domain) for path, domain in sources]  # (indexed once)
@@ -161,6 +162,9 @@ def scored_groups(
                 )
                 rewards = np.asarray([r.score for r in results], np.float32)
                 rewards = rewards.reshape(len(batch), c.samples)
+                counts["samples"] += rewards.size
+                counts["passed"] += int((rewards >= c.rewards.pass_threshold).sum())
+                counts["reward_sum"] += float(rewards.sum())
                 yield from zip(batch, completions, rewards, strict=True)
                 counts["prompts"] += len(batch)
                 bar.update(len(batch))
@@ -200,9 +204,8 @@ def make_pairs(
 
     For each prompt, its distinct completions are ranked by reward (ties: sample order); the
     k-th best completion that ended with EOS (any, without `require_end`) is chosen against the
-    k-th worst, for k up to
-    `per_prompt`, while the margin (chosen reward - rejected reward) is above `min_margin`
-    and above 0. A pair record is the prompt record with "chosen", "rejected",
+    k-th worst, for k up to `per_prompt`, while the margin (chosen reward - rejected reward)
+    is above `min_margin` and above 0. A pair record is the prompt record with "chosen", "rejected",
     "chosen_reward", "rejected_reward" and "margin"; DPO reads it as it is.
 
     Returns:
@@ -216,15 +219,11 @@ def make_pairs(
     if per_prompt < 1 or min_margin < 0:
         raise ConfigError("per_prompt must be >= 1 and min_margin >= 0")
     counts: dict = {"pairs": 0, "no_signal": 0, "no_finished": 0, "below_margin": 0}
-    total = passed = samples = 0
     margins: list[float] = []
     with RecordWriter(out) as writer:
         for prompt, group, rewards in scored_groups(
             model, tokenizer, sources, c, counts, progress=progress, desc="pairs"
         ):
-            total += float(rewards.sum())
-            passed += int((rewards >= c.rewards.pass_threshold).sum())
-            samples += rewards.size
             texts = _distinct(group, rewards)
             if len({r for _, r, _ in texts}) < 2:
                 counts["no_signal"] += 1
@@ -256,7 +255,7 @@ def make_pairs(
                 kept += 1
             counts["pairs"] += kept
             counts["below_margin"] += kept == 0
-        return _summary(counts, total, passed, samples, mean_margin=_mean(margins))
+        return _summary(counts, mean_margin=_mean(margins))
 
 
 def synthesize(
@@ -273,14 +272,10 @@ def synthesize(
         raise ConfigError("per_prompt must be >= 1")
     threshold = c.rewards.pass_threshold if threshold is None else threshold
     counts: dict = {"kept": 0, "prompts_kept": 0}
-    total = passed = samples = 0
     with RecordWriter(out) as writer:
         for prompt, group, rewards in scored_groups(
             model, tokenizer, sources, c, counts, progress=progress, desc="synth"
         ):
-            total += float(rewards.sum())
-            passed += int((rewards >= c.rewards.pass_threshold).sum())
-            samples += rewards.size
             ended = [t for t in _distinct(group, rewards) if t[2] or not require_end]
             good = [t for t in ended if t[1] >= threshold]
             good.sort(key=lambda t: -t[1])  # (stable: sample order among equal rewards)
@@ -296,7 +291,7 @@ def synthesize(
                 )
             counts["kept"] += len(good[:per_prompt])
             counts["prompts_kept"] += bool(good)
-        return _summary(counts, total, passed, samples)
+        return _summary(counts)
 
 
 def pass_rates(
@@ -319,7 +314,7 @@ def _mean(values) -> float:
     return float(np.mean(values)) if len(values) else 0.0
 
 
-def _summary(counts: dict, total: float, passed: int, samples: int, **extra) -> dict:
+def _summary(counts: dict, **extra) -> dict:
     """The counts with the sample means; no usable prompt raises (the writer then leaves no
     file)."""
     if not counts["prompts"]:
@@ -327,9 +322,10 @@ def _summary(counts: dict, total: float, passed: int, samples: int, **extra) -> 
             f"no usable prompt: read {counts['read']} records, {counts['malformed']} malformed, "
             f"{counts['overlong']} over max_prompt_len; first errors: {counts['errors'][:3]}"
         )
+    kept = {k: v for k, v in counts.items() if k not in ("samples", "passed", "reward_sum")}
     return {
-        **counts,
-        "mean_reward": total / max(samples, 1),
-        "pass_rate": passed / max(samples, 1),
+        **kept,
+        "mean_reward": counts["reward_sum"] / max(counts["samples"], 1),
+        "pass_rate": counts["passed"] / max(counts["samples"], 1),
         **extra,
     }
