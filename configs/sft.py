@@ -60,6 +60,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # model's, worst-case buffers that never drop)
     c.model.routing_bias_rate = 0.0  # MoE: aux-loss-free balancing step (0: bias frozen)
     c.model.aux_loss_coef = 0.0  # MoE: load-balancing loss weight (0 keeps the model's)
+    # Your own Flax NNX module instead of a preset (docs/models.md, configs/nnx.py): its builder
+    # "package.module:function", called with rngs= and nnx_kwargs.
+    c.model.nnx = ""
+    c.model.nnx_kwargs = ml_collections.ConfigDict()  # the builder's keyword arguments
     c.tokenizer = ""  # tokenizer directory; "" uses model.hf_path
 
     # Data: sources are mixed by weight; rows are packed to max_len.

@@ -2,11 +2,12 @@
 
 from posttrain.models._attention import attention, attention_mask
 from posttrain.models._cache import KV_DTYPES, KVCache, PagedKVCache
-from posttrain.models._config import ModelConfig, RopeScaling
+from posttrain.models._config import ModelConfig, NNXSpec, RopeScaling
 from posttrain.models._hf import check_export_destination, from_hf, mtp_from_hf, to_hf
 from posttrain.models._hf_config import HFFormatError, load_hf_config
 from posttrain.models._invariant import token_logprobs
 from posttrain.models._mtp import MTPModule
+from posttrain.models._nnx import NNXCache, has_hidden_states, module_of, nnx_describe
 from posttrain.models._ops import ParamSpec
 from posttrain.models._params import (
     init_params,
@@ -22,6 +23,7 @@ from posttrain.models._transformer import (
     Transformer,
     forward,
     hidden_states,
+    init_cache,
     lm_logits,
     split_layers,
     unstack_layers,
@@ -35,6 +37,8 @@ __all__ = [
     "PRESETS",
     "MTPModule",
     "ModelConfig",
+    "NNXCache",
+    "NNXSpec",
     "ParamSpec",
     "RopeScaling",
     "Transformer",
@@ -45,10 +49,14 @@ __all__ = [
     "forward",
     "from_hf",
     "get_preset",
+    "has_hidden_states",
     "hidden_states",
+    "init_cache",
     "init_params",
     "lm_logits",
+    "module_of",
     "mtp_from_hf",
+    "nnx_describe",
     "num_params",
     "load_hf_config",
     "param_axes",

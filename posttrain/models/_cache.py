@@ -69,6 +69,16 @@ class KVCache:
     def stores(self):
         return self.k_TBSKH, self.v_TBSKH
 
+    def repeat(self, n: int) -> KVCache:
+        """Each row n times in a row (the n samples of a prompt share its prefill)."""
+        return KVCache(
+            k_TBSKH=jnp.repeat(self.k_TBSKH, n, axis=1),
+            v_TBSKH=jnp.repeat(self.v_TBSKH, n, axis=1),
+            positions_BS=jnp.repeat(self.positions_BS, n, axis=0),
+            segment_ids_BS=jnp.repeat(self.segment_ids_BS, n, axis=0),
+            index=self.index,
+        )
+
     def addressing(self, positions_BL, segment_ids_BL):
         """`(kv_positions_BS, kv_segment_ids_BS, update, attend)` for a forward pass writing
         tokens at these positions: what the queries may attend, `update(store, new) -> (store,

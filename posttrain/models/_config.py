@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax.numpy as jnp
 
@@ -133,6 +134,26 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class NNXSpec:
+    """Which NNX module a model is: its builder and the builder's keyword arguments."""
+
+    builder: str  # "package.module:function", called with rngs= and the kwargs
+    kwargs: str = "{}"  # the keyword arguments as a JSON object (a string keeps configs hashable)
+
+    @classmethod
+    def of(cls, builder: str, kwargs: dict | None = None) -> NNXSpec:
+        try:
+            text = json.dumps(dict(kwargs or {}), sort_keys=True)
+        except TypeError as e:
+            raise ValueError(f"model.nnx_kwargs must be plain JSON values: {e}") from None
+        return cls(builder, text)
+
+    @property
+    def arguments(self) -> dict:
+        return json.loads(self.kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer: Llama 3.x, Qwen2/2.5, Qwen3 and Mistral are settings of it."""
 
@@ -179,6 +200,9 @@ class ModelConfig:
     # in the trainer's pass, a prefill and a decode step (posttrain.models._invariant). Slower.
     batch_invariant: bool = False
     name: str = "custom"  # preset or HF model name, for logs
+    # A Flax NNX module instead of the decoder these fields describe (posttrain.models._nnx);
+    # the fields above then only record its vocabulary, width and sizes.
+    nnx: NNXSpec | None = None
 
     def __post_init__(self):
         def fail(msg):
@@ -293,7 +317,12 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6 x active matmul params + causal
-        attention. For MoE only the experts a token is routed to (plus shared ones) count."""
+        attention. For MoE only the experts a token is routed to (plus shared ones) count.
+        An NNX module: 6 x its parameters (its attention is not known)."""
+        if self.nnx is not None:
+            from posttrain.models._nnx import nnx_num_params
+
+            return 6.0 * nnx_num_params(self.nnx)
         D, N = self.embed_dim, self.num_heads
         if self.mla:
             m = self.mla

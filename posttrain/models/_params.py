@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from posttrain.models._config import ModelConfig
 from posttrain.models._mla import mla_param_specs
 from posttrain.models._moe import moe_param_specs
+from posttrain.models._nnx import nnx_init, nnx_param_specs
 from posttrain.models._ops import ParamSpec
 from posttrain.parallel import tree_shardings
 
@@ -64,6 +65,8 @@ def param_specs(config: ModelConfig) -> dict:
     `dense_layers` the first `first_k_dense` ones (a separate scan: their shapes differ).
     """
     c = config
+    if c.nnx is not None:  # your own Flax module: its parameters and their metadata
+        return nnx_param_specs(c.nnx)
     D, V = c.embed_dim, c.vocab_size
     specs = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
@@ -140,6 +143,11 @@ def init_params(config: ModelConfig, rng: jax.Array, mesh=None) -> dict:
             else:
                 out.append((0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype))
         return jax.tree.unflatten(treedef, out)
+
+    if config.nnx is not None:  # the module's own initialisers
+
+        def init(rng):
+            return nnx_init(config.nnx, rng)
 
     shardings = None if mesh is None else param_shardings(config, mesh)
     return jax.jit(init, out_shardings=shardings)(rng)

@@ -20,6 +20,7 @@ from posttrain.models._config import ModelConfig
 from posttrain.models._invariant import invariant_layer, logits_rows, norm_rows
 from posttrain.models._mla import mla_attention
 from posttrain.models._moe import moe_aux, moe_forward
+from posttrain.models._nnx import NNXCache, nnx_hidden_states, nnx_logits
 from posttrain.models._ops import dense, rms_norm
 from posttrain.models._params import init_params
 from posttrain.models._pipeline import pipeline_layers, stage_count
@@ -249,12 +250,23 @@ def hidden_states(
     `embeds_BLD`: the first layer's inputs instead of `tokens_BL`'s embeddings (a
     multi-token-prediction module's projection, `posttrain.models.MTPModule`); params then
     need no `embed`.
+
+    An NNX module (`config.nnx`) runs whole: `layer_transform` rewrites all its params at once.
     """
     B, L = tokens_BL.shape
     if positions_BL is None:
         positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     if segment_ids_BL is None:
         segment_ids_BL = jnp.ones((B, L), jnp.int32)
+    if config.nnx is not None:
+        if embeds_BLD is not None or replay_experts_BLTK is not None:
+            raise ValueError("an NNX module takes tokens only (no embeds, no router replay)")
+        if layer_transform is not None:  # (LoRA: the adapters are keyed like the params)
+            params = layer_transform(params, layer_extras)
+        out = nnx_hidden_states(config.nnx, params, tokens_BL, positions_BL, segment_ids_BL, cache)
+        if not return_aux:
+            return out
+        return (*out, {}) if cache is not None else (out, {})
     dt = config.dtype
     x_BLD = embed(params["embed"], tokens_BL, dt) if embeds_BLD is None else embeds_BLD.astype(dt)
     x_BLD = constrain(x_BLD, ("act_batch", "act_length", "act_embed"))
@@ -380,6 +392,8 @@ def embed(embed_VD: jax.Array, tokens_BL: jax.Array, dtype) -> jax.Array:
 
 def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.Array:
     """Vocabulary logits `[B, L, V]` in float32 from final hidden states."""
+    if config.nnx is not None:
+        return nnx_logits(config.nnx, params, hidden_BLD)
     dt = config.dtype
     head_DV = params["embed"].T if config.tie_embeddings else params["lm_head"]
     if config.batch_invariant:
@@ -433,6 +447,13 @@ def forward(
     if cache is None and not return_aux:
         return lm_logits(params, out, config)
     return lm_logits(params, out[0], config), out[1]
+
+
+def init_cache(config: ModelConfig, batch: int, length: int) -> KVCache | NNXCache:
+    """An empty decoding cache of `length` slots per row (an NNX module: its token buffer)."""
+    if config.nnx is not None:
+        return NNXCache.init(batch, length)
+    return KVCache.init(config, batch, length)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])

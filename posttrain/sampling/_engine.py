@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posttrain.config import ConfigError
 from posttrain.models import KV_DTYPES, Transformer
 from posttrain.parallel import logical_to_spec
 from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
@@ -192,6 +193,12 @@ class Engine:
         eos_ids: Sequence[int] = (),
         drafter: PromptLookup | DraftModel | MTP | None = None,
     ):
+        if model.config.nnx is not None:
+            raise ConfigError(
+                f"{model.config.nnx.builder} is a Flax NNX module, which the paged engine cannot "
+                "cache; sample it with the static sampler (RL: rollout.sampler='static'; "
+                "`posttrain generate` and eval use it already)"
+            )
         self.model, self.config = model, config
         self.drafter = drafter
         self.version = 0  # of the weights (RL's partial rollouts swap them mid-request)

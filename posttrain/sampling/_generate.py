@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.models import KVCache, Transformer, hidden_states, lm_logits
+from posttrain.models import Transformer, hidden_states, init_cache, lm_logits
 from posttrain.sampling._sample import sample_tokens
 
 
@@ -76,20 +76,14 @@ def _generate_padded(
     slot_1P = jnp.arange(P, dtype=jnp.int32)[None]
     real_BP = slot_1P >= pad_B1
     positions_BP = jnp.where(real_BP, slot_1P - pad_B1, 0)
-    cache = KVCache.init(config, B, P + max_new_tokens)
+    cache = init_cache(config, B, P + max_new_tokens)
     hidden_BPD, cache = hidden_states(
         params, tokens_BP, config, positions_BP, real_BP.astype(jnp.int32), cache
     )
     logits_BV = lm_logits(params, hidden_BPD[:, -1:], config)[:, 0]
 
     # The n samples of a prompt share its prefill: repeat cache rows, not the prompt.
-    cache = KVCache(
-        k_TBSKH=jnp.repeat(cache.k_TBSKH, n, axis=1),
-        v_TBSKH=jnp.repeat(cache.v_TBSKH, n, axis=1),
-        positions_BS=jnp.repeat(cache.positions_BS, n, axis=0),
-        segment_ids_BS=jnp.repeat(cache.segment_ids_BS, n, axis=0),
-        index=cache.index,
-    )
+    cache = cache.repeat(n)
     logits_BV = jnp.repeat(logits_BV, n, axis=0)
     lengths_B = jnp.repeat(lengths_B, n, axis=0)
     if rng.ndim:  # sample j of prompt i draws from fold_in(key_i, j), whatever else is batched

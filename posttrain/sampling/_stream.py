@@ -12,13 +12,13 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-from posttrain.models import KVCache, Transformer
+from posttrain.models import Transformer, init_cache
 from posttrain.sampling._sample import sample_tokens
 
 
 @functools.partial(jax.jit, static_argnames=("max_len",))
 def _prefill(model: Transformer, tokens_1P, *, max_len: int):
-    cache = KVCache.init(model.config, 1, max_len)
+    cache = init_cache(model.config, 1, max_len)
     P = tokens_1P.shape[1]
     logits, cache = model(
         tokens_1P, jnp.arange(P, dtype=jnp.int32)[None], jnp.ones((1, P), jnp.int32), cache

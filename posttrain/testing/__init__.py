@@ -1,8 +1,9 @@
-"""Test helpers that ship with the library: tiny random HF models built on the fly.
-
-Needs the `dev` extra (torch, transformers); nothing here downloads anything.
+"""Test helpers that ship with the library: tiny random HF models built on the fly (the `dev`
+extra: torch, transformers; nothing here downloads anything), and a decoder written in Flax
+NNX as a user would write one (`nnx_decoder`, for "bring your own Flax model").
 """
 
 from posttrain.testing._hf_models import HF_ARCHS, hf_logits, save_tiny_hf_model
+from posttrain.testing._nnx_decoder import Decoder, nnx_decoder
 
-__all__ = ["HF_ARCHS", "hf_logits", "save_tiny_hf_model"]
+__all__ = ["Decoder", "HF_ARCHS", "hf_logits", "nnx_decoder", "save_tiny_hf_model"]

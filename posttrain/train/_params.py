@@ -23,11 +23,13 @@ from posttrain.data import load_tokenizer
 from posttrain.lora import LoRAConfig, adapter_shapes, merge, quantize_params, quantized_shardings
 from posttrain.models import (
     ModelConfig,
+    NNXSpec,
     Transformer,
     from_hf,
     get_preset,
     init_params,
     load_hf_config,
+    nnx_describe,
     param_shapes,
     param_shardings,
 )
@@ -62,12 +64,26 @@ class ModelSpec:
     ep_capacity_factor: float = 0.0
     routing_bias_rate: float = 0.0
     aux_loss_coef: float = 0.0
+    # Your own Flax NNX module instead of a preset: its builder, "package.module:function"
+    # (called with rngs= and nnx_kwargs; see posttrain.models._nnx for the call contract).
+    nnx: str = ""
+    nnx_kwargs: dict = dataclasses.field(default_factory=dict)  # the builder's arguments
 
     def __post_init__(self):
         if self.hf_path and self.checkpoint:
             raise ConfigError(
                 f"model.hf_path={self.hf_path!r} and model.checkpoint={self.checkpoint!r} are both "
                 "set; start from one of them"
+            )
+        if self.nnx and self.hf_path:
+            raise ConfigError(
+                f"model.nnx={self.nnx!r} and model.hf_path={self.hf_path!r} are both set: a "
+                "module starts from its own initialisers or a checkpoint of a run that trained it"
+            )
+        if self.nnx and self.param_dtype:
+            raise ConfigError(
+                f"model.param_dtype={self.param_dtype!r} with model.nnx: the module decides its "
+                "parameters' dtype; pass it in model.nnx_kwargs"
             )
 
     def overrides(self) -> dict:
@@ -84,6 +100,18 @@ class ModelSpec:
             config = dataclasses.replace(
                 build(ModelConfig, saved["model_config"]), **self.overrides()
             )
+            if self.nnx and config.nnx != NNXSpec.of(self.nnx, self.nnx_kwargs):
+                raise ConfigError(
+                    f"model.checkpoint={self.checkpoint!r} holds "
+                    f"{config.nnx.builder + ' ' + config.nnx.kwargs if config.nnx else config.name}"
+                    f", not model.nnx={self.nnx!r} with model.nnx_kwargs={self.nnx_kwargs}; "
+                    "start from a checkpoint of this module, or clear model.nnx to take the "
+                    "checkpoint's model"
+                )
+        elif self.nnx:
+            spec = NNXSpec.of(self.nnx, self.nnx_kwargs)
+            name = self.nnx.rpartition(":")[2]
+            config = ModelConfig(**nnx_describe(spec), name=name, nnx=spec, **self.overrides())
         else:
             config = get_preset(self.preset, **self.overrides())
         names = ("ep_capacity_factor", "routing_bias_rate", "aux_loss_coef")
