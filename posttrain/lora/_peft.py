@@ -19,9 +19,17 @@ from posttrain import paths
 from posttrain.lora._adapters import _get, delta
 from posttrain.lora._config import LoRAConfig
 from posttrain.models import ModelConfig
-from posttrain.models._hf import _to_host
 from posttrain.models._hf_config import export_layout
 from posttrain.models._hf_table import weight_table
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """`x` whole on this host (adapters are small: every process joins the gather)."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
 
 
 def _module(hf_name: str) -> str:

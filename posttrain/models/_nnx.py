@@ -66,7 +66,9 @@ def _builder(spec: NNXSpec):
     try:
         fn = getattr(importlib.import_module(module_name), name)
     except ImportError as e:
-        raise ConfigError(f"model.nnx={spec.builder!r}: cannot import {module_name} ({e})") from None
+        raise ConfigError(
+            f"model.nnx={spec.builder!r}: cannot import {module_name} ({e})"
+        ) from None
     except AttributeError:
         raise ConfigError(f"model.nnx={spec.builder!r}: {module_name} has no {name!r}") from None
     if not callable(fn):
@@ -202,14 +204,32 @@ def nnx_describe(spec: NNXSpec) -> dict:
     from flax import nnx
 
     m = _module(spec)
+    nnx_param_specs(spec)  # (its sharding names checked first)
     abstract = nnx.eval_shape(lambda: _build(spec, nnx.Rngs(0)))
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    run = lambda module, t: module(t, jnp.zeros_like(t), jnp.ones_like(t))  # noqa: E731
-    vocab = nnx.eval_shape(run, abstract, tokens).shape[-1]
-    width = vocab
-    if m.split:
-        hidden = lambda module, t: module.hidden_states(t, jnp.zeros_like(t), jnp.ones_like(t))  # noqa: E731
-        width = nnx.eval_shape(hidden, abstract, tokens).shape[-1]
+    tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+
+    def shape(method: str):
+        call = lambda module, t: getattr(module, method)(t, jnp.zeros_like(t), jnp.ones_like(t))  # noqa: E731
+        name = "module" if method == "__call__" else f"module.{method}"
+        try:
+            out = nnx.eval_shape(call, abstract, tokens)
+        except Exception as e:  # the user's code: whatever it raises
+            raise ConfigError(
+                f"model.nnx={spec.builder!r}: calling {name}(tokens [1, 2], positions, "
+                f"segment_ids) failed ({type(e).__name__}: "
+                f"{str(e)[:200]}); posttrain calls it with int32 [B, L] tokens, positions and "
+                "segment ids (docs/models.md, 'Your own Flax model')"
+            ) from None
+        if getattr(out, "ndim", 0) != 3 or out.shape[:2] != (1, 2):
+            raise ConfigError(
+                f"model.nnx={spec.builder!r}: {name} returned "
+                f"{getattr(out, 'shape', type(out).__name__)} for tokens [1, 2]; it "
+                "must return one [B, L, V] array (hidden_states: [B, L, D])"
+            )
+        return out.shape[-1]
+
+    vocab = shape("__call__")
+    width = shape("hidden_states") if m.split else vocab
     out = {"vocab_size": vocab, "embed_dim": width, "param_dtype": m.dtype}
     for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
         value = getattr(abstract, field, None)
