@@ -215,8 +215,16 @@ def _quant_axis(path: tuple[str, ...], spec: ParamSpec) -> int:
 
 def layer_matrices(model_config: ModelConfig) -> list[tuple[tuple[str, ...], ParamSpec]]:
     """(path, spec) of every matrix of the layer stacks, MoE routers excepted (norms, biases
-    and the routing bias are not matrices)."""
+    and the routing bias are not matrices). An NNX module's: every parameter of two or more
+    dimensions that has no `vocab` axis (embeddings and output heads stay as they are)."""
     specs = param_specs(model_config)
+    if model_config.nnx is not None:
+        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+        return [
+            (tuple(k.key for k in keys), spec)
+            for keys, spec in flat
+            if len(spec.shape) >= 2 and "vocab" not in spec.axes
+        ]
     found = []
     for stack in STACKS:
         if stack not in specs:

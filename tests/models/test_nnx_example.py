@@ -57,9 +57,12 @@ def test_sft_loss_falls_and_the_checkpoint_names_the_module(sft_run):
     assert json.loads(saved["nnx"]["kwargs"])["style"] == "gemma"
 
 
-def test_lora_on_the_module_trains_only_its_adapters(sft_run, tmp_path):
+@pytest.mark.parametrize("quantize", ["", pytest.param("nf4", marks=pytest.mark.slow)])
+def test_lora_on_the_module_trains_only_its_adapters(sft_run, tmp_path, quantize):
+    """LoRA, and QLoRA (an nf4 base of the module's layer matrices: those without a vocab
+    axis), on the module: only the adapted weights move."""
     config = _nnx("sft", **{"model.checkpoint": str(sft_run), "lora.enabled": True,
-                            "lora.rank": 4, "train.steps": 8, "data.batch_size": 16,
+                            "lora.quantize": quantize, "lora.quant_block": 16, "lora.rank": 4, "train.steps": 8, "data.batch_size": 16,
                             "data.max_len": 64, "optimizer.learning_rate": 1e-2,
                             "optimizer.warmup_steps": 0, "checkpoint.every": 8})  # fmt: skip
     run_from_config(config, str(tmp_path))
@@ -76,8 +79,8 @@ def test_lora_on_the_module_trains_only_its_adapters(sft_run, tmp_path):
         for k in path:
             after = after[k.key]
         targeted = any(f"['{k}']" in name for k in ("q", "k", "v", "o", "gate", "up", "down"))
-        if targeted:
-            adapted += not np.array_equal(np.asarray(after), np.asarray(before))
+        if targeted:  # (QLoRA: the merged weight is the dequantised base plus the delta)
+            adapted += not np.allclose(np.asarray(after), np.asarray(before), atol=1e-6)
         else:  # embeddings and norms: the frozen base, bit for bit
             np.testing.assert_array_equal(np.asarray(after), np.asarray(before), err_msg=name)
     assert adapted == 7 * 2  # every attention and MLP weight of both layers moved
