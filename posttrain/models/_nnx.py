@@ -96,8 +96,11 @@ def _build(spec: NNXSpec, rngs):
 def _module(spec: NNXSpec) -> _Module:
     from flax import nnx
 
-    abstract = nnx.eval_shape(lambda: _build(spec, nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    # (jax.eval_shape, not nnx.eval_shape: that one turns the metadata into shardings of the
+    # active mesh, whose axes are not the logical names)
+    graphdef, params, rest = jax.eval_shape(
+        lambda: nnx.split(_build(spec, nnx.Rngs(0)), nnx.Param, ...)
+    )
     others = nnx.to_flat_state(rest)
     if len(others):
         names = ", ".join(f"{'/'.join(map(str, p))} ({type(v).__name__})" for p, v in others[:3])
@@ -113,7 +116,7 @@ def _module(spec: NNXSpec) -> _Module:
             f"model.nnx={spec.builder!r}: its parameters have several dtypes {sorted(dtypes)}; "
             "keep one parameter dtype (compute in another inside the module)"
         )
-    cls = type(abstract)
+    cls = type(nnx.merge(graphdef, params, rest))
     split = callable(getattr(cls, "hidden_states", None)) and callable(getattr(cls, "logits", None))
     return _Module(
         graphdef=graphdef,
@@ -201,18 +204,23 @@ def nnx_describe(spec: NNXSpec) -> dict:
     """ModelConfig fields of the module: the vocabulary and width its outputs have, its
     parameter dtype, and its layer and head counts where it has those attributes (they size
     FLOP estimates only)."""
-    from flax import nnx
-
     m = _module(spec)
-    nnx_param_specs(spec)  # (its sharding names checked first)
-    abstract = nnx.eval_shape(lambda: _build(spec, nnx.Rngs(0)))
+    params = jax.tree.map(  # (the sharding names are checked here, before any call)
+        lambda s: jax.ShapeDtypeStruct(s.shape, m.dtype),
+        nnx_param_specs(spec),
+        is_leaf=lambda x: isinstance(x, ParamSpec),
+    )
+    abstract = module_of(spec, params)
     tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
 
     def shape(method: str):
-        call = lambda module, t: getattr(module, method)(t, jnp.zeros_like(t), jnp.ones_like(t))  # noqa: E731
+        def call(params, t):
+            module = module_of(spec, params)
+            return getattr(module, method)(t, jnp.zeros_like(t), jnp.ones_like(t))
+
         name = "module" if method == "__call__" else f"module.{method}"
         try:
-            out = nnx.eval_shape(call, abstract, tokens)
+            out = jax.eval_shape(call, params, tokens)
         except Exception as e:  # the user's code: whatever it raises
             raise ConfigError(
                 f"model.nnx={spec.builder!r}: calling {name}(tokens [1, 2], positions, "

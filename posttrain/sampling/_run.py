@@ -9,7 +9,7 @@ import sys
 
 from posttrain import paths
 from posttrain.sampling._continuous import generate_continuous
-from posttrain.sampling._generate import check_settings
+from posttrain.sampling._generate import check_settings, generate
 from posttrain.sampling._stream import stream
 
 
@@ -67,8 +67,10 @@ def run_generate(
             )
         texts += [text] if line.strip() else []
     ids = [_render(tokenizer, t, chat) for t in texts]
-    # The paged engine: prompts of any mix of lengths, a prompt's n samples share its prefill.
-    results = generate_continuous(model, tokenizer, ids, n=n, seed=seed, slots=32, **settings)
+    if model.config.nnx is not None:  # (your own module: the static sampler decodes it)
+        results = generate(model, tokenizer, ids, n=n, seed=seed, **settings)
+    else:  # the paged engine: prompts of any mix of lengths, n samples share their prefill
+        results = generate_continuous(model, tokenizer, ids, n=n, seed=seed, slots=32, **settings)
     out = out or os.path.splitext(prompts_file)[0] + ".completions.jsonl"
     records = [
         {
