@@ -175,8 +175,13 @@ def nnx_init(spec: NNXSpec, rng: jax.Array) -> dict:
     return out
 
 
-def _leaf(params: dict, key: tuple[str, ...]):
+def _leaf(params: dict, key: tuple[str, ...], variable):
+    """The params' entry at `key`; a parameter they leave out (a reward model's trunk has no
+    LM head) is a zero stand-in, which XLA drops unless the pass reads it."""
     for k in key:
+        if k not in params:
+            value = variable.get_value()
+            return jnp.zeros(value.shape, value.dtype)
         params = params[k]
     return params
 
@@ -188,7 +193,7 @@ def module_of(spec: NNXSpec, params: dict):
     m = _module(spec)
     state = nnx.from_flat_state(
         [
-            (path, variable.replace(_leaf(params, key)))
+            (path, variable.replace(_leaf(params, key, variable)))
             for path, variable, key in zip(m.paths, m.variables, m.keys, strict=True)
         ]
     )

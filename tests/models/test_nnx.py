@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from posttrain.config import ConfigError, load_config_file, override
 from posttrain.demo import ASSETS_DIR
 from posttrain.methods import method_config
-from posttrain.models import Transformer, get_preset, init_params, param_shardings
+from posttrain.models import Transformer, get_preset, init_params
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
 from posttrain.sampling import Engine, generate
 from posttrain.testing import nnx_decoder
@@ -44,10 +44,11 @@ def _ours(p: dict) -> dict:
     T = len(p["layers"])
     stack = lambda f: jnp.stack([f(p["layers"][str(i)]) for i in range(T)])  # noqa: E731
     layer = lambda *path: stack(lambda x: x[path[0]][path[1]])  # noqa: E731
+    head = {"lm_head": p["lm_head"]} if "lm_head" in p else {}  # (a reward trunk has none)
     return {
+        **head,
         "embed": p["embed"],
         "final_norm": p["final_norm"]["scale"],
-        "lm_head": p["lm_head"],
         "layers": {
             "attn_norm": layer("attn_norm", "scale"),
             "mlp_norm": layer("mlp_norm", "scale"),
@@ -55,6 +56,15 @@ def _ours(p: dict) -> dict:
             "mlp": {k: layer("mlp", k) for k in ("gate", "up", "down")},
         },
     }
+
+
+def _convert(tree, to: str):
+    """`tree` with every NNX model params subtree in posttrain's layout (`to="ours"`)."""
+    if to == "nnx" or not isinstance(tree, dict):
+        return tree
+    if {"embed", "layers", "final_norm"} <= set(tree):
+        return _ours(tree)
+    return {k: _convert(v, to) for k, v in tree.items()}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +75,7 @@ def nnx_model():
 
 def _config(method: str, mesh: dict):
     """configs/<method>.py:tiny on the demo's files, from random init, on `mesh`."""
-    file = {"sft": "sft.py:tiny", "dpo": "dpo.py:tiny", "grpo": "grpo.py:tiny"}[method]
+    file = f"{method}.py:tiny"
     config = load_config_file(os.path.join(REPO, "configs", file))
     source = {"path": str(ASSETS_DIR / "train.jsonl"), "weight": 1.0, "domain": "arithmetic",
               "format": "auto"}  # fmt: skip
@@ -82,7 +92,7 @@ def _config(method: str, mesh: dict):
     }
     if method == "dpo":
         values["loss.reference"] = "precomputed"
-    if method == "grpo":
+    if method in ("grpo", "ppo"):
         values |= {"rollout.num_generations": 2, "rollout.max_prompt_len": 16,
                    "rollout.max_new_tokens": 8, "kl.coef": 0.05}  # fmt: skip
     return method_config(override(config, values))
@@ -116,25 +126,28 @@ def _batch(abstract: dict, vocab: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("method", ["sft", "dpo", "grpo"])
+# SFT on both meshes; the other methods sharded.
+CASES = [("sft", "one device")] + [
+    (m, "fsdp4 x tensor2") for m in ("sft", "dpo", "rm", "grpo", "ppo")
+]
+
+
+@pytest.mark.parametrize("method, mesh_name", CASES)
 def test_same_losses_and_gradients_as_posttrains_llama(nnx_model, devices, method, mesh_name):
     """The NNX Llama and posttrain's Llama, same weights, give the same loss sums and
-    gradients (<= 1e-5) under each method's own step plan, on one device and sharded."""
-    if method != "sft" and mesh_name == "one device":
-        pytest.skip("the DPO and GRPO losses are compared sharded only (the SFT pair covers both)")
+    gradients (<= 1e-5) under each method's own step plan, on one device and sharded: the
+    policy (SFT, GRPO), policy and reference (DPO), reward-model trunk (RM), critic (PPO)."""
     record, c = _config(method, MESHES[mesh_name])
     n = int(np.prod([*MESHES[mesh_name].values()]))
     mesh = make_mesh(c.mesh, devices[:n])
     sums, grads = {}, {}
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
-        for name, model in (
-            ("nnx", nnx_model),
-            ("ours", Transformer(_ours(nnx_model.params), TINY)),
-        ):
-            config = model.config
-            params = jax.device_put(model.params, param_shardings(config, mesh))
+        start = None
+        for name, config in (("nnx", nnx_model.config), ("ours", TINY)):
             plan = record.plan(c, config, mesh, ("arithmetic",))
+            if start is None:  # the NNX run's start (a reward head, a critic: theirs too)
+                start = plan.trainable.init()
+            params = jax.device_put(_convert(start, name), plan.trainable.shardings)
             batch = _batch(record.batch(c, mesh)[0], config.vocab_size)
             loss_fn = plan.loss({})
 
@@ -144,7 +157,7 @@ def test_same_losses_and_gradients_as_posttrains_llama(nnx_model, devices, metho
 
             (_, out), g = jax.jit(jax.value_and_grad(objective, has_aux=True))(params, batch)
             sums[name] = {k: np.asarray(v) for k, v in out.items()}
-            grads[name] = _ours(g) if name == "nnx" else g
+            grads[name] = g if name == "ours" else _convert(g, "ours")
     assert sums["nnx"].keys() == sums["ours"].keys()
     for key, value in sums["ours"].items():
         assert_close(sums["nnx"][key], value, rtol=1e-5, err_msg=key)
