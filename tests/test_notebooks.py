@@ -59,6 +59,7 @@ def test_every_notebook_is_there():
         "02_dpo.ipynb",
         "03_grpo.ipynb",
         "04_bring_your_own_hf_model.ipynb",
+        "05_bring_your_own_flax_model.ipynb",
     ]
     with open(os.path.join(REPO, "notebooks", "README.md")) as f:
         readme = f.read()

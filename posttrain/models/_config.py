@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax.numpy as jnp
+
+from posttrain.models._nnx import NNXSpec, nnx_num_params
 
 ATTENTION_IMPLS = ("auto", "xla", "flash", "cudnn", "splash")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots")
@@ -131,26 +132,6 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-
-@dataclasses.dataclass(frozen=True)
-class NNXSpec:
-    """Which NNX module a model is: its builder and the builder's keyword arguments."""
-
-    builder: str  # "package.module:function", called with rngs= and the kwargs
-    kwargs: str = "{}"  # the keyword arguments as a JSON object (a string keeps configs hashable)
-
-    @classmethod
-    def of(cls, builder: str, kwargs: dict | None = None) -> NNXSpec:
-        try:
-            text = json.dumps(dict(kwargs or {}), sort_keys=True)
-        except TypeError as e:
-            raise ValueError(f"model.nnx_kwargs must be plain JSON values: {e}") from None
-        return cls(builder, text)
-
-    @property
-    def arguments(self) -> dict:
-        return json.loads(self.kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,8 +301,6 @@ class ModelConfig:
         attention. For MoE only the experts a token is routed to (plus shared ones) count.
         An NNX module: 6 x its parameters (its attention is not known)."""
         if self.nnx is not None:
-            from posttrain.models._nnx import nnx_num_params
-
             return 6.0 * nnx_num_params(self.nnx)
         D, N = self.embed_dim, self.num_heads
         if self.mla:

@@ -31,17 +31,37 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import json
 import math
 
 import jax
 import jax.numpy as jnp
 
 from posttrain.config import ConfigError
-from posttrain.models._config import NNXSpec
 from posttrain.models._ops import ParamSpec
 from posttrain.parallel import current_rules
 
 _AXES_METADATA = ("out_sharding", "sharding", "sharding_names")  # Flax's names over versions
+
+
+@dataclasses.dataclass(frozen=True)
+class NNXSpec:
+    """Which NNX module a model is: its builder and the builder's keyword arguments."""
+
+    builder: str  # "package.module:function", called with rngs= and the kwargs
+    kwargs: str = "{}"  # the keyword arguments as a JSON object (a string keeps configs hashable)
+
+    @classmethod
+    def of(cls, builder: str, kwargs: dict | None = None) -> NNXSpec:
+        try:
+            text = json.dumps(dict(kwargs or {}), sort_keys=True)
+        except TypeError as e:
+            raise ValueError(f"model.nnx_kwargs must be plain JSON values: {e}") from None
+        return cls(builder, text)
+
+    @property
+    def arguments(self) -> dict:
+        return json.loads(self.kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

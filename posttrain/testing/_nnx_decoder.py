@@ -128,8 +128,18 @@ class Decoder(nnx.Module):
         self.embed = _param(rngs, (vocab_size, D), ("vocab", "embed"), dtype=dtype)
         self.layers = nnx.List(
             [
-                Block(D, num_heads, num_kv_heads, head_dim, mlp_dim, eps=norm_eps,
-                      theta=rope_theta, gemma=gemma, dtype=dtype, rngs=rngs)  # fmt: skip
+                Block(
+                    D,
+                    num_heads,
+                    num_kv_heads,
+                    head_dim,
+                    mlp_dim,
+                    eps=norm_eps,
+                    theta=rope_theta,
+                    gemma=gemma,
+                    dtype=dtype,
+                    rngs=rngs,
+                )
                 for _ in range(num_layers)
             ]
         )
