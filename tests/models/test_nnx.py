@@ -256,3 +256,18 @@ def test_a_module_posttrain_cannot_train_is_one_clear_error(builder, message):
 def test_the_paged_engine_refuses_an_nnx_module_and_names_the_static_sampler(nnx_model):
     with pytest.raises(ConfigError, match="rollout.sampler='static'"):
         Engine(nnx_model)
+
+
+def test_posttrain_compile_plans_the_gemma_style_example_for_a_tpu_slice():
+    """`posttrain compile` lowers the NNX module's SFT step for v5e-8 with its shardings (the
+    same function a run jits) and reports its memory and FLOPs."""
+    from posttrain.methods import compile_plan
+    from posttrain.models import num_params
+
+    config = load_config_file(os.path.join(REPO, "configs", "nnx.py:sft"))
+    report = compile_plan(config, "v5e-8")
+    assert report.fits and report.arguments > 0, report.lines()
+    params = num_params(method_config(config)[1].model.model_config())
+    tokens = config.data.batch_size * config.data.max_len
+    assert report.model_flops == pytest.approx(6 * params * tokens)  # (6 N per token for NNX)
+    assert report.compiled_flops >= report.model_flops
