@@ -73,9 +73,10 @@ def cache_dir() -> epath.Path:
     return path(os.environ.get("POSTTRAIN_CACHE", default))
 
 
-def local_copy(p: str | os.PathLike) -> str:
+def local_copy(p: str | os.PathLike, *, skip: tuple[str, ...] = ()) -> str:
     """A local path holding what `p` holds: `p` itself when local, else a cached download of the
-    object or of every object under the prefix (a model or tokenizer directory).
+    object or of every object under the prefix (a model or tokenizer directory) whose name does
+    not end with one of `skip` (a tokenizer leaves a model directory's weights where they are).
 
     A cached file is downloaded again when its size or modification time differs from the
     object's, and a cached file whose object is gone is deleted, so a changed prefix is never
@@ -87,8 +88,9 @@ def local_copy(p: str | os.PathLike) -> str:
     scheme, rest = os.fspath(p).split("://", 1)
     dst = cache_dir() / scheme / rest.strip("/")
     if src.is_dir():
-        wanted = {dst / child.relative_to(src) for child in _files_under(src)}
-        for child in _files_under(src):
+        files = [f for f in _files_under(src) if not (skip and f.name.endswith(skip))]
+        wanted = {dst / child.relative_to(src) for child in files}
+        for child in files:
             _download(child, dst / child.relative_to(src))
         for cached in _files_under(dst):  # objects deleted since (a re-export's old shards)
             if cached not in wanted:

@@ -128,9 +128,17 @@ def test_data_tokenizer_and_hf_model_read_from_the_bucket(gcs, tmp_path):
 
     config = get_preset("tiny")
     model = Transformer(init_params(config, jax.random.key(0)), config)
-    to_hf(model, f"{gcs}/hf")  # staged locally, then uploaded
+    to_hf(model, f"{gcs}/hf")
     assert {"config.json", "model.safetensors"} <= set(_objects(f"{gcs}/hf"))
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % config.vocab_size
     np.testing.assert_array_equal(from_hf(f"{gcs}/hf")(tokens), model(tokens))
+    # The model directory's tokenizer is copied to the local cache, its weights are not (from_hf
+    # reads them in place).
+    paths.upload(ASSETS_DIR / "tokenizer", f"{gcs}/hf")
+    assert load_tokenizer(f"{gcs}/hf").encode(text) == load_tokenizer(f"{gcs}/tokenizer").encode(
+        text
+    )
+    cached = os.listdir(paths.cache_dir() / "gs" / gcs.removeprefix("gs://") / "hf")
+    assert "tokenizer.json" in cached and not any(n.endswith(".safetensors") for n in cached)
     with pytest.raises(ValueError, match="does not exist"):
         from_hf(f"{gcs}/missing")

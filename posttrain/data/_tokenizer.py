@@ -326,6 +326,9 @@ def _read_templates(root: Path, config: dict) -> dict[str, str]:
     )
 
 
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Loads a Hugging Face tokenizer directory (as written by `save_pretrained`).
 
@@ -344,7 +347,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if paths.is_remote(path):  # gs://: a cached local copy (tokenizers read local files)
         if not paths.path(path).is_dir():
             raise FileNotFoundError(f"tokenizer directory {path} does not exist")
-        path = paths.local_copy(path)
+        # (a model directory's weights stay in the bucket: from_hf reads them in place)
+        path = paths.local_copy(path, skip=_WEIGHT_FILES)
     root = Path(path).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(

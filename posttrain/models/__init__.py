@@ -19,6 +19,7 @@ from posttrain.models._params import (
 )
 from posttrain.models._pipeline import bubble_fraction
 from posttrain.models._presets import PRESETS, get_preset
+from posttrain.models._safetensors import STATS as hf_read_stats
 from posttrain.models._transformer import (
     Transformer,
     forward,
@@ -50,6 +51,7 @@ __all__ = [
     "from_hf",
     "get_preset",
     "has_hidden_states",
+    "hf_read_stats",
     "hidden_states",
     "init_cache",
     "init_params",

@@ -1,29 +1,24 @@
 """Hugging Face interop: read and write `config.json` + safetensors with no torch at runtime.
 
-Tensors are read lazily per file and written straight into each device's shard, so loading onto
-a mesh never assembles a full replica of a weight on one device.
+Reading (local or gs://, `_safetensors`): each process reads only the byte ranges of the HF
+tensors that its devices' shards hold, straight into those shards, so loading onto a mesh never
+assembles a full replica of a weight on one device or host. Writing (`_hf_export`): each
+process writes the rows of each HF tensor that its devices hold.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+import dataclasses
 import json
 import logging
+import math
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from posttrain import paths
-from posttrain.errors import UserError
 from posttrain.models._config import ModelConfig
 from posttrain.models._hf_config import (
     HFFormatError,
@@ -31,21 +26,31 @@ from posttrain.models._hf_config import (
     export_layout,
     hf_model_type,
     load_hf_config_and_layout,
-    local_model_dir,
     read_json,
 )
+from posttrain.models._hf_export import Writer, hf_rows, plan
 from posttrain.models._hf_table import HFTensor, mtp_weight_table, weight_table
 from posttrain.models._mtp import MTPModule, mtp_param_shardings, mtp_param_specs
 from posttrain.models._params import param_shardings, param_specs
+from posttrain.models._safetensors import (
+    STATS,
+    FormatError,
+    MissingFiles,
+    Region,
+    Safetensors,
+    whole,
+)
+from posttrain.models._staged_export import (  # noqa: F401 (staged_export: for train/_lora)
+    INDEX,
+    check_export_destination,
+    staged_export,
+)
 from posttrain.models._transformer import Transformer
 
 log = logging.getLogger(__name__)
 
 # Tensors HF checkpoints may carry that the model recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# What makes an export folder load (merged, PEFT): transformers and PEFT read nothing without it.
-_CONFIGS = ("config.json", "adapter_config.json")
-_INDEX = "model.safetensors.index.json"  # which shard holds each tensor
 
 
 def _get(tree: dict, path: tuple[str, ...]):
@@ -64,74 +69,110 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 
 
 class _SafetensorsDir:
-    """Lazy access to the tensors of a model directory (one file, or shards with an index)."""
+    """The tensors of a model directory (one file, or shards with an index), local or gs://,
+    read by byte ranges (`_safetensors.Safetensors`): only the parts asked for."""
 
     def __init__(self, path: str):
         self.path = path
-        self._handles: dict[str, object] = {}
-        index_path = os.path.join(path, _INDEX)
-        if os.path.exists(index_path):
+        index_path = paths.join(path, INDEX)
+        if paths.path(index_path).exists():
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise HFFormatError(f"{index_path} has no 'weight_map' object")
-            missing = sorted(
-                {f for f in weight_map.values() if not os.path.exists(os.path.join(path, f))}
-            )
-            if missing:
+            try:
+                self._files = self._open(sorted(set(weight_map.values())))
+            except MissingFiles as e:
                 raise HFFormatError(
-                    f"{index_path} lists shard file(s) {missing} that are missing from {path}; "
+                    f"{index_path} lists shard file(s) {e.args[0]} that are missing from {path}; "
                     f"download the complete checkpoint"
-                )
+                ) from None
             self.file_of = dict(weight_map)
         else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            files = sorted(
+                p.name for p in paths.path(path).iterdir() if p.name.endswith(".safetensors")
+            )
             if not files:
                 raise HFFormatError(
                     f"{path} holds no *.safetensors file (PyTorch .bin checkpoints "
                     f"are not read: convert them to safetensors first)"
                 )
-            self.file_of = {name: f for f in files for name in self._handle(f).keys()}
+            self._files = self._open(files)
+            self.file_of = {name: info.file for name, info in self._files.tensors.items()}
 
-    def _handle(self, file: str):
-        if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(os.path.join(self.path, file), framework="numpy")
-            except Exception as e:  # safetensors raises its own error types for bad headers
-                raise HFFormatError(
-                    f"{os.path.join(self.path, file)} is not a readable safetensors file: {e}"
-                ) from None
-        return self._handles[file]
+    def _open(self, files: list[str]) -> Safetensors:
+        try:
+            return Safetensors(self.path, files)
+        except FormatError as e:
+            file, reason = e.args[0]
+            raise HFFormatError(
+                f"{paths.join(self.path, file)} is not a readable safetensors file: {reason}"
+            ) from None
 
     def check(self, name: str, shape: tuple[int, ...]) -> None:
-        if name not in self.file_of:
+        info = self._files.tensors.get(name)
+        if name not in self.file_of or info is None or info.file != self.file_of[name]:
             raise HFFormatError(
                 f"tensor {name!r} is missing from {self.path} (expected shape "
                 f"{shape}); the checkpoint does not match its config.json"
             )
-        file = self.file_of[name]
-        actual = tuple(self._handle(file).get_slice(name).get_shape())
-        if actual != shape:
+        if info.shape != shape:
             raise HFFormatError(
-                f"tensor {name!r} in {os.path.join(self.path, file)} has shape "
-                f"{actual}, but config.json implies {shape}"
+                f"tensor {name!r} in {paths.join(self.path, info.file)} has shape "
+                f"{info.shape}, but config.json implies {shape}"
             )
 
-    def read(self, name: str) -> np.ndarray:
-        file = self.file_of[name]
+    def read(self, regions: list[Region]) -> list[np.ndarray]:
+        """Each region of an HF tensor, read concurrently."""
         try:
-            return self._handle(file).get_tensor(name)
-        except Exception as e:  # a file cut short after its header
+            return self._files.read(regions)
+        except FormatError as e:  # a file cut short after its header
+            file, reason = e.args[0]
+            name = next(r.name for r in regions if self.file_of[r.name] == file)
             raise HFFormatError(
-                f"tensor {name!r} in {os.path.join(self.path, file)} is unreadable ({e}); the "
+                f"tensor {name!r} in {paths.join(self.path, file)} is unreadable ({reason}); the "
                 "file is damaged or incomplete: download or export it again"
             ) from None
 
 
-def _load_param(entry: HFTensor, files: _SafetensorsDir, shape, dtype, sharding) -> jax.Array:
-    """Fills each addressable device's shard from HF tensors, one HF tensor at a time.
+def _hf_view(entry: HFTensor, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
+    """Where each element of our piece of `shape` sits in its HF tensor, as `(offset, strides)`
+    in elements, when `entry.to_ours` only rearranges (reshapes, transposes, slices): it is then
+    a view, found by applying it to a zero-filled uint8 stand-in (calloc'd: untouched pages cost
+    no memory). None for a conversion that copies or computes (the tensor is read whole)."""
+    size = math.prod(entry.hf_shape)
+    base = np.zeros(max(size, 1), np.uint8)[:size].reshape(entry.hf_shape)
+    view = entry.to_ours(base)
+    if (
+        not isinstance(view, np.ndarray)
+        or view.shape != tuple(shape)
+        or not np.may_share_memory(view, base)
+        or any(s <= 0 for s, n in zip(view.strides, view.shape, strict=True) if n > 1)
+    ):
+        return None
+    offset = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    return offset, view.strides
 
-    An HF tensor (one layer, or one expert of one layer) is read only if some addressable shard
-    holds part of it, and then once for all the shards that do.
+
+def _region(name: str, view, key: tuple) -> tuple[Region, tuple[int, ...]]:
+    """The region of HF tensor `name` that our shard `key` (`(start, stop)` per dim) holds,
+    and the transpose that turns it into our axis order."""
+    offset, strides = view
+    order = sorted(range(len(key)), key=lambda k: -strides[k])
+    region = Region(
+        name,
+        offset + sum(start * s for (start, _), s in zip(key, strides, strict=True)),
+        tuple(key[k][1] - key[k][0] for k in order),
+        tuple(strides[k] for k in order),
+    )
+    return region, tuple(np.argsort(order))
+
+
+def _load_param(entry: HFTensor, files: _SafetensorsDir, shape, dtype, sharding) -> jax.Array:
+    """Fills each addressable device's shard with the parts of HF tensors it holds.
+
+    When the HF -> ours conversion is a rearrangement (`_hf_view`), only the byte ranges of each
+    distinct shard's part of each HF tensor are read; otherwise an HF tensor is read whole, once
+    for all the shards that hold part of it. All reads of a param are issued together.
     """
     index_map = sharding.addressable_devices_indices_map(shape)
     buffers: dict[tuple, np.ndarray] = {}  # one host buffer per distinct shard
@@ -139,18 +180,32 @@ def _load_param(entry: HFTensor, files: _SafetensorsDir, shape, dtype, sharding)
         key = _index_key(index, shape)
         if key not in buffers:
             buffers[key] = np.empty([stop - start for start, stop in key], dtype)
-    for lead, name in entry.pieces(shape):
+    lead = entry.stacked_dims
+    view = _hf_view(entry, tuple(shape[lead:]))
+    wanted = []  # (region, [(shard key, our transpose or None)], lead index)
+    for index, name in entry.pieces(shape):
         targets = [
-            (key, buf)
-            for key, buf in buffers.items()
-            if all(start <= i < stop for i, (start, stop) in zip(lead, key, strict=False))
+            key
+            for key in buffers
+            if all(start <= i < stop for i, (start, stop) in zip(index, key, strict=False))
         ]
         if not targets:
             continue
-        value = entry.to_ours(files.read(name)).astype(dtype)
-        for key, buf in targets:
-            local = tuple(i - start for i, (start, _) in zip(lead, key, strict=False))
-            buf[local] = value[tuple(slice(*k) for k in key[len(lead) :])]
+        if view is None:
+            wanted.append((whole(name, entry.hf_shape), [(key, None) for key in targets], index))
+            continue
+        for key in targets:
+            region, back = _region(name, view, key[lead:])
+            wanted.append((region, [(key, back)], index))
+    values = files.read([region for region, _, _ in wanted])
+    for (_, targets, index), value in zip(wanted, values, strict=True):
+        for key, back in targets:
+            local = tuple(i - start for i, (start, _) in zip(index, key, strict=False))
+            if back is None:
+                part = entry.to_ours(value)[tuple(slice(*k) for k in key[lead:])]
+            else:
+                part = value.transpose(back)
+            buffers[key][local] = part.astype(dtype)
     arrays = [
         jax.device_put(buffers[_index_key(index, shape)], device)
         for device, index in index_map.items()
@@ -164,6 +219,14 @@ def _full_index(index, shape):
 
 def _index_key(index, shape) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(_full_index(index, shape), shape, strict=True))
+
+
+def _model_dir(path) -> str:
+    """`path` as a string that names the same directory on every process (local: absolute)."""
+    path = os.fspath(paths.path(path))
+    if not paths.path(path).is_dir():
+        raise HFFormatError(f"model directory {path!r} does not exist")
+    return path
 
 
 def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
@@ -181,7 +244,7 @@ def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
     Returns:
       The model; `model.config.name` is the directory name.
     """
-    path = local_model_dir(path)
+    path = _model_dir(path)
     if dtype is not None:
         overrides["param_dtype"] = jnp.dtype(dtype).name
     config, layout = load_hf_config_and_layout(path, **overrides)
@@ -190,7 +253,16 @@ def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
     specs = param_specs(config)
     _check_tensors(files, table, specs, config, layout.extra_layers)  # before reading any
     shardings = None if mesh is None else param_shardings(config, mesh)
-    return Transformer(_load_params(files, table, specs, config, shardings), config)
+    before = dataclasses.replace(STATS)
+    params = _load_params(files, table, specs, config, shardings)
+    log.info(
+        "%s: this process read %.1f MB of tensor data in %d byte ranges (%s)",
+        path,
+        (STATS.tensor_bytes - before.tensor_bytes) / 1e6,
+        STATS.requests - before.requests,
+        "posttrain.models._safetensors.STATS counts them",
+    )
+    return Transformer(params, config)
 
 
 def _load_params(files, table, specs, config: ModelConfig, shardings) -> dict:
@@ -219,7 +291,7 @@ def mtp_from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> MTPModule:
     `num_hidden_layers` that `from_hf` leaves out) as an `MTPModule`, a speculative drafter
     for the model `from_hf(path)` loads (`posttrain.sampling.MTP`). Arguments as `from_hf`'s.
     """
-    path = local_model_dir(path)
+    path = _model_dir(path)
     if dtype is not None:
         overrides["param_dtype"] = jnp.dtype(dtype).name
     config, layout = load_hf_config_and_layout(path, **overrides)
@@ -282,26 +354,6 @@ def _check_tensors(
 # ----------------------------------------------------------------------------- writing
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x))
-
-
-def _hf_tensors(entry: HFTensor, param: jax.Array) -> Iterator[tuple[str, np.ndarray]]:
-    """`(HF name, HF tensor)` of each piece of `param`, gathered to the host a layer at a time
-    (every process joins each gather)."""
-    if not entry.stacked_dims:
-        yield entry.name(()), entry.to_hf(_to_host(param))
-        return
-    for t in range(param.shape[0]):
-        layer = _to_host(param[t])
-        for rest in itertools.product(*(range(n) for n in param.shape[1 : entry.stacked_dims])):
-            yield entry.name((t, *rest)), entry.to_hf(layer[rest])
-
-
 def to_hf(
     model: Transformer,
     path: str,
@@ -312,13 +364,16 @@ def to_hf(
 ) -> None:
     """Writes `model` as an HF directory (`config.json` + safetensors) that transformers loads.
 
-    Shards are written as they fill, so host memory holds at most one shard (plus one layer of
-    one weight). The export is whole: it replaces a previous export at `path` (its weights,
-    index and configs; tokenizer files stay), so `path` never loads a mix of the two.
+    Every process writes the rows of each HF tensor its devices hold (`_hf_export`), so no host
+    gathers the model; host memory holds at most one layer of one weight. The export is whole:
+    it replaces a previous export at `path` (its weights, index and configs; tokenizer files
+    stay), so `path` never loads a mix of the two.
 
     Args:
       model: the model to export.
-      path: output directory (created), local or gs:// (written locally, then uploaded).
+      path: output directory (created), local or gs:// (each process uploads its byte ranges as
+        parts that are then composed). From several processes, a local `path` must be on a
+        filesystem they all share.
       dtype: storage dtype (default: the params' dtype), e.g. "bfloat16".
       max_shard_bytes: larger checkpoints are split into shards with an index file.
       overwrite: export into `path` even if it holds files but no previous export (e.g. a
@@ -331,148 +386,39 @@ def to_hf(
     config = model.config
     np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
     hf_config = config_to_hf(config, jnp.dtype(np_dtype).name)  # fails before writing anything
-    with staged_export(path, overwrite=overwrite) as staging:
+    with staged_export(path, overwrite=overwrite, shared=True) as staging:
         _write_hf(model, hf_config, staging, np_dtype, max_shard_bytes)
 
 
 def _write_hf(
     model: Transformer, hf_config: dict, path: str, np_dtype, max_shard_bytes: int
 ) -> None:
-    """Writes the export into the empty local folder `path`: every process joins the gathers,
-    process 0 writes."""
+    """Writes the export into the empty folder `path` that every process sees: each process its
+    rows of each HF tensor (`_hf_export`), process 0 the configs and the index."""
     config = model.config
-    process_zero = jax.process_index() == 0
-    shard: dict[str, np.ndarray] = {}
-    written: list[tuple[str, list[str]]] = []  # (temporary file, tensor names)
-
-    def flush():
-        if shard and process_zero:
-            tmp = os.path.join(path, f".shard-{len(written):05d}.tmp")
-            save_file(shard, tmp, metadata={"format": "pt"})
-            written.append((tmp, list(shard)))
-        shard.clear()
-
-    total = 0
+    pieces = []  # (entry, param, index into its stacked dims, HF name)
     for entry in weight_table(config, export_layout(config)):
-        for name, value in _hf_tensors(entry, _get(model.params, entry.path)):
-            value = np.ascontiguousarray(value.astype(np_dtype))
-            if sum(v.nbytes for v in shard.values()) + value.nbytes > max_shard_bytes:
-                flush()
-            shard[name] = value
-            total += value.nbytes
-    flush()
-    if not process_zero:
+        param = _get(model.params, entry.path)
+        pieces += [(entry, param, i, name) for i, name in entry.pieces(param.shape)]
+    layout = plan([(p[3], p[0].hf_shape) for p in pieces], np_dtype, max_shard_bytes)
+    writer = Writer(path, layout)
+    converters: dict = {}
+    row_axes = {}  # per weight: the axis of our piece that indexes the HF rows (None: unknown)
+    for entry, param, index, name in pieces:
+        if entry.path not in row_axes:
+            view = _hf_view(entry, param.shape[entry.stacked_dims :])
+            row_axes[entry.path] = None if view is None else int(np.argmax(view[1]))
+        row_axis = row_axes[entry.path]
+        for start, rows in hf_rows(entry.to_hf, param, index, np_dtype, row_axis, converters):
+            if start == 0 and rows.shape[1:] != entry.hf_shape[1:]:
+                raise AssertionError(f"{name}: converted to {rows.shape}, not {entry.hf_shape}")
+            writer.write(name, start, rows)
+    writer.close()
+    if jax.process_index() != 0:
         return
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
-    if len(written) == 1:
-        os.replace(written[0][0], os.path.join(path, "model.safetensors"))
-        return
-    weight_map = {}
-    for i, (tmp, names) in enumerate(written):
-        file = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-        os.replace(tmp, os.path.join(path, file))
-        weight_map.update(dict.fromkeys(names, file))
-    with open(os.path.join(path, _INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-
-
-# ----------------------------------------------------------------------------- whole exports
-
-
-def _is_export_file(name: str) -> bool:
-    """Whether an export (merged or PEFT) owns `name`. Tokenizer files and
-    generation_config.json are not owned: no export writes them (users copy them in beside the
-    weights, and posttrain's tokenizer reads its eos ids from generation_config.json)."""
-    return name in _CONFIGS or name == _INDEX or name.endswith(".safetensors")
-
-
-def check_export_destination(path: str, *, overwrite: bool = False) -> None:
-    """Raises `UserError` unless an export may go to `path` (what `to_hf` checks first; a
-    command calls it before loading a large checkpoint)."""
-    _check_destination(paths.path(path), overwrite)
-
-
-def _check_destination(dest: epath.Path, overwrite: bool) -> None:
-    """Refuses a destination that is a file, or a non-empty folder holding no export."""
-    if dest.exists() and not dest.is_dir():
-        raise UserError(f"{dest} is a file; export into a directory")
-    if overwrite or not dest.exists():
-        return
-    names = [p.name for p in dest.iterdir()]
-    # A previous export is known by its weights, not its config: a kill midway through
-    # `_replace_export` leaves weights without config.json, and the rerun must be accepted.
-    if names and not any(n == _INDEX or n.endswith(".safetensors") for n in names):
-        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
-        raise UserError(
-            f"{dest} is not empty ({shown}) and holds no exported model; pick an empty "
-            f"directory (e.g. {dest / 'hf'}) or pass --overwrite (overwrite=True) to export "
-            "into it anyway"
-        )
-
-
-@contextlib.contextmanager
-def staged_export(path: str, *, overwrite: bool = False) -> Iterator[str]:
-    """An empty local folder to write an export into; on success its files replace the export
-    at `path` (`_replace_export`), on error it is removed and `path` is left as it was.
-
-    Raises:
-      UserError: `path` is not empty and holds no export, and `overwrite` is False.
-    """
-    dest = paths.path(path)
-    _check_destination(dest, overwrite)
-    beside = not paths.is_remote(path) and jax.process_index() == 0
-    if beside:  # on the destination's filesystem, so files move in by rename
-        dest.parent.mkdir(parents=True, exist_ok=True)
-    # gs:// (and processes other than 0, which write nothing): any local folder.
-    staging = tempfile.mkdtemp(
-        prefix=f".{dest.name}.export-", dir=os.fspath(dest.parent) if beside else None
-    )
-    try:
-        yield staging
-        if jax.process_index() == 0:
-            _replace_export(staging, dest)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _replace_export(staging: str, dest: epath.Path) -> None:
-    """Moves the export in `staging` into `dest` and removes the previous export's files that
-    the new one lacks; files no export owns (tokenizer, README) stay.
-
-    The order makes a kill at any point leave `dest` loading the old export whole, the new one
-    whole, or failing loudly (no config.json), never a silent mix:
-      1. the old configs go first: without them nothing loads the folder;
-      2. the old index goes next: it could name a new shard (same file name) beside old ones;
-      3. the new weights move in, replacing same-named old ones;
-      4. the old weights the new export lacks go (some *.safetensors is in the folder at every
-         step, so a rerun after a kill is accepted as a previous export);
-      5. the new index, then the new configs last: they make the folder load.
-    On gs:// each step is an upload or a delete (objects have no rename), in the same order.
-    """
-    remote = paths.is_remote(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    listed = dest.iterdir() if dest.exists() else ()  # gs:// has no empty folders
-    old = {p.name for p in listed if _is_export_file(p.name) and p.is_file()}
-    new = set(os.listdir(staging))
-    loaders = {_INDEX, *_CONFIGS}
-    weights = new - loaders
-
-    def remove(names) -> None:
-        for name in sorted(names):
-            (dest / name).unlink(missing_ok=True)
-
-    def move_in(name: str) -> None:
-        if remote:
-            paths.upload(os.path.join(staging, name), dest / name)
-        else:
-            os.replace(os.path.join(staging, name), dest / name)
-
-    remove(old & set(_CONFIGS))
-    remove(old & {_INDEX})
-    for name in sorted(weights):
-        move_in(name)
-    remove(old - new - loaders)
-    for name in [_INDEX, *_CONFIGS]:
-        if name in new:
-            move_in(name)
+    paths.write_text(paths.join(path, "config.json"), json.dumps(hf_config, indent=2))
+    if len(layout.files) > 1:
+        total = sum(t.nbytes for t in layout.tensors.values())
+        weight_map = {name: t.file for name, t in layout.tensors.items()}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        paths.write_text(paths.join(path, INDEX), json.dumps(index, indent=2))

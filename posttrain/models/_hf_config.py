@@ -29,8 +29,7 @@ class HFFormatError(UserError, ValueError):
 
 def read_json(path: str) -> dict:
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(paths.path(path).read_text())
     except FileNotFoundError:
         raise HFFormatError(f"{path} is missing; a Hugging Face model directory needs it") from None
     except json.JSONDecodeError as e:
@@ -323,6 +322,11 @@ def _sparse_to_hf(config: ModelConfig, model_type: str) -> dict:
 
 def hf_model_type(config: ModelConfig) -> str:
     """The HF architecture that expresses `config` exactly."""
+    if config.nnx is not None:
+        raise ValueError(
+            f"{config.nnx.builder} is your own Flax NNX module, which has no HF architecture; "
+            "save its params from the run's checkpoint with your module's own code"
+        )
     if config.mla is not None:
         return "deepseek_v3"
     if config.moe is not None:
@@ -379,17 +383,6 @@ def config_to_hf(config: ModelConfig, dtype: str) -> dict:
     return hf
 
 
-def local_model_dir(path: str | os.PathLike) -> str:
-    """`path` itself when local; a gs:// model directory is downloaded once into the local cache
-    (`posttrain.paths.local_copy`), since safetensors memory-maps local files."""
-    path = os.fspath(path)
-    if not paths.is_remote(path):
-        return path
-    if not paths.path(path).is_dir():
-        raise HFFormatError(f"model directory {path!r} does not exist")
-    return paths.local_copy(path)
-
-
 def load_hf_config(path: str, **overrides) -> ModelConfig:
     """The `ModelConfig` of an HF model directory; its name defaults to the directory name."""
     return load_hf_config_and_layout(path, **overrides)[0]
@@ -397,10 +390,10 @@ def load_hf_config(path: str, **overrides) -> ModelConfig:
 
 def load_hf_config_and_layout(path: str, **overrides) -> tuple[ModelConfig, CheckpointLayout]:
     """`load_hf_config`, plus how the directory's tensors are laid out."""
-    path = local_model_dir(path)
-    if not os.path.isdir(path):
+    path = os.fspath(path)
+    if not paths.path(path).is_dir():  # read in place, local or gs:// (config.json is small)
         raise HFFormatError(f"model directory {path!r} does not exist")
-    config_path = os.path.join(path, "config.json")
+    config_path = paths.join(path, "config.json")
     overrides.setdefault("name", os.path.basename(os.path.normpath(path)))
     hf = read_json(config_path)
     try:

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from posttrain.models import HFFormatError, Transformer, from_hf, param_shapes, to_hf
 from posttrain.models._hf import _SafetensorsDir
+from posttrain.models._safetensors import STATS
 from posttrain.parallel import MeshConfig, make_mesh
 from posttrain.testing import HF_ARCHS, hf_logits, save_tiny_hf_model
 
@@ -272,15 +273,17 @@ def test_expert_sharded_load_matches(deepseek_dir, batch, tmp_path, devices, mon
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     reads, read = [], _SafetensorsDir.read
 
-    def counted_read(self, name):
-        reads.append(name)
-        return read(self, name)
+    def counted_read(self, regions):
+        reads.extend(region.name for region in regions)
+        return read(self, regions)
 
     monkeypatch.setattr(_SafetensorsDir, "read", counted_read)
+    STATS.reset()
     mesh = make_mesh(MeshConfig.from_dict({"expert": 4, "fsdp": 2}))
     sharded = from_hf(path, mesh=mesh, attention="xla")
     index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
-    assert sorted(reads) == sorted(set(reads)) == sorted(index["weight_map"])
+    assert sorted(set(reads)) == sorted(index["weight_map"])
+    assert STATS.tensor_bytes == index["metadata"]["total_size"]  # every byte read once
     gate = sharded.params["layers"]["moe"]["experts"]["gate"]  # [T, E, D, F]: E/4, D/2
     assert gate.sharding.shard_shape(gate.shape) == (2, 2, 32, 32)
     _assert_same_params(model.params, sharded.params)
