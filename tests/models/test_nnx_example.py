@@ -62,9 +62,10 @@ def test_lora_on_the_module_trains_only_its_adapters(sft_run, tmp_path, quantize
     """LoRA, and QLoRA (an nf4 base of the module's layer matrices: those without a vocab
     axis), on the module: only the adapted weights move."""
     config = _nnx("sft", **{"model.checkpoint": str(sft_run), "lora.enabled": True,
-                            "lora.quantize": quantize, "lora.quant_block": 16, "lora.rank": 4, "train.steps": 8, "data.batch_size": 16,
-                            "data.max_len": 64, "optimizer.learning_rate": 1e-2,
-                            "optimizer.warmup_steps": 0, "checkpoint.every": 8})  # fmt: skip
+                            "lora.quantize": quantize, "lora.quant_block": 16, "lora.rank": 4,
+                            "train.steps": 8, "data.batch_size": 16, "data.max_len": 64,
+                            "optimizer.learning_rate": 1e-2, "optimizer.warmup_steps": 0,
+                            "checkpoint.every": 8})  # fmt: skip
     run_from_config(config, str(tmp_path))
     losses = _losses(tmp_path)
     assert losses[-1] < losses[0], losses
