@@ -125,7 +125,11 @@ def new_env(ws_root):
 
 
 def test_files_persist_across_calls_and_episodes_cannot_see_each_other(new_env):
-    a, b = new_env({"prompt": "go", "files": {"src/x.txt": "given\n"}, "tests": TESTS}), new_env()
+    # (b walks the whole filesystem: on a cold page cache that took 37 s on a 2-core CI machine)
+    a, b = (
+        new_env({"prompt": "go", "files": {"src/x.txt": "given\n"}, "tests": TESTS}),
+        new_env(timeout_s=120.0),
+    )
     secret = uuid.uuid4().hex
     out, _ = _bash(
         a, f"echo {secret} > secret.txt && mkdir -p d && cp src/x.txt d/ && chmod +x d/x.txt"

@@ -112,11 +112,12 @@ def test_dpo_from_the_sft_checkpoint_learns_the_pairs(sft_run, tmp_path):
     assert final["eval_accuracy"] >= 0.9 and final["eval_loss"] < np.log(2), final
 
 
-def test_a_checkpoint_of_another_module_is_refused(sft_run):
+def test_a_checkpoint_of_another_module_is_refused(sft_run, tmp_path):
     config = _nnx("dpo", **{"model.checkpoint": str(sft_run)})
     config.model.nnx_kwargs.num_layers = 3
     with pytest.raises(ConfigError, match="not model.nnx='posttrain.testing:nnx_decoder'"):
-        run_from_config(config, "/nonexistent/never/written")
+        run_from_config(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_grpo_reward_rises_on_the_toy_task(tmp_path):
