@@ -1,0 +1,74 @@
+"""CAD reward components on fixtures: a reference part scores 1 on itself, and each known
+perturbation lowers exactly the components it should, by amounts computed here from the
+kernel's exact volumes."""
+
+import manifold3d as m3d
+import pytest
+
+from posttrain.rewards._cad_geometry import DEFAULT_WEIGHTS, CADTask, measure, score
+
+TASK = CADTask(holes=2, tolerance=0.02)
+WEIGHT = sum(DEFAULT_WEIGHTS.values())
+
+
+def _plate(length=40.0, holes=((10.0, 10.0), (30.0, 10.0))):
+    """A 40 x 20 x 4 plate with 6 mm through-holes."""
+    solid = m3d.Manifold.cube([length, 20.0, 4.0])
+    for x, y in holes:
+        solid = solid - m3d.Manifold.cylinder(6.0, 3.0, 3.0, 48).translate([x, y, -1.0])
+    return solid
+
+
+def _total(parts: dict) -> float:
+    return sum(DEFAULT_WEIGHTS[k] * parts[k] for k in DEFAULT_WEIGHTS) / WEIGHT
+
+
+def test_the_reference_scores_one_on_itself_and_scores_are_deterministic():
+    target = _plate()
+    got = score(_plate(), target, TASK)
+    assert got == {**dict.fromkeys(DEFAULT_WEIGHTS, 1.0), "total": 1.0}
+    assert score(_plate(), target, TASK) == got
+    m = measure(target)
+    assert (m.bodies, m.holes, m.stable) == (1, 2, True)
+    assert m.extents == pytest.approx((40.0, 20.0, 4.0))
+
+
+def test_a_dimension_10_percent_long_costs_one_extent_and_the_extra_volume():
+    target, long = _plate(), _plate(length=44.0)
+    got = score(long, target, TASK)
+    assert got["dimensions"] == pytest.approx(2 / 3)  # length out of tolerance, width and height in
+    assert got["iou"] == pytest.approx(target.volume() / long.volume())  # the target is inside it
+    assert (got["valid"], got["holes"], got["single_body"], got["stable"]) == (1, 1, 1, 1)
+    assert got["total"] == pytest.approx(_total(got)) and got["total"] < 1
+
+
+def test_a_missing_hole_costs_the_hole_count_and_its_volume():
+    target, one_hole = _plate(), _plate(holes=((10.0, 10.0),))
+    got = score(one_hole, target, TASK)
+    assert got["holes"] == 0 and got["dimensions"] == 1 and got["single_body"] == 1
+    assert got["iou"] == pytest.approx(target.volume() / one_hole.volume())
+    assert measure(one_hole).holes == 1
+
+
+def test_a_disconnected_part_costs_single_body():
+    target = _plate()
+    stray = m3d.Manifold.cube([2.0, 2.0, 2.0]).translate([10.0, 10.0, 20.0])  # above a hole
+    got = score(_plate() + stray, target, TASK)
+    assert got["single_body"] == 0 and measure(_plate() + stray).bodies == 2
+    assert got["iou"] == pytest.approx(target.volume() / (target.volume() + 8.0))
+    assert got["holes"] == 1 and got["stable"] == 1  # the stray cube sits above the footprint
+
+
+def test_a_shape_that_tips_over_is_not_stable():
+    stem = m3d.Manifold.cube([2.0, 4.0, 6.0])
+    arm = m3d.Manifold.cube([20.0, 4.0, 2.0]).translate([0.0, 0.0, 6.0])  # overhangs to +x
+    tipping = stem + arm
+    assert measure(tipping).centre_of_mass[0] > 2.0  # over empty space, beside the stem
+    got = score(tipping, tipping, CADTask())
+    assert got["stable"] == 0 and got["iou"] == 1 and got["single_body"] == 1
+    assert got["total"] == pytest.approx(1 - DEFAULT_WEIGHTS["stable"] / WEIGHT)
+
+
+def test_an_empty_result_scores_zero_everywhere():
+    got = score(m3d.Manifold(), _plate(), TASK)
+    assert got == {**dict.fromkeys(DEFAULT_WEIGHTS, 0.0), "total": 0.0}
