@@ -15,9 +15,12 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 
 from posttrain.rewards import sandbox
 from posttrain.rewards._cad_api import MARKER
+from posttrain.rewards._cad_geometry import DEFAULT_WEIGHTS, CADTask, score
+from posttrain.rewards._code import extract_code
 
 MAX_NODES = 2000  # operations in one part's construction tree
 MAX_SEGMENTS = 256  # facets of a circle (cylinder, sphere, revolve)
@@ -133,3 +136,35 @@ def run_script(code: str, *, timeout_s: float = 10.0, memory_mb: int = 256) -> S
     except CADError as e:
         return ScriptResult(None, str(e), printed)
     return ScriptResult(solid, "", printed)
+
+
+def cad_reward(
+    record: Mapping, completion: str, *, timeout_s: float = 10.0, memory_mb: int = 256
+) -> tuple[float, dict]:
+    """The `cad` domain: the completion's script (its last ```python block, else the whole
+    text) is run and its part scored against the record's target (`_cad_geometry.score`).
+
+    Args:
+      record: `target`, the target part's construction tree (what `cad.show` prints, parsed);
+        optional `holes` (through-holes the part must have), `tolerance` (relative, on the
+        bounding box's extents) and `weights` ({component: weight}).
+      completion: the generated text.
+
+    Returns:
+      (total, info): info holds every component (`valid`, `iou`, `dimensions`, `holes`,
+      `single_body`, `stable`) and `error`, why the script produced no part ("" if it did).
+    """
+    target = build(record["target"])
+    weights = record.get("weights") or DEFAULT_WEIGHTS
+    task = CADTask(
+        holes=record.get("holes"),
+        tolerance=float(record.get("tolerance", CADTask.tolerance)),
+        weights=tuple(dict(weights).items()),
+    )
+    code = extract_code(completion) or completion
+    result = run_script(code, timeout_s=timeout_s, memory_mb=memory_mb)
+    parts = score(result.solid, target, task) if result.solid is not None else None
+    if parts is None:
+        parts = {**dict.fromkeys(dict(task.weights), 0.0), "total": 0.0}
+    total = parts.pop("total")
+    return total, {**parts, "error": result.error}

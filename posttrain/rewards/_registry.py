@@ -261,7 +261,8 @@ def default_registry() -> RewardRegistry:
     Domains: "math" (`math_reward`), "code" (`code_reward`, the sandboxed test runner),
     "format" (`format_reward`), "tool_call" (`tool_call_reward`), "extraction"
     (`extraction_reward`: JSON-schema validity and field F1), "grounded_qa"
-    (`grounded_qa_reward`: answer F1 and cited spans) and "arithmetic" (the demo task).
+    (`grounded_qa_reward`: answer F1 and cited spans), "cad" (`cad_reward`: a CAD script's part
+    against a target) and "arithmetic" (the demo task).
     Each is registered by reference, so nothing heavy is imported until a domain is scored.
     """
     registry = RewardRegistry()
@@ -272,4 +273,5 @@ def default_registry() -> RewardRegistry:
     registry.register("extraction", "posttrain.rewards._extraction:extraction_reward")
     registry.register("grounded_qa", "posttrain.rewards._grounded:grounded_qa_reward")
     registry.register("arithmetic", "posttrain.rewards._arithmetic:arithmetic_reward")
+    registry.register("cad", "posttrain.rewards._cad:cad_reward")
     return registry

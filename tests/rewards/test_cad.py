@@ -80,3 +80,38 @@ def test_hostile_scripts_are_stopped_with_a_reason(code, message):
     result = run_script(code, timeout_s=3.0)
     assert result.solid is None
     assert re.search(message, result.error), result.error
+
+
+def _tree(code: str) -> dict:
+    """The construction tree a script shows, computed on the host with the same API."""
+    import contextlib
+    import io
+    import json
+    import sys
+
+    from posttrain.rewards import _cad_api
+
+    out = io.StringIO()
+    sys.modules["cad"] = _cad_api
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(code, {})
+    finally:
+        del sys.modules["cad"]
+    return json.loads(out.getvalue().strip().removeprefix(_cad_api.MARKER))
+
+
+def test_the_cad_domain_scores_a_completion_against_the_records_target():
+    """Through the default registry's "cad" domain, as RL scores a completion."""
+    from posttrain.rewards import default_registry
+
+    registry = default_registry()
+    record = {"prompt": "a plate with two holes", "domain": "cad", "target": _tree(PLATE),
+              "holes": 2}  # fmt: skip
+    total, info = registry.score(record, f"Here it is:\n```python\n{PLATE}```")
+    assert total == pytest.approx(1.0) and info["cad_reward"]["error"] == ""
+    one_hole = PLATE.replace("(10, 30)", "(10,)")
+    total, info = registry.score(record, f"```python\n{one_hole}```")
+    assert info["cad_reward"]["holes"] == 0 and 0 < total < 1
+    total, info = registry.score(record, "```python\nimport cad\n1 / 0\n```")
+    assert total == 0 and "ZeroDivisionError" in info["cad_reward"]["error"]
