@@ -1,0 +1,158 @@
+"""A generator of CAD tasks: a text description, the reference script that solves it, and the
+target part's construction tree, for the `cad` reward domain (RL prompts) and for SFT.
+
+Families by difficulty:
+
+- level 1, `plate`: a rectangular plate with 1-3 through-holes in a row.
+- level 2, `bracket`: an L-bracket (base and upright plates) with a hole in each leg;
+  `flange`: a revolved disk with a centre bore and 3-6 bolt holes on a circle.
+- level 3, `gear`: an extruded spur gear outline (trapezoid teeth) with a bore;
+  `enclosure`: an open-top box with walls of a given thickness and a cable hole.
+
+Every number is a whole or half millimetre drawn from the task's seed, so a task is
+reproducible from `(seed, level)`. The reference script is run on the host (trusted code) to
+make the target tree; models' scripts run in the sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+import sys
+
+from posttrain.rewards import _cad_api
+
+INSTRUCTIONS = (
+    "Write a Python script with the `cad` module (import cad) that builds the part, in "
+    "millimetres, and ends with cad.show(part)."
+)
+
+
+def script_tree(code: str) -> dict:
+    """The construction tree a trusted script (a task's reference) shows, run on the host."""
+    out = io.StringIO()
+    saved = sys.modules.get("cad")
+    sys.modules["cad"] = _cad_api
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "<reference>", "exec"), {"__name__": "__cad__"})
+    finally:
+        if saved is None:
+            del sys.modules["cad"]
+        else:
+            sys.modules["cad"] = saved
+    shown = [line for line in out.getvalue().splitlines() if line.startswith(_cad_api.MARKER)]
+    return json.loads(shown[-1][len(_cad_api.MARKER) :])
+
+
+def _plate(rng: random.Random) -> tuple[str, str, int]:
+    length, width, thick = rng.randrange(30, 81, 5), rng.randrange(15, 41, 5), rng.randrange(2, 7)
+    n, d = rng.randint(1, 3), rng.choice((3, 4, 5, 6))
+    xs = [round(length * (i + 1) / (n + 1), 1) for i in range(n)]
+    text = (f"A {length} x {width} x {thick} mm rectangular plate with {n} through-hole(s) of "
+            f"{d} mm diameter on its centre line, at x = "
+            f"{', '.join(map(str, xs))} mm.")  # fmt: skip
+    code = (f"import cad\npart = cad.box({length}, {width}, {thick})\n"
+            f"for x in {tuple(xs)!r}:\n"
+            f"    part = part - cad.cylinder({thick + 2}, {d / 2}).translate(x, {width / 2}, -1)\n"
+            "cad.show(part)\n")  # fmt: skip
+    return text, code, n
+
+
+def _bracket(rng: random.Random) -> tuple[str, str, int]:
+    length, width, height = (
+        rng.randrange(30, 61, 5),
+        rng.randrange(20, 41, 5),
+        rng.randrange(20, 51, 5),
+    )
+    thick, d = rng.randrange(3, 7), rng.choice((4, 5, 6))
+    text = (f"An L-bracket: a {length} x {width} x {thick} mm base plate and a {thick} mm thick "
+            f"upright {height} mm tall along its back edge (y = 0), one {d} mm hole through the "
+            f"middle of the base and one through the middle of the upright.")  # fmt: skip
+    code = (f"import cad\nbase = cad.box({length}, {width}, {thick})\n"
+            f"upright = cad.box({length}, {thick}, {height})\npart = base + upright\n"
+            f"part = part - cad.cylinder({thick + 2}, {d / 2}).translate({length / 2}, "
+            f"{(width + thick) / 2}, -1)\n"
+            f"part = part - cad.cylinder({thick + 2}, {d / 2}).rotate(-90, 0, 0).translate("
+            f"{length / 2}, -1, {(height + thick) / 2})\ncad.show(part)\n")  # fmt: skip
+    return text, code, 2
+
+
+def _flange(rng: random.Random) -> tuple[str, str, int]:
+    outer, bore, thick = rng.randrange(30, 61, 5), rng.randrange(8, 16, 2), rng.randrange(4, 9)
+    n, d = rng.randint(3, 6), rng.choice((3, 4, 5))
+    circle = (outer + bore) / 4
+    text = (f"A flange: a disk of {outer} mm diameter and {thick} mm thickness with a {bore} mm "
+            f"centre bore and {n} bolt holes of {d} mm on a {2 * circle:g} mm bolt "
+            "circle.")  # fmt: skip
+    code = (f"import cad\nimport math\n"
+            f"part = cad.revolve([({bore / 2}, 0), ({outer / 2}, 0), ({outer / 2}, {thick}), "
+            f"({bore / 2}, {thick})], 360, 96)\n"
+            f"for i in range({n}):\n    a = 2 * math.pi * i / {n}\n"
+            f"    hole = cad.cylinder({thick + 2}, {d / 2}).translate({circle} * math.cos(a), "
+            f"{circle} * math.sin(a), -1)\n    part = part - hole\ncad.show(part)\n")  # fmt: skip
+    return text, code, n + 1
+
+
+def _gear(rng: random.Random) -> tuple[str, str, int]:
+    teeth, radius, depth = rng.randint(8, 16), rng.randrange(12, 25), rng.choice((2, 3))
+    thick, bore = rng.randrange(4, 9), rng.choice((4, 5, 6))
+    text = (f"A spur gear blank: {teeth} trapezoid teeth {depth} mm deep around a {2 * radius} mm "
+            f"root circle, {thick} mm thick, with a {bore} mm centre bore.")  # fmt: skip
+    code = (f"import cad\nimport math\npoints = []\nfor i in range({teeth}):\n"
+            f"    a = 2 * math.pi * i / {teeth}\n    w = math.pi / {teeth}\n"
+            f"    for da, r in ((-w / 2, {radius}), (-w / 4, {radius + depth}), "
+            f"(w / 4, {radius + depth}), (w / 2, {radius})):\n"
+            f"        points.append((r * math.cos(a + da), r * math.sin(a + da)))\n"
+            f"part = cad.extrude(points, {thick}) - cad.cylinder({thick + 2}, {bore / 2})"
+            f".translate(0, 0, -1)\ncad.show(part)\n")  # fmt: skip
+    return text, code, 1
+
+
+def _enclosure(rng: random.Random) -> tuple[str, str, int]:
+    length, width, height = (
+        rng.randrange(40, 81, 5),
+        rng.randrange(30, 61, 5),
+        rng.randrange(20, 41, 5),
+    )
+    wall, d = rng.choice((2, 3)), rng.choice((6, 8))
+    text = (f"An open-top enclosure, {length} x {width} x {height} mm outside, walls and floor "
+            f"{wall} mm thick, with a {d} mm cable hole through the middle of the front wall "
+            f"(y = 0), centred {height / 2:g} mm up.")  # fmt: skip
+    code = (f"import cad\nouter = cad.box({length}, {width}, {height})\n"
+            f"inner = cad.box({length - 2 * wall}, {width - 2 * wall}, {height}).translate("
+            f"{wall}, {wall}, {wall})\npart = outer - inner\n"
+            f"part = part - cad.cylinder({wall + 2}, {d / 2}).rotate(-90, 0, 0).translate("
+            f"{length / 2}, -1, {height / 2})\ncad.show(part)\n")  # fmt: skip
+    return text, code, 1
+
+
+FAMILIES = {1: (_plate,), 2: (_bracket, _flange), 3: (_gear, _enclosure)}
+
+
+def make_cad_task(seed: int, level: int = 1) -> dict:
+    """A `cad` prompt record: `prompt`, `reference` (a script that solves it), `target` (its
+    construction tree), `holes`, `level`, `family` and `domain`."""
+    if level not in FAMILIES:
+        raise ValueError(f"level must be one of {sorted(FAMILIES)}, got {level}")
+    rng = random.Random(f"cad-{level}-{seed}")
+    family = rng.choice(FAMILIES[level])
+    text, code, holes = family(rng)
+    return {
+        "prompt": f"{text}\n{INSTRUCTIONS}",
+        "reference": code,
+        "target": script_tree(code),
+        "holes": holes,
+        "level": level,
+        "family": family.__name__.lstrip("_"),
+        "domain": "cad",
+    }
+
+
+def cad_sft_record(task: dict) -> dict:
+    """A chat SFT example from a task: the prompt, and the reference script as the answer."""
+    answer = f"```python\n{task['reference']}```"
+    return {"messages": [{"role": "user", "content": task["prompt"]},
+                         {"role": "assistant", "content": answer}], "domain": "cad"}  # fmt: skip
