@@ -15,6 +15,7 @@ from posttrain.envs._base import (
     tool_message,
 )
 from posttrain.envs._builtin import FaultInjection, calculate
+from posttrain.envs._cad import cad_env
 from posttrain.envs._endpoint import EpisodeServer
 from posttrain.envs._episodes import Budget, Episode, episode_metrics, run_episodes
 from posttrain.envs._pool import ElasticPool
@@ -26,6 +27,7 @@ __all__ = [
     "Episode",
     "EpisodeServer",
     "FaultInjection",
+    "cad_env",
     "calculate",
     "episode_metrics",
     "run_episodes",

@@ -1,0 +1,43 @@
+"""The `cad` environment: a build_part call is answered with the part's measurements (or why no
+part came out), and the episode's final script is scored by the cad domain."""
+
+import shutil
+import uuid
+
+import pytest
+
+from posttrain.envs import make_env
+from posttrain.rewards import default_registry
+from posttrain.rewards._cad_tasks import make_cad_task
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+
+
+def _turn(content="", **calls):
+    tool_calls = [{"id": uuid.uuid4().hex[:9], "type": "function",
+                   "function": {"name": "build_part", "arguments": {"script": s}}}
+                  for s in calls.values()]  # fmt: skip
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls}
+
+
+def test_a_multi_turn_episode_sees_each_part_then_is_scored():
+    task = make_cad_task(0, 1)  # a 35 x 15 x 5 plate with one 3 mm hole
+    env = make_env("cad", task)
+    messages = env.reset()
+    assert messages[0]["role"] == "system" and "build_part" in messages[0]["content"]
+    assert task["prompt"] in messages[-1]["content"]
+
+    wrong = "import cad\ncad.show(cad.box(35, 15, 5))\n"
+    step = env.step(_turn(a=wrong))
+    assert not step.done and "35.00 x 15.00 x 5.00 mm" in step.observations[0]["content"]
+    assert "0 through-hole(s)" in step.observations[0]["content"]
+    step = env.step(_turn(a="import cad\ncad.show(cad.box(-1, 1, 1))\n"))
+    assert "no part" in step.observations[0]["content"] and step.info["tool_errors"] == 1
+    step = env.step(_turn(a=task["reference"]))
+    assert "1 through-hole(s)" in step.observations[0]["content"]
+
+    final = f"```python\n{task['reference']}```"
+    step = env.step({"role": "assistant", "content": final})
+    assert step.done and step.reward is None  # the record's cad domain scores the answer
+    total, _ = default_registry().score(task, final)
+    assert total == pytest.approx(1.0)
