@@ -1,6 +1,7 @@
 """CAD reward throughput: 256 completions (reference scripts of generated tasks, levels 1-3 in
-turn, every third one perturbed: its first cutting line cuts nothing) scored by the `cad` domain on the reward pool,
-each script in its own sandbox, then the part built and measured by manifold3d.
+turn, every third one perturbed: its first cutting line cuts nothing) scored by the `cad` domain
+on the reward pool, each script in its own sandbox, then the part built and measured by
+manifold3d.
 
     python benchmarks/cad_rewards.py --completions=256 --workers=2
 
