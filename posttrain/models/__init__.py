@@ -7,7 +7,13 @@ from posttrain.models._hf import check_export_destination, from_hf, mtp_from_hf,
 from posttrain.models._hf_config import HFFormatError, load_hf_config
 from posttrain.models._invariant import token_logprobs
 from posttrain.models._mtp import MTPModule
-from posttrain.models._nnx import NNXCache, has_hidden_states, module_of, nnx_describe
+from posttrain.models._nnx import (
+    NNXCache,
+    has_hidden_states,
+    module_of,
+    nnx_describe,
+    require_kv_cache,
+)
 from posttrain.models._ops import ParamSpec
 from posttrain.models._params import (
     init_params,
@@ -65,6 +71,7 @@ __all__ = [
     "param_shapes",
     "param_shardings",
     "param_specs",
+    "require_kv_cache",
     "split_layers",
     "token_logprobs",
     "unstack_layers",

@@ -225,6 +225,17 @@ def has_hidden_states(spec: NNXSpec) -> bool:
     return _module(spec).split
 
 
+def require_kv_cache(config, what: str) -> None:
+    """Refuses (`ConfigError`) an NNX model where `what` needs posttrain's KV cache."""
+    if config.nnx is not None:
+        raise ConfigError(
+            f"{config.nnx.builder} is a Flax NNX module, which {what} cannot cache; sample it "
+            "with the static sampler (RL: rollout.sampler='static'; `posttrain generate` and "
+            "eval use it already)"
+        )
+
+
+@functools.lru_cache(maxsize=32)
 def nnx_describe(spec: NNXSpec) -> dict:
     """ModelConfig fields of the module: the vocabulary and width its outputs have, its
     parameter dtype, and its layer and head counts where it has those attributes (they size

@@ -19,9 +19,8 @@ With a drafter (`PromptLookup`, `DraftModel` or `MTP`) every chunk is rounds of 
 decoding (`_rounds.speculate`): a row emits 1 to k+1 tokens per model forward, greedy output is
 the plain engine's, sampling keeps the model's distribution. A request reserves k slots past
 its prompt and budget; a draft model (or MTP module) keeps its own pool on the same blocks and
-tables, so prefix sharing and block accounting cover it.
-
-The device functions are in `_paged`; this is the host side (admission, block tables, counts)."""
+tables, so prefix sharing and block accounting cover it. The device functions are in `_paged`;
+this is the host side (admission, block tables, counts)."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.config import ConfigError
-from posttrain.models import KV_DTYPES, Transformer
+from posttrain.models import KV_DTYPES, Transformer, require_kv_cache
 from posttrain.parallel import logical_to_spec
 from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
 from posttrain.sampling._rounds import speculate
@@ -193,12 +191,7 @@ class Engine:
         eos_ids: Sequence[int] = (),
         drafter: PromptLookup | DraftModel | MTP | None = None,
     ):
-        if model.config.nnx is not None:
-            raise ConfigError(
-                f"{model.config.nnx.builder} is a Flax NNX module, which the paged engine cannot "
-                "cache; sample it with the static sampler (RL: rollout.sampler='static'; "
-                "`posttrain generate` and eval use it already)"
-            )
+        require_kv_cache(model.config, "the paged engine")
         self.model, self.config = model, config
         self.drafter = drafter
         self.version = 0  # of the weights (RL's partial rollouts swap them mid-request)
