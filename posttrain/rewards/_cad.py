@@ -151,8 +151,9 @@ def cad_reward(
       completion: the generated text.
 
     Returns:
-      (total, info): info holds every component (`valid`, `iou`, `dimensions`, `holes`,
-      `single_body`, `stable`) and `error`, why the script produced no part ("" if it did).
+      (total, info): info["components"] holds every component (`valid`, `iou`,
+      `dimensions`, `holes`, `single_body`, `stable`; RL logs each one's mean) and
+      info["error"] why the script produced no part ("" if it did).
     """
     target = build(record["target"])
     weights = record.get("weights") or DEFAULT_WEIGHTS
@@ -167,4 +168,4 @@ def cad_reward(
     if parts is None:
         parts = {**dict.fromkeys(dict(task.weights), 0.0), "total": 0.0}
     total = parts.pop("total")
-    return total, {**parts, "error": result.error}
+    return total, {"components": parts, "error": result.error}

@@ -2,8 +2,10 @@
 
 A reward function is `fn(record, completion) -> (score, info)`: `record` is the prompt record with
 its verifier fields (`answer`, `tests`, `schema`, `tools`...), `completion` the generated text,
-`info` a small picklable dict (extracted answer, failure reason). A domain maps to one or more
-such functions with weights and scores their weighted sum, so one RL run can mix many domains.
+`info` a small picklable dict (extracted answer, failure reason; a function whose score is made
+of named parts puts them in `info["components"]` as {name: value}, and RL logs each part's
+mean per domain). A domain maps to one or more such functions with weights and scores their
+weighted sum, so one RL run can mix many domains.
 
 Functions are held as importable references ("package.module:function" strings or top-level
 functions, which pickle by name), so a registry travels to `RewardPool` worker processes and

@@ -1,6 +1,6 @@
 """Per-domain handling of a step's rollout batch (grouped domain updates: per-domain advantage
-normalisation and learning-rate scales) and the stability monitor that watches the run's
-curves for entropy collapse and runaway KL."""
+normalisation and learning-rate scales), per-domain means of reward components, and the
+stability monitor that watches the run's curves for entropy collapse and runaway KL."""
 
 from __future__ import annotations
 
@@ -92,3 +92,24 @@ class StabilityMonitor:
             log.warning("step %d: %s", step, message)
         self._active[name] = bool(bad)
         return float(bad)
+
+
+def tally_components(totals: dict, results) -> None:
+    """Adds the reward components of scored completions (a term's `info["components"]`) to
+    running sums in `totals`: `reward_parts/<domain>/<name>` and its count under `n:`."""
+    for res in results:
+        for term in res.info.values() if res.status == "ok" else ():
+            parts = term.get("components") if isinstance(term, dict) else None
+            for name, value in (parts or {}).items():
+                key = f"reward_parts/{res.domain}/{name}"
+                totals[key] = totals.get(key, 0.0) + float(value)
+                totals[f"n:{key}"] = totals.get(f"n:{key}", 0) + 1
+
+
+def component_means(totals: dict) -> dict:
+    """`totals` with each tallied reward component's sum made its mean (counts dropped)."""
+    return {
+        k: v / totals[f"n:{k}"] if f"n:{k}" in totals else v
+        for k, v in totals.items()
+        if not k.startswith("n:")
+    }

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from posttrain.models import Transformer
+from posttrain.rl._domains import component_means
 from posttrain.rl._rollout import RolloutProducer
 from posttrain.sampling import Request, request_completions
 
@@ -153,7 +154,7 @@ class PartialProducer(RolloutProducer):
                 g.completions = request_completions(self.rollouts.tokenizer, self.engine, g.request)
             if ended:
                 rewards = self.rollouts.score(
-                    [g.prompt for g in ended], [g.completions for g in ended]
+                    [g.prompt for g in ended], [g.completions for g in ended], timings=timings
                 )
                 for g, r in zip(ended, rewards, strict=True):
                     g.rewards = r
@@ -168,6 +169,6 @@ class PartialProducer(RolloutProducer):
             "prompts_drawn": float(len(taken)),
             "groups_dropped": 0.0,
             "groups_in_flight": float(len(self.in_flight)),
-            **timings,
+            **component_means(timings),
         }
         return taken, counts

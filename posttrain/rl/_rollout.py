@@ -30,6 +30,7 @@ from posttrain.rewards import (
     overlong_penalty,
 )
 from posttrain.rl._config import EnvConfig, RLConfig
+from posttrain.rl._domains import component_means, tally_components
 from posttrain.rl._scorer import policy_params
 from posttrain.rl._shares import gather_groups, prompt_share
 from posttrain.sampling import Completion, Engine, EngineConfig, generate, generate_continuous
@@ -186,20 +187,23 @@ class Rollouts:
                     done = getattr(self.engine.stats, key) - getattr(before, key)
                     timings[key] = timings.get(key, 0) + done
         generated = time.perf_counter()
-        rewards = self.score(prompts, completions, shaped=not greedy)
+        rewards = self.score(prompts, completions, shaped=not greedy, timings=timings)
         if timings is not None:
             timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
             timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
         return completions, rewards
 
-    def score(self, prompts, completions, shaped: bool = True) -> np.ndarray:
+    def score(self, prompts, completions, shaped: bool = True, timings=None) -> np.ndarray:
         """Rewards `[prompts, n]` of each prompt's completions from its domain's reward
-        functions (with DAPO's over-length shaping when `shaped` and configured)."""
+        functions (with DAPO's over-length shaping when `shaped` and configured); their reward
+        components are tallied into `timings` when given (`tally_components`)."""
         r = self.config.rollout
         records = [p["record"] for p in prompts for _ in completions[0]]
         texts = [c.text for group in completions for c in group]
         domains = [p["domain"] for p in prompts for _ in completions[0]]
         results = self.pool.score(records, texts, domains)
+        if timings is not None:
+            tally_components(timings, results)
         rewards = np.asarray([res.score for res in results], np.float32)
         rewards = rewards.reshape(len(prompts), len(completions[0]))
         if r.overlong_buffer and shaped:
@@ -280,6 +284,8 @@ class Rollouts:
                 [flat[i][0]["domain"] for i in scored],
             )
             rewards[scored] = [res.score for res in results]
+            if timings is not None:
+                tally_components(timings, results)
         # Per-turn rewards an environment reports add to its episode's (advantages are per
         # episode: every token of a group's episode shares its advantage).
         rewards += np.asarray([sum(ep.turn_rewards) for _, ep in flat], np.float32)
@@ -334,7 +340,7 @@ def draw_groups(c: RLConfig, prompts, rollouts: Rollouts, params, step: int):
         if len(kept) >= groups:
             break
     all_rewards = np.asarray(rewards, np.float32).reshape(len(kept), -1)
-    counts = {"prompts_drawn": drawn, "groups_dropped": dropped, **timings}
+    counts = {"prompts_drawn": drawn, "groups_dropped": dropped, **component_means(timings)}
     return kept, completions, all_rewards, counts
 
 

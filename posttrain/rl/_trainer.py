@@ -37,6 +37,7 @@ from posttrain.parallel import MeshConfig, axis_rules, make_mesh
 from posttrain.rewards import RewardPool
 from posttrain.rl._config import RLConfig
 from posttrain.rl._critic import value_trainable
+from posttrain.rl._domains import component_means
 from posttrain.rl._loss import CriticLoss, rl_loss
 from posttrain.rl._offline import filter_by_difficulty, rejection_sampling
 from posttrain.rl._offline_rl import offline_rl
@@ -274,13 +275,13 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
 def _evaluate(c: RLConfig, eval_prompts: PromptData, rollouts: Rollouts, params) -> dict:
     """Greedy completions of every held-out prompt: mean reward and pass rate (overall and per
     domain); `eval_loss` is minus the reward, so keep-best keeps the best-rewarded checkpoint."""
-    rewards, domain_ids = [], []
+    rewards, domain_ids, tallies = [], [], {}
     prompts = eval_prompts.prompts
     if c.train.eval_batches:
         prompts = prompts[: c.train.eval_batches * eval_prompts.rows]
     for i in range(0, len(prompts), 64):
         chunk = prompts[i : i + 64]
-        _, r = rollouts.sample(params, chunk, 0, greedy=True)
+        _, r = rollouts.sample(params, chunk, 0, greedy=True, timings=tallies)
         rewards.extend(r[:, 0])
         domain_ids.extend(p["domain_id"] for p in chunk)
     rewards, domain_ids = np.asarray(rewards), np.asarray(domain_ids)
@@ -296,5 +297,7 @@ def _evaluate(c: RLConfig, eval_prompts: PromptData, rollouts: Rollouts, params)
             out[f"eval_pass_rate/{name}"] = float(
                 (rewards[rows] >= c.rewards.pass_threshold).mean()
             )
+    parts = component_means(tallies).items()
+    out.update({f"eval_{k}": v for k, v in parts if k.startswith("reward_parts/")})
     out["eval_loss"] = -out["eval_reward"]
     return out

@@ -112,6 +112,6 @@ def test_the_cad_domain_scores_a_completion_against_the_records_target():
     assert total == pytest.approx(1.0) and info["cad_reward"]["error"] == ""
     one_hole = PLATE.replace("(10, 30)", "(10,)")
     total, info = registry.score(record, f"```python\n{one_hole}```")
-    assert info["cad_reward"]["holes"] == 0 and 0 < total < 1
+    assert info["cad_reward"]["components"]["holes"] == 0 and 0 < total < 1
     total, info = registry.score(record, "```python\nimport cad\n1 / 0\n```")
     assert total == 0 and "ZeroDivisionError" in info["cad_reward"]["error"]

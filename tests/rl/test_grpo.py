@@ -40,6 +40,9 @@ def test_reward_rises_on_the_toy_task(preset, tmp_path):
         "entropy",
     ):
         assert key in rows[-1]
+    # The reward's one named component is the reward itself, so their means agree.
+    for row in rows:
+        assert row["reward_parts/arithmetic/digits"] == pytest.approx(row["reward/arithmetic"])
     if preset == "dapo_tiny":
         # Dynamic sampling dropped all-equal groups (early, most rewards are 0) and drew more
         # prompts to refill the batch.

@@ -11,9 +11,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def digit_share(record, completion: str):
-    """Reward in [0, 1]: the share of the completion's characters that are digits."""
+    """Reward in [0, 1]: the share of the completion's characters that are digits (also
+    reported as the reward's one named component, which RL logs per domain)."""
     text = completion.strip()
-    return (sum(ch.isdigit() for ch in text) / len(text) if text else 0.0), {}
+    share = sum(ch.isdigit() for ch in text) / len(text) if text else 0.0
+    return share, {"components": {"digits": share}}
 
 
 def toy_config(preset: str = "tiny", file: str = "grpo.py", **overrides):
