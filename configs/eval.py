@@ -65,6 +65,7 @@ def _target(**fields) -> ml_collections.ConfigDict:
     t.max_len = 512  # preference: tokens of prompt + response (longer pairs are truncated)
     t.batch_size = 64  # prompts (pairs) per generate call (forward pass)
     t.max_examples = 0  # the first N records (0: all)
+    t.renders = 8  # cad records: render the parts of the first N greedy completions (0: off)
     t.update(fields)
     return t
 

@@ -1,5 +1,6 @@
 """`posttrain demo`: SFT, DPO and GRPO of the bundled tiny model on the arithmetic task, or
-(`--task=calculator`) SFT and GRPO of an agent that learns to use a calculator tool."""
+(`--task=calculator`) SFT and GRPO of an agent that learns to use a calculator tool, or
+(`--task=cad`) SFT and GRPO of a model that writes CAD scripts."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ from posttrain.cli._flags import parse
 
 HELP = (
     "SFT, DPO and GRPO of a tiny model on a bundled arithmetic task, on CPU (~7 minutes); "
-    "with --task=calculator, SFT and GRPO of an agent that learns to call a calculator tool.",
-    ["posttrain demo --workdir=runs/demo", "posttrain demo --task=calculator --workdir=runs/agent"],
+    "with --task=calculator, SFT and GRPO of an agent that learns to call a calculator tool; "
+    "with --task=cad, SFT and GRPO of a model that writes CAD scripts (renders before/after).",
+    [
+        "posttrain demo --workdir=runs/demo",
+        "posttrain demo --task=calculator --workdir=runs/agent",
+        "posttrain demo --task=cad --workdir=runs/cad",
+    ],
 )
 
 
@@ -18,8 +24,9 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_enum(
             "task",
             "arithmetic",
-            ["arithmetic", "calculator"],
-            "arithmetic: SFT, DPO and GRPO; calculator: an agent learns to call a tool",
+            ["arithmetic", "calculator", "cad"],
+            "arithmetic: SFT, DPO and GRPO; calculator: an agent learns to call a tool; "
+            "cad: a model learns to write CAD scripts",
             flag_values=fv,
         )
 
@@ -28,6 +35,11 @@ def main(argv: list[str]) -> int:
         from posttrain.demo._calculator import run_calculator_demo
 
         run_calculator_demo(fv.workdir or "runs/agent")
+        return 0
+    if fv.task == "cad":
+        from posttrain.demo._cad import run_cad_demo
+
+        run_cad_demo(fv.workdir or "runs/cad")
         return 0
     from posttrain.demo import run_demo
 

@@ -67,9 +67,13 @@ class TargetTask:
     max_len: int = 512  # preference: tokens of prompt + response (longer pairs are truncated)
     batch_size: int = 64  # prompts (or pairs) per batch
     max_examples: int = 0  # the first N records (0: all)
+    renders: int = 8  # scoring=verifier: the parts of the first N greedy completions of `cad`
+    # records drawn in one grid per checkpoint, <out_dir>/renders/<task>_step<N>.png (0: none)
 
     def __post_init__(self):
         where = f"target task {self.name!r}"
+        if self.renders < 0:
+            raise ConfigError(f"{where}: renders must be >= 0 (0: no renders)")
         if not self.path:
             raise ConfigError(f"{where}: set path to a JSONL file")
         if self.kind not in KINDS:

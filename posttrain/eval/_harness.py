@@ -29,7 +29,14 @@ from posttrain.eval._long_context import long_context_metrics, write_heatmaps
 from posttrain.eval._tasks import Scorer, general_metrics, safety_metrics, target_metrics
 
 
-def evaluate(model, tokenizer, config, *, scorer: Scorer | None = None) -> dict[str, float]:
+def evaluate(
+    model,
+    tokenizer,
+    config,
+    *,
+    scorer: Scorer | None = None,
+    render_path: Callable[[str], str] | None = None,
+) -> dict[str, float]:
     """Runs every task of a suite on one model.
 
     Args:
@@ -37,6 +44,8 @@ def evaluate(model, tokenizer, config, *, scorer: Scorer | None = None) -> dict[
       tokenizer: its `Tokenizer`, or a tokenizer directory.
       config: an `EvalConfig`, a ConfigDict / dict of one, or "configs/eval.py:<preset>".
       scorer: the verifiers to score with (default: built from `config`, closed at the end).
+      render_path: `task name -> PNG path` (local or gs://) where a target task with `cad`
+        records draws the parts of its first `renders` greedy completions; None: no renders.
 
     Returns:
       Flat metrics: `general/<task>/{loss,perplexity,tokens}`,
@@ -55,7 +64,9 @@ def evaluate(model, tokenizer, config, *, scorer: Scorer | None = None) -> dict[
             if category == "general":
                 out = general_metrics(model, tokenizer, task, progress=config.progress)
             elif category == "target":
-                out = target_metrics(model, tokenizer, task, scorer, progress=config.progress)
+                render_to = render_path(task.name) if render_path else ""
+                out = target_metrics(model, tokenizer, task, scorer, progress=config.progress,
+                                     render_to=render_to)  # fmt: skip
             elif category == "long_context":
                 out = long_context_metrics(model, tokenizer, task, progress=config.progress)
             else:
@@ -133,7 +144,9 @@ def evaluate_checkpoints(
       One `{"step", "model", "metrics"}` per checkpoint evaluated (step None for an HF dir).
       `<out_dir>/metrics.jsonl` keeps a line per step (re-evaluating a step replaces its line);
       `table.md` and `table.csv` show every step it holds; each long-context task adds a
-      heatmap per evaluated step (`<task>_step<N>.png`).
+      heatmap per evaluated step (`<task>_step<N>.png`), each target task with `cad` records
+      a grid of its first completions' parts (`renders/<task>_step<N>.png`; `_model` for an
+      HF directory).
     """
     from posttrain.models import from_hf
     from posttrain.train import load_checkpoint_model
@@ -162,16 +175,21 @@ def evaluate_checkpoints(
     check_files(config)  # every missing data file named, before any model loads
     tokenizer = load_tokenizer(tokenizer)
     scorer = Scorer(config)
+    out_dir = out_dir or paths.join(path, "eval")
     rows = []
     on_mesh = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     try:
         with on_mesh:
             for step, load in loads:
-                metrics = evaluate(load(), tokenizer, config, scorer=scorer)
+                label = "model" if step is None else f"step{step}"
+                render_path = lambda task, label=label: paths.join(
+                    out_dir, "renders", f"{task}_{label}.png"
+                )
+                metrics = evaluate(load(), tokenizer, config, scorer=scorer,
+                                   render_path=render_path)  # fmt: skip
                 rows.append({"step": step, "model": str(paths.path(path)), "metrics": metrics})
     finally:
         scorer.close()
-    out_dir = out_dir or paths.join(path, "eval")
     every = write_report(out_dir, rows)
     write_heatmaps(out_dir, rows, config.long_context)
     print_tables(every, title=path, console=console)

@@ -8,6 +8,8 @@ import functools
 import json
 import logging
 import math
+import os
+import tempfile
 
 import jax
 import numpy as np
@@ -189,8 +191,12 @@ def _prompts(records, tokenizer, where: str) -> list[list[int]]:
     return ids
 
 
-def target_metrics(model, tokenizer, task: TargetTask, scorer: Scorer, *, progress=True) -> dict:
-    """Accuracy (overall and per domain) and pass@k, or the preference share."""
+def target_metrics(
+    model, tokenizer, task: TargetTask, scorer: Scorer, *, progress=True, render_to: str = ""
+) -> dict:
+    """Accuracy (overall and per domain) and pass@k, or the preference share; with `render_to`
+    (a PNG path, local or gs://) and `task.renders`, a grid of the parts that the first greedy
+    completions of `cad` records build (`write_cad_renders`)."""
     where = f"target/{task.name}"
     if task.kind == "preference":
         pairs = read_jsonl(task.path, task.max_examples)
@@ -228,7 +234,10 @@ def target_metrics(model, tokenizer, task: TargetTask, scorer: Scorer, *, progre
         else:
             scorer.check(domains)
             texts = [s[0] for s in _completions(model, tokenizer, prompt_ids, task, bar)]
-            hits = scorer(records, texts, domains) >= task.pass_threshold
+            scores = scorer(records, texts, domains)
+            hits = scores >= task.pass_threshold
+            if render_to and task.renders:
+                write_cad_renders(domains, texts, scores, render_to, limit=task.renders)
         metrics = {"accuracy": float(hits.mean())}
         for domain in sorted(set(domains)):
             rows = np.asarray([d == domain for d in domains])
@@ -250,6 +259,26 @@ def target_metrics(model, tokenizer, task: TargetTask, scorer: Scorer, *, progre
                 metrics[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
     metrics["examples"] = float(len(records))
     return metrics
+
+
+def write_cad_renders(domains, texts, scores, path: str, *, limit: int) -> str | None:
+    """A grid of the parts that the completions of the first `limit` `cad` records build
+    (`render_grid`, each captioned with the record's index and reward; "no part" where the
+    script built none), written to `path` (local or gs://); None when no record is a cad one."""
+    from posttrain.rewards._cad import completion_part
+    from posttrain.rewards._cad_render import render_grid
+
+    chosen = [i for i, domain in enumerate(domains) if domain == "cad"][:limit]
+    if not chosen:
+        return None
+    cells = [(f"task {i} · reward {scores[i]:.2f}", completion_part(texts[i]).solid)
+             for i in chosen]  # fmt: skip
+    columns = min(len(cells), 4)
+    if not paths.is_remote(path):
+        return render_grid(cells, os.fspath(paths.path(path)), columns=columns)
+    with tempfile.TemporaryDirectory() as local:
+        paths.upload(render_grid(cells, os.path.join(local, "renders.png"), columns=columns), path)
+    return path
 
 
 @functools.cache

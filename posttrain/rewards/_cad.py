@@ -138,6 +138,12 @@ def run_script(code: str, *, timeout_s: float = 10.0, memory_mb: int = 256) -> S
     return ScriptResult(solid, "", printed)
 
 
+def completion_part(completion: str, **limits) -> ScriptResult:
+    """Runs a completion's script (its last ```python block, else the whole text) and builds
+    its part (`run_script`; `limits`: timeout_s, memory_mb)."""
+    return run_script(extract_code(completion) or completion, **limits)
+
+
 def cad_reward(
     record: Mapping, completion: str, *, timeout_s: float = 10.0, memory_mb: int = 256
 ) -> tuple[float, dict]:
@@ -162,8 +168,7 @@ def cad_reward(
         tolerance=float(record.get("tolerance", CADTask.tolerance)),
         weights=tuple(dict(weights).items()),
     )
-    code = extract_code(completion) or completion
-    result = run_script(code, timeout_s=timeout_s, memory_mb=memory_mb)
+    result = completion_part(completion, timeout_s=timeout_s, memory_mb=memory_mb)
     parts = score(result.solid, target, task) if result.solid is not None else None
     if parts is None:
         parts = {**dict.fromkeys(dict(task.weights), 0.0), "total": 0.0}

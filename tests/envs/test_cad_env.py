@@ -41,3 +41,21 @@ def test_a_multi_turn_episode_sees_each_part_then_is_scored():
     assert step.done and step.reward is None  # the record's cad domain scores the answer
     total, _ = default_registry().score(task, final)
     assert total == pytest.approx(1.0)
+
+
+def test_with_render_dir_each_part_built_comes_with_its_render(tmp_path):
+    from PIL import Image
+
+    task = make_cad_task(0, 1)
+    env = make_env("cad", task, render_dir=str(tmp_path / "renders"))
+    env.reset()
+    step = env.step(_turn(a=task["reference"], b="import cad\ncad.show(cad.box(-1, 1, 1))\n"))
+    built, failed = step.observations
+    assert "1 through-hole(s)" in built["content"] and len(built["images"]) == 1
+    image = Image.open(built["images"][0])
+    assert image.format == "PNG" and image.size == (512, 512)
+    assert built["images"][0].startswith(str(tmp_path / "renders"))
+    assert "images" not in failed  # no part, no render
+    plain = make_env("cad", task)
+    plain.reset()
+    assert "images" not in plain.step(_turn(a=task["reference"])).observations[0]

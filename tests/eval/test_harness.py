@@ -5,6 +5,7 @@ per-checkpoint report, periodic evaluation inside training and `posttrain eval`.
 import csv
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -323,3 +324,40 @@ def test_a_checkpoint_sharded_over_fsdp_and_tensor_evaluates_and_generates_as_on
     with pytest.raises(UserError, match="--mesh='fsdp=3'"):
         generate_cli(["posttrain generate", f"--model={run['workdir']}", "--prompt=1",
                       "--mesh=fsdp=3"])  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (the cad sandbox)")
+def test_a_cad_task_draws_its_completions_parts_in_the_report(tmp_path, gcs_bucket):
+    """A target task of `cad` records saves a grid of the parts its first `renders` greedy
+    completions build, per checkpoint: a random model's build none ("no part" cells, no part
+    colour); a completion that is the reference script draws its part."""
+    from PIL import Image
+
+    from posttrain import paths
+    from posttrain.eval._tasks import write_cad_renders
+    from posttrain.models import Transformer, get_preset, to_hf
+    from posttrain.rewards._cad_tasks import make_cad_task
+
+    def part_colour(rgb):
+        return rgb[..., 2].astype(int) - rgb[..., 0] > 40
+
+    tasks = [make_cad_task(i, 1) for i in range(3)]
+    (tmp_path / "cad.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    to_hf(Transformer.init(get_preset("tiny"), 0), str(tmp_path / "hf"))
+    task = {"path": str(tmp_path / "cad.jsonl"), "max_new_tokens": 4, "renders": 2}
+    rows = evaluate_checkpoints(str(tmp_path / "hf"), {"target": {"cad": task}, "progress": False},
+                                tokenizer=str(ASSETS_DIR / "tokenizer"),
+                                out_dir=str(tmp_path / "eval"))  # fmt: skip
+    assert rows[0]["metrics"]["target/cad/accuracy"] == 0.0
+    grid = np.asarray(Image.open(tmp_path / "eval" / "renders" / "cad_model.png").convert("RGB"))
+    assert grid.shape == (256, 2 * 256, 3) and not part_colour(grid).any()
+    texts = [f"```python\n{tasks[0]['reference']}```", "", "not a script"]
+    path = write_cad_renders(["cad", "math", "cad"], texts, np.array([1.0, 0.0, 0.0]),
+                             str(tmp_path / "direct" / "grid.png"), limit=8)  # fmt: skip
+    grid = np.asarray(Image.open(path).convert("RGB"))
+    assert grid.shape == (256, 2 * 256, 3)  # the two cad records
+    assert part_colour(grid[:, :256]).any() and not part_colour(grid[:, 256:]).any()
+    assert write_cad_renders(["math"], [""], np.zeros(1), str(tmp_path / "n.png"), limit=8) is None
+    local = write_cad_renders(["cad"], texts[:1], np.ones(1), str(tmp_path / "g.png"), limit=1)
+    remote = write_cad_renders(["cad"], texts[:1], np.ones(1), f"{gcs_bucket}/r/g.png", limit=1)
+    assert paths.path(remote).read_bytes() == open(local, "rb").read()  # via a local temp file
