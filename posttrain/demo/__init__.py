@@ -14,6 +14,7 @@ from posttrain.rewards import integer_correct as is_correct
 __all__ = [
     "ASSETS_DIR",
     "build_assets",
+    "build_cad_assets",
     "build_tokenizer",
     "extract_answer",
     "is_correct",
@@ -21,6 +22,7 @@ __all__ = [
     "make_problem",
     "preference_pairs",
     "problem_key",
+    "run_cad_demo",
     "run_demo",
 ]
 
@@ -32,4 +34,8 @@ def __getattr__(name):
         from posttrain.demo import _run
 
         return getattr(_run, name)
+    if name in ("build_cad_assets", "run_cad_demo"):
+        from posttrain.demo import _cad
+
+        return getattr(_cad, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import time
 from collections.abc import Sequence
@@ -29,6 +30,9 @@ from posttrain.demo._assets import SPECIAL_TOKENS, VOCAB_SIZE, _config
 from posttrain.demo._calculator import CALCULATOR_TEMPLATE
 from posttrain.rewards._cad_tasks import cad_sft_record, make_cad_task
 
+# The demo's SFT chats: half of their scripts leave out cad.show (see build_cad_assets), a
+# flaw SFT imitates and GRPO, rewarded only for parts built, learns away.
+UNSHOWN = 0.5
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cad.py")
 
 
@@ -60,6 +64,13 @@ def _prompt_record(task: dict) -> dict:
     (not the reference script)."""
     keep = ("target", "holes", "level", "family", "domain")
     return {"prompt": [{"role": "user", "content": task["prompt"]}], **{k: task[k] for k in keep}}
+
+
+def _unshown(task: dict) -> dict:
+    """`task` with its reference script's final `cad.show(part)` line left out."""
+    code = task["reference"]
+    assert code.endswith("cad.show(part)\n"), code
+    return {**task, "reference": code[: -len("cad.show(part)\n")]}
 
 
 def make_cad_tasks(n: int, seed: int, levels: Sequence[int], *, exclude=()) -> list[dict]:
@@ -112,11 +123,14 @@ def build_cad_assets(
     n_eval: int = 64,
     levels: Sequence[int] = (1, 2, 3),
     seed: int = 0,
+    unshown: float = 0.0,
     progress: bool = False,
 ) -> dict[str, str]:
     """Writes `tokenizer/`, `sft.jsonl`, `trajectories.jsonl`, `train.jsonl` and `eval.jsonl`
     (see the module docstring) into `out_dir`; the same bytes for the same arguments. Held-out
-    tasks are drawn first, so they stay the same when the other sizes change.
+    tasks are drawn first, so they stay the same when the other sizes change. `unshown`: the
+    share of SFT chats whose script leaves out its final `cad.show(part)` (flawed data, as
+    scripts written for other CAD APIs end in a bare part; such a script builds nothing).
 
     Returns:
       {"tokenizer", "sft", "trajectories", "train", "eval"}: the paths.
@@ -131,8 +145,9 @@ def build_cad_assets(
     sft = make_cad_tasks(n_sft, base + 3_000_000, levels, exclude=held_out)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    flawed = random.Random(f"unshown-{seed}")
     rows = {
-        "sft": [cad_sft_record(t) for t in sft],
+        "sft": [cad_sft_record(_unshown(t) if flawed.random() < unshown else t) for t in sft],
         "trajectories": [
             cad_trajectory(t) for t in tqdm(sft, "trajectories", disable=not progress)
         ],
@@ -229,7 +244,7 @@ def run_cad_demo(
     console = Console()
     for stale in ("sft", "grpo"):  # a demo starts from scratch (a workdir would resume)
         shutil.rmtree(os.path.join(workdir, stale), ignore_errors=True)
-    assets = assets or build_cad_assets(os.path.join(workdir, "assets"))
+    assets = assets or build_cad_assets(os.path.join(workdir, "assets"), unshown=UNSHOWN)
     tokenizer = load_tokenizer(assets["tokenizer"])
     held_out = [json.loads(line) for line in open(assets["eval"])]
 
@@ -280,7 +295,10 @@ def run_cad_demo(
     console.print("sampled: 8 scripts per task at temperature 1, as in training")
     if renders:
         result["renders"] = render_before_after(
-            held_out[:renders], before, after, os.path.join(workdir, "renders.png")
+            held_out[:renders],
+            before[:renders],
+            after[:renders],
+            os.path.join(workdir, "renders.png"),
         )
         console.print(f"renders (greedy scripts): {result['renders']}")
     return result

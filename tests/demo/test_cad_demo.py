@@ -3,6 +3,7 @@ SFT trajectories that say what the `cad` environment says, and GRPO that raises 
 CAD reward of the SFT model (slow)."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -71,7 +72,30 @@ def test_trajectories_show_what_the_environment_answers(tmp_path):
 @pytest.mark.slow
 @needs_bwrap
 def test_grpo_raises_the_held_out_cad_reward(tmp_path):
-    result = run_cad_demo(str(tmp_path), renders=4)
+    # The demo on half its GRPO budget (20 steps): 0.258 -> 0.524 sampled and 0.157 -> 0.817
+    # greedy at 40 steps on the 2-core EPYC of 2026-12-03 (docs/cad.md).
+    result = run_cad_demo(str(tmp_path), rl_overrides={"train.steps": 20}, renders=4)
     sft, rl = result["sft"], result["rl"]
-    assert rl["reward"] > sft["reward"] + 0.05, (sft, rl)
-    assert result["renders"].endswith("renders.png")
+    assert rl["sampled"]["reward"] > sft["sampled"]["reward"] + 0.08, (sft, rl)
+    assert rl["greedy"]["reward"] > sft["greedy"]["reward"] + 0.3, (sft, rl)
+    assert rl["greedy"]["valid"] > sft["greedy"]["valid"]  # it learnt to show its part
+    assert os.path.getsize(result["renders"]) > 0
+
+
+def test_unshown_leaves_cad_show_out_of_that_share_of_sft_scripts_only(tmp_path):
+    sizes = {"n_sft": 40, "n_train": 2, "n_eval": 2, "levels": (1, 2, 3)}
+    clean = _rows(build_cad_assets(tmp_path / "clean", **sizes)["sft"])
+    paths = build_cad_assets(tmp_path / "flawed", unshown=0.5, **sizes)
+    flawed = _rows(paths["sft"])
+    shown = ["cad.show(part)" in r["messages"][1]["content"] for r in flawed]
+    assert 10 <= shown.count(False) <= 30 and all(
+        "cad.show(part)" in r["messages"][1]["content"] for r in clean
+    )
+    for c, f, s in zip(clean, flawed, shown, strict=True):  # the same tasks, one line less
+        answer = c["messages"][1]["content"]
+        assert f["messages"][1]["content"] == (
+            answer if s else answer.replace("cad.show(part)\n", "")
+        )
+    assert all(
+        "cad.show(part)" in r["messages"][-1]["content"] for r in _rows(paths["trajectories"])
+    )

@@ -72,3 +72,14 @@ def test_a_shape_that_tips_over_is_not_stable():
 def test_an_empty_result_scores_zero_everywhere():
     got = score(m3d.Manifold(), _plate(), TASK)
     assert got == {**dict.fromkeys(DEFAULT_WEIGHTS, 0.0), "total": 0.0}
+
+
+def test_a_non_manifold_edge_costs_single_body():
+    # Two cubes sharing only an edge: the textbook non-manifold solid. The kernel keeps every
+    # result 2-manifold by splitting such an edge, so it reads as two bodies touching there.
+    cube = m3d.Manifold.cube([10.0, 10.0, 10.0])
+    edge_joined = cube + cube.translate([10.0, 10.0, 0.0])
+    assert measure(edge_joined).bodies == 2
+    got = score(edge_joined, edge_joined, CADTask())
+    assert got["single_body"] == 0 and got["iou"] == 1 and got["valid"] == 1
+    assert got["total"] == pytest.approx(1 - DEFAULT_WEIGHTS["single_body"] / WEIGHT)
