@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -50,7 +51,9 @@ Check the result again: mistakes in one column change every column to its left.
 _PROBLEMS_SEED = 1234  # the problems the tokenizer trains on (its merges barely depend on them)
 
 
-def build_tokenizer(out_dir: str | Path) -> str:
+def build_tokenizer(
+    out_dir: str | Path, *, texts: Iterable[str] | None = None, chat_template: str | None = None
+) -> str:
     """Trains the demo tokenizer and writes it as a Hugging Face tokenizer directory.
 
     Byte-level BPE with exactly `VOCAB_SIZE` entries: the special tokens <|endoftext|> (pad),
@@ -59,6 +62,8 @@ def build_tokenizer(out_dir: str | Path) -> str:
 
     Args:
       out_dir: the directory to write tokenizer.json and tokenizer_config.json into.
+      texts: what the merges are learnt on (default: the arithmetic task and the English).
+      chat_template: the chat template to ship (default: `_config()`'s ChatML).
 
     Returns:
       The directory, for `posttrain.data.load_tokenizer` or `AutoTokenizer.from_pretrained`.
@@ -76,14 +81,15 @@ def build_tokenizer(out_dir: str | Path) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_text(), trainer)
+    tokenizer.train_from_iterator(_training_text() if texts is None else texts, trainer)
     if (size := tokenizer.get_vocab_size(with_added_tokens=True)) != VOCAB_SIZE:
         raise RuntimeError(f"the tokenizer has {size} tokens, not {VOCAB_SIZE}; add _ENGLISH text")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
-    _write_text(out / "tokenizer_config.json", json.dumps(_config(), indent=2, sort_keys=True))
+    config = _config() if chat_template is None else {**_config(), "chat_template": chat_template}
+    _write_text(out / "tokenizer_config.json", json.dumps(config, indent=2, sort_keys=True))
     return str(out)
 
 

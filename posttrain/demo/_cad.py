@@ -24,9 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-from posttrain.demo._assets import SPECIAL_TOKENS, VOCAB_SIZE, _config
+from posttrain.demo._assets import build_tokenizer
 from posttrain.demo._calculator import CALCULATOR_TEMPLATE
 from posttrain.rewards._cad_tasks import cad_sft_record, make_cad_task
 
@@ -91,28 +89,10 @@ def make_cad_tasks(n: int, seed: int, levels: Sequence[int], *, exclude=()) -> l
 
 
 def build_cad_tokenizer(out_dir: str | Path, texts: Sequence[str]) -> str:
-    """A byte-level BPE tokenizer of exactly `VOCAB_SIZE` entries learnt on `texts` (digits
-    single tokens, so numbers are spelled out), with ChatML and tool calls
+    """The demo's byte-level BPE tokenizer (`VOCAB_SIZE` entries, digits single tokens, so
+    numbers are spelled out) learnt on `texts`, with ChatML and tool calls
     (`CALCULATOR_TEMPLATE`); returns its directory."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(False)]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = {**_config(), "chat_template": CALCULATOR_TEMPLATE}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    return str(out)
+    return build_tokenizer(out_dir, texts=texts, chat_template=CALCULATOR_TEMPLATE)
 
 
 def build_cad_assets(
