@@ -9,9 +9,11 @@ final script) and the RL prompt files `train.jsonl` and `eval.jsonl` (held-out t
 descriptions occur in no other file; SFT and RL tasks may share descriptions: level 1 has
 3,960 distinct plates). Everything is reproducible from its arguments.
 
-`run_cad_demo` trains the tiny model from scratch on `sft.jsonl` (`configs/cad.py:sft`), then
-GRPO from it (`configs/cad.py:grpo`), and reports the held-out mean CAD reward and its parts
-before and after, with a grid of renders of the same held-out tasks before and after GRPO.
+`run_cad_demo` trains the tiny model from scratch on `sft.jsonl` (`configs/cad.py:sft`; the
+demo's chats leave `cad.show` out of half the scripts, `UNSHOWN`), then GRPO from it
+(`configs/cad.py:grpo`), and reports the held-out mean CAD reward and its parts before and
+after, sampled and greedy, with a grid of renders of the same held-out tasks before and after
+GRPO (docs/cad.md).
 """
 
 from __future__ import annotations
