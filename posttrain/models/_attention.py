@@ -26,14 +26,15 @@ def _target_platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
-def resolve_impl(impl: str, dtype=None) -> str:
+def resolve_impl(impl: str, dtype=None, softcap: bool = False) -> str:
     """Turns `auto` into the fastest implementation for the target and the compute `dtype`
-    (cuDNN's fused kernel takes 16-bit inputs only: float32 models use XLA on GPU); checks
-    explicit choices."""
+    (cuDNN's fused kernel takes 16-bit inputs only and no logit soft-capping: those models
+    use XLA on GPU); checks explicit choices."""
     platform = _target_platform()
     half = dtype is None or jnp.dtype(dtype).itemsize == 2
     if impl == "auto":
-        return {"gpu": "cudnn" if half else "xla", "tpu": "splash"}.get(platform, "xla")
+        gpu = "cudnn" if half and not softcap else "xla"
+        return {"gpu": gpu, "tpu": "splash"}.get(platform, "xla")
     wanted = {"cudnn": "gpu", "splash": "tpu"}.get(impl)
     if wanted is not None and platform != wanted:
         raise ValueError(
@@ -61,6 +62,7 @@ def attention(
     impl: str = "xla",
     self_attention: bool = False,
     scale: float | None = None,
+    softcap: float = 0.0,
     context_parallel: str = "ring",
 ):
     """Scaled dot-product attention of queries over keys, causal by position.
@@ -77,6 +79,7 @@ def attention(
         each document (training rows, packed or padded). The XLA path then skips key blocks
         that lie after each query block (all masked), as the fused kernels do.
       scale: multiplies the scores; default `1/sqrt(H)`.
+      softcap: if > 0, the scaled scores become `softcap * tanh(scores / softcap)` (Gemma 2).
       context_parallel: "ring" or "all_gather": how self-attention reaches the other devices'
         keys when the rows' length is sharded (the `sequence` axis); any `impl` then runs as
         blocked XLA attention per shard (`posttrain.models._context`).
@@ -87,28 +90,40 @@ def attention(
     H, Hv = q_BLNH.shape[-1], v_BSKH.shape[-1]
     scale = H**-0.5 if scale is None else scale
     args = (q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window)
+    if softcap and impl == "cudnn":
+        raise ValueError("attention='cudnn' has no logit soft-capping; use 'xla' or 'flash'")
     if self_attention and length_axes(q_BLNH):
+        if softcap:
+            raise ValueError("context parallelism does not soft-cap attention logits yet")
         return context_parallel_attention(
             q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, mode=context_parallel
         )
     if impl == "flash":
-        return flash_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale)
+        return flash_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, softcap=softcap)
     if impl == "xla":
         if self_attention:
-            return _xla_causal_blocks(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale)
-        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale)
+            return _xla_causal_blocks(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, softcap=softcap)
+        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, softcap=softcap)
     if impl not in ("cudnn", "splash"):
         raise ValueError(f"unknown attention implementation {impl!r}")
     if Hv < H:  # the fused kernels want one head dim: pad the values, drop the padding after
         v_BSKH = jnp.pad(v_BSKH, ((0, 0), (0, 0), (0, 0), (0, H - Hv)))
     elif Hv > H:
         raise ValueError(f"value head dim {Hv} above the query/key head dim {H} (use xla)")
-    fused = _cudnn_attention if impl == "cudnn" else _splash_attention
-    out = fused(q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window, scale)
+    if impl == "cudnn":
+        out = _cudnn_attention(
+            q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window, scale
+        )
+    else:
+        out = _splash_attention(
+            q_BLNH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, window, scale, softcap
+        )
     return out[..., :Hv]
 
 
-def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, *, scale):
+def _xla_attention(
+    q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, *, scale, softcap=0.0
+):
     # Batched 3-D matmuls with (batch x kv-head) leading and an additive mask: XLA:CPU runs
     # these far faster than 5-D einsums with a select, and the additive mask needs nothing
     # saved for the backward pass. Each kv head serves its G query heads as G*L rows.
@@ -124,6 +139,8 @@ def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window,
         )
         * scale
     )
+    if softcap:
+        scores_XRS = softcap * jnp.tanh(scores_XRS / softcap)
     mask_BLS = attention_mask(q_pos, kv_pos, q_seg, kv_seg, window)
     bias_B11LS = jnp.where(mask_BLS, 0.0, _MASKED)[:, None, None]
     scores_BKGLS = scores_XRS.reshape(B, K, G, L, S) + bias_B11LS
@@ -133,7 +150,18 @@ def _xla_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window,
 
 
 def _xla_causal_blocks(
-    q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, *, scale, block: int = 32
+    q_BLNH,
+    k_BSKH,
+    v_BSKH,
+    q_pos,
+    kv_pos,
+    q_seg,
+    kv_seg,
+    window,
+    *,
+    scale,
+    softcap=0.0,
+    block: int = 32,
 ):
     """Self-attention by query blocks, each over only the keys it can see: keys after the
     block are causally masked, keys before `start - window` fall outside the window. Saves
@@ -141,7 +169,16 @@ def _xla_causal_blocks(
     L = q_BLNH.shape[1]
     if L <= block:
         return _xla_attention(
-            q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, scale=scale
+            q_BLNH,
+            k_BSKH,
+            v_BSKH,
+            q_pos,
+            kv_pos,
+            q_seg,
+            kv_seg,
+            window,
+            scale=scale,
+            softcap=softcap,
         )
     outs = []
     for start in range(0, L, block):
@@ -158,6 +195,7 @@ def _xla_causal_blocks(
                 kv_seg[:, lo:stop],
                 window,
                 scale=scale,
+                softcap=softcap,
             )
         )
     return jnp.concatenate(outs, axis=1)
@@ -177,7 +215,7 @@ def _cudnn_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window, scale):
     )
 
 
-def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window, scale):
+def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window, scale, softcap=0.0):
     L, S = q_BLNH.shape[1], k_BSKH.shape[1]
     if L % 128 or S % 128:
         raise ValueError(
@@ -185,7 +223,7 @@ def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window, scale):
             f"got {L} and {S}; pad the batch or set model.attention='xla'"
         )
     mesh = jax.sharding.get_abstract_mesh()
-    local = functools.partial(_splash_local, window=window, scale=scale)
+    local = functools.partial(_splash_local, window=window, scale=scale, softcap=softcap)
     if mesh.empty:
         return local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg)
     # Pallas kernels see one device's block: batch and heads stay sharded, length is gathered.
@@ -204,7 +242,7 @@ def _splash_attention(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, window, scale):
     )(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg)
 
 
-def _splash_local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, *, window, scale):
+def _splash_local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, *, window, scale, softcap=0.0):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -215,7 +253,12 @@ def _splash_local(q_BLNH, k_BSKH, v_BSKH, q_seg, kv_seg, *, window, scale):
     _, L, N, H = q_BLNH.shape
     S = k_BSKH.shape[1]
     base = masks.LocalMask((L, S), (window - 1, 0), 0) if window else masks.CausalMask((L, S))
-    kernel = splash.make_splash_mha(masks.MultiHeadMask([base] * N), head_shards=1, q_seq_shards=1)
+    kernel = splash.make_splash_mha(
+        masks.MultiHeadMask([base] * N),
+        head_shards=1,
+        q_seq_shards=1,
+        attn_logits_soft_cap=softcap or None,
+    )
     q_BNLH = (q_BLNH * scale).astype(q_BLNH.dtype).transpose(0, 2, 1, 3)
     k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
     segments = splash.SegmentIds(q=q_seg, kv=kv_seg)

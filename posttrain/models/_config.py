@@ -11,6 +11,7 @@ from posttrain.models._nnx import NNXSpec, nnx_num_params
 ATTENTION_IMPLS = ("auto", "xla", "flash", "cudnn", "splash")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen) | GeGLU with tanh GELU (Gemma)
 CONTEXT_PARALLEL = ("ring", "all_gather")
 
 
@@ -163,6 +164,16 @@ class ModelConfig:
     # head_dim = qk_nope_head_dim + qk_rope_head_dim are then implied; set them so).
     mla: MLAConfig | None = None
     tie_embeddings: bool = False  # lm_head shares the input embedding
+    # Gemma 2/3. Norms scale by (norm_offset + weight), in float32 (Gemma: 1, weights start
+    # at 0); post_norms adds a norm on the attention and MLP outputs before each residual add;
+    # embed_scale multiplies the embeddings by sqrt(embed_dim) (in the compute dtype).
+    norm_offset: float = 0.0
+    post_norms: bool = False
+    embed_scale: bool = False
+    mlp_activation: str = "silu"  # the gate's activation, one of MLP_ACTIVATIONS
+    attn_scale: float | None = None  # multiplies q.k; None: head_dim**-0.5
+    attn_softcap: float = 0.0  # > 0: scores become cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float = 0.0  # > 0: the same on the vocabulary logits (Gemma 2)
     param_dtype: str = "float32"  # storage dtype of the weights
     compute_dtype: str = "float32"  # matmul/activation dtype; "bfloat16" for speed
     remat: str = "none"  # rematerialisation policy per layer, one of REMAT_POLICIES
@@ -254,6 +265,22 @@ class ModelConfig:
                     f"batch_invariant has its own attention: set attention='auto', not "
                     f"{self.attention!r}"
                 )
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            fail(f"mlp_activation={self.mlp_activation!r}; choose one of {MLP_ACTIVATIONS}")
+        if self.norm_offset not in (0.0, 1.0):
+            fail(f"norm_offset must be 0 or 1 (Gemma), got {self.norm_offset}")
+        if self.attn_softcap < 0 or self.final_softcap < 0:
+            fail("attn_softcap and final_softcap must be >= 0 (0: off)")
+        if self.attn_scale is not None and self.attn_scale <= 0:
+            fail(f"attn_scale must be positive or None, got {self.attn_scale}")
+        gemma = self.norm_offset or self.post_norms or self.attn_softcap or self.attn_scale
+        if gemma and (self.mla is not None or self.batch_invariant):
+            fail(
+                "norm_offset, post_norms, attn_scale and attn_softcap (Gemma) run without "
+                "mla and batch_invariant"
+            )
+        if self.attn_softcap and self.attention in ("cudnn",):
+            fail("attention='cudnn' has no logit soft-capping; set attention='auto' or 'xla'")
         if self.sliding_window_layers is not None:
             bad = [i for i in self.sliding_window_layers if not 0 <= i < self.num_layers]
             if bad:
@@ -268,6 +295,11 @@ class ModelConfig:
             return (self.sliding_window,) * self.num_layers
         sliding = set(self.sliding_window_layers)
         return tuple(self.sliding_window if i in sliding else 0 for i in range(self.num_layers))
+
+    @property
+    def scale(self) -> float:
+        """What attention multiplies q.k by."""
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
 
     @property
     def dtype(self) -> jnp.dtype:

@@ -37,14 +37,17 @@ def attention_mask(
     return mask
 
 
-def _scores(q_BLNH, k_BSKH, mask_BLS, scale):
-    """Scores `[B, K, G, L, S]` float32 of each kv head's G query heads, `_MASKED` where the
-    mask hides the key."""
+def _scores(q_BLNH, k_BSKH, mask_BLS, scale, softcap=0.0):
+    """Scores `[B, K, G, L, S]` float32 of each kv head's G query heads (soft-capped when
+    `softcap` > 0), `_MASKED` where the mask hides the key."""
     B, L, N, H = q_BLNH.shape
     K = k_BSKH.shape[2]
     q_BKGLH = q_BLNH.reshape(B, L, K, N // K, H).transpose(0, 2, 3, 1, 4)
     s_BKGLS = jnp.einsum("BKGLH,BSKH->BKGLS", q_BKGLH, k_BSKH, preferred_element_type=jnp.float32)
-    return jnp.where(mask_BLS[:, None, None], s_BKGLS * scale, _MASKED)
+    s_BKGLS = s_BKGLS * scale
+    if softcap:
+        s_BKGLS = softcap * jnp.tanh(s_BKGLS / softcap)
+    return jnp.where(mask_BLS[:, None, None], s_BKGLS, _MASKED)
 
 
 def _weighted_values(p_BKGLS, v_BSKH):
@@ -62,11 +65,11 @@ def _per_query(x_BKGL):
     return x_BKGL.transpose(0, 3, 1, 2).reshape(B, L, K * G)
 
 
-def block_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, *, scale):
+def block_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, *, scale, softcap=0.0):
     """Attention of the queries over these keys only: `(out [B, L, N, Hv] float32, lse [B, L, N])`
     with lse the log of the softmax normaliser over the visible keys (`_MASKED` where a query
     sees none of them, out 0 there)."""
-    s_BKGLS = _scores(q_BLNH, k_BSKH, mask_BLS, scale)
+    s_BKGLS = _scores(q_BLNH, k_BSKH, mask_BLS, scale, softcap)
     m_BKGL = jnp.max(s_BKGLS, axis=-1)
     p_BKGLS = jnp.where(mask_BLS[:, None, None], jnp.exp(s_BKGLS - m_BKGL[..., None]), 0.0)
     l_BKGL = jnp.sum(p_BKGLS, axis=-1)
@@ -109,24 +112,26 @@ def _blocks(x, size: int, fill):
 
 
 def flash_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window: int, *,
-                    scale: float, block_q: int = 512, block_k: int = 512):  # fmt: skip
+                    scale: float, softcap: float = 0.0, block_q: int = 512,
+                    block_k: int = 512):  # fmt: skip
     """Causal attention by position with packing and windows (as `attention(impl="xla")`), in
     query and key blocks with rematerialised bodies; `[B, L, N, Hv]` in q's dtype."""
     args = (q_pos, kv_pos, q_seg, kv_seg, window)
-    out, _ = flash_partial(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, block_q=block_q,
-                           block_k=block_k)  # fmt: skip
+    out, _ = flash_partial(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, softcap=softcap,
+                           block_q=block_q, block_k=block_k)  # fmt: skip
     return out.astype(q_BLNH.dtype)
 
 
 def flash_partial(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window: int, *,
-                  scale: float, block_q: int = 512, block_k: int = 512):  # fmt: skip
+                  scale: float, softcap: float = 0.0, block_q: int = 512,
+                  block_k: int = 512):  # fmt: skip
     """`flash_attention` as a partial result over these keys: `(out float32, lse)` as
     `block_attention` returns them, for `merge_partials` with other keys' (ring attention)."""
     B, _, N, _ = q_BLNH.shape
     Hv = v_BSKH.shape[3]
 
     def tile(carry, q, k, v, mask, _):
-        return merge_partials(*carry, *block_attention(q, k, v, mask, scale=scale))
+        return merge_partials(*carry, *block_attention(q, k, v, mask, scale=scale, softcap=softcap))
 
     init = lambda bq: (jnp.zeros((B, bq, N, Hv), jnp.float32), jnp.full((B, bq, N), _MASKED))  # noqa: E731
     args = (q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k)

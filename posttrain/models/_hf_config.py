@@ -10,8 +10,11 @@ from posttrain import paths
 from posttrain.errors import UserError
 from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma2",
+)  # fmt: skip
 _ARCHITECTURES = {
+    "gemma2": "Gemma2ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -111,7 +114,14 @@ def config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> Mod
             f"{source}: {method} quantized weights are not supported; dequantize the checkpoint "
             f"(e.g. to bfloat16) first"
         )
-    if hf.get("hidden_act", "silu") != "silu":
+    gemma = model_type == "gemma2"
+    if gemma:
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise HFFormatError(
+                f"{source}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)"
+            )
+    elif hf.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
     if hf.get("mlp_bias"):
         raise HFFormatError(f"{source}: mlp_bias=true is not supported")
@@ -123,7 +133,14 @@ def config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> Mod
     mla = _mla_from_hf(hf, source) if model_type == "deepseek_v3" else None
 
     window, window_layers = hf.get("sliding_window"), None
-    if model_type in ("qwen2", "qwen3"):
+    if gemma:  # as transformers' Gemma2Config: every other layer slides, from the first
+        layer_types = hf.get("layer_types") or [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)
+        ]
+        window_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        if window is None or not window_layers:
+            window, window_layers = None, None
+    elif model_type in ("qwen2", "qwen3"):
         layer_types = hf.get("layer_types")
         if layer_types:
             window_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
@@ -158,10 +175,57 @@ def config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> Mod
         moe=moe,
         first_k_dense=first_k_dense,
         mla=mla,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         name=hf.get("_name_or_path") or model_type,
+        **(_gemma_from_hf(hf) if gemma else {}),
     )
     return config.replace(**overrides) if overrides else config
+
+
+def _gemma_from_hf(hf: dict) -> dict:
+    """The `ModelConfig` fields of Gemma 2's layer (transformers' defaults where unset)."""
+    attn_cap, final_cap = (
+        hf.get("attn_logit_softcapping", 50.0),
+        hf.get("final_logit_softcapping", 30.0),
+    )
+    return dict(
+        norm_offset=1.0,
+        post_norms=True,
+        embed_scale=True,
+        mlp_activation="gelu_tanh",
+        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attn_softcap=float(attn_cap or 0.0),
+        final_softcap=float(final_cap or 0.0),
+    )
+
+
+def _gemma_to_hf(config: ModelConfig) -> dict:
+    """Gemma 2's `config.json` fields; ValueError for a config the HF type cannot say."""
+    unsupported = {
+        "norm_offset != 1": config.norm_offset != 1,
+        "no embed_scale": not config.embed_scale,
+        "a SwiGLU (mlp_activation silu)": config.mlp_activation != "gelu_tanh",
+        "qkv or output biases": config.qkv_bias or config.o_bias,
+        "qk_norm": config.qk_norm,
+        "experts": config.moe is not None,
+        "sliding windows on every layer": (
+            config.sliding_window is not None and config.sliding_window_layers is None
+        ),
+    }
+    bad = [what for what, present in unsupported.items() if present]
+    if bad:
+        raise ValueError(f"model {config.name!r} cannot be written as HF gemma2: it has {bad}")
+    scalar = config.scale**-2
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+        "attn_logit_softcapping": config.attn_softcap or None,
+        "final_logit_softcapping": config.final_softcap or None,
+        "sliding_window": config.sliding_window,
+        "layer_types": [
+            "sliding_attention" if w else "full_attention" for w in config.layer_windows
+        ],
+    }
 
 
 def _moe_from_hf(hf: dict, model_type: str, source: str) -> tuple[MoEConfig | None, int]:
@@ -329,6 +393,8 @@ def hf_model_type(config: ModelConfig) -> str:
         )
     if config.mla is not None:
         return "deepseek_v3"
+    if config.post_norms:
+        return "gemma2"
     if config.moe is not None:
         return "qwen3_moe"
     if config.qk_norm:
@@ -344,6 +410,20 @@ def hf_model_type(config: ModelConfig) -> str:
 
 def config_to_hf(config: ModelConfig, dtype: str) -> dict:
     model_type = hf_model_type(config)
+    gemma_fields = {
+        "norm_offset": config.norm_offset != 0,
+        "embed_scale": config.embed_scale,
+        "mlp_activation": config.mlp_activation != "silu",
+        "attn_scale": config.attn_scale is not None,
+        "attn_softcap": config.attn_softcap > 0,
+        "final_softcap": config.final_softcap > 0,
+    }
+    if model_type != "gemma2" and any(gemma_fields.values()):
+        set_ = [name for name, present in gemma_fields.items() if present]
+        raise ValueError(
+            f"model {config.name!r} sets {', '.join(set_)} without post_norms: no HF "
+            f"architecture has that layer (Gemma 2 has post_norms too)"
+        )
     if model_type == "qwen2" and config.o_bias:
         raise ValueError("an output-projection bias with sliding windows has no HF equivalent")
     hf = {
@@ -378,6 +458,9 @@ def config_to_hf(config: ModelConfig, dtype: str) -> dict:
     elif model_type == "qwen3_moe":
         hf["use_sliding_window"] = config.sliding_window is not None
         hf["sliding_window"] = config.sliding_window
+    elif model_type == "gemma2":
+        del hf["hidden_act"]
+        hf.update(_gemma_to_hf(config))
     if model_type in ("qwen3_moe", "deepseek_v3"):
         hf.update(_sparse_to_hf(config, model_type))
     return hf

@@ -99,9 +99,18 @@ def _stack(block: list[HFTensor], name: str, first_layer: int) -> list[HFTensor]
 def _block(c: ModelConfig, layout: CheckpointLayout, moe: bool) -> list[HFTensor]:
     """One decoder layer's tensors, paths relative to the stack."""
     D, layer = c.embed_dim, "model.layers.{i}."
+    # Gemma's post-norm layers name their four norms by place; a pre-norm layer's second norm
+    # is its "post_attention_layernorm".
+    norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    if c.post_norms:
+        norms = {
+            "attn_norm": "input_layernorm",
+            "attn_post_norm": "post_attention_layernorm",
+            "mlp_norm": "pre_feedforward_layernorm",
+            "mlp_post_norm": "post_feedforward_layernorm",
+        }
     table = [
-        HFTensor(("attn_norm",), layer + "input_layernorm.weight", (D,), _same, _same),
-        HFTensor(("mlp_norm",), layer + "post_attention_layernorm.weight", (D,), _same, _same),
+        HFTensor((ours,), f"{layer}{hf}.weight", (D,), _same, _same) for ours, hf in norms.items()
     ]
     table += _mla(c, layout) if c.mla is not None else _attention(c)
     table += _moe(c) if moe else _mlp(("mlp",), layer + "mlp.", D, c.mlp_dim)

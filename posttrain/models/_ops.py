@@ -35,8 +35,11 @@ def dense(x, w, contract: int = 1, preferred_element_type=None):
     return y.reshape(*lead, *out)
 
 
-def rms_norm(x, scale, eps: float):
-    """HF-exact RMSNorm: normalise in float32, cast back, then scale."""
+def rms_norm(x, scale, eps: float, offset: float = 0.0):
+    """HF-exact RMSNorm: normalise in float32, cast back, then scale. With an `offset` (Gemma's
+    `1 + weight`), the scaling is in float32 too, as Gemma's norm does it."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + scale.astype(jnp.float32))).astype(x.dtype)
     return scale.astype(x.dtype) * normed.astype(x.dtype)

@@ -34,19 +34,24 @@ def _attention_specs(c: ModelConfig, T: int) -> dict:
     if c.o_bias:
         attn["o_bias"] = ParamSpec((T, D), ("layers", "embed"), "zeros")
     if c.qk_norm:
-        attn["q_norm"] = ParamSpec((T, H), ("layers", "head_dim"), "ones")
-        attn["k_norm"] = ParamSpec((T, H), ("layers", "head_dim"), "ones")
+        attn["q_norm"] = ParamSpec((T, H), ("layers", "head_dim"), _norm_init(c))
+        attn["k_norm"] = ParamSpec((T, H), ("layers", "head_dim"), _norm_init(c))
     return attn
 
 
+def _norm_init(c: ModelConfig) -> str:
+    """Norm weights start as the identity: 1, or 0 under Gemma's `offset + weight`."""
+    return "zeros" if c.norm_offset == 1 else "ones"
+
+
 def _block_specs(c: ModelConfig, T: int, moe: bool) -> dict:
-    """T stacked pre-norm blocks: attention, then a dense SwiGLU (`mlp`) or experts (`moe`)."""
+    """T stacked pre-norm blocks: attention, then a dense SwiGLU (`mlp`) or experts (`moe`);
+    with `post_norms` also a norm on each one's output."""
     D, F = c.embed_dim, c.mlp_dim
-    block = {
-        "attn_norm": ParamSpec((T, D), ("layers", "embed"), "ones"),
-        "attn": _attention_specs(c, T),
-        "mlp_norm": ParamSpec((T, D), ("layers", "embed"), "ones"),
-    }
+    norm = ParamSpec((T, D), ("layers", "embed"), _norm_init(c))
+    block = {"attn_norm": norm, "attn": _attention_specs(c, T), "mlp_norm": norm}
+    if c.post_norms:
+        block["attn_post_norm"] = block["mlp_post_norm"] = norm
     if moe:
         block["moe"] = moe_param_specs(c.moe, D, T)
     else:
@@ -71,7 +76,7 @@ def param_specs(config: ModelConfig) -> dict:
     specs = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "layers": _block_specs(c, c.num_layers - c.first_k_dense, moe=c.moe is not None),
-        "final_norm": ParamSpec((D,), ("embed",), "ones"),
+        "final_norm": ParamSpec((D,), ("embed",), _norm_init(c)),
     }
     if c.first_k_dense:
         specs["dense_layers"] = _block_specs(c, c.first_k_dense, moe=False)

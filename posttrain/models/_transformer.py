@@ -66,8 +66,8 @@ def _attention(
         k_BLKH += a["k_bias"].astype(dt)
         v_BLKH += a["v_bias"].astype(dt)
     if config.qk_norm:
-        q_BLNH = rms_norm(q_BLNH, a["q_norm"], config.norm_eps)
-        k_BLKH = rms_norm(k_BLKH, a["k_norm"], config.norm_eps)
+        q_BLNH = rms_norm(q_BLNH, a["q_norm"], config.norm_eps, config.norm_offset)
+        k_BLKH = rms_norm(k_BLKH, a["k_norm"], config.norm_eps, config.norm_offset)
     q_BLNH = constrain(apply_rope(q_BLNH, cos, sin), ("act_batch", "act_length", "act_heads", None))
     k_BLKH = constrain(
         apply_rope(k_BLKH, cos, sin), ("act_batch", "act_length", "act_kv_heads", None)
@@ -86,7 +86,9 @@ def _attention(
             v_store, v_BLKH = cache_update(v_cache_BSKH, v_BLKH)
         new_cache, impl = (k_store, v_store), "xla"
     if cache_attend is not None:  # a paged-attention kernel writes the pool and attends
-        scale = config.head_dim**-0.5
+        if config.attn_softcap:
+            raise ValueError("the paged-attention kernel does not soft-cap attention logits")
+        scale = config.scale
         attend = [
             lambda q, k, v, w=w: cache_attend(k_cache_BSKH, q, k, v, window=w, scale=scale)
             for w in windows
@@ -102,6 +104,8 @@ def _attention(
                 q_segment_ids_BL=segment_ids_BL,
                 kv_segment_ids_BS=kv_segment_ids_BS,
                 self_attention=k_cache_BSKH is None,
+                scale=config.scale,
+                softcap=config.attn_softcap,
                 context_parallel=config.context_parallel,
             )
             for w in windows
@@ -158,7 +162,11 @@ def _layer(
             cache_update=cache_update,
         )  # fmt: skip
     dt = config.dtype
-    h_BLD = rms_norm(x_BLD, p["attn_norm"], config.norm_eps)
+
+    def norm(x, name):
+        return rms_norm(x, p[name], config.norm_eps, config.norm_offset)
+
+    h_BLD = norm(x_BLD, "attn_norm")
     context = dict(
         config=config,
         impl=impl,
@@ -184,9 +192,11 @@ def _layer(
             cache_attend=cache_attend,
             **context,
         )
+    if config.post_norms:
+        attn_BLD = norm(attn_BLD, "attn_post_norm")
     x_BLD = constrain(x_BLD + attn_BLD, ("act_batch", "act_length", "act_embed"))
 
-    h_BLD = rms_norm(x_BLD, p["mlp_norm"], config.norm_eps)
+    h_BLD = norm(x_BLD, "mlp_norm")
     aux = {}
     if "moe" in p:
         y_BLD, aux = moe_forward(
@@ -196,8 +206,14 @@ def _layer(
         m = p["mlp"]
         gate_BLF = dense(h_BLD, m["gate"].astype(dt))
         up_BLF = dense(h_BLD, m["up"].astype(dt))
-        act_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_length", "act_mlp"))
+        if config.mlp_activation == "gelu_tanh":
+            gate_BLF = jax.nn.gelu(gate_BLF, approximate=True)
+        else:
+            gate_BLF = jax.nn.silu(gate_BLF)
+        act_BLF = constrain(gate_BLF * up_BLF, ("act_batch", "act_length", "act_mlp"))
         y_BLD = dense(act_BLF, m["down"].astype(dt))
+    if config.post_norms:
+        y_BLD = norm(y_BLD, "mlp_post_norm")
     x_BLD = constrain(x_BLD + y_BLD, ("act_batch", "act_length", "act_embed"))
     return x_BLD, (new_cache, aux)
 
@@ -269,6 +285,8 @@ def hidden_states(
         return (*out, {}) if cache is not None else (out, {})
     dt = config.dtype
     x_BLD = embed(params["embed"], tokens_BL, dt) if embeds_BLD is None else embeds_BLD.astype(dt)
+    if config.embed_scale:  # Gemma: sqrt(D), rounded to the compute dtype as HF does
+        x_BLD = x_BLD * jnp.asarray(config.embed_dim**0.5, dt)
     x_BLD = constrain(x_BLD, ("act_batch", "act_length", "act_embed"))
     cos, sin = rope_angles(positions_BL, config)
 
@@ -285,7 +303,7 @@ def hidden_states(
             cache_update=update,
             cache_attend=attend,
         )
-    impl = resolve_impl(config.attention, config.dtype)
+    impl = resolve_impl(config.attention, config.dtype, softcap=config.attn_softcap > 0)
 
     def build(cos, sin, positions_BL, segment_ids_BL):
         """The layer function for rows with these per-row inputs."""
@@ -353,8 +371,10 @@ def hidden_states(
             x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
         caches.append(kv)
         aux_T = aux or aux_T
-    norm = norm_rows if config.batch_invariant else rms_norm
-    hidden_BLD = norm(x_BLD, params["final_norm"], config.norm_eps)
+    if config.batch_invariant:
+        hidden_BLD = norm_rows(x_BLD, params["final_norm"], config.norm_eps)
+    else:
+        hidden_BLD = rms_norm(x_BLD, params["final_norm"], config.norm_eps, config.norm_offset)
     if cache is None:
         return (hidden_BLD, moe_aux(aux_T)) if return_aux else hidden_BLD
     if len(caches) > 1:
@@ -400,6 +420,8 @@ def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.A
         logits = logits_rows(hidden_BLD, head_DV.astype(dt))
     else:
         logits = dense(hidden_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
+    if config.final_softcap:
+        logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
     return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
 

@@ -82,6 +82,21 @@ HF_ARCHS: dict[str, tuple[str, dict]] = {
             mlp_only_layers=[0],
         ),
     ),
+    # Gemma 2: (1 + w) norms around attention and MLP, GeGLU, sqrt(D)-scaled embeddings, a
+    # query scale of its own, sliding windows on every other layer, soft-capped attention and
+    # final logits; weights large enough (initializer_range) that the caps bend the scores.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            sliding_window=4,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=2.0,
+            initializer_range=0.2,
+        ),
+    ),
     # DeepSeek-V3: query latent, interleaved rope, sigmoid routing limited to 1 of 2 expert
     # groups with a selection bias, scaled.
     "deepseek_v3": (
