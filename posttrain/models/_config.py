@@ -174,6 +174,9 @@ class ModelConfig:
     attn_scale: float | None = None  # multiplies q.k; None: head_dim**-0.5
     attn_softcap: float = 0.0  # > 0: scores become cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float = 0.0  # > 0: the same on the vocabulary logits (Gemma 2)
+    # Gemma 3: sliding-window layers rotate by plain RoPE of this base; full layers keep
+    # rope_theta and rope_scaling. None: every layer alike.
+    rope_local_theta: float | None = None
     param_dtype: str = "float32"  # storage dtype of the weights
     compute_dtype: str = "float32"  # matmul/activation dtype; "bfloat16" for speed
     remat: str = "none"  # rematerialisation policy per layer, one of REMAT_POLICIES
@@ -267,17 +270,22 @@ class ModelConfig:
                 )
         if self.mlp_activation not in MLP_ACTIVATIONS:
             fail(f"mlp_activation={self.mlp_activation!r}; choose one of {MLP_ACTIVATIONS}")
+        if self.rope_local_theta is not None and self.rope_local_theta <= 0:
+            fail(f"rope_local_theta must be positive or None, got {self.rope_local_theta}")
         if self.norm_offset not in (0.0, 1.0):
             fail(f"norm_offset must be 0 or 1 (Gemma), got {self.norm_offset}")
         if self.attn_softcap < 0 or self.final_softcap < 0:
             fail("attn_softcap and final_softcap must be >= 0 (0: off)")
         if self.attn_scale is not None and self.attn_scale <= 0:
             fail(f"attn_scale must be positive or None, got {self.attn_scale}")
-        gemma = self.norm_offset or self.post_norms or self.attn_softcap or self.attn_scale
+        gemma = (
+            self.norm_offset or self.post_norms or self.attn_softcap or self.attn_scale
+            or self.rope_local_theta
+        )  # fmt: skip
         if gemma and (self.mla is not None or self.batch_invariant):
             fail(
-                "norm_offset, post_norms, attn_scale and attn_softcap (Gemma) run without "
-                "mla and batch_invariant"
+                "norm_offset, post_norms, attn_scale, attn_softcap and rope_local_theta "
+                "(Gemma) run without mla and batch_invariant"
             )
         if self.attn_softcap and self.attention in ("cudnn",):
             fail("attention='cudnn' has no logit soft-capping; set attention='auto' or 'xla'")

@@ -9,12 +9,14 @@ import os
 from posttrain import paths
 from posttrain.errors import UserError
 from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
+from posttrain.models._hf_gemma import GEMMA_TYPES, gemma_from_hf, gemma_rope_view, gemma_to_hf
 
 SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma2",
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", *GEMMA_TYPES,
 )  # fmt: skip
 _ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -114,13 +116,13 @@ def config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> Mod
             f"{source}: {method} quantized weights are not supported; dequantize the checkpoint "
             f"(e.g. to bfloat16) first"
         )
-    gemma = model_type == "gemma2"
+    gemma = model_type in GEMMA_TYPES
     if gemma:
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        if act != "gelu_pytorch_tanh":
-            raise HFFormatError(
-                f"{source}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)"
-            )
+        try:
+            gemma_fields = gemma_from_hf(hf, model_type)
+        except ValueError as e:
+            raise HFFormatError(f"{source}: {e}") from None
+        hf = gemma_rope_view(hf)  # the full-attention layers' rope, as other types write it
     elif hf.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
     if hf.get("mlp_bias"):
@@ -133,13 +135,8 @@ def config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> Mod
     mla = _mla_from_hf(hf, source) if model_type == "deepseek_v3" else None
 
     window, window_layers = hf.get("sliding_window"), None
-    if gemma:  # as transformers' Gemma2Config: every other layer slides, from the first
-        layer_types = hf.get("layer_types") or [
-            "full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)
-        ]
-        window_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-        if window is None or not window_layers:
-            window, window_layers = None, None
+    if gemma:
+        window, window_layers = gemma_fields.pop("windows")
     elif model_type in ("qwen2", "qwen3"):
         layer_types = hf.get("layer_types")
         if layer_types:
@@ -169,7 +166,7 @@ def config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> Mod
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=attention_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         sliding_window=window,
         sliding_window_layers=window_layers,
         moe=moe,
@@ -177,55 +174,9 @@ def config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> Mod
         mla=mla,
         tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         name=hf.get("_name_or_path") or model_type,
-        **(_gemma_from_hf(hf) if gemma else {}),
+        **(gemma_fields if gemma else {}),
     )
     return config.replace(**overrides) if overrides else config
-
-
-def _gemma_from_hf(hf: dict) -> dict:
-    """The `ModelConfig` fields of Gemma 2's layer (transformers' defaults where unset)."""
-    attn_cap, final_cap = (
-        hf.get("attn_logit_softcapping", 50.0),
-        hf.get("final_logit_softcapping", 30.0),
-    )
-    return dict(
-        norm_offset=1.0,
-        post_norms=True,
-        embed_scale=True,
-        mlp_activation="gelu_tanh",
-        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        attn_softcap=float(attn_cap or 0.0),
-        final_softcap=float(final_cap or 0.0),
-    )
-
-
-def _gemma_to_hf(config: ModelConfig) -> dict:
-    """Gemma 2's `config.json` fields; ValueError for a config the HF type cannot say."""
-    unsupported = {
-        "norm_offset != 1": config.norm_offset != 1,
-        "no embed_scale": not config.embed_scale,
-        "a SwiGLU (mlp_activation silu)": config.mlp_activation != "gelu_tanh",
-        "qkv or output biases": config.qkv_bias or config.o_bias,
-        "qk_norm": config.qk_norm,
-        "experts": config.moe is not None,
-        "sliding windows on every layer": (
-            config.sliding_window is not None and config.sliding_window_layers is None
-        ),
-    }
-    bad = [what for what, present in unsupported.items() if present]
-    if bad:
-        raise ValueError(f"model {config.name!r} cannot be written as HF gemma2: it has {bad}")
-    scalar = config.scale**-2
-    return {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
-        "attn_logit_softcapping": config.attn_softcap or None,
-        "final_logit_softcapping": config.final_softcap or None,
-        "sliding_window": config.sliding_window,
-        "layer_types": [
-            "sliding_attention" if w else "full_attention" for w in config.layer_windows
-        ],
-    }
 
 
 def _moe_from_hf(hf: dict, model_type: str, source: str) -> tuple[MoEConfig | None, int]:
@@ -394,7 +345,7 @@ def hf_model_type(config: ModelConfig) -> str:
     if config.mla is not None:
         return "deepseek_v3"
     if config.post_norms:
-        return "gemma2"
+        return "gemma3_text" if config.qk_norm or config.rope_local_theta else "gemma2"
     if config.moe is not None:
         return "qwen3_moe"
     if config.qk_norm:
@@ -417,8 +368,9 @@ def config_to_hf(config: ModelConfig, dtype: str) -> dict:
         "attn_scale": config.attn_scale is not None,
         "attn_softcap": config.attn_softcap > 0,
         "final_softcap": config.final_softcap > 0,
+        "rope_local_theta": config.rope_local_theta is not None,
     }
-    if model_type != "gemma2" and any(gemma_fields.values()):
+    if model_type not in GEMMA_TYPES and any(gemma_fields.values()):
         set_ = [name for name, present in gemma_fields.items() if present]
         raise ValueError(
             f"model {config.name!r} sets {', '.join(set_)} without post_norms: no HF "
@@ -458,9 +410,11 @@ def config_to_hf(config: ModelConfig, dtype: str) -> dict:
     elif model_type == "qwen3_moe":
         hf["use_sliding_window"] = config.sliding_window is not None
         hf["sliding_window"] = config.sliding_window
-    elif model_type == "gemma2":
+    elif model_type in GEMMA_TYPES:
+        full_rope = {"rope_type": "default", "rope_theta": hf.pop("rope_theta")}
+        full_rope.update(hf.pop("rope_scaling", None) or {})
         del hf["hidden_act"]
-        hf.update(_gemma_to_hf(config))
+        hf.update(gemma_to_hf(config, model_type, full_rope))
     if model_type in ("qwen3_moe", "deepseek_v3"):
         hf.update(_sparse_to_hf(config, model_type))
     return hf

@@ -93,11 +93,32 @@ def rope_angles(positions_BL: jax.Array, config: ModelConfig) -> tuple[jax.Array
 
     Both are multiplied by `rope_attention_factor(config)`, as HF's rotary embedding does, so
     yarn's attention temperature reaches q.k through the rotation of both.
+
+    With `config.rope_local_theta` (Gemma 3), the sliding-window layers' plain-RoPE angles
+    follow on the last axis, `[B, L, rope_dim]`: `layer_rope` picks a layer's half.
     """
     inv_freq = jnp.asarray(inverse_frequencies(config))
     angles = positions_BL.astype(jnp.float32)[..., None] * inv_freq
     factor = rope_attention_factor(config)
-    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
+    cos, sin = jnp.cos(angles) * factor, jnp.sin(angles) * factor
+    if config.rope_local_theta is None:
+        return cos, sin
+    local = config.replace(rope_theta=config.rope_local_theta, rope_scaling=None)
+    local = local.replace(rope_local_theta=None)
+    cos_local, sin_local = rope_angles(positions_BL, local)
+    return jnp.concatenate([cos, cos_local], -1), jnp.concatenate([sin, sin_local], -1)
+
+
+def layer_rope(cos, sin, config: ModelConfig, sliding) -> tuple[jax.Array, jax.Array]:
+    """A layer's cos and sin from `rope_angles`: with `rope_local_theta`, the local half when
+    `sliding` (a traced bool: is this layer's window > 0), else the full layers' half."""
+    if config.rope_local_theta is None:
+        return cos, sin
+    h = cos.shape[-1] // 2
+    return (
+        jnp.where(sliding, cos[..., h:], cos[..., :h]),
+        jnp.where(sliding, sin[..., h:], sin[..., :h]),
+    )
 
 
 def apply_rope(x_BLNH: jax.Array, cos_BLh: jax.Array, sin_BLh: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ from posttrain.models._nnx import NNXCache, nnx_hidden_states, nnx_logits
 from posttrain.models._ops import dense, rms_norm
 from posttrain.models._params import init_params
 from posttrain.models._pipeline import pipeline_layers, stage_count
-from posttrain.models._rope import apply_rope, rope_angles
+from posttrain.models._rope import apply_rope, layer_rope, rope_angles
 from posttrain.parallel import constrain
 
 _REMAT_POLICIES: dict[str, Callable | None] = {
@@ -68,6 +68,8 @@ def _attention(
     if config.qk_norm:
         q_BLNH = rms_norm(q_BLNH, a["q_norm"], config.norm_eps, config.norm_offset)
         k_BLKH = rms_norm(k_BLKH, a["k_norm"], config.norm_eps, config.norm_offset)
+    sliding = jnp.asarray([w > 0 for w in windows])[window_index]  # (Gemma 3's local rope)
+    cos, sin = layer_rope(cos, sin, config, sliding)
     q_BLNH = constrain(apply_rope(q_BLNH, cos, sin), ("act_batch", "act_length", "act_heads", None))
     k_BLKH = constrain(
         apply_rope(k_BLKH, cos, sin), ("act_batch", "act_length", "act_kv_heads", None)

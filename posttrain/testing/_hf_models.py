@@ -97,6 +97,23 @@ HF_ARCHS: dict[str, tuple[str, dict]] = {
             initializer_range=0.2,
         ),
     ),
+    # Gemma 3 (text): Gemma 2's layer with q/k norms instead of soft-caps; sliding layers rotate
+    # by plain RoPE of their own base, full layers by a linearly scaled one (as the 27B does).
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            sliding_window=4,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            initializer_range=0.2,
+        ),
+    ),
     # DeepSeek-V3: query latent, interleaved rope, sigmoid routing limited to 1 of 2 expert
     # groups with a selection bias, scaled.
     "deepseek_v3": (

@@ -71,7 +71,16 @@ def _hf_greedy(path, prompts, max_new_tokens):
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama3", "llama_tied_bias", "qwen2_mixed_window", "qwen3", "mistral", "gemma2"]
+    "arch",
+    [
+        "llama3",
+        "llama_tied_bias",
+        "qwen2_mixed_window",
+        "qwen3",
+        "mistral",
+        "gemma2",
+        "gemma3_text",
+    ],
 )
 def test_greedy_matches_hf_generate(arch, tmp_path):
     path = save_tiny_hf_model(arch, str(tmp_path / arch))
