@@ -22,6 +22,8 @@ from posttrain.models._params import (
     param_shapes,
     param_shardings,
     param_specs,
+    split_layers,
+    unstack_layers,
 )
 from posttrain.models._pipeline import bubble_fraction
 from posttrain.models._presets import PRESETS, get_preset
@@ -32,8 +34,6 @@ from posttrain.models._transformer import (
     hidden_states,
     init_cache,
     lm_logits,
-    split_layers,
-    unstack_layers,
 )
 
 __all__ = [

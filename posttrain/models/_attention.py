@@ -64,6 +64,8 @@ def attention(
     scale: float | None = None,
     softcap: float = 0.0,
     context_parallel: str = "ring",
+    q_blocks_BL=None,
+    kv_blocks_BS=None,
 ):
     """Scaled dot-product attention of queries over keys, causal by position.
 
@@ -83,6 +85,9 @@ def attention(
       context_parallel: "ring" or "all_gather": how self-attention reaches the other devices'
         keys when the rows' length is sharded (the `sequence` axis); any `impl` then runs as
         blocked XLA attention per shard (`posttrain.models._context`).
+      q_blocks_BL, kv_blocks_BS: bidirectional blocks (see `attention_mask`): tokens of one
+        block > 0 see each other both ways (Gemma 3's images). They run the XLA reference
+        whatever `impl` says (the fused and blocked kernels skip keys after the query).
 
     Returns:
       The attended values, `[B, L, N, Hv]` in the dtype of `q_BLNH`.
@@ -92,6 +97,11 @@ def attention(
     args = (q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window)
     if softcap and impl == "cudnn":
         raise ValueError("attention='cudnn' has no logit soft-capping; use 'xla' or 'flash'")
+    if q_blocks_BL is not None:
+        if self_attention and length_axes(q_BLNH):
+            raise ValueError("context parallelism does not run bidirectional image blocks yet")
+        blocks = dict(blocks=(q_blocks_BL, kv_blocks_BS))
+        return _xla_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, softcap=softcap, **blocks)
     if self_attention and length_axes(q_BLNH):
         if softcap:
             raise ValueError("context parallelism does not soft-cap attention logits yet")
@@ -122,8 +132,9 @@ def attention(
 
 
 def _xla_attention(
-    q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, *, scale, softcap=0.0
-):
+    q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, *, scale, softcap=0.0,
+    blocks=(None, None),
+):  # fmt: skip
     # Batched 3-D matmuls with (batch x kv-head) leading and an additive mask: XLA:CPU runs
     # these far faster than 5-D einsums with a select, and the additive mask needs nothing
     # saved for the backward pass. Each kv head serves its G query heads as G*L rows.
@@ -141,7 +152,7 @@ def _xla_attention(
     )
     if softcap:
         scores_XRS = softcap * jnp.tanh(scores_XRS / softcap)
-    mask_BLS = attention_mask(q_pos, kv_pos, q_seg, kv_seg, window)
+    mask_BLS = attention_mask(q_pos, kv_pos, q_seg, kv_seg, window, *blocks)
     bias_B11LS = jnp.where(mask_BLS, 0.0, _MASKED)[:, None, None]
     scores_BKGLS = scores_XRS.reshape(B, K, G, L, S) + bias_B11LS
     probs_XRS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKH.dtype).reshape(B * K, G * L, S)

@@ -44,6 +44,73 @@ class RopeScaling:
                 )
 
 
+PROJECTORS = ("gemma3", "mlp")  # Gemma 3: pool, norm, project | LLaVA: Linear-GELU-Linear
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """A SigLIP-style ViT image encoder and the projector that turns its patches into the
+    decoder's image-token embeddings (Gemma 3, LLaVA-style VLMs).
+
+    Images arrive as float pixels `[I, image_size, image_size, channels]`, already resized and
+    normalised (`posttrain.data.images`); the text holds `tokens_per_image` copies of
+    `image_token_id` for each, which the projected features replace in order.
+    """
+
+    image_size: int  # square input side, pixels
+    patch_size: int  # square patch side; (image_size / patch_size)**2 patches per image
+    width: int  # the encoder's hidden size
+    mlp_dim: int  # its MLP width (GELU, tanh approximation)
+    num_layers: int
+    num_heads: int
+    tokens_per_image: int  # image tokens in the text per image
+    image_token_id: int  # the placeholder token the features replace
+    channels: int = 3
+    norm_eps: float = 1e-6  # the encoder's LayerNorms
+    projector: str = "gemma3"  # one of PROJECTORS
+    # The projector reads the last layer's output after a final LayerNorm (Gemma 3) or without
+    # it (LLaVA, whose `vision_feature_layer` -k becomes num_layers less k - 1 layers).
+    final_norm: bool = True
+    drop_first_patch: bool = False  # LLaVA's "default" feature strategy (a CLS-token habit)
+    projector_bias: bool = True  # mlp projector's biases
+    # Image tokens of one image see each other both ways (Gemma 3); else causal like text.
+    bidirectional: bool = False
+    # The processor's normalisation, (pixel / 255 - mean) / std per channel.
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    def __post_init__(self):
+        def fail(msg):
+            raise ValueError(f"Invalid vision config: {msg}")
+
+        for field in ("image_size", "patch_size", "width", "mlp_dim", "num_layers", "num_heads"):
+            if getattr(self, field) <= 0:
+                fail(f"{field} must be positive, got {getattr(self, field)}")
+        if self.image_size % self.patch_size:
+            fail(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
+        if self.width % self.num_heads:
+            fail(f"width={self.width} is not a multiple of num_heads={self.num_heads}")
+        if self.projector not in PROJECTORS:
+            fail(f"projector={self.projector!r}; choose one of {PROJECTORS}")
+        side = self.image_size // self.patch_size
+        if self.projector == "gemma3":
+            pooled = round(self.tokens_per_image**0.5)
+            if pooled * pooled != self.tokens_per_image or side % pooled:
+                fail(
+                    f"tokens_per_image={self.tokens_per_image} must be a square whose side "
+                    f"divides the {side} x {side} patch grid (Gemma 3 pools it)"
+                )
+        elif self.tokens_per_image != side * side - self.drop_first_patch:
+            fail(
+                f"tokens_per_image={self.tokens_per_image}: the mlp projector gives one token "
+                f"per patch, {side * side - self.drop_first_patch}"
+            )
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCH_MODES = ("dropless", "capacity")
 
@@ -198,6 +265,8 @@ class ModelConfig:
     # A Flax NNX module instead of the decoder these fields describe (posttrain.models._nnx);
     # the fields above then only record its vocabulary, width and sizes.
     nnx: NNXSpec | None = None
+    # An image encoder whose features replace the image tokens (a VLM); None: text only.
+    vision: VisionConfig | None = None
 
     def __post_init__(self):
         def fail(msg):
@@ -287,6 +356,11 @@ class ModelConfig:
                 "norm_offset, post_norms, attn_scale, attn_softcap and rope_local_theta "
                 "(Gemma) run without mla and batch_invariant"
             )
+        if self.vision is not None:
+            if self.nnx is not None or self.batch_invariant or self.mla is not None:
+                fail("a vision encoder runs with the decoder alone (no nnx, mla, batch_invariant)")
+            if not 0 <= self.vision.image_token_id < self.vocab_size:
+                fail(f"image_token_id={self.vision.image_token_id} is outside the vocabulary")
         if self.attn_softcap and self.attention in ("cudnn",):
             fail("attention='cudnn' has no logit soft-capping; set attention='auto' or 'xla'")
         if self.sliding_window_layers is not None:

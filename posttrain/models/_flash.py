@@ -27,11 +27,18 @@ _MASKED = -1e30
 
 
 def attention_mask(
-    q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window: int = 0
-):
-    """Boolean `[B, L, S]`: same document, causal by position, inside the window if any."""
+    q_positions_BL, kv_positions_BS, q_segment_ids_BL, kv_segment_ids_BS, window: int = 0,
+    q_blocks_BL=None, kv_blocks_BS=None,
+):  # fmt: skip
+    """Boolean `[B, L, S]`: same document, causal by position, inside the window if any.
+    With blocks (ids > 0: one image's tokens, `posttrain.models._vision.image_blocks`), a
+    query also sees the later keys of its own block (Gemma 3's bidirectional images)."""
     q_pos, kv_pos = q_positions_BL[:, :, None], kv_positions_BS[:, None, :]
-    mask = (kv_pos <= q_pos) & (q_segment_ids_BL[:, :, None] == kv_segment_ids_BS[:, None, :])
+    causal = kv_pos <= q_pos
+    if q_blocks_BL is not None:
+        q_block = q_blocks_BL[:, :, None]
+        causal |= (q_block > 0) & (q_block == kv_blocks_BS[:, None, :])
+    mask = causal & (q_segment_ids_BL[:, :, None] == kv_segment_ids_BS[:, None, :])
     if window:
         mask &= q_pos - kv_pos < window
     return mask

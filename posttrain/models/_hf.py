@@ -21,6 +21,7 @@ import numpy as np
 from posttrain import paths
 from posttrain.models._config import ModelConfig
 from posttrain.models._hf_config import (
+    CheckpointLayout,
     HFFormatError,
     config_to_hf,
     export_layout,
@@ -30,6 +31,7 @@ from posttrain.models._hf_config import (
 )
 from posttrain.models._hf_export import Writer, hf_rows, plan
 from posttrain.models._hf_table import HFTensor, mtp_weight_table, weight_table
+from posttrain.models._hf_vlm import checkpoint_prefixes
 from posttrain.models._mtp import MTPModule, mtp_param_shardings, mtp_param_specs
 from posttrain.models._params import param_shardings, param_specs
 from posttrain.models._safetensors import (
@@ -249,9 +251,11 @@ def from_hf(path: str, *, dtype=None, mesh=None, **overrides) -> Transformer:
         overrides["param_dtype"] = jnp.dtype(dtype).name
     config, layout = load_hf_config_and_layout(path, **overrides)
     files = _SafetensorsDir(path)
+    if config.vision is not None:  # which prefix names each part in this checkpoint
+        layout = dataclasses.replace(layout, prefixes=checkpoint_prefixes(files.file_of))
     table = weight_table(config, layout)
     specs = param_specs(config)
-    _check_tensors(files, table, specs, config, layout.extra_layers)  # before reading any
+    _check_tensors(files, table, specs, config, layout)  # before reading any
     shardings = None if mesh is None else param_shardings(config, mesh)
     before = dataclasses.replace(STATS)
     params = _load_params(files, table, specs, config, shardings)
@@ -316,11 +320,12 @@ def _check_tensors(
     table: list[HFTensor],
     specs: dict,
     config: ModelConfig,
-    extra_layers: int,
+    layout: CheckpointLayout,
 ) -> None:
     """Every tensor the table needs is there with its shape, and every other one is accounted
-    for: recomputed buffers, a tied lm_head, or (skipped, and logged) multi-token-prediction
-    layers after the last."""
+    for: recomputed buffers, a tied lm_head, a VLM encoder's parts the model does not run, or
+    (skipped, and logged) multi-token-prediction layers after the last."""
+    extra_layers = layout.extra_layers
     known = set()
     for entry in table:
         for _, name in entry.pieces(_get(specs, entry.path).shape):
@@ -333,6 +338,7 @@ def _check_tensors(
         for n in files.file_of
         if n not in known
         and not n.startswith(extra)
+        and not n.startswith(layout.skipped())
         and not n.endswith(_IGNORED_SUFFIXES)
         and not (config.tie_embeddings and n == "lm_head.weight")
     )

@@ -10,9 +10,16 @@ from posttrain import paths
 from posttrain.errors import UserError
 from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 from posttrain.models._hf_gemma import GEMMA_TYPES, gemma_from_hf, gemma_rope_view, gemma_to_hf
+from posttrain.models._hf_vlm import (
+    EXPORT_PREFIXES,
+    VLM_ARCHITECTURES,
+    VLM_TYPES,
+    vlm_from_hf,
+    vlm_to_hf,
+)
 
 SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", *GEMMA_TYPES,
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", *GEMMA_TYPES, *VLM_TYPES,
 )  # fmt: skip
 _ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
@@ -116,6 +123,15 @@ def config_from_hf(hf: dict, *, source: str = "config.json", **overrides) -> Mod
             f"{source}: {method} quantized weights are not supported; dequantize the checkpoint "
             f"(e.g. to bfloat16) first"
         )
+    if model_type in VLM_TYPES:  # the decoder's own config.json, then the image encoder
+        try:
+            text, vision, tie, _ = vlm_from_hf(hf)
+        except (ValueError, TypeError) as e:
+            raise HFFormatError(f"{source}: {e}") from None
+        if text["model_type"] in VLM_TYPES:
+            raise HFFormatError(f"{source}: text_config is a VLM ({text['model_type']})")
+        config = config_from_hf(text, source=f"{source} (text_config)")
+        return config.replace(vision=vision, tie_embeddings=tie, **overrides)
     gemma = model_type in GEMMA_TYPES
     if gemma:
         try:
@@ -254,10 +270,22 @@ class CheckpointLayout:
 
     rope_interleave: bool = False  # MLA: each head's rope dims are stored as pairs (0,1),(2,3)..
     extra_layers: int = 0  # DeepSeek multi-token-prediction layers after the last; not loaded
+    # VLMs: (our name prefix, the checkpoint's) per part (`_hf_vlm.checkpoint_prefixes`), and
+    # the encoder's parts the model does not run (after the encoder's prefix; not loaded).
+    prefixes: tuple[tuple[str, str], ...] = ()
+    vision_unused: tuple[str, ...] = ()
+
+    def skipped(self) -> tuple[str, ...]:
+        """Checkpoint-name prefixes of tensors a load leaves out on purpose."""
+        tower = dict(self.prefixes).get("vision_tower.", "vision_tower.")
+        return tuple(tower + part for part in self.vision_unused)
 
 
 def checkpoint_layout(hf: dict) -> CheckpointLayout:
-    """The layout a `config.json` declares (transformers' defaults where it is silent)."""
+    """The layout a `config.json` declares (transformers' defaults where it is silent); a
+    VLM's `prefixes` come from its tensor names (`_hf_vlm.checkpoint_prefixes`)."""
+    if hf.get("model_type") in VLM_TYPES:
+        return CheckpointLayout(vision_unused=vlm_from_hf(hf)[3])
     if _ALIASES.get(hf.get("model_type"), hf.get("model_type")) != "deepseek_v3":
         return CheckpointLayout()
     extra = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1))
@@ -267,8 +295,10 @@ def checkpoint_layout(hf: dict) -> CheckpointLayout:
 
 
 def export_layout(config: ModelConfig) -> CheckpointLayout:
-    """The layout `to_hf` writes: DeepSeek's usual interleaved rope, no MTP layers."""
-    return CheckpointLayout(rope_interleave=config.mla is not None)
+    """The layout `to_hf` writes: DeepSeek's usual interleaved rope, no MTP layers, a VLM's
+    parts named as transformers 5 saves them."""
+    prefixes = EXPORT_PREFIXES if config.vision is not None else ()
+    return CheckpointLayout(rope_interleave=config.mla is not None, prefixes=prefixes)
 
 
 def _sparse_to_hf(config: ModelConfig, model_type: str) -> dict:
@@ -337,6 +367,8 @@ def _sparse_to_hf(config: ModelConfig, model_type: str) -> dict:
 
 def hf_model_type(config: ModelConfig) -> str:
     """The HF architecture that expresses `config` exactly."""
+    if config.vision is not None:
+        return "gemma3" if config.vision.projector == "gemma3" else "llava"
     if config.nnx is not None:
         raise ValueError(
             f"{config.nnx.builder} is your own Flax NNX module, which has no HF architecture; "
@@ -360,6 +392,10 @@ def hf_model_type(config: ModelConfig) -> str:
 
 
 def config_to_hf(config: ModelConfig, dtype: str) -> dict:
+    if config.vision is not None:  # a VLM: its decoder's config inside the encoder's
+        text = config_to_hf(config.replace(vision=None), dtype)
+        hf = vlm_to_hf(config, text)
+        return {"architectures": [VLM_ARCHITECTURES[hf["model_type"]]], **hf}
     model_type = hf_model_type(config)
     gemma_fields = {
         "norm_offset": config.norm_offset != 0,

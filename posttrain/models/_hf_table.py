@@ -64,6 +64,76 @@ def weight_table(config: ModelConfig, layout: CheckpointLayout) -> list[HFTensor
     table += _stack(_block(config, layout, moe=config.moe is not None), "layers", k)
     if k:
         table += _stack(_block(config, layout, moe=False), "dense_layers", 0)
+    if config.vision is not None:
+        table += _vision(config)
+    return [_renamed(e, layout.prefixes) for e in table] if layout.prefixes else table
+
+
+def _renamed(entry: HFTensor, prefixes) -> HFTensor:
+    """`entry` with its HF name's leading prefix replaced as the checkpoint names it."""
+    for ours, theirs in prefixes:
+        if entry.hf_name.startswith(ours):
+            return dataclasses.replace(entry, hf_name=theirs + entry.hf_name[len(ours) :])
+    return entry
+
+
+def _vision(c: ModelConfig) -> list[HFTensor]:
+    """A VLM's SigLIP encoder and projector (`_vision.vision_param_specs`)."""
+    v, D = c.vision, c.embed_dim
+    W, M, N, P, C = v.width, v.mlp_dim, v.num_heads, v.patch_size, v.channels
+    H = W // N
+    e, layer = "vision_tower.embeddings.", "vision_tower.encoder.layers.{i}."
+    patch = (  # conv [W, C, P, P] <-> ours [P * P * C, W] (patch pixels row-major, channels last)
+        lambda w: w.transpose(2, 3, 1, 0).reshape(P * P * C, W),
+        lambda w: w.reshape(P, P, C, W).transpose(3, 2, 0, 1),
+    )
+    heads = (lambda w: w.reshape(N, H), lambda w: w.reshape(N * H))
+    table = [
+        HFTensor(("vision", "patch"), e + "patch_embedding.weight", (W, C, P, P), *patch),
+        HFTensor(("vision", "patch_bias"), e + "patch_embedding.bias", (W,), _same, _same),
+        HFTensor(("vision", "position"), e + "position_embedding.weight", (v.num_patches, W),
+                 _same, _same),
+    ]  # fmt: skip
+    block = [
+        ("norm1", "layer_norm1.weight", (W,), _same, _same),
+        ("norm1_bias", "layer_norm1.bias", (W,), _same, _same),
+        ("norm2", "layer_norm2.weight", (W,), _same, _same),
+        ("norm2_bias", "layer_norm2.bias", (W,), _same, _same),
+        ("o", "self_attn.out_proj.weight", (W, W), *_heads_out(N, H, W)),
+        ("o_bias", "self_attn.out_proj.bias", (W,), _same, _same),
+        ("fc1", "mlp.fc1.weight", (M, W), _t, _t),
+        ("fc1_bias", "mlp.fc1.bias", (M,), _same, _same),
+        ("fc2", "mlp.fc2.weight", (W, M), _t, _t),
+        ("fc2_bias", "mlp.fc2.bias", (W,), _same, _same),
+    ]
+    for n in ("q", "k", "v"):
+        block += [
+            (n, f"self_attn.{n}_proj.weight", (W, W), *_heads_in(N, H, W)),
+            (f"{n}_bias", f"self_attn.{n}_proj.bias", (W,), *heads),
+        ]
+    table += [HFTensor(("vision", "layers", p), layer + hf, *rest) for p, hf, *rest in block]
+    if v.final_norm:
+        table += [
+            HFTensor(("vision", "final_norm"), "vision_tower.post_layernorm.weight", (W,),
+                     _same, _same),
+            HFTensor(("vision", "final_norm_bias"), "vision_tower.post_layernorm.bias", (W,),
+                     _same, _same),
+        ]  # fmt: skip
+    proj, path = "multi_modal_projector.", ("vision", "projector")
+    if v.projector == "gemma3":
+        return table + [
+            HFTensor((*path, "norm"), proj + "mm_soft_emb_norm.weight", (W,), _same, _same),
+            HFTensor((*path, "proj"), proj + "mm_input_projection_weight", (W, D), _same, _same),
+        ]
+    table += [
+        HFTensor((*path, "fc1"), proj + "linear_1.weight", (D, W), _t, _t),
+        HFTensor((*path, "fc2"), proj + "linear_2.weight", (D, D), _t, _t),
+    ]
+    if v.projector_bias:
+        table += [
+            HFTensor((*path, "fc1_bias"), proj + "linear_1.bias", (D,), _same, _same),
+            HFTensor((*path, "fc2_bias"), proj + "linear_2.bias", (D,), _same, _same),
+        ]
     return table
 
 

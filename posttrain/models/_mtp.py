@@ -25,9 +25,10 @@ import numpy as np
 
 from posttrain.models._cache import KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig
+from posttrain.models._embed import embed
 from posttrain.models._ops import ParamSpec, dense, rms_norm
 from posttrain.models._params import _block_specs, _is_spec, table_shardings
-from posttrain.models._transformer import embed, hidden_states
+from posttrain.models._transformer import hidden_states
 
 
 def mtp_config(config: ModelConfig) -> ModelConfig:

@@ -14,6 +14,7 @@ from posttrain.models._mla import mla_param_specs
 from posttrain.models._moe import moe_param_specs
 from posttrain.models._nnx import nnx_init, nnx_param_specs
 from posttrain.models._ops import ParamSpec
+from posttrain.models._vision import vision_param_specs
 from posttrain.parallel import tree_shardings
 
 
@@ -82,6 +83,8 @@ def param_specs(config: ModelConfig) -> dict:
         specs["dense_layers"] = _block_specs(c, c.first_k_dense, moe=False)
     if not c.tie_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"))
+    if c.vision is not None:
+        specs["vision"] = vision_param_specs(c.vision, D)
     return specs
 
 
@@ -156,3 +159,20 @@ def init_params(config: ModelConfig, rng: jax.Array, mesh=None) -> dict:
 
     shardings = None if mesh is None else param_shardings(config, mesh)
     return jax.jit(init, out_shardings=shardings)(rng)
+
+
+def split_layers(stack, num_layers: int) -> tuple:
+    """A pytree stacked over layers (a layer stack's params, a KV pool) as a tuple of per-layer
+    pytrees; `jax.tree.map(lambda *a: jnp.stack(a), *layers)` stacks them back."""
+    return tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(num_layers))
+
+
+def unstack_layers(params: dict) -> dict:
+    """The params with each layer stack ("dense_layers", "layers") as a tuple of per-layer
+    params; `hidden_states` (with a cache) then loops over them: no per-step slice (copy) of
+    every layer's weights and cache, as a scan over the stacks makes at every decode step."""
+    out = dict(params)
+    for name in ("dense_layers", "layers"):
+        if name in params:
+            out[name] = split_layers(params[name], jax.tree.leaves(params[name])[0].shape[0])
+    return out

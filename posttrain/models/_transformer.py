@@ -17,6 +17,7 @@ import numpy as np
 from posttrain.models._attention import attention, resolve_impl
 from posttrain.models._cache import KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig
+from posttrain.models._embed import input_embeddings
 from posttrain.models._invariant import invariant_layer, logits_rows, norm_rows
 from posttrain.models._mla import mla_attention
 from posttrain.models._moe import moe_aux, moe_forward
@@ -25,6 +26,7 @@ from posttrain.models._ops import dense, rms_norm
 from posttrain.models._params import init_params
 from posttrain.models._pipeline import pipeline_layers, stage_count
 from posttrain.models._rope import apply_rope, layer_rope, rope_angles
+from posttrain.models._vision import image_blocks
 from posttrain.parallel import constrain
 
 _REMAT_POLICIES: dict[str, Callable | None] = {
@@ -55,8 +57,10 @@ def _attention(
     kv_segment_ids_BS=None,
     cache_update=None,
     cache_attend=None,
+    blocks_BL=None,
 ):
-    """Grouped-query self-attention of normed `h_BLD`: `(out_BLD, (k, v) cache or None)`."""
+    """Grouped-query self-attention of normed `h_BLD`: `(out_BLD, (k, v) cache or None)`;
+    `blocks_BL`: bidirectional image blocks (`attention_mask`), self-attention only."""
     dt = config.dtype
     q_BLNH = dense(h_BLD, a["q"].astype(dt))
     k_BLKH = dense(h_BLD, a["k"].astype(dt))
@@ -109,6 +113,8 @@ def _attention(
                 scale=config.scale,
                 softcap=config.attn_softcap,
                 context_parallel=config.context_parallel,
+                q_blocks_BL=blocks_BL,
+                kv_blocks_BS=blocks_BL,
             )
             for w in windows
         ]
@@ -144,6 +150,7 @@ def _layer(
     kv_segment_ids_BS=None,
     cache_update=None,
     cache_attend=None,
+    blocks_BL=None,
 ):
     """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (or the experts, routed
     as `replay_BLK` says when given: router replay, see `moe_forward`).
@@ -192,6 +199,7 @@ def _layer(
             v_cache_BSKH,
             windows=windows,
             cache_attend=cache_attend,
+            blocks_BL=blocks_BL,
             **context,
         )
     if config.post_norms:
@@ -248,6 +256,7 @@ def hidden_states(
     layer_extras: dict | None = None,
     embeds_BLD: jax.Array | None = None,
     replay_experts_BLTK: jax.Array | None = None,
+    images_BIHWC: jax.Array | None = None,
 ):
     """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read).
 
@@ -269,6 +278,10 @@ def hidden_states(
     multi-token-prediction module's projection, `posttrain.models.MTPModule`); params then
     need no `embed`.
 
+    `images_BIHWC`: a VLM's (`config.vision`) images, float pixels `[B, I, H, W, C]` resized
+    and normalised; each row's image-token placeholders take that row's images' features in
+    order (`posttrain.models._vision`).
+
     An NNX module (`config.nnx`) runs whole: `layer_transform` rewrites all its params at once.
     """
     B, L = tokens_BL.shape
@@ -277,7 +290,7 @@ def hidden_states(
     if segment_ids_BL is None:
         segment_ids_BL = jnp.ones((B, L), jnp.int32)
     if config.nnx is not None:
-        if embeds_BLD is not None or replay_experts_BLTK is not None:
+        if embeds_BLD is not None or replay_experts_BLTK is not None or images_BIHWC is not None:
             raise ValueError("an NNX module takes tokens only (no embeds, no router replay)")
         if layer_transform is not None:  # (LoRA: the adapters are keyed like the params)
             params = layer_transform(params, layer_extras)
@@ -285,11 +298,7 @@ def hidden_states(
         if not return_aux:
             return out
         return (*out, {}) if cache is not None else (out, {})
-    dt = config.dtype
-    x_BLD = embed(params["embed"], tokens_BL, dt) if embeds_BLD is None else embeds_BLD.astype(dt)
-    if config.embed_scale:  # Gemma: sqrt(D), rounded to the compute dtype as HF does
-        x_BLD = x_BLD * jnp.asarray(config.embed_dim**0.5, dt)
-    x_BLD = constrain(x_BLD, ("act_batch", "act_length", "act_embed"))
+    x_BLD = input_embeddings(params, tokens_BL, config, embeds_BLD, images_BIHWC)
     cos, sin = rope_angles(positions_BL, config)
 
     windows = tuple(sorted(set(config.layer_windows)))
@@ -307,7 +316,7 @@ def hidden_states(
         )
     impl = resolve_impl(config.attention, config.dtype, softcap=config.attn_softcap > 0)
 
-    def build(cos, sin, positions_BL, segment_ids_BL):
+    def build(cos, sin, positions_BL, segment_ids_BL, blocks_BL=None):
         """The layer function for rows with these per-row inputs."""
         layer = functools.partial(
             _layer,
@@ -318,6 +327,7 @@ def hidden_states(
             sin=sin,
             positions_BL=positions_BL,
             segment_ids_BL=segment_ids_BL,
+            blocks_BL=blocks_BL,
             **cache_kwargs,
         )
         if layer_transform is not None:
@@ -331,6 +341,10 @@ def hidden_states(
         return layer
 
     side = (cos, sin, positions_BL, segment_ids_BL)
+    if images_BIHWC is not None and config.vision.bidirectional:
+        if cache is not None:
+            raise ValueError("bidirectional image attention (Gemma 3) runs without a KV cache")
+        side += (image_blocks(tokens_BL, config.vision.image_token_id),)
     layer = build(*side)
     pipelined = cache is None and stage_count() > 1
     if pipelined and (config.moe is not None or config.first_k_dense):
@@ -387,31 +401,6 @@ def hidden_states(
     return (hidden_BLD, new_cache, moe_aux(aux_T)) if return_aux else (hidden_BLD, new_cache)
 
 
-def split_layers(stack, num_layers: int) -> tuple:
-    """A pytree stacked over layers (a layer stack's params, a KV pool) as a tuple of per-layer
-    pytrees; `jax.tree.map(lambda *a: jnp.stack(a), *layers)` stacks them back."""
-    return tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(num_layers))
-
-
-def unstack_layers(params: dict) -> dict:
-    """The params with each layer stack ("dense_layers", "layers") as a tuple of per-layer
-    params; `hidden_states` (with a cache) then loops over them: no per-step slice (copy) of
-    every layer's weights and cache, as a scan over the stacks makes at every decode step."""
-    out = dict(params)
-    for name in ("dense_layers", "layers"):
-        if name in params:
-            out[name] = split_layers(params[name], jax.tree.leaves(params[name])[0].shape[0])
-    return out
-
-
-def embed(embed_VD: jax.Array, tokens_BL: jax.Array, dtype) -> jax.Array:
-    """The token embeddings `[B, L, D]` in `dtype`."""
-    # FSDP: gather the table's model dimension before the lookup (as for any weight), so the
-    # gathered rows come out sharded by batch instead of being resharded from the table's layout.
-    embed_VD = constrain(embed_VD, ("vocab", None))
-    return jnp.take(embed_VD, tokens_BL, axis=0).astype(dtype)
-
-
 def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.Array:
     """Vocabulary logits `[B, L, V]` in float32 from final hidden states."""
     if config.nnx is not None:
@@ -438,6 +427,7 @@ def forward(
     return_aux: bool = False,
     layer_transform: LayerTransform | None = None,
     layer_extras: dict | None = None,
+    images_BIHWC: jax.Array | None = None,
 ):
     """Logits `[B, L, V]` (float32) for int32 tokens `[B, L]`; `(logits, cache)` with a cache,
     `(logits, aux)` with `return_aux` (the MoE losses and counts, see `moe_aux`).
@@ -456,6 +446,7 @@ def forward(
       return_aux: also return the MoE auxiliary outputs (no cache).
       layer_transform, layer_extras: rewrite each layer's params inside the scan (LoRA,
         QLoRA); see `hidden_states`.
+      images_BIHWC: a VLM's images for its image tokens (see `hidden_states`).
     """
     out = hidden_states(
         params,
@@ -467,6 +458,7 @@ def forward(
         return_aux=return_aux,
         layer_transform=layer_transform,
         layer_extras=layer_extras,
+        images_BIHWC=images_BIHWC,
     )
     if cache is None and not return_aux:
         return lm_logits(params, out, config)
@@ -483,14 +475,16 @@ def init_cache(config: ModelConfig, batch: int, length: int) -> KVCache | NNXCac
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["config"])
 @dataclasses.dataclass(frozen=True)
 class Transformer:
-    """A model is its config plus its params: `model(tokens) -> logits`. A pytree, so it can be
-    passed through `jax.jit` (the config is static)."""
+    """A model is its config plus its params: `model(tokens) -> logits`; a pytree for `jax.jit`."""
 
     params: dict
     config: ModelConfig
 
-    def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, cache=None):
-        return forward(self.params, tokens_BL, self.config, positions_BL, segment_ids_BL, cache)
+    def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, cache=None, images=None):
+        return forward(
+            self.params, tokens_BL, self.config, positions_BL, segment_ids_BL, cache,
+            images_BIHWC=images,
+        )  # fmt: skip
 
     def hidden_states(self, tokens_BL, positions_BL=None, segment_ids_BL=None, cache=None):
         return hidden_states(

@@ -173,3 +173,87 @@ def hf_logits(
     with torch.no_grad():
         out = model(torch.tensor(tokens, dtype=torch.long), attention_mask=mask)
     return out.logits.float().numpy()
+
+
+_VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=32,
+    patch_size=8,
+    layer_norm_eps=1e-6,
+)
+IMAGE_TOKEN = 250  # the tiny VLMs' image placeholder (inside their 256-token vocabulary)
+
+# Tiny VLMs: (HF config class name, kwargs with `text_config`/`vision_config` dicts).
+HF_VLMS: dict[str, tuple[str, dict]] = {
+    # Gemma 3 image-text: the tiny Gemma 3 decoder under a 2-layer SigLIP whose 4 x 4 patches
+    # pool to 2 x 2 image tokens; image tokens see each other both ways.
+    "gemma3": (
+        "Gemma3Config",
+        dict(
+            text_config=dict(_COMMON, **HF_ARCHS["gemma3_text"][1], model_type="gemma3_text"),
+            vision_config=dict(_VISION, vision_use_head=False),
+            mm_tokens_per_image=4,
+            image_token_id=IMAGE_TOKEN,
+            boi_token_id=251,
+            eoi_token_id=252,
+        ),
+    ),
+    # LLaVA: a Llama decoder reading the next-to-last of 3 SigLIP layers through a GELU MLP,
+    # one token per patch; the encoder's pooling head and last layer stay unused.
+    "llava": (
+        "LlavaConfig",
+        dict(
+            text_config=dict(_COMMON, model_type="llama"),
+            vision_config=dict(_VISION, num_hidden_layers=3, model_type="siglip_vision_model"),
+            image_token_id=IMAGE_TOKEN,
+            image_seq_length=16,
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="full",
+        ),
+    ),
+}
+
+
+def save_tiny_hf_vlm(arch: str, path: str, *, seed: int = 0) -> str:
+    """Builds a random transformers VLM of `arch` (see HF_VLMS) and saves it to `path`."""
+    import torch
+    import transformers
+
+    class_name, kwargs = HF_VLMS[arch]
+    config = getattr(transformers, class_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(
+        config, attn_implementation="eager"
+    )
+    with torch.no_grad():  # norms start at 1 (or 0), biases and Gemma's projection at 0
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", ".bias")):
+                p.add_(0.1 * torch.randn_like(p))
+            elif "mm_input_projection" in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_vlm_logits(
+    path: str, tokens: np.ndarray, mask: np.ndarray, pixels: np.ndarray | None
+) -> np.ndarray:
+    """float32 logits of the HF VLM at `path` (eager attention); `pixels` `[images, H, W, C]`
+    in the rows' order (None: text only). Gemma 3 gets its image tokens' `token_type_ids`."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    ids = torch.tensor(tokens, dtype=torch.long)
+    kwargs = dict(input_ids=ids, attention_mask=torch.tensor(mask))
+    if pixels is not None:
+        kwargs["pixel_values"] = torch.tensor(pixels).permute(0, 3, 1, 2).float()
+    if model.config.model_type == "gemma3":
+        kwargs["token_type_ids"] = (ids == model.config.image_token_id).long()
+    with torch.no_grad():
+        return model(**kwargs).logits.float().numpy()

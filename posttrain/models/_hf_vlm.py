@@ -1,0 +1,153 @@
+"""VLM `config.json`s (Gemma 3 image-text, LLaVA with a SigLIP encoder) <-> `VisionConfig`, and
+where their checkpoints keep each part's tensors.
+
+A VLM's `config.json` nests the decoder's own config (`text_config`, read as any text model's)
+and the encoder's (`vision_config`). Checkpoints name the parts with one of several prefixes
+(transformers 4 and the Hub: `language_model.model.`, `vision_tower.vision_model.`; transformers
+5 in memory: `model.language_model.`, `model.vision_tower.`); the weight table is written with
+the text models' names and `vision_tower.`/`multi_modal_projector.`, then renamed.
+"""
+
+from __future__ import annotations
+
+from posttrain.models._config import ModelConfig, VisionConfig
+
+VLM_TYPES = ("gemma3", "llava")
+VLM_ARCHITECTURES = {
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+}
+# Our names' prefixes and what checkpoints call them, the most specific first.
+_PREFIXES = {
+    "model.": ("model.language_model.", "language_model.model."),
+    "lm_head.": ("language_model.lm_head.", "lm_head."),
+    "vision_tower.": ("vision_tower.vision_model.", "model.vision_tower.", "vision_tower."),
+    "multi_modal_projector.": ("model.multi_modal_projector.", "multi_modal_projector."),
+}
+# What `to_hf` writes: transformers 5's `save_pretrained` names.
+EXPORT_PREFIXES = (
+    ("model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
+def vlm_from_hf(hf: dict) -> tuple[dict, VisionConfig, bool, tuple[str, ...]]:
+    """`(text config.json, VisionConfig, tie_embeddings, unused)` of a VLM's `config.json`;
+    `unused`: the encoder's tensor-name prefixes (after its own) of what the model does not run
+    (LLaVA reads an earlier layer; SigLIP's pooling head), skipped when loading. ValueError for
+    what the encoder cannot run."""
+    model_type, v = hf["model_type"], hf.get("vision_config") or {}
+    if v.get("model_type", "siglip_vision_model") not in ("siglip_vision_model", "siglip"):
+        raise ValueError(f"vision_config model_type {v['model_type']!r} is not supported (siglip)")
+    if v.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"vision hidden_act {v['hidden_act']!r} is not supported")
+    text = dict(hf.get("text_config") or {})
+    layers = int(v.get("num_hidden_layers", 12))
+    image_size, patch = int(v.get("image_size", 224)), int(v.get("patch_size", 16))
+    patches = (image_size // patch) ** 2
+    if model_type == "gemma3":
+        text.setdefault("model_type", "gemma3_text")
+        fields = dict(
+            tokens_per_image=int(hf.get("mm_tokens_per_image", 256)),
+            image_token_id=int(hf.get("image_token_index", hf.get("image_token_id", 262144))),
+            projector="gemma3",
+            final_norm=True,
+            bidirectional=True,
+        )
+        run = layers
+    else:
+        text.setdefault("model_type", "llama")
+        act = hf.get("projector_hidden_act", "gelu")
+        if act != "gelu":
+            raise ValueError(f"projector_hidden_act {act!r} is not supported (gelu)")
+        feature_layer = hf.get("vision_feature_layer", -2)
+        if not isinstance(feature_layer, int) or not -layers <= feature_layer < 0:
+            raise ValueError(
+                f"vision_feature_layer {feature_layer!r} is not supported (one layer, counted "
+                f"from the end: -1 .. -{layers})"
+            )
+        drop = hf.get("vision_feature_select_strategy", "default") == "default"
+        fields = dict(
+            tokens_per_image=patches - drop,
+            image_token_id=int(hf.get("image_token_index", hf.get("image_token_id", 32000))),
+            projector="mlp",
+            final_norm=False,
+            drop_first_patch=drop,
+            projector_bias=bool(hf.get("multimodal_projector_bias", True)),
+        )
+        run = layers + 1 + feature_layer
+    vision = VisionConfig(
+        image_size=image_size,
+        patch_size=patch,
+        width=int(v.get("hidden_size", 768)),
+        mlp_dim=int(v.get("intermediate_size", 3072)),
+        num_layers=run,
+        num_heads=int(v.get("num_attention_heads", 12)),
+        channels=int(v.get("num_channels", 3)),
+        norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+        **fields,
+    )
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", model_type == "gemma3"))
+    unused = tuple(f"encoder.layers.{i}." for i in range(run, layers)) + ("head.",)
+    unused += () if vision.final_norm else ("post_layernorm.",)
+    return text, vision, bool(tie), unused
+
+
+def vlm_to_hf(config: ModelConfig, text_hf: dict) -> dict:
+    """A VLM's `config.json` around its decoder's (`text_hf`); ValueError for an encoder the
+    HF types cannot say."""
+    v = config.vision
+    vision = {
+        "model_type": "siglip_vision_model",
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": v.width,
+        "intermediate_size": v.mlp_dim,
+        "num_hidden_layers": v.num_layers,
+        "num_attention_heads": v.num_heads,
+        "num_channels": v.channels,
+        "image_size": v.image_size,
+        "patch_size": v.patch_size,
+        "layer_norm_eps": v.norm_eps,
+        "vision_use_head": False,
+    }
+    common = {
+        "vision_config": vision,
+        "text_config": text_hf,
+        "image_token_index": v.image_token_id,
+        "tie_word_embeddings": config.tie_embeddings,
+        "dtype": text_hf.get("dtype"),
+    }
+    if v.projector == "gemma3":
+        if text_hf["model_type"] != "gemma3_text" or not (v.final_norm and v.bidirectional):
+            raise ValueError(
+                f"model {config.name!r}: a gemma3 projector goes with a Gemma 3 decoder, a final "
+                f"encoder norm and bidirectional image attention"
+            )
+        return {"model_type": "gemma3", "mm_tokens_per_image": v.tokens_per_image, **common}
+    if v.final_norm or v.bidirectional:
+        raise ValueError(
+            f"model {config.name!r}: HF llava has no final encoder norm before its projector and "
+            f"no bidirectional image attention"
+        )
+    return {
+        "model_type": "llava",
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "default" if v.drop_first_patch else "full",
+        "multimodal_projector_bias": v.projector_bias,
+        "image_seq_length": v.tokens_per_image,
+        **common,
+    }
+
+
+def checkpoint_prefixes(names) -> tuple[tuple[str, str], ...]:
+    """`(our prefix, the checkpoint's)` for each part of a VLM, from its tensor names."""
+    out = []
+    for ours, candidates in _PREFIXES.items():
+        found = [c for c in candidates if any(n.startswith(c) for n in names)]
+        out.append((ours, found[0] if found else candidates[-1]))
+    text = dict(out)["model."]  # an untied lm_head sits beside the decoder it belongs to
+    if not any(n.endswith("lm_head.weight") for n in names):
+        lm = "language_model.lm_head." if text.startswith("language_model.") else "lm_head."
+        out[1] = ("lm_head.", lm)
+    return tuple(out)

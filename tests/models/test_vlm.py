@@ -1,0 +1,131 @@
+"""VLMs (Gemma 3 image-text, LLaVA with SigLIP): logits equal transformers' with several images
+per row and text only, the export round-trips, and sharded loss and gradients equal one
+device's."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from posttrain.models import HFFormatError, from_hf, to_hf
+from posttrain.parallel import MeshConfig, make_mesh
+from posttrain.testing import HF_VLMS, IMAGE_TOKEN, hf_vlm_logits, save_tiny_hf_vlm
+
+
+@pytest.fixture(scope="module", params=sorted(HF_VLMS))
+def vlm_dir(request, tmp_path_factory):
+    return save_tiny_hf_vlm(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+def _batch(tokens_per_image: int, seed: int = 0):
+    """Two right-padded rows: text, image, text, image, text; and text, image, text. Returns
+    tokens, mask, the three images in row order (HF's pixel_values) and ours per row."""
+    rng = np.random.RandomState(seed)
+
+    def row(parts):
+        out = []
+        for p in parts:
+            out += [IMAGE_TOKEN] * tokens_per_image if p == "I" else list(rng.randint(1, 240, p))
+        return out
+
+    rows = [row([3, "I", 2, "I", 3]), row([2, "I", 4])]
+    L = len(rows[0])
+    tokens, mask = np.zeros((2, L), np.int32), np.zeros((2, L), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)], mask[i, : len(r)] = r, 1
+    pixels = rng.randn(3, 32, 32, 3).astype(np.float32)
+    per_row = np.zeros((2, 2, 32, 32, 3), np.float32)
+    per_row[0], per_row[1, 0] = pixels[:2], pixels[2]
+    return tokens, mask, pixels, per_row
+
+
+def _logits(model, tokens, mask, images=None):
+    fn = jax.jit(lambda m, t, s, i: m(t, segment_ids_BL=s, images=i))
+    return np.asarray(fn(model, jnp.asarray(tokens), jnp.asarray(mask), images))
+
+
+def _max_on_valid(a, b, mask):
+    return float(np.abs(a - b)[mask.astype(bool)].max())
+
+
+def test_logits_match_transformers_with_images_and_without(vlm_dir):
+    model = from_hf(vlm_dir, attention="xla")
+    tokens, mask, pixels, per_row = _batch(model.config.vision.tokens_per_image)
+    ours = _logits(model, tokens, mask, jnp.asarray(per_row))
+    assert _max_on_valid(ours, hf_vlm_logits(vlm_dir, tokens, mask, pixels), mask) <= 1e-4
+    # each image lands on its own placeholders: swapping a row's two images changes the logits
+    swapped = _logits(model, tokens, mask, jnp.asarray(per_row[:, ::-1]))
+    assert _max_on_valid(swapped, ours, mask) > 1e-2
+    v = model.config.vision
+    if v.bidirectional:  # Gemma 3: an image's tokens see each other both ways, as HF's do
+        causal = dataclasses.replace(v, bidirectional=False)
+        causal = type(model)(model.params, model.config.replace(vision=causal))
+        ref = hf_vlm_logits(vlm_dir, tokens, mask, pixels)
+        assert _max_on_valid(_logits(causal, tokens, mask, jnp.asarray(per_row)), ref, mask) > 1e-2
+    text = np.random.RandomState(1).randint(1, 240, (2, 12)).astype(np.int32)
+    ones = np.ones_like(text)
+    assert (
+        _max_on_valid(_logits(model, text, ones), hf_vlm_logits(vlm_dir, text, ones, None), ones)
+        <= 1e-4
+    )
+
+
+def test_export_round_trip(vlm_dir, tmp_path):
+    model = from_hf(vlm_dir, attention="xla")
+    to_hf(model, str(tmp_path))
+    original = json.load(open(f"{vlm_dir}/config.json"))
+    assert json.load(open(tmp_path / "config.json"))["model_type"] == original["model_type"]
+    tokens, mask, pixels, _ = _batch(model.config.vision.tokens_per_image)
+    diff = _max_on_valid(
+        hf_vlm_logits(str(tmp_path), tokens, mask, pixels),
+        hf_vlm_logits(vlm_dir, tokens, mask, pixels),
+        mask,
+    )
+    assert diff <= 1e-5
+    again = from_hf(str(tmp_path), attention="xla")
+    assert again.config.vision == model.config.vision
+
+
+def test_sharded_loss_and_gradients_equal_one_device(vlm_dir, devices):
+    """Cross-entropy on the text tokens of four rows with images, and its gradient for every
+    weight (encoder and projector included), on fsdp 4 x tensor 2 = one device."""
+    model = from_hf(vlm_dir, attention="xla")
+    tokens, mask, _, per_row = _batch(model.config.vision.tokens_per_image)
+    tokens, mask = np.tile(tokens, (2, 1)), np.tile(mask, (2, 1))
+    per_row = np.concatenate([per_row, per_row[:, ::-1]])
+    targets = np.roll(tokens, -1, axis=1)
+    weights = (mask * np.roll(mask, -1, axis=1) * (targets != IMAGE_TOKEN)).astype(np.float32)
+    batch = tuple(map(jnp.asarray, (tokens, mask, per_row, targets, weights)))
+
+    def loss(params, tokens, mask, images, targets, weights):
+        logits = type(model)(params, model.config)(tokens, segment_ids_BL=mask, images=images)
+        logp = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+        return (nll * weights).sum() / weights.sum()
+
+    grad = jax.jit(jax.value_and_grad(loss))
+    value, grads = grad(model.params, *batch)
+    mesh = make_mesh(MeshConfig.from_dict({"fsdp": 4, "tensor": 2}))
+    params = from_hf(vlm_dir, mesh=mesh, attention="xla").params
+    with jax.set_mesh(mesh):
+        q = params["vision"]["layers"]["q"]  # [T, W, N, H]: W over fsdp, N over tensor
+        assert q.sharding.shard_shape(q.shape) == (q.shape[0], 8, 2, 8)
+        rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+        sharded_value, sharded_grads = grad(params, *jax.device_put(batch, rows))
+    np.testing.assert_allclose(float(sharded_value), float(value), rtol=1e-5)
+    for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(sharded_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(s), np.asarray(g), rtol=1e-4, atol=1e-6)
+
+
+def test_bad_vlm_configs_are_named(vlm_dir, tmp_path):
+    config = json.load(open(f"{vlm_dir}/config.json"))
+    bad = dict(config, vision_config=dict(config["vision_config"], model_type="clip_vision_model"))
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    for f in ("model.safetensors",):
+        (tmp_path / f).symlink_to(f"{vlm_dir}/{f}")
+    with pytest.raises(HFFormatError, match="clip_vision_model.*not supported"):
+        from_hf(str(tmp_path))
