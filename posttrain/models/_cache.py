@@ -97,6 +97,12 @@ class KVCache:
             None,
         )
 
+    def blocks(self, blocks_BL) -> jax.Array:
+        """`[B, S]`: these tokens' bidirectional image blocks where `addressing` writes them,
+        0 elsewhere (a prefill's images attend within that prefill)."""
+        zeros_BS = jnp.zeros_like(self.segment_ids_BS)
+        return jax.lax.dynamic_update_slice_in_dim(zeros_BS, blocks_BL, self.index, axis=1)
+
     def updated(self, k_TBSKH, v_TBSKH, positions_BS, segment_ids_BS, written: int) -> KVCache:
         return KVCache(k_TBSKH, v_TBSKH, positions_BS, segment_ids_BS, self.index + written)
 
@@ -201,6 +207,12 @@ class PagedKVCache:
 
     def stores(self):
         return self.k_TNbKH, self.v_TNbKH
+
+    def blocks(self, blocks_BL):
+        raise ValueError(
+            "Gemma 3's bidirectional image attention runs on the static sampler for now "
+            "(rollout.sampler='static'), not the paged engine"
+        )
 
     def addressing(self, positions_BL, segment_ids_BL):
         B, M = self.tables_BM.shape

@@ -1,5 +1,5 @@
-"""The decoder's input: token embeddings (Gemma scales them) with a VLM's image features in
-place of its image tokens."""
+"""The decoder's input and output: token embeddings (Gemma scales them) with a VLM's image
+features in place of its image tokens, and the vocabulary logits."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.models._config import ModelConfig
+from posttrain.models._invariant import logits_rows
+from posttrain.models._nnx import nnx_logits
+from posttrain.models._ops import dense
 from posttrain.models._vision import encode_images, merge_images
 from posttrain.parallel import constrain
 
@@ -42,3 +45,18 @@ def input_embeddings(
         features_BTD = encode_images(params["vision"], images_BIHWC, config)
         x_BLD = merge_images(x_BLD, tokens_BL, features_BTD, config.vision.image_token_id)
     return constrain(x_BLD, ("act_batch", "act_length", "act_embed"))
+
+
+def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.Array:
+    """Vocabulary logits `[B, L, V]` in float32 from final hidden states."""
+    if config.nnx is not None:
+        return nnx_logits(config.nnx, params, hidden_BLD)
+    dt = config.dtype
+    head_DV = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    if config.batch_invariant:
+        logits = logits_rows(hidden_BLD, head_DV.astype(dt))
+    else:
+        logits = dense(hidden_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
+    if config.final_softcap:
+        logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
+    return constrain(logits, ("act_batch", "act_length", "act_vocab"))

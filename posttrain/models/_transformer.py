@@ -17,11 +17,11 @@ import numpy as np
 from posttrain.models._attention import attention, resolve_impl
 from posttrain.models._cache import KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig
-from posttrain.models._embed import input_embeddings
-from posttrain.models._invariant import invariant_layer, logits_rows, norm_rows
+from posttrain.models._embed import input_embeddings, lm_logits
+from posttrain.models._invariant import invariant_layer, norm_rows
 from posttrain.models._mla import mla_attention
 from posttrain.models._moe import moe_aux, moe_forward
-from posttrain.models._nnx import NNXCache, nnx_hidden_states, nnx_logits
+from posttrain.models._nnx import NNXCache, nnx_hidden_states
 from posttrain.models._ops import dense, rms_norm
 from posttrain.models._params import init_params
 from posttrain.models._pipeline import pipeline_layers, stage_count
@@ -58,9 +58,11 @@ def _attention(
     cache_update=None,
     cache_attend=None,
     blocks_BL=None,
+    kv_blocks_BS=None,
 ):
     """Grouped-query self-attention of normed `h_BLD`: `(out_BLD, (k, v) cache or None)`;
-    `blocks_BL`: bidirectional image blocks (`attention_mask`), self-attention only."""
+    `blocks_BL`, `kv_blocks_BS`: bidirectional image blocks (`attention_mask`) of the queries
+    and, with a cache, of its slots (default: the queries')."""
     dt = config.dtype
     q_BLNH = dense(h_BLD, a["q"].astype(dt))
     k_BLKH = dense(h_BLD, a["k"].astype(dt))
@@ -114,7 +116,7 @@ def _attention(
                 softcap=config.attn_softcap,
                 context_parallel=config.context_parallel,
                 q_blocks_BL=blocks_BL,
-                kv_blocks_BS=blocks_BL,
+                kv_blocks_BS=blocks_BL if kv_blocks_BS is None else kv_blocks_BS,
             )
             for w in windows
         ]
@@ -151,6 +153,7 @@ def _layer(
     cache_update=None,
     cache_attend=None,
     blocks_BL=None,
+    kv_blocks_BS=None,
 ):
     """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (or the experts, routed
     as `replay_BLK` says when given: router replay, see `moe_forward`).
@@ -200,6 +203,7 @@ def _layer(
             windows=windows,
             cache_attend=cache_attend,
             blocks_BL=blocks_BL,
+            kv_blocks_BS=kv_blocks_BS,
             **context,
         )
     if config.post_norms:
@@ -341,10 +345,10 @@ def hidden_states(
         return layer
 
     side = (cos, sin, positions_BL, segment_ids_BL)
-    if images_BIHWC is not None and config.vision.bidirectional:
-        if cache is not None:
-            raise ValueError("bidirectional image attention (Gemma 3) runs without a KV cache")
+    if images_BIHWC is not None and config.vision.bidirectional:  # (Gemma 3)
         side += (image_blocks(tokens_BL, config.vision.image_token_id),)
+        if cache is not None:  # a prefill's own tokens' blocks, in the slots it writes
+            cache_kwargs["kv_blocks_BS"] = cache.blocks(side[-1])
     layer = build(*side)
     pipelined = cache is None and stage_count() > 1
     if pipelined and (config.moe is not None or config.first_k_dense):
@@ -399,21 +403,6 @@ def hidden_states(
         k_T, v_T = caches[0]
     new_cache = cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
     return (hidden_BLD, new_cache, moe_aux(aux_T)) if return_aux else (hidden_BLD, new_cache)
-
-
-def lm_logits(params: dict, hidden_BLD: jax.Array, config: ModelConfig) -> jax.Array:
-    """Vocabulary logits `[B, L, V]` in float32 from final hidden states."""
-    if config.nnx is not None:
-        return nnx_logits(config.nnx, params, hidden_BLD)
-    dt = config.dtype
-    head_DV = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    if config.batch_invariant:
-        logits = logits_rows(hidden_BLD, head_DV.astype(dt))
-    else:
-        logits = dense(hidden_BLD, head_DV.astype(dt), preferred_element_type=jnp.float32)
-    if config.final_softcap:
-        logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
-    return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
 
 def forward(

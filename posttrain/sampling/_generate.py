@@ -63,11 +63,12 @@ def _generate_padded(
     temperature,
     top_k,
     top_p,
+    images_BIHWC=None,
     *,
     max_new_tokens: int,
     n: int,
 ):
-    """Prefill left-padded prompts, repeat each row n times, decode; returns
+    """Prefill left-padded prompts (with a VLM's images), repeat each row n times, decode; returns
     (tokens `[B*n, max_new_tokens]`, logprobs, number generated `[B*n]`, hit EOS `[B*n]`).
     `rng` is one key for the batch or a key per prompt `[B]` (see `generate`'s `seeds`)."""
     config, params = model.config, model.params
@@ -78,8 +79,9 @@ def _generate_padded(
     positions_BP = jnp.where(real_BP, slot_1P - pad_B1, 0)
     cache = init_cache(config, B, P + max_new_tokens)
     hidden_BPD, cache = hidden_states(
-        params, tokens_BP, config, positions_BP, real_BP.astype(jnp.int32), cache
-    )
+        params, tokens_BP, config, positions_BP, real_BP.astype(jnp.int32), cache,
+        images_BIHWC=images_BIHWC,
+    )  # fmt: skip
     logits_BV = lm_logits(params, hidden_BPD[:, -1:], config)[:, 0]
 
     # The n samples of a prompt share its prefill: repeat cache rows, not the prompt.
@@ -197,6 +199,22 @@ def _prepare(model, tokenizer, prompts, budgets, stop, eos_ids):
     return ids, stop, tuple(eos_ids), pad_id
 
 
+def _images(config, images, rows: int):
+    """Per-prompt image lists as one `[rows, most images, H, W, C]` array (unused slots 0)."""
+    if images is None:
+        return None
+    if config.vision is None:
+        raise ValueError(f"model {config.name!r} has no vision encoder; it takes no images")
+    if len(images) != rows:
+        raise ValueError(f"images: {len(images)} lists for {rows} prompts; give one per prompt")
+    v = config.vision
+    out = np.zeros((rows, max(1, *map(len, images)), v.image_size, v.image_size, v.channels))
+    for row, row_images in zip(out, images, strict=True):
+        for i, image in enumerate(row_images):
+            row[i] = image
+    return jnp.asarray(out, jnp.float32)
+
+
 def _finish(tokenizer, ids, logprobs, hit_eos, stop) -> Completion:
     """Host-side: decode, cut at the first stop string (and the tokens after it)."""
     if tokenizer is None:
@@ -239,6 +257,7 @@ def generate(
     stop: str | Sequence[str] | None = None,
     eos_ids: Sequence[int] | None = None,
     length_bucket: int = 64,
+    images: Sequence[Sequence[np.ndarray]] | None = None,
 ) -> list[list[Completion]]:
     """Samples `n` continuations of each prompt with a KV cache, all rows in one static batch.
 
@@ -262,6 +281,8 @@ def generate(
       eos_ids: ids that end a sample; default `tokenizer.eos_ids` (none without a tokenizer).
       length_bucket: prompts are left-padded to a multiple of this, so prompt lengths in the
         same bucket share one compilation.
+      images: a VLM's images per prompt, float pixels `[H, W, C]` each, resized and
+        normalised (`posttrain.data.images`); prompt i's image tokens take its images in order.
 
     Returns:
       Per prompt, a list of its n `Completion`s (text, token_ids, logprobs, finish_reason). The
@@ -298,6 +319,7 @@ def generate(
             jnp.float32(temperature),
             jnp.int32(top_k),
             jnp.float32(top_p),
+            _images(model.config, images, len(ids)),
             max_new_tokens=max_new_tokens,
             n=n,
         )
