@@ -7,6 +7,8 @@ Presets:
   llama3_8b_v5p  Llama 3.1 8B full fine-tune on a v5p-64 slice (set model.hf_path, data).
   llama3_70b_v5p Llama 3.3 70B full fine-tune on a v5p-256 slice (set model.hf_path, data).
   qwen3_32b_v5p  Qwen3 32B full fine-tune on a v5p-256 slice (set model.hf_path, data).
+  gemma3_27b_v5p Gemma 3 27B (text) full fine-tune on a v5p-32 slice (16 chips; set
+                 model.hf_path, data).
   llama3_8b_128k_v5p    Llama 3.1 8B at 128k tokens per row on v5p-64: each row's length
                         split over sequence=8 (ring attention), logits in chunks.
   qwen3_8b_1m_v5p       Qwen3 8B (YaRN to 1M positions) at 1M tokens per row on v5p-256:
@@ -210,6 +212,17 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.micro_batches = 4
         c.optimizer.learning_rate = 5e-6
         c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 4}
+    elif preset == "gemma3_27b_v5p":
+        # Gemma 3 27B (text) on v5p-32 (16 chips): FSDP over all chips, full remat, bf16
+        # compute; its 262k-token vocabulary's logits 2048 positions of a row at a time.
+        c.model.preset = "gemma3_27b"
+        c.model.remat = "full"
+        c.model.logits_chunk = 2048
+        c.data.max_len = 8192
+        c.data.batch_size = 64
+        c.train.micro_batches = 4  # 16 rows per micro-batch: one per chip
+        c.optimizer.learning_rate = 5e-6
+        c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 1, "tensor": 1}
     elif preset in MOE_PLANS:
         # Sparse MoE: experts split over `expert` (all-to-all dispatch), every other weight
         # over fsdp x expert, one row per chip per micro-batch, full remat, bf16 compute.
@@ -225,7 +238,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.mesh.ici = {"data": 1, "fsdp": -1, "expert": plan["expert"], "sequence": 1, "tensor": 1}
         c.mesh.rules = [["embed", ["fsdp", "expert"]]]
     else:
-        names = ["tiny", "llama3_8b_v5p", "llama3_70b_v5p", "qwen3_32b_v5p", *LONG_PLANS]
+        names = ["tiny", "llama3_8b_v5p", "llama3_70b_v5p", "qwen3_32b_v5p", "gemma3_27b_v5p"]
+        names += list(LONG_PLANS)
         names += ["llama3_8b_pp_2x_v5p"]
         names += list(MOE_PLANS)
         raise ValueError(f"unknown sft preset {preset!r}: {', '.join(names)}")

@@ -300,6 +300,96 @@ PRESETS["qwen3_8b_1m"] = PRESETS["qwen3_8b"].replace(
     name="qwen3_8b_1m",
 )
 
+
+def _gemma(name: str, **fields) -> ModelConfig:
+    """A Gemma 2 or Gemma 3 (text) size: what every size shares, plus `fields`."""
+    shared = dict(
+        norm_eps=1e-6,
+        norm_offset=1.0,  # (1 + w) norms
+        post_norms=True,
+        embed_scale=True,
+        mlp_activation="gelu_tanh",
+        tie_embeddings=True,
+        compute_dtype="bfloat16",
+        name=name,
+    )
+    return ModelConfig(**shared, **fields)
+
+
+def _gemma2(name: str, *, num_layers: int, query_scalar: int, **shape) -> ModelConfig:
+    """Gemma 2: soft-capped attention (50) and logits (30); layers 0, 2, 4, ... slide over
+    4096 keys, the others attend to the whole 8k context."""
+    return _gemma(
+        name,
+        vocab_size=256_000,
+        num_layers=num_layers,
+        max_seq_len=8192,
+        rope_theta=10_000.0,
+        attn_scale=query_scalar**-0.5,  # query_pre_attn_scalar
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        sliding_window=4096,
+        sliding_window_layers=tuple(range(0, num_layers, 2)),
+        **shape,
+    )
+
+
+def _gemma3(name: str, *, num_layers: int, query_scalar: int, **fields) -> ModelConfig:
+    """Gemma 3 (text): q/k norms, five sliding layers (plain RoPE, base 10k) then one full
+    layer (base 1M), layer i full iff (i + 1) % 6 == 0."""
+    return _gemma(
+        name,
+        num_layers=num_layers,
+        rope_theta=1_000_000.0,
+        rope_local_theta=10_000.0,
+        qk_norm=True,
+        attn_scale=query_scalar**-0.5,  # query_pre_attn_scalar
+        sliding_window_layers=tuple(i for i in range(num_layers) if (i + 1) % 6),
+        **fields,
+    )
+
+
+# Gemma 3 4B/12B/27B: 128k positions by linear RoPE interpolation (x8) on the full layers; their
+# config.json's vocabulary is 262208 (the 1B's is 262144; the image token is 262144).
+_GEMMA3_128K = dict(
+    vocab_size=262_208, max_seq_len=131_072, sliding_window=1024,
+    rope_scaling=RopeScaling(rope_type="linear", factor=8.0),
+)  # fmt: skip
+
+# Shapes from each model's HF config.json (Gemma 3 4B+: its text_config).
+PRESETS.update(
+    gemma2_2b=_gemma2(
+        "gemma2_2b", embed_dim=2304, num_layers=26, num_heads=8, num_kv_heads=4,
+        head_dim=256, mlp_dim=9216, query_scalar=256,
+    ),
+    gemma2_9b=_gemma2(
+        "gemma2_9b", embed_dim=3584, num_layers=42, num_heads=16, num_kv_heads=8,
+        head_dim=256, mlp_dim=14_336, query_scalar=256,
+    ),
+    gemma2_27b=_gemma2(  # queries scaled by (D / N)**-0.5 = 144**-0.5, not head_dim**-0.5
+        "gemma2_27b", embed_dim=4608, num_layers=46, num_heads=32, num_kv_heads=16,
+        head_dim=128, mlp_dim=36_864, query_scalar=144,
+    ),
+    gemma3_1b=_gemma3(
+        "gemma3_1b", vocab_size=262_144, embed_dim=1152, num_layers=26, num_heads=4,
+        num_kv_heads=1, head_dim=256, mlp_dim=6912, query_scalar=256, max_seq_len=32_768,
+        sliding_window=512,
+    ),
+    gemma3_4b=_gemma3(
+        "gemma3_4b", embed_dim=2560, num_layers=34, num_heads=8, num_kv_heads=4,
+        head_dim=256, mlp_dim=10_240, query_scalar=256, **_GEMMA3_128K,
+    ),
+    gemma3_12b=_gemma3(
+        "gemma3_12b", embed_dim=3840, num_layers=48, num_heads=16, num_kv_heads=8,
+        head_dim=256, mlp_dim=15_360, query_scalar=256, **_GEMMA3_128K,
+    ),
+    gemma3_27b=_gemma3(  # queries scaled by (D / N)**-0.5 = 168**-0.5
+        "gemma3_27b", embed_dim=5376, num_layers=62, num_heads=32, num_kv_heads=16,
+        head_dim=128, mlp_dim=21_504, query_scalar=168, **_GEMMA3_128K,
+    ),
+)  # fmt: skip
+
+
 # Parameter counts published for the real presets (the shape checks compare against them).
 PUBLISHED_PARAMS = {
     "llama3_1b": 1.24e9,
@@ -311,6 +401,18 @@ PUBLISHED_PARAMS = {
     "deepseek_v3_671b": 671e9,  # without the multi-token-prediction layer
     "kimi_k2_1t": 1.03e12,  # the model card says "1T"; its config.json shapes give 1.026T
     "qwen3_235b_a22b": 235e9,
+    # Gemma 2: the technical report's non-embedding counts (2.02B, 8.32B, 26.05B) plus the HF
+    # checkpoints' 256000 x D embedding.
+    "gemma2_2b": 2.61e9,
+    "gemma2_9b": 9.24e9,
+    "gemma2_27b": 27.2e9,
+    "gemma3_1b": 1.00e9,
+    # Gemma 3 4B/12B/27B are published with their vision encoder (4.3B, 12.2B, 27.4B on the
+    # model cards): these are the text decoders alone. Plus the 400M SigLIP tower and its
+    # projector (0.42B), transformers' Gemma3ForConditionalGeneration has 4.30B, 12.19B, 27.43B.
+    "gemma3_4b": 3.88e9,
+    "gemma3_12b": 11.77e9,
+    "gemma3_27b": 27.01e9,
 }
 
 # Parameters a token passes through (published "activated" counts) for the MoE presets.

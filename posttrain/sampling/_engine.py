@@ -109,6 +109,7 @@ class EngineConfig:
             and model_config.mla is None
             and model_config.head_dim % 128 == 0
             and not model_config.batch_invariant  # (which has its own attention)
+            and not model_config.attn_softcap  # (Gemma 2: the kernels here do not cap)
         )
         if self.attention == "auto":
             return "ragged" if platform == "tpu" and fits else ""
@@ -117,7 +118,8 @@ class EngineConfig:
         if not fits:
             raise ValueError(
                 f"engine attention={self.attention!r} needs a model-dtype KV cache (kv_dtype="
-                f"'auto'), no MLA and a head dim that is a multiple of 128; use 'xla'"
+                f"'auto'), no MLA, no attention soft-capping and a head dim that is a multiple "
+                f"of 128; use 'xla'"
             )
         return self.attention
 

@@ -1,6 +1,7 @@
 """HF interop: logits parity with transformers, export round trip, sharded loading, bad input."""
 
 import json
+import math
 import os
 import shutil
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from posttrain.models import HFFormatError, from_hf, to_hf
+from posttrain.models import PRESETS, HFFormatError, from_hf, param_shapes, to_hf
+from posttrain.models._hf_config import config_from_hf, config_to_hf
 from posttrain.parallel import MeshConfig, make_mesh
 from posttrain.testing import HF_ARCHS, hf_logits, save_tiny_hf_model
 
@@ -97,6 +99,33 @@ def test_bfloat16_load_and_export(batch, tmp_path):
     assert json.load(open(tmp_path / "out" / "config.json"))["torch_dtype"] == "bfloat16"
     stored = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert stored["model.embed_tokens.weight"].dtype == jnp.bfloat16
+
+
+GEMMA_PRESETS = [name for name in sorted(PRESETS) if name.startswith("gemma")]
+
+
+def test_gemma_presets_are_their_hf_configs():
+    """Each full-size Gemma preset written as HF config.json reads back as itself, and
+    transformers builds from it (on the meta device: nothing allocated) a model with our
+    parameter count; Gemma 2 2B is transformers' own Gemma2Config default."""
+    import torch
+    import transformers
+
+    assert len(GEMMA_PRESETS) == 7
+    for name in GEMMA_PRESETS:
+        preset = PRESETS[name]
+        hf = config_to_hf(preset, "bfloat16")
+        assert config_from_hf(hf, name=name, compute_dtype="bfloat16") == preset, name
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.for_model(**hf)
+            )
+        ours = sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes(preset)))
+        assert sum(p.numel() for p in model.parameters()) == ours, name
+    default = transformers.Gemma2Config().to_dict()
+    assert (
+        config_from_hf(default, name="gemma2_2b", compute_dtype="bfloat16") == PRESETS["gemma2_2b"]
+    )
 
 
 # ----------------------------------------------------------------------------- bad input
