@@ -15,6 +15,9 @@ Presets:
   qwen3_8b_v5p  GRPO for Qwen3 8B on a v5p-64 slice (set model.hf_path / checkpoint, data).
   qwen3_8b_32k_v5p  the same with 32k-token rollouts (1k prompt + 31k completion): rows split
                 over sequence=4 (ring attention), logits in chunks.
+  gemma3_4b_vlm_v5p  GRPO with image prompts for Gemma 3 4B (image-text) on a v5p-8 slice:
+                prompts of up to 3 images (256 tokens each) and text, numeric answers
+                (domain "math": chart or geometry questions); set model.hf_path and data.
 Every field of configs/sft.py applies (model, data, optimizer, train, checkpoint, mesh);
 `data.batch_size` is prompts per RL step, `train.steps` RL steps. Prompt records:
 {"prompt": str or messages, "domain": ..., plus the fields the domain's reward reads}.
@@ -47,7 +50,7 @@ VARIANTS = {
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     variant, _, size = preset.rpartition("_") if preset.endswith("_tiny") else ("grpo", "", preset)
-    sizes = ("tiny", "qwen3_8b_v5p", "qwen3_8b_32k_v5p", "kimi_k2_1t")
+    sizes = ("tiny", "qwen3_8b_v5p", "qwen3_8b_32k_v5p", "kimi_k2_1t", "gemma3_4b_vlm_v5p")
     if size not in sizes or variant not in VARIANTS:
         names = [f"{v}_tiny" for v in VARIANTS if v != "grpo"]
         raise ValueError(
@@ -227,6 +230,23 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.algorithm.minibatches = 4
         c.train.micro_batches = 1
         c.train.steps = 200
+        c.kl.coef = 0.001
+    elif size == "gemma3_4b_vlm_v5p":
+        # 16 image prompts x 8 samples per step on 4 v5p chips (FSDP): the policy, its frozen
+        # reference and the sampler's KV cache; image pixels ride in the rollout batch.
+        c.model.preset = "gemma3_4b_vlm"
+        c.model.logits_chunk = 1024  # (a 262k vocabulary)
+        c.data.sources = [
+            {"path": "image_prompts.jsonl", "weight": 1.0, "domain": "math", "format": "auto"}
+        ]
+        c.eval_data = []
+        c.data.batch_size = 16
+        c.rollout.num_generations = 8
+        c.rollout.max_prompt_len = 1024
+        c.rollout.max_new_tokens = 1024
+        c.algorithm.minibatches = 4
+        c.train.micro_batches = 2
+        c.train.steps = 300
         c.kl.coef = 0.001
     else:
         c.model.preset = "qwen3_8b"

@@ -10,6 +10,9 @@
   generation prompt; loss on the assistant reply that completes it.
 - `{"text": str}`: encoded as the tokenizer encodes text, then EOS; every token is trained on
   (the first has nothing before it to predict it).
+
+For a vision-language model, messages may hold image parts and text image markers with an
+"images" list (`_image_chat`); each example then carries its images' pixels.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ from typing import Any
 import jinja2
 import numpy as np
 
+from posttrain.data._image_chat import (
+    ImageRecordError,
+    ImageSpec,
+    flatten_record,
+    has_images,
+    load_pixels,
+    no_pixels,
+    whole_images_cut,
+)
 from posttrain.data._tokenizer import Tokenizer
 
 EXPECTED = {
@@ -33,6 +45,10 @@ EXPECTED = {
 
 class RecordError(ValueError):
     """A malformed record; the message says what was expected (the caller adds where)."""
+
+
+# The fields that hold a record's text (and so may place images).
+TEXT_KEYS = ("messages", "prompt", "completion", "text", "chosen", "rejected")
 
 
 def decode(raw: Any) -> Mapping[str, Any]:
@@ -204,23 +220,47 @@ class ExampleEncoder:
     on_error: str = "raise"
     overlong: str = "truncate"
 
+    images: ImageSpec | None = None  # a VLM's images; None: a text model (images refused)
+    image_root: str | None = None  # the directory relative image paths resolve against
+
     def __call__(self, item: tuple[Any, str]) -> dict[str, Any]:
         raw, where = item
         try:
-            record = decode(raw)
+            record, refs = self._record(decode(raw))
             ids, trained = encode_record(record, self.fmt, self.tokenizer, add_eos=self.add_eos)
-        except RecordError as e:
+            cut, n_images = len(ids), 0
+            if self.images is not None:
+                cut, n_images = whole_images_cut(ids, self.max_len, self.images)
+            cut = min(cut, self.max_len)
+            truncated = len(ids) > cut
+            if truncated and self.overlong == "drop":
+                return {"status": "dropped", "source": self.source}
+            example = to_example(ids[:cut], trained[:cut])
+            if not example["loss_mask"].any():
+                return {"status": "no_loss", "source": self.source, "truncated": truncated}
+            if self.images is not None:
+                example["images"] = (
+                    load_pixels(refs[:n_images], self.images, self.image_root)
+                    if n_images
+                    else no_pixels(self.images)
+                )
+        except (RecordError, ImageRecordError) as e:
             if self.on_error == "raise":
                 raise RecordError(
                     f"{where}: {e}. Fix the record, or set on_error='skip' to skip and "
                     "count malformed records."
                 ) from None
             return {"status": "skipped", "source": self.source, "error": f"{where}: {e}"}
-        truncated = len(ids) > self.max_len
-        if truncated and self.overlong == "drop":
-            return {"status": "dropped", "source": self.source}
-        example = to_example(ids[: self.max_len], trained[: self.max_len])
-        if not example["loss_mask"].any():
-            return {"status": "no_loss", "source": self.source, "truncated": truncated}
         example["domain_ids"] = np.full(len(example["tokens"]), self.domain, np.int32)
         return {"source": self.source, "truncated": truncated, "example": example}
+
+    def _record(self, record: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[Any]]:
+        """The record with its images placed as image tokens, and their refs."""
+        if self.images is not None:
+            return flatten_record(record, self.images, TEXT_KEYS)
+        if has_images(record, TEXT_KEYS):
+            raise RecordError(
+                "the record has images, but the model has no vision tower; train a "
+                "vision-language model on it, or leave the images out"
+            )
+        return record, []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,10 @@ from posttrain.data._accounting import Tally, find_tally, log_source, source_nam
 from posttrain.data._accounting import metrics as count_metrics
 from posttrain.data._curriculum import Phase, check_curriculum, curriculum_dataset
 from posttrain.data._formats import ExampleEncoder
+from posttrain.data._image_chat import ImageSpec, image_spec
 from posttrain.data._sources import Records, SourceConfig, canonical_identity
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
+from posttrain.models import VisionConfig
 
 # Fields that do not change which batches come out (kept out of the state's identity check).
 _RUNTIME_FIELDS = ("read_threads", "read_buffer")
@@ -65,6 +68,10 @@ class DataConfig:
       curriculum: phases that replace the sources' weights (`_curriculum.Phase`: weights by
         source name, lasting a number of steps or examples), e.g. easy buckets first; each
         source's `data/<source>/used` count is then logged with every step.
+      max_images: for a vision-language model, the image slots of each packed row (batches
+        carry `images` `[rows, max_images, S, S, C]`); 0: as many as max_len holds
+        (max_len // tokens_per_image). An example with more is cut before the first image it
+        cannot hold, like overlong text.
     """
 
     sources: tuple[SourceConfig, ...]
@@ -81,6 +88,7 @@ class DataConfig:
     read_buffer: int = 64
     mix_by: str = "records"
     curriculum: tuple[Phase, ...] = ()
+    max_images: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -97,6 +105,7 @@ class DataConfig:
             (self.read_threads >= 0 and self.read_buffer >= 0, "read_threads/read_buffer >= 0"),
             (self.mix_by in ("records", "tokens"), f"mix_by={self.mix_by!r}: records or tokens"),
             (not (self.curriculum and self.mix_by == "tokens"), "curriculum mixes by records"),
+            (self.max_images >= 0, f"max_images must be >= 0, got {self.max_images}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -131,6 +140,7 @@ def make_pipeline(
     *,
     process_index: int | None = None,
     process_count: int | None = None,
+    vision: VisionConfig | None = None,
 ) -> SFTData:
     """Builds this process's SFT batch stream.
 
@@ -139,6 +149,8 @@ def make_pipeline(
       tokenizer: a `Tokenizer`, or a directory to load one from.
       process_index, process_count: this process's shard; default `jax.process_index()` and
         `jax.process_count()`.
+      vision: a vision-language model's vision config: records may then hold images
+        (`posttrain.data._image_chat`), and batches carry their pixels.
 
     Returns:
       The `SFTData` iterator.
@@ -158,6 +170,7 @@ def make_pipeline(
             f"add_eos=True but {tokenizer.name_or_path} has no eos_token; set one in "
             "tokenizer_config.json or set add_eos=False"
         )
+    images = vision_spec(config, tokenizer, vision)
     records = [Records(s.path) for s in config.sources]
     for source, recs in zip(config.sources, records, strict=True):
         if len(recs) < pc:
@@ -169,12 +182,29 @@ def make_pipeline(
             ExampleEncoder(
                 tokenizer, source.format, config.max_len, source=0, domain=0,
                 add_eos=config.add_eos, on_error="raise", overlong="truncate",
+                images=images, image_root=image_root(source.path),
             )(recs[0])  # fmt: skip
-    return SFTData(config, tokenizer, records, pi, pc)
+    return SFTData(config, tokenizer, records, pi, pc, images)
+
+
+def vision_spec(config, tokenizer: Tokenizer, vision: VisionConfig | None) -> ImageSpec | None:
+    """The `ImageSpec` of a VLM's data (None for a text model); `config.max_images` slots per
+    row, or as many as `config.max_len` holds."""
+    if vision is None:
+        return None
+    slots = config.max_images or max(1, config.max_len // vision.tokens_per_image)
+    return image_spec(vision, tokenizer, slots)
+
+
+def image_root(pattern: str) -> str:
+    """The directory a source's relative image paths resolve against: its file's, or for a
+    glob the directory before the first wildcard."""
+    head = pattern[: min((pattern.find(c) for c in "*?[" if c in pattern), default=len(pattern))]
+    return os.path.dirname(head) or "."
 
 
 def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {
+    row = {
         "tokens": packed["tokens"],
         "targets": packed["targets"],
         "loss_mask": packed["loss_mask"],
@@ -182,6 +212,9 @@ def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "segment_ids": packed["tokens_segment_ids"],
         "domain_ids": packed["domain_ids"],
     }
+    if "images" in packed:  # a VLM's row: its examples' images in order, zeros after them
+        row["images"] = packed["images"]
+    return row
 
 
 def _fill_rows(batch: dict[str, np.ndarray], *, rows: int, pad: dict[str, Any]):
@@ -291,6 +324,8 @@ class SFTData:
       positions   int32    position inside the document, from 0 for each packed document
       segment_ids int32    1, 2, ... per document in the row; 0 in padding
       domain_ids  int32    index into `domains` of the token's source domain; -1 in padding
+      images      float32  (a VLM's, `[rows, max_images, S, S, C]`) the row's images in the
+                           order of its image tokens, zeros in unused slots
 
     With num_epochs set, the stream ends after the last example (its last batch padded with
     empty rows); processes may then yield different numbers of batches.
@@ -303,8 +338,9 @@ class SFTData:
       rows: rows per batch on this process.
     """
 
-    def __init__(self, config, tokenizer, records, process_index, process_count):
+    def __init__(self, config, tokenizer, records, process_index, process_count, images=None):
         self.config, self.tokenizer, self._records = config, tokenizer, records
+        self.images = images
         self.process_index, self.process_count = process_index, process_count
         self.domains = tuple(dict.fromkeys(s.domain for s in config.sources))
         self.source_names = tuple(source_names([s.path for s in config.sources]))
@@ -332,6 +368,8 @@ class SFTData:
                 add_eos=c.add_eos,
                 on_error=c.on_error,
                 overlong=c.overlong,
+                images=self.images,
+                image_root=image_root(s.path),
             )
             for i, s in enumerate(c.sources)
         ]
@@ -367,12 +405,15 @@ class SFTData:
         )
         pad_id = self.tokenizer.pad_id or 0
         length = dict.fromkeys(("tokens", "targets", "loss_mask", "domain_ids"), c.max_len)
+        padding = {"tokens": pad_id, "targets": 0, "loss_mask": 0.0, "domain_ids": -1}
+        if self.images is not None:  # an example goes into a row only if its images fit too
+            length["images"], padding["images"] = self.images.max_images, 0.0
         packed = grain.experimental.FirstFitPackIterDataset(
             tally,
             length_struct=length,
             num_packing_bins=self.rows,
             shuffle_bins=False,
-            padding_struct={"tokens": pad_id, "targets": 0, "loss_mask": 0.0, "domain_ids": -1},
+            padding_struct=padding,
             max_sequences_per_bin=None if c.packing else 1,
         )
         pad = {"tokens": pad_id, "domain_ids": -1}

@@ -14,6 +14,7 @@ Batches of pairs come from `_preference_data` (`make_preference_pipeline`, `pref
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.data._formats import RecordError, decode, encode_record, to_example
+from posttrain.data._formats import TEXT_KEYS, RecordError, decode, encode_record, to_example
+from posttrain.data._image_chat import (
+    ImageRecordError,
+    ImageSpec,
+    flatten_record,
+    has_images,
+    pixel_rows,
+    prompt_pixels,
+    whole_images_cut,
+)
 from posttrain.data._tokenizer import Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -48,6 +58,7 @@ def encode_pair(
     max_len: int,
     overlong: str = "truncate",
     add_eos: bool = True,
+    images: ImageSpec | None = None,
 ) -> dict[str, Any] | None:
     """Tokenizes one preference record into its chosen and rejected sequences.
 
@@ -58,10 +69,13 @@ def encode_pair(
       overlong: a sequence longer than max_len is cut to it ("truncate") or the pair is left
         out ("drop": returns None).
       add_eos: append EOS to string responses of string prompts.
+      images: a VLM's `ImageSpec`: the record may place images (`_image_chat`), which both
+        sides read; a text model's pair with images is malformed.
 
     Returns:
       {"chosen": arrays, "rejected": arrays, "truncated": bool, "domain": str | None,
-      "margin": float (0 if the record has none)}, where
+      "margin": float (0 if the record has none), "images": the refs of the images both sides
+      keep (with `images`)}, where
       arrays are `to_example`'s unpadded `tokens`, `targets`, `loss_mask` of one sequence; or
       None for a pair dropped as overlong.
 
@@ -72,8 +86,13 @@ def encode_pair(
     """
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong={overlong!r}: use 'truncate' or 'drop'")
+    refs = []
     try:
         record = decode(record)
+        if images is not None:
+            record, refs = flatten_record(record, images, TEXT_KEYS)
+        elif has_images(record, TEXT_KEYS):
+            raise RecordError("the pair has images, but the model has no vision tower")
         missing = [k for k in ("prompt", *SIDES) if k not in record]
         if missing:
             raise RecordError(f"missing key(s) {missing}; expected {EXPECTED}")
@@ -105,16 +124,23 @@ def encode_pair(
                 raise RecordError(f"{side!r}: {e}") from None
     except PairError:
         raise
-    except RecordError as e:
+    except (RecordError, ImageRecordError) as e:
         raise PairError(str(e), "malformed") from None
     if encoded["chosen"][0] == encoded["rejected"][0]:
         raise PairError("'chosen' and 'rejected' are the same tokens", "identical")
-    truncated = any(len(ids) > max_len for ids, _ in encoded.values())
+    cuts = {side: (max_len, 0) for side in SIDES}
+    if images is not None:  # never split an image; both sides keep the images both hold
+        cuts = {side: whole_images_cut(ids, max_len, images) for side, (ids, _) in encoded.items()}
+        both = dataclasses.replace(images, max_images=min(n for _, n in cuts.values()))
+        cuts = {side: whole_images_cut(ids, max_len, both) for side, (ids, _) in encoded.items()}
+    truncated = any(len(ids) > cuts[side][0] for side, (ids, _) in encoded.items())
     if truncated and overlong == "drop":
         return None
     out = {"truncated": truncated, "domain": domain, "margin": float(margin)}
+    if images is not None:
+        out["images"] = refs[: min(n for _, n in cuts.values())]
     for side, (ids, trained) in encoded.items():
-        out[side] = to_example(ids[:max_len], trained[:max_len])
+        out[side] = to_example(ids[: cuts[side][0]], trained[: cuts[side][0]])
         if not out[side]["loss_mask"].any():
             raise PairError(
                 f"truncating to max_len={max_len} leaves {side!r} no response token; raise "
@@ -135,8 +161,14 @@ def _is_empty(response: Any) -> bool:
     return False
 
 
-def collate(pairs: Sequence[Mapping[str, Any]], max_len: int, rows: int) -> dict[str, np.ndarray]:
-    """`encode_pair` outputs -> `[rows, max_len]` arrays, one pair per row, right-padded.
+def collate(
+    pairs: Sequence[Mapping[str, Any]],
+    max_len: int,
+    rows: int,
+    images: ImageSpec | None = None,
+) -> dict[str, np.ndarray]:
+    """`encode_pair` outputs -> `[rows, max_len]` arrays, one pair per row, right-padded; with
+    `images`, also the pairs' `images` `[rows, max_images, S, S, C]` (both sides read them).
 
     Rows past `len(pairs)` are empty (segment id 0, no loss, domain id -1): they count as no pair.
     """
@@ -155,4 +187,8 @@ def collate(pairs: Sequence[Mapping[str, Any]], max_len: int, rows: int) -> dict
     batch["domain_ids"][: len(pairs)] = [p.get("domain_id", 0) for p in pairs]
     batch["margins"] = np.zeros(rows, np.float32)
     batch["margins"][: len(pairs)] = [p.get("margin", 0.0) for p in pairs]
+    if images is not None:
+        pixels = [prompt_pixels(p, images) for p in pairs]
+        batch["images"] = pixel_rows(pixels + [prompt_pixels({}, images)] * (rows - len(pairs)),
+                                     images)  # fmt: skip
     return batch

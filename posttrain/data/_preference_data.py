@@ -17,13 +17,16 @@ from tqdm.auto import tqdm
 
 from posttrain.data._accounting import log_source, source_names, zero_counts
 from posttrain.data._accounting import metrics as count_metrics
+from posttrain.data._image_chat import ImageSpec
 from posttrain.data._pipeline import (
     _RUNTIME_FIELDS,
     DataConfig,
     canonical_identity,
     data_manifest,
+    image_root,
     index_mixture,
     process_share,
+    vision_spec,
 )
 from posttrain.data._preference import (
     _KEPT_ERRORS,
@@ -36,6 +39,7 @@ from posttrain.data._preference import (
 )
 from posttrain.data._sources import Records
 from posttrain.data._tokenizer import Tokenizer
+from posttrain.models import VisionConfig
 
 _log = logging.getLogger(__name__)
 
@@ -98,6 +102,7 @@ class PreferenceData:
         process_index: int = 0,
         process_count: int = 1,
         identity: Any = None,
+        images: ImageSpec | None = None,
     ):
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'skip'")
@@ -105,7 +110,7 @@ class PreferenceData:
             raise ValueError(f"max_len must be >= 2 and batch rows >= 1, got {max_len}, {rows}")
         if num_epochs is not None and num_epochs < 1:
             raise ValueError(f"num_epochs must be None or >= 1, got {num_epochs}")
-        self.max_len, self.rows, self.seed = max_len, rows, seed
+        self.max_len, self.rows, self.seed, self.images = max_len, rows, seed, images
         self.shuffle, self.num_epochs = shuffle, num_epochs
         self.source_names = tuple(source_names([s.path for s in sources]))
         counts = dict.fromkeys(("read", "used", "truncated", *_REASONS), 0)
@@ -124,8 +129,9 @@ class PreferenceData:
                 bar.update(1)
                 try:
                     pair = encode_pair(
-                        tokenizer, raw, max_len=max_len, overlong=overlong, add_eos=add_eos
-                    )
+                        tokenizer, raw, max_len=max_len, overlong=overlong, add_eos=add_eos,
+                        images=images,
+                    )  # fmt: skip
                 except PairError as e:
                     if on_error == "raise":
                         raise PairError(
@@ -147,6 +153,8 @@ class PreferenceData:
                 mine["used"] += 1
                 mine["truncated"] += pair["truncated"]
                 pair["domain"] = pair["domain"] or source.domain or ""
+                if images is not None:
+                    pair["image_root"] = image_root(source.path)
                 members[-1].append(len(self.pairs))
                 self.pairs.append(pair)
         bar.close()
@@ -207,7 +215,7 @@ class PreferenceData:
         self._iterator = self._dataset.__iter__()
 
     def _collate(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
-        batch = collate([self.pairs[i] for i in indices], self.max_len, self.rows)
+        batch = collate([self.pairs[i] for i in indices], self.max_len, self.rows, self.images)
         if self._reference is not None:
             for side, values in zip(SIDES, self._reference, strict=True):
                 batch[f"ref_{side}_logps"] = np.zeros(self.rows, np.float32)
@@ -311,6 +319,7 @@ def make_preference_pipeline(
     process_index: int | None = None,
     process_count: int | None = None,
     domains: Sequence[str] | None = None,
+    vision: VisionConfig | None = None,
 ) -> PreferenceData:
     """This process's preference batches from the sources of a `DataConfig`.
 
@@ -326,6 +335,8 @@ def make_preference_pipeline(
         `jax.process_count()`.
       domains: domain names in `domain_ids` order (default: the sources' domains, then any other
         record domain, sorted). Pass the training run's to an eval pipeline.
+      vision: a vision-language model's vision config: pairs may then hold images, which
+        batches carry as `images`.
 
     Raises:
       ValueError: packing requested, a source format other than "auto", batch_size not a
@@ -364,6 +375,7 @@ def make_preference_pipeline(
         process_index=pi,
         process_count=pc,
         identity=fields,
+        images=vision_spec(config, tokenizer, vision),
     )
     data.manifest = functools.cache(lambda: data_manifest(config, tokenizer, records, pc))
     return data

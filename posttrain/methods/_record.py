@@ -120,28 +120,42 @@ def _abstract(shapes: dict, mesh) -> dict:
 _SEQUENCE = ("tokens", "targets", "positions", "segment_ids")
 
 
+def _images(c, rows: int, length: int, slots: int = 0) -> dict:
+    """A VLM's image slots `[rows, slots, S, S, C]` (slots: default as many as `length` holds);
+    nothing for a text model."""
+    vision = c.model.model_config().vision
+    if vision is None:
+        return {}
+    slots = slots or max(1, length // vision.tokens_per_image)
+    side = vision.image_size
+    return {"images": ((rows, slots, side, side, vision.channels), jnp.float32)}
+
+
 def _sft_batch(c, mesh):
     rows, length = c.data.batch_size, c.data.max_len
     shapes = {k: ((rows, length), jnp.int32) for k in (*_SEQUENCE, "domain_ids")}
     shapes["loss_mask"] = ((rows, length), jnp.float32)
+    shapes |= _images(c, rows, length, c.data.max_images)
     return _abstract(shapes, mesh), rows * length, length
 
 
-def _preference_batch(c, mesh, references: bool = False):
-    """Pairs (`references`: with their precomputed reference log-probs)."""
+def _preference_batch(c, mesh, references: bool = False, images: bool = False):
+    """Pairs (`references`: with their precomputed reference log-probs; `images`: a VLM's pair
+    images, DPO)."""
     rows, length = c.data.batch_size, c.data.max_len
     shapes = {}
     for side in ("chosen", "rejected"):
         shapes |= {f"{side}_{k}": ((rows, length), jnp.int32) for k in _SEQUENCE}
         shapes[f"{side}_loss_mask"] = ((rows, length), jnp.float32)
     shapes |= {"domain_ids": ((rows,), jnp.int32), "margins": ((rows,), jnp.float32)}
+    shapes |= _images(c, rows, length, c.data.max_images) if images else {}
     if references:
         shapes |= {k: ((rows,), jnp.float32) for k in ("ref_chosen_logps", "ref_rejected_logps")}
     return _abstract(shapes, mesh), 2 * rows * length, length
 
 
 def _dpo_batch(c, mesh):
-    return _preference_batch(c, mesh, c.loss.resolved_reference == "precomputed")
+    return _preference_batch(c, mesh, c.loss.resolved_reference == "precomputed", images=True)
 
 
 def _rl_batch(c, mesh):
@@ -158,6 +172,9 @@ def _rl_batch(c, mesh):
     shapes |= {k: ((rows,), t) for k, t in per_row.items()}
     per_token = c.ppo or c.distill.enabled  # (GAE, or distillation's per-token advantages)
     shapes["advantages"] = ((rows, length) if per_token else (rows,), jnp.float32)
+    if vision := c.model.model_config().vision:  # a VLM's prompt images (`prompt_image_spec`)
+        slots = max(1, c.rollout.max_prompt_len // vision.tokens_per_image)
+        shapes |= _images(c, rows, length, slots)
     if routes := route_shape(c.loss.router_replay, c.model.model_config()):  # router replay
         shapes["routed_experts"] = ((rows, length, *routes), jnp.int16)
     return _abstract(shapes, mesh), rows * length, length

@@ -2,7 +2,7 @@
 
 from posttrain.models._attention import attention, attention_mask
 from posttrain.models._cache import KV_DTYPES, KVCache, PagedKVCache
-from posttrain.models._config import ModelConfig, NNXSpec, RopeScaling
+from posttrain.models._config import ModelConfig, NNXSpec, RopeScaling, VisionConfig
 from posttrain.models._hf import check_export_destination, from_hf, mtp_from_hf, to_hf
 from posttrain.models._hf_config import HFFormatError, load_hf_config
 from posttrain.models._invariant import token_logprobs
@@ -44,6 +44,7 @@ __all__ = [
     "PRESETS",
     "MTPModule",
     "ModelConfig",
+    "VisionConfig",
     "NNXCache",
     "NNXSpec",
     "ParamSpec",

@@ -209,10 +209,12 @@ class PagedKVCache:
         return self.k_TNbKH, self.v_TNbKH
 
     def blocks(self, blocks_BL):
-        raise ValueError(
-            "Gemma 3's bidirectional image attention runs on the static sampler for now "
-            "(rollout.sampler='static'), not the paged engine"
-        )
+        """`[B, M * b]`: the keys' bidirectional image blocks, read in table order. A call's
+        tokens must sit at positions 0.. (the engine prefills whole prompts) or hold no image
+        token (decode), so slot j of a row's table is its position j."""
+        S = self.tables_BM.shape[1] * self.block_size
+        pad = max(0, S - blocks_BL.shape[1])
+        return jnp.pad(blocks_BL, ((0, 0), (0, pad)))[:, :S]
 
     def addressing(self, positions_BL, segment_ids_BL):
         B, M = self.tables_BM.shape

@@ -3,7 +3,7 @@ and tiny ones for tests and the demo."""
 
 from __future__ import annotations
 
-from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
+from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, VisionConfig
 
 _LLAMA31_ROPE = RopeScaling(
     rope_type="llama3",
@@ -390,6 +390,17 @@ PRESETS.update(
 )  # fmt: skip
 
 
+# Gemma 3's image-text models: the text decoder under a 400M SigLIP (So400m/14 at 896 px: 4096
+# patches pooled to 256 image tokens), from Gemma3ForConditionalGeneration's config.json.
+_GEMMA3_SIGLIP = VisionConfig(
+    image_size=896, patch_size=14, width=1152, mlp_dim=4304, num_layers=27, num_heads=16,
+    tokens_per_image=256, image_token_id=262_144, projector="gemma3", bidirectional=True,
+)  # fmt: skip
+for _size in ("4b", "12b", "27b"):
+    PRESETS[f"gemma3_{_size}_vlm"] = PRESETS[f"gemma3_{_size}"].replace(
+        vision=_GEMMA3_SIGLIP, name=f"gemma3_{_size}_vlm"
+    )
+
 # Parameter counts published for the real presets (the shape checks compare against them).
 PUBLISHED_PARAMS = {
     "llama3_1b": 1.24e9,
@@ -413,6 +424,9 @@ PUBLISHED_PARAMS = {
     "gemma3_4b": 3.88e9,
     "gemma3_12b": 11.77e9,
     "gemma3_27b": 27.01e9,
+    "gemma3_4b_vlm": 4.30e9,
+    "gemma3_12b_vlm": 12.19e9,
+    "gemma3_27b_vlm": 27.43e9,
 }
 
 # Parameters a token passes through (published "activated" counts) for the MoE presets.

@@ -22,7 +22,12 @@ from posttrain.train._run import Trainable
 def token_values(params: dict, model_config: ModelConfig, batch: dict) -> jax.Array:
     """`[B, L]` float32 values: V at every position (read where the loss mask is on)."""
     hidden = hidden_states(
-        params["trunk"], batch["tokens"], model_config, batch["positions"], batch["segment_ids"]
+        params["trunk"],
+        batch["tokens"],
+        model_config,
+        batch["positions"],
+        batch["segment_ids"],
+        images_BIHWC=batch.get("images"),
     )
     return jnp.einsum("bld,d->bl", hidden.astype(jnp.float32), params["head"][:, 0])
 

@@ -121,7 +121,13 @@ def sequence_log_probs(params, model_config: ModelConfig, batch: dict, **kwargs)
     """The log-prob `[B, L]` of every target token (old-policy and reference passes);
     `kwargs`: the model's forward arguments (a `posttrain.lora.Policy`'s)."""
     hidden = hidden_states(
-        params, batch["tokens"], model_config, batch["positions"], batch["segment_ids"], **kwargs
+        params,
+        batch["tokens"],
+        model_config,
+        batch["positions"],
+        batch["segment_ids"],
+        images_BIHWC=batch.get("images"),
+        **kwargs,
     )
     return token_stats(params, hidden, batch["targets"], model_config)["logp"]
 
@@ -175,6 +181,7 @@ def rl_loss(
             batch["positions"],
             batch["segment_ids"],
             return_aux=True,
+            images_BIHWC=batch.get("images"),
             **replay_kwargs(config.router_replay == "update", batch),
             **kwargs,
         )

@@ -19,10 +19,12 @@ import numpy as np
 
 from posttrain.data import DataConfig, Tokenizer
 from posttrain.data._accounting import source_names
-from posttrain.data._formats import RecordError, decode, encode_prompt
+from posttrain.data._formats import TEXT_KEYS, RecordError, decode, encode_prompt
+from posttrain.data._image_chat import ImageRecordError, ImageSpec, flatten_record, has_images
 from posttrain.data._pipeline import (
     _RUNTIME_FIELDS,
     canonical_identity,
+    image_root,
     index_mixture,
     process_share,
 )
@@ -42,11 +44,25 @@ class AdaptiveDomains:
     floor: float = 0.1  # keeps every domain sampled a little, so its signal is still measured
 
 
+def _place_images(record, images: ImageSpec | None) -> tuple[dict, list]:
+    """The record with its images as image tokens, and their refs (`flatten_record`)."""
+    if images is None:
+        if has_images(record, TEXT_KEYS):
+            raise RecordError("the prompt has images, but the model has no vision tower")
+        return record, []
+    flat, refs = flatten_record(record, images, TEXT_KEYS)
+    if len(refs) > images.max_images:
+        raise RecordError(f"{len(refs)} images, more than the {images.max_images} a row holds")
+    return flat, refs
+
+
 class PromptData:
     """This process's stream of RL prompt batches; each batch is a list of `rows` prompts.
 
     A prompt is `{"record": the decoded record, "prompt_ids": list[int], "domain": str,
-    "domain_id": int}`; the record's own "domain" wins over its source's.
+    "domain_id": int}`; the record's own "domain" wins over its source's. With `images` (a
+    VLM's `ImageSpec`) a prompt may place images (`posttrain.data._image_chat`): it then has
+    "images" (their refs, read when it is sampled: `prompt_pixels`) and "image_root".
 
     `grouped`: every batch holds prompts of one domain, drawn by the domains' weights (the
     sources' weights, or the adaptive ones), so each update sees one domain.
@@ -68,6 +84,7 @@ class PromptData:
         grouped: bool = False,
         process_index: int | None = None,
         process_count: int | None = None,
+        images: ImageSpec | None = None,
     ):
         pi, pc, tokenizer = process_share(config, tokenizer, process_index, process_count)
         self.rows = config.batch_size // pc
@@ -83,13 +100,14 @@ class PromptData:
                 counts["read"] += 1
                 try:
                     record = decode(raw)
-                    ids = encode_prompt(record, tokenizer)
+                    flat, refs = _place_images(record, images)
+                    ids = encode_prompt(flat, tokenizer)
                     if not ids:
                         raise RecordError("the prompt encodes to no token")
                     domain = record.get("domain", source.domain)
                     if not isinstance(domain, str) or not domain:
                         raise RecordError(f"'domain' must be a non-empty string, got {domain!r}")
-                except RecordError as e:
+                except (RecordError, ImageRecordError) as e:
                     if config.on_error == "raise":
                         raise RecordError(
                             f"{where}: {e}. Fix the record, or set data.on_error='skip' to skip "
@@ -104,7 +122,10 @@ class PromptData:
                     continue
                 counts["used"] += 1
                 members[-1].append(len(self.prompts))
-                self.prompts.append({"record": record, "prompt_ids": ids, "domain": domain})
+                prompt = {"record": record, "prompt_ids": ids, "domain": domain}
+                if refs:
+                    prompt |= {"images": refs, "image_root": image_root(source.path)}
+                self.prompts.append(prompt)
         if not all(members):
             empty = [s.path for s, m in zip(config.sources, members, strict=True) if not m]
             raise ValueError(

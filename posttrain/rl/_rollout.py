@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from posttrain.data._image_chat import ImageSpec, pixel_rows, prompt_image_spec, prompt_pixels
 from posttrain.envs import Budget, ElasticPool, episode_metrics, make_env, run_episodes
 from posttrain.lora import adapter_shardings, merge, param_bytes
 from posttrain.models import Transformer, param_shardings
@@ -46,6 +47,7 @@ def rollout_batch(
     max_len: int,
     pad_id: int = 0,
     route_shape: tuple[int, int] | None = None,
+    images: ImageSpec | None = None,
 ) -> dict[str, np.ndarray]:
     """Arrays for `groups` groups of `G = len(completions[0])` rows (fillers past the data).
 
@@ -59,6 +61,8 @@ def rollout_batch(
       route_shape: router replay: `(MoE layers, top-k)` of the completions' `routed_experts`,
         laid out by position as `routed_experts` (int16 `[rows, max_len, *route_shape]`, -1
         where nothing was sampled); None: no routing.
+      images: a VLM's: each row gets its prompt's images (`images` float32
+        `[rows, max_images, S, S, C]`, zeros in unused slots and on fillers).
 
     Returns:
       `tokens`, `targets`, `positions`, `segment_ids` (int32) and `loss_mask`,
@@ -110,6 +114,10 @@ def rollout_batch(
                 if c.routed_experts is None or len(c.routed_experts) != n:
                     raise ValueError(f"completion {j} of prompt {g} has no routing for each token")
                 out["routed_experts"][r, :n] = c.routed_experts
+    if images is not None:
+        pixels = [prompt_pixels(p, images) for p in prompts for _ in range(G)]
+        pixels += [prompt_pixels({}, images)] * (rows - len(pixels))
+        out["images"] = pixel_rows(pixels, images)
     return out
 
 
@@ -129,6 +137,8 @@ class Rollouts:
         # the sampled groups.
         self.stacked = process_meshes(devices)[1] if jax.process_count() > 1 else None
         self.engine = None  # the paged engine, made at the first sampling (on its devices)
+        r = config.rollout
+        self.images = prompt_image_spec(model_config.vision, tokenizer, r.max_prompt_len)
         self.env_pool = None  # multi-turn: where environments run (made at the first episodes)
 
     def sample(
@@ -174,6 +184,8 @@ class Rollouts:
         prompt_ids = [p["prompt_ids"] for p in prompts]
         if self.config.env.name:
             return self._episodes(model, prompts, kwargs, timings)
+        if self.images is not None:
+            kwargs["images"] = [prompt_pixels(p, self.images) for p in prompts]
         if r.sampler == "static":
             completions = generate(model, self.tokenizer, prompt_ids, **kwargs)
         else:

@@ -161,6 +161,7 @@ class RolloutSource:
             max_len=self.rollouts.max_len,
             pad_id=self.rollouts.tokenizer.pad_id or 0,
             route_shape=route_shape(c.loss.router_replay, self.rollouts.model_config),
+            images=self.rollouts.images,
         )
         scored = self.score(self._params, batch, self.kl_coef)  # (every process: the whole batch)
         if c.domains.normalise_advantages:

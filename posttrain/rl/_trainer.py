@@ -30,6 +30,7 @@ import numpy as np
 
 from posttrain import paths
 from posttrain.config import ConfigError
+from posttrain.data._image_chat import prompt_image_spec
 from posttrain.envs import rewards_itself
 from posttrain.lora import Policy
 from posttrain.models import ModelConfig
@@ -143,6 +144,13 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
     check_router_replay(c, model_config, jax.process_count())
+    images = prompt_image_spec(model_config.vision, tokenizer, c.rollout.max_prompt_len)
+    if images is not None and (c.env.name or c.rollout.partial):
+        raise ConfigError(
+            "a vision-language model's rollouts are single-turn and whole for now (multi-turn "
+            "episodes and partial rollouts take no images yet); unset env.name and "
+            "rollout.partial"
+        )
     adaptive = None
     if c.domains.adaptive:
         adaptive = AdaptiveDomains(smoothing=c.domains.smoothing, floor=c.domains.floor)
@@ -155,6 +163,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         grouped=c.domains.grouped,
         process_index=0,
         process_count=1,
+        images=images,
     )
     for field in ("kl.domain_scale", "domains.lr_scale"):
         section, name = field.split(".")
@@ -182,6 +191,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             max_prompt_len=c.rollout.max_prompt_len,
             process_index=0,
             process_count=1,
+            images=images,
         )
     registry = c.rewards.registry()
     domains = prompts.domains

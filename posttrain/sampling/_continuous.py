@@ -43,6 +43,7 @@ def generate_continuous(
     drafter: PromptLookup | DraftModel | MTP | None = None,
     engine: Engine | None = None,
     stats: dict | None = None,
+    images: Sequence[Sequence[np.ndarray]] | None = None,
 ) -> list[list[Completion]]:
     """Like `generate`, on the paged continuous-batching engine: `slots` rows decode at once,
     a row whose sample ends takes the next waiting one, so a few long samples do not idle the
@@ -74,6 +75,8 @@ def generate_continuous(
         which are swapped in.
       stats: if given, filled with this call's `EngineStats` counts (prompt vs prefilled
         tokens, generated tokens, device calls, speculative rounds and drafts).
+      images: a VLM's images per prompt, as for `generate`; a prompt's n samples share its
+        prefill, images included.
 
     Returns:
       Per prompt, a list of its n `Completion`s. Greedy outputs equal `generate`'s.
@@ -121,6 +124,8 @@ def generate_continuous(
     keys = _keys(seed, seeds, len(ids))
     if seeds is None:
         keys = jax.vmap(jax.random.fold_in, (None, 0))(keys, jnp.arange(len(ids)))
+    if images is not None and len(images) != len(ids):
+        raise ValueError(f"images: {len(images)} lists for {len(ids)} prompts; give one per prompt")
     requests = [
         engine.submit(
             Request(
@@ -131,6 +136,7 @@ def generate_continuous(
                 temperature=temperature,
                 top_k=top_k,
                 top_p=top_p,
+                images=None if images is None else _prompt_images(images[i]),
             )
         )
         for i, (p, budget) in enumerate(zip(ids, budgets, strict=True))
@@ -142,6 +148,11 @@ def generate_continuous(
         stats.update({k: v - before[k] for k, v in after.items() if k != "peak_blocks"})
         stats["peak_blocks"] = after["peak_blocks"]
     return [[_completion(tokenizer, engine, req, j, stop) for j in range(n)] for req in requests]
+
+
+def _prompt_images(images: Sequence[np.ndarray]) -> np.ndarray:
+    """One prompt's images `[I, H, W, C]` (float32)."""
+    return np.asarray(images, np.float32).reshape(len(images), *np.shape(images)[1:])
 
 
 def _completion(tokenizer, engine: Engine, req: Request, j: int, stop) -> Completion:

@@ -127,7 +127,8 @@ class EngineConfig:
 @dataclasses.dataclass
 class Request:
     """A prompt and what to generate for it: `n` samples of at most `max_new_tokens` each,
-    sample j keyed `fold_in(key, j)`. Filled in as it runs: `tokens`/`logprobs` per sample
+    sample j keyed `fold_in(key, j)` (and a VLM's `images`, which its image tokens take in
+    order; prefilled once for the n samples). Filled in as it runs: `tokens`/`logprobs` per sample
     and `done` per sample; with `EngineConfig.record_routes`, `routes` per finished sample
     (int16 `[prompt + tokens, MoE layers, top-k]`, None if cancelled); `versions` per sample:
     the engine's `version` (its weights' version) when each token was decoded."""
@@ -145,6 +146,7 @@ class Request:
     routes: list = dataclasses.field(default_factory=list)
     versions: list[list[int]] = dataclasses.field(default_factory=list)
     admitted: int = 0  # samples placed in rows so far
+    images: np.ndarray | None = None  # a VLM's prompt images, float32 [I, H, W, C]
 
     def __post_init__(self):
         self.tokens = [[] for _ in range(self.n)]
@@ -438,6 +440,7 @@ class Engine:
             row_tables[x, : len(table)] = table
         copies = copies or [(SCRATCH, SCRATCH)]
         copies += copies[-1:] * (c.slots - len(copies))
+        images = self._images([req for req, _ in leaders], G)
         self._rows = prefill(
             self.model,
             None if isinstance(self.drafter, PromptLookup) else self.drafter,
@@ -458,12 +461,33 @@ class Engine:
             jnp.asarray([s[1].temperature for s in padded], jnp.float32),
             jnp.asarray([s[1].top_k for s in padded], jnp.int32),
             jnp.asarray([s[1].top_p for s in padded], jnp.float32),
+            images,
             block_size=bs,
         )
         self.stats.prefill_calls += 1
         for row, req, j, table, _ in starts:
             self._row_of[row] = (req, j, table)
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.blocks_in_use)
+
+    def _images(self, requests: list[Request], groups: int) -> jax.Array | None:
+        """A VLM's prefill images `[groups, I, H, W, C]` (I: the most any prompt has, rounded up
+        to a power of two to bound compilations; zeros past a prompt's own); None for a text
+        model."""
+        vision = self.model.config.vision
+        if vision is None:
+            if any(r.images is not None and len(r.images) for r in requests):
+                raise ValueError(f"model {self.model.config.name!r} takes no images")
+            return None
+        if self.drafter is not None and any(r.images is not None for r in requests):
+            raise ValueError("speculative decoding does not take images yet; drop the drafter")
+        most = max([1, *(len(r.images) for r in requests if r.images is not None)])
+        side = vision.image_size
+        out = np.zeros((groups, 1 << (most - 1).bit_length(), side, side, vision.channels),
+                       np.float32)  # fmt: skip
+        for g, req in enumerate(requests):
+            if req.images is not None and len(req.images):
+                out[g, : len(req.images)] = req.images
+        return jnp.asarray(out)
 
     # -- cancelling: a client went away, a stop string was hit --------------------------------
 

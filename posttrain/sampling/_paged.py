@@ -86,6 +86,7 @@ def prefill(
     temperature_X,
     top_k_X,
     top_p_X,
+    images_GIHWC=None,
     *,
     block_size: int,
 ):
@@ -93,7 +94,8 @@ def prefill(
     padded length) of the model's pool (and the drafter's), copies blocks `copy_from_C` to
     `copy_to_C` (the shared prompts' last blocks), and starts rows `rows_X` on prompt `group_X`
     with their own tables, budgets and keys. Repeated entries (padding) must repeat the same
-    values. An MTP module caches positions 0 .. length - 2 (position i needs token i + 1)."""
+    values. An MTP module caches positions 0 .. length - 2 (position i needs token i + 1).
+    `images_GIHWC`: a VLM's prompt images (each prompt's image tokens take its images)."""
     config = model.config
     G, P = tokens_GP.shape
     positions_GP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (G, P))
@@ -114,14 +116,16 @@ def prefill(
     segments_GP = real_GP.astype(jnp.int32)
     cache = cache_of(rows.k, rows.v, config.dtype)
     routes_BSTK = rows.routes_BSTK
+    images = dict(images_BIHWC=images_GIHWC)
     if routes_BSTK is None:
         hidden_GPD, cache = hidden_states(
-            model.params, tokens_GP, config, positions_GP, segments_GP, cache
+            model.params, tokens_GP, config, positions_GP, segments_GP, cache, **images
         )
     else:  # the prompt's routing, for each of its rows (a group's samples share its prefill)
         hidden_GPD, cache, aux = hidden_states(
-            model.params, tokens_GP, config, positions_GP, segments_GP, cache, return_aux=True
-        )
+            model.params, tokens_GP, config, positions_GP, segments_GP, cache, return_aux=True,
+            **images,
+        )  # fmt: skip
         routes_XPTK = aux["routed_experts"][group_X].astype(routes_BSTK.dtype)
         routes_BSTK = routes_BSTK.at[rows_X[:, None], jnp.arange(P)].set(routes_XPTK, mode="drop")
     last_G1D = jnp.take_along_axis(hidden_GPD, (lengths_G - 1)[:, None, None], axis=1)

@@ -69,9 +69,13 @@ REFERENCES = ("on_the_fly", "precomputed", "none")
 
 
 def _stacked(batch: dict) -> dict:
-    """chosen_* and rejected_* `[B, L]` -> `[2B, L]` (chosen rows first)."""
+    """chosen_* and rejected_* `[B, L]` -> `[2B, L]` (chosen rows first); a VLM's pair images
+    `[B, I, H, W, C]` serve both sides."""
     names = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
-    return {n: jnp.concatenate([batch[f"chosen_{n}"], batch[f"rejected_{n}"]]) for n in names}
+    out = {n: jnp.concatenate([batch[f"chosen_{n}"], batch[f"rejected_{n}"]]) for n in names}
+    if "images" in batch:
+        out["images"] = jnp.concatenate([batch["images"], batch["images"]])
+    return out
 
 
 def _logps(params: dict, model_config: ModelConfig, batch: dict, **forward_kwargs):
@@ -85,6 +89,7 @@ def _logps(params: dict, model_config: ModelConfig, batch: dict, **forward_kwarg
         x["positions"],
         x["segment_ids"],
         return_aux=True,
+        images_BIHWC=x.get("images"),
         **forward_kwargs,
     )
     token_logps = token_stats(params, hidden_2BLD, x["targets"], model_config)["logp"]
@@ -353,7 +358,7 @@ def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
     off (one copy of the weights, quantised with QLoRA).
     """
     mesh, tokenizer, model_config = setup(config, workdir)
-    data, eval_data, manifest = preference_data(config, tokenizer, workdir)
+    data, eval_data, manifest = preference_data(config, tokenizer, workdir, model_config.vision)
     lora, seed = config.lora, config.train.seed
     reference = config.loss.resolved_reference
     on_the_fly = reference == "on_the_fly"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import optax
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -53,9 +54,11 @@ def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.S
 
 
 def make_optimizer(
-    config: OptimizerConfig, total_steps: int, decay_mask=None
+    config: OptimizerConfig, total_steps: int, decay_mask=None, frozen=None
 ) -> optax.GradientTransformation:
-    """The optax chain. `decay_mask` is a pytree of bools (True = apply weight decay)."""
+    """The optax chain. `decay_mask` is a pytree of bools (True = apply weight decay); `frozen`
+    one marking the params held fixed (no update, no optimizer state, left out of the clipped
+    norm)."""
     parts = []
     if config.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(config.grad_clip))
@@ -69,4 +72,8 @@ def make_optimizer(
             mask=decay_mask,
         )
     )
-    return optax.chain(*parts)
+    chain = optax.chain(*parts)
+    if frozen is None:
+        return chain
+    labels = jax.tree.map(lambda f: "frozen" if f else "trained", frozen)
+    return optax.multi_transform({"trained": chain, "frozen": optax.set_to_zero()}, labels)

@@ -68,6 +68,10 @@ class ModelSpec:
     # (called with rngs= and nnx_kwargs; see posttrain.models._nnx for the call contract).
     nnx: str = ""
     nnx_kwargs: dict = dataclasses.field(default_factory=dict)  # the builder's arguments
+    # Params held fixed while the rest trains: regexes searched in each param's path, e.g.
+    # ("vision/(patch|position|layers|final_norm)",) for a VLM's image encoder (its projector
+    # still trains) or ("vision",) for the whole tower. Not with LoRA (its base is frozen).
+    freeze: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.hf_path and self.checkpoint:

@@ -63,10 +63,11 @@ def attach_reference(data, ref_params_fn, score, mesh, path: str, identity: dict
     return True
 
 
-def preference_data(config, tokenizer, workdir: str):
+def preference_data(config, tokenizer, workdir: str, vision=None):
     """A preference run's (train data, eval data or None, manifest); bad pairs are counted (or
-    raised) here, and the counts written with the manifest to `workdir/manifest.json`."""
-    data = make_preference_pipeline(config.data, tokenizer)
+    raised) here, and the counts written with the manifest to `workdir/manifest.json`.
+    `vision`: a VLM's vision config (pairs may hold images)."""
+    data = make_preference_pipeline(config.data, tokenizer, vision=vision)
     log.info("preference data: %s", {k: v for k, v in data.stats.items() if k != "errors"})
     manifest = data.manifest()
     manifest_json = json.dumps({**manifest, "pairs": data.stats}, indent=2)
@@ -76,7 +77,9 @@ def preference_data(config, tokenizer, workdir: str):
         eval_config = dataclasses.replace(
             config.data, sources=config.eval_data, shuffle=False, num_epochs=1
         )
-        eval_data = make_preference_pipeline(eval_config, tokenizer, domains=data.domains)
+        eval_data = make_preference_pipeline(
+            eval_config, tokenizer, domains=data.domains, vision=vision
+        )
     return data, eval_data, manifest
 
 

@@ -12,6 +12,7 @@ import functools
 import itertools
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,7 @@ class Trainable:
     decay_mask: Any
     init: Callable[[], Any]
     post_update: PostUpdate | None = None  # see `train_step`
+    frozen: Any = None  # bools like `shapes`: True = held fixed (`ModelSpec.freeze`)
 
 
 def routing_bias_update(model_config: ModelConfig) -> PostUpdate | None:
@@ -86,14 +88,48 @@ def decay_mask(model_config: ModelConfig) -> dict:
     )
 
 
+def frozen_mask(patterns: tuple[str, ...], shapes: Any) -> Any:
+    """Bools like `shapes`: True where a regex of `patterns` matches the param's path
+    ("vision/layers/q", "embed"); None for no patterns.
+
+    Raises:
+      ConfigError: a pattern matches no param.
+    """
+    if not patterns:
+        return None
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    names = ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in flat]
+    for pattern in patterns:
+        if not any(re.search(pattern, n) for n in names):
+            raise ConfigError(
+                f"model.freeze: {pattern!r} matches no parameter; paths look like "
+                f"{', '.join(names[:4])}, ..."
+            )
+    return jax.tree.unflatten(treedef, [any(re.search(p, n) for p in patterns) for n in names])
+
+
+def hold_frozen(loss_fn: Callable, frozen: Any) -> Callable:
+    """`loss_fn` with no gradient into the frozen params (nor the backward pass that makes it)."""
+    if frozen is None:
+        return loss_fn
+
+    def held(params, batch, rng):
+        params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
+        return loss_fn(params, batch, rng)
+
+    return held
+
+
 def model_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int) -> Trainable:
-    """The transformer itself (SFT, DPO)."""
+    """The transformer itself (SFT, DPO), less the params `spec.freeze` holds fixed."""
+    shapes = param_shapes(model_config)
     return Trainable(
-        shapes=param_shapes(model_config),
+        shapes=shapes,
         shardings=param_shardings(model_config, mesh),
         decay_mask=decay_mask(model_config),
         init=lambda: start_params(spec, model_config, mesh, seed),
         post_update=routing_bias_update(model_config),
+        frozen=frozen_mask(spec.freeze, shapes),
     )
 
 
@@ -144,7 +180,7 @@ def optimizer_and_abstract_state(config, trainable: Trainable, updates: int | No
     """The run's optimizer (its schedule spans `updates`, default `train.steps`) and the
     shapes of its train state."""
     updates = updates or config.train.steps
-    optimizer = make_optimizer(config.optimizer, updates, trainable.decay_mask)
+    optimizer = make_optimizer(config.optimizer, updates, trainable.decay_mask, trainable.frozen)
     abstract = jax.eval_shape(
         functools.partial(create_state, optimizer=optimizer, seed=config.train.seed),
         trainable.shapes,
@@ -178,7 +214,7 @@ def make_step(config, plan: StepPlan, mesh):
 
     def step(state, inputs, batch):
         kwargs = dict(
-            loss_fn=plan.loss(inputs),
+            loss_fn=hold_frozen(plan.loss(inputs), plan.trainable.frozen),
             optimizer=optimizer,
             schedule=schedule,
             micro_batches=config.train.micro_batches,

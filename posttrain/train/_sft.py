@@ -70,6 +70,7 @@ def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None 
             batch["positions"],
             batch["segment_ids"],
             return_aux=True,
+            images_BIHWC=batch.get("images"),
             **kwargs,
         )
         stats = token_stats(params, hidden, batch["targets"], model_config)
@@ -122,13 +123,16 @@ class _Evaluator:
 
             jitted = jax.jit(step, in_shardings=(shardings, dict(input_sh or {}), None))
             self._step = lambda params, batch: jitted(params, self.inputs, batch)
-            make_pipeline(self.data_config, tokenizer)  # fail at startup, not at the first eval
+            # (fails at startup, not at the first eval)
+            make_pipeline(self.data_config, tokenizer, vision=model_config.vision)
         self.suite = suite
 
     def __call__(self, state) -> dict:
         out = {}
         if self.data_config is not None:
-            batches = make_pipeline(self.data_config, self.tokenizer)
+            batches = make_pipeline(
+                self.data_config, self.tokenizer, vision=self.model_config.vision
+            )
             totals = summed(self._step, state.params, batches, self.mesh, self.max_batches)
             n = max(totals.get("num_tokens", 0.0), 1.0)
             out = {
@@ -166,7 +170,7 @@ def run_sft(
             f"suite=posttrain.eval.suite_evaluator({config.eval_suite!r})"
         )
     mesh, tokenizer, model_config = setup(config, workdir)
-    data = make_pipeline(config.data, tokenizer)
+    data = make_pipeline(config.data, tokenizer, vision=model_config.vision)
     manifest = data.manifest()
     paths.write_text(paths.join(workdir, "manifest.json"), json.dumps(manifest, indent=2))
     seed, lora = config.train.seed, config.lora

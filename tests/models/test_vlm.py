@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.models import HFFormatError, from_hf, to_hf
 from posttrain.parallel import MeshConfig, make_mesh
-from posttrain.sampling import generate
+from posttrain.sampling import generate, generate_continuous
 from posttrain.testing import HF_VLMS, IMAGE_TOKEN, hf_vlm_logits, save_tiny_hf_vlm
 
 
@@ -170,3 +170,26 @@ def test_greedy_generation_with_images_matches_hf_generate(vlm_dir):
     # the images steer the text: without them (placeholders embedded as tokens) it differs
     blind = generate(model, None, prompts, max_new_tokens=8, length_bucket=4)
     assert [row[0].token_ids for row in blind] != expected
+    # the paged engine prefills the images too (Gemma 3's bidirectional blocks over its pool)
+    paged = generate_continuous(
+        model, None, prompts, max_new_tokens=8, length_bucket=4, block_size=4, images=images
+    )
+    assert [row[0].token_ids for row in paged] == expected
+
+
+def test_engine_samples_a_group_from_one_prefill_with_images(vlm_dir):
+    """A GRPO group's samples share their prompt's prefill, images included, and draw what the
+    static sampler draws with the same seeds."""
+    model = from_hf(vlm_dir, attention="xla")
+    tokens, mask, _, per_row = _batch(model.config.vision.tokens_per_image)
+    prompts = [[int(t) for t in row[m.astype(bool)]] for row, m in zip(tokens, mask, strict=True)]
+    images = [list(per_row[0]), [per_row[1, 0]]]
+    kwargs = dict(max_new_tokens=6, n=3, temperature=1.0, seeds=[5, 6], images=images)
+    stats = {}
+    paged = generate_continuous(model, None, prompts, block_size=4, stats=stats, **kwargs)
+    static = generate(model, None, prompts, **kwargs)
+    assert [[c.token_ids for c in row] for row in paged] == [
+        [c.token_ids for c in row] for row in static
+    ]
+    assert len({c.token_ids for row in paged for c in row}) > 2  # (really sampled)
+    assert stats["prompt_tokens"] == 3 * stats["prefill_tokens"] == 3 * sum(map(len, prompts))
