@@ -223,6 +223,24 @@ PRESETS: dict[str, ModelConfig] = {
         norm_eps=1e-6,
         name="tiny",
     ),
+    # A tiny LLaVA-style VLM for the shapes task (posttrain.demo._shapes: 32-word vocabulary,
+    # "<image>" is id 3): 32 x 32 images in 8 x 8 patches, one token per patch.
+    "tiny_vlm": ModelConfig(
+        vocab_size=32,
+        embed_dim=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        max_seq_len=256,
+        norm_eps=1e-6,
+        vision=VisionConfig(
+            image_size=32, patch_size=8, width=32, mlp_dim=64, num_layers=1, num_heads=2,
+            tokens_per_image=16, image_token_id=3, projector="mlp", final_norm=False,
+        ),  # fmt: skip
+        name="tiny_vlm",
+    ),
     # Tiny MoE models: Qwen3-MoE-like, and DeepSeek-V3-like (MLA, groups, shared expert,
     # one dense layer, routing bias).
     "tiny_moe": ModelConfig(
