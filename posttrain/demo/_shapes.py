@@ -4,9 +4,9 @@ shapes an image holds, and what colour they are.
 Each image is a white square with 1-4 filled circles or squares of one colour (red, green or
 blue), each in its own cell of a 4 x 4 grid; the questions are "How many shapes are there?"
 (answer "1".."4") and "What colour are the shapes?" (answer the colour word). `write_task`
-writes the images as PNG files, SFT chats and RL prompts that name them by relative path, and a word-level tokenizer
-whose vocabulary is exactly the task's words plus the image token `<image>` (id 3); the
-LLaVA-style `posttrain.models` preset "tiny_vlm" is sized for it.
+writes the images as PNG files, SFT chats and RL prompts that name them by relative path, and
+a word-level tokenizer whose vocabulary is exactly the task's words plus the image token
+`<image>` (id 3); the LLaVA-style `posttrain.models` preset "tiny_vlm" is sized for it.
 """
 
 from __future__ import annotations

@@ -236,8 +236,16 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=256,
         norm_eps=1e-6,
         vision=VisionConfig(
-            image_size=32, patch_size=8, width=32, mlp_dim=64, num_layers=1, num_heads=2,
-            tokens_per_image=16, image_token_id=3, projector="mlp", final_norm=False,
+            image_size=32,
+            patch_size=8,
+            width=32,
+            mlp_dim=64,
+            num_layers=1,
+            num_heads=2,
+            tokens_per_image=16,
+            image_token_id=3,
+            projector="mlp",
+            final_norm=False,
         ),  # fmt: skip
         name="tiny_vlm",
     ),
