@@ -115,17 +115,26 @@ def load_image(ref: Any, *, root: str | None = None) -> PIL.Image.Image:
     )
 
 
+def _rgb(image: PIL.Image.Image) -> PIL.Image.Image:
+    """RGB as transformers' `convert_rgb` makes it: transparency composited onto white."""
+    if image.mode == "RGB":
+        return image
+    rgba = image.convert("RGBA")
+    white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255))
+    return PIL.Image.alpha_composite(white, rgba).convert("RGB")
+
+
 def preprocess_images(images: Sequence[PIL.Image.Image], vision: VisionConfig) -> np.ndarray:
     """Float32 pixels `[len(images), S, S, C]` (S = `vision.image_size`, channels last), as the
-    model's HF image processor makes them: RGB, resized to S x S with `vision.resample`,
+    model's HF image processor makes them: RGB (transparency on white), resized to S x S with `vision.resample`,
     rescaled by 1/255, normalised by `vision.image_mean` / `vision.image_std`."""
     S, C = vision.image_size, vision.channels
     out = np.zeros((len(images), S, S, C), np.float32)
     mean = np.asarray(vision.image_mean, np.float32)
     std = np.asarray(vision.image_std, np.float32)
-    resample = _RESAMPLE[getattr(vision, "resample", "bilinear")]
+    resample = _RESAMPLE[vision.resample]
     for i, image in enumerate(images):
-        rgb = image.convert("RGB") if C == 3 else image.convert("L")
+        rgb = _rgb(image) if C == 3 else image.convert("L")
         resized = np.asarray(rgb.resize((S, S), resample=resample), np.float32)
         resized = resized.reshape(S, S, C) * np.float32(1 / 255)
         out[i] = (resized - mean) / std

@@ -78,6 +78,8 @@ class VisionConfig:
     # The processor's normalisation, (pixel / 255 - mean) / std per channel.
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    # The processor's resize filter to image_size: "bilinear" (Gemma 3) or "bicubic" (SigLIP).
+    resample: str = "bilinear"
 
     def __post_init__(self):
         def fail(msg):
@@ -90,6 +92,8 @@ class VisionConfig:
             fail(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
         if self.width % self.num_heads:
             fail(f"width={self.width} is not a multiple of num_heads={self.num_heads}")
+        if self.resample not in ("bilinear", "bicubic"):
+            fail(f"resample={self.resample!r}; choose 'bilinear' or 'bicubic'")
         if self.projector not in PROJECTORS:
             fail(f"projector={self.projector!r}; choose one of {PROJECTORS}")
         side = self.image_size // self.patch_size

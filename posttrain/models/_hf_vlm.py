@@ -53,6 +53,7 @@ def vlm_from_hf(hf: dict) -> tuple[dict, VisionConfig, bool, tuple[str, ...]]:
             projector="gemma3",
             final_norm=True,
             bidirectional=True,
+            resample="bilinear",  # Gemma3ImageProcessor's
         )
         run = layers
     else:
@@ -74,6 +75,7 @@ def vlm_from_hf(hf: dict) -> tuple[dict, VisionConfig, bool, tuple[str, ...]]:
             final_norm=False,
             drop_first_patch=drop,
             projector_bias=bool(hf.get("multimodal_projector_bias", True)),
+            resample="bicubic",  # SiglipImageProcessor's
         )
         run = layers + 1 + feature_layer
     vision = VisionConfig(
