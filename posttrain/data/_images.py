@@ -126,8 +126,8 @@ def _rgb(image: PIL.Image.Image) -> PIL.Image.Image:
 
 def preprocess_images(images: Sequence[PIL.Image.Image], vision: VisionConfig) -> np.ndarray:
     """Float32 pixels `[len(images), S, S, C]` (S = `vision.image_size`, channels last), as the
-    model's HF image processor makes them: RGB (transparency on white), resized to S x S with `vision.resample`,
-    rescaled by 1/255, normalised by `vision.image_mean` / `vision.image_std`."""
+    model's HF image processor makes them: RGB (transparency on white), resized to S x S with
+    `vision.resample`, rescaled by 1/255, normalised by `vision.image_mean` / `image_std`."""
     S, C = vision.image_size, vision.channels
     out = np.zeros((len(images), S, S, C), np.float32)
     mean = np.asarray(vision.image_mean, np.float32)

@@ -24,6 +24,7 @@ QUESTIONS = {
     "count": "How many shapes are there?",
     "colour": "What colour are the shapes?",
 }
+ANSWERS = {"count": ("1", "2", "3", "4"), "colour": tuple(COLOURS)}
 IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", IMAGE_TOKEN)
 # The vocabulary after the special tokens: chat roles, the questions' words and the answers.
@@ -103,19 +104,21 @@ def write_task(
     questions: tuple[str, ...] = ("count", "colour"),
 ) -> dict[str, str]:
     """Writes the task: images/NNNNN.png, sft_train.jsonl and sft_eval.jsonl (chats: an image
-    and a question, then the answer), rl_prompts.jsonl (the training images' count questions
-    as prompts with an "answer", domain "arithmetic": its integer verifier scores them) and
-    tokenizer/. `questions`: the kinds asked in turn ("count", "colour"). The same arguments
-    give the same bytes.
+    and a question, then the answer), dpo_train.jsonl and dpo_eval.jsonl (the same questions as
+    preference pairs: the answer chosen, another one rejected), rl_prompts.jsonl (the training
+    images' count questions as prompts with an "answer", domain "arithmetic": its integer
+    verifier scores them) and tokenizer/. `questions`: the kinds asked in turn ("count",
+    "colour"). The same arguments give the same bytes.
 
     Returns:
-      {"tokenizer", "train", "eval", "prompts", "images"}: the paths.
+      {"tokenizer", "train", "eval", "pairs_train", "pairs_eval", "prompts", "images"}: paths.
     """
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    rng, pair_rng = np.random.default_rng(seed), np.random.default_rng([seed, 1])
     kinds = list(questions)
-    records: dict[str, list[dict]] = {"train": [], "eval": [], "prompts": []}
+    records: dict[str, list[dict]] = {k: [] for k in ("train", "eval", "prompts", "pairs_train",
+                                                      "pairs_eval")}  # fmt: skip
     for i in range(n_train + n_eval):
         image, facts = draw_shapes(rng, size=size)
         name = f"images/{i:05d}.png"
@@ -126,13 +129,18 @@ def write_task(
         user = {"role": "user", "content": [picture, {"type": "text", "text": QUESTIONS[kind]}]}
         reply = {"role": "assistant", "content": answer(facts, kind)}
         records[split].append({"messages": [user, reply]})
+        wrong = [a for a in (ANSWERS[kind]) if a != reply["content"]]
+        rejected = str(pair_rng.choice(wrong))
+        pair = {"prompt": [user], "chosen": reply["content"], "rejected": rejected}
+        records[f"pairs_{split}"].append(pair)
         if split == "train":
             question = {"type": "text", "text": QUESTIONS["count"]}
             count_user = {"role": "user", "content": [picture, question]}
             records["prompts"].append(
                 {"prompt": [count_user], "answer": str(facts["count"]), "domain": "arithmetic"}
             )
-    files = {"train": "sft_train.jsonl", "eval": "sft_eval.jsonl", "prompts": "rl_prompts.jsonl"}
+    files = {"train": "sft_train.jsonl", "eval": "sft_eval.jsonl", "prompts": "rl_prompts.jsonl",
+             "pairs_train": "dpo_train.jsonl", "pairs_eval": "dpo_eval.jsonl"}  # fmt: skip
     for split, name in files.items():
         lines = (json.dumps(r, separators=(",", ":")) for r in records[split])
         (out / name).write_text("\n".join(lines) + "\n")

@@ -1,9 +1,12 @@
 """A tiny vision-language model learns the synthetic shapes task (posttrain.demo._shapes: how
 many shapes an image holds): SFT on image-text chats takes greedy accuracy from chance to
-near-perfect, and GRPO on image prompts then raises its sampled reward (seeded runs)."""
+near-perfect, GRPO on image prompts then raises its sampled reward, and DPO on image-grounded
+pairs teaches a model that does not look yet to tell the right count from a wrong one (seeded
+runs)."""
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -101,3 +104,25 @@ def test_grpo_with_image_prompts_raises_the_reward(sft, task, tmp_path):
     print("rewards", np.round(rewards, 2).tolist())
     assert np.mean(rewards[-10:]) > np.mean(rewards[:10]) + 0.05
     assert accuracy(load_checkpoint_model(workdir), task, task["eval"]) >= 0.8
+
+
+def test_dpo_on_image_pairs_learns_to_look(sft, task, tmp_path):
+    """From the SFT model at 100 steps (it answers without looking: a third right), DPO on
+    pairs of the right count and a wrong one: a model blind to the images would prefer the
+    right one of held-out pairs half the time; after 60 steps it does 0.88 of the time (0.71
+    at 30)."""
+    start = str(tmp_path / "sft_100")
+    shutil.copytree(sft, start)
+    shutil.rmtree(os.path.join(start, "checkpoints", "200"))
+    source = lambda path: [{"path": path, "weight": 1.0, "domain": "shapes", "format": "auto"}]  # noqa: E731
+    config = _config("dpo.py", "tiny", task, {
+        "model.checkpoint": start, "data.sources": source(task["pairs_train"]),
+        "data.max_len": 32, "data.batch_size": 16, "train.steps": 60,
+        "optimizer.learning_rate": 1e-3, "train.eval_every": 30, "checkpoint.every": 60,
+    })  # fmt: skip
+    config.eval_data = source(task["pairs_eval"])
+    workdir = str(tmp_path / "dpo")
+    run_from_config(config, workdir)
+    accuracies = [r["eval_accuracy"] for r in read_metrics(workdir, "eval")]
+    print("held-out preference accuracy", accuracies)
+    assert accuracies[-1] >= 0.75 and accuracies[-1] > accuracies[0]
