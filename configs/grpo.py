@@ -16,8 +16,9 @@ Presets:
   qwen3_8b_32k_v5p  the same with 32k-token rollouts (1k prompt + 31k completion): rows split
                 over sequence=4 (ring attention), logits in chunks.
   gemma3_4b_vlm_v5p  GRPO with image prompts for Gemma 3 4B (image-text) on a v5p-8 slice:
-                prompts of up to 3 images (256 tokens each) and text, numeric answers
-                (domain "math": chart or geometry questions); set model.hf_path and data.
+                prompts of up to 2 images (256 tokens each) and text, numeric answers
+                (domain "math": chart or geometry questions), the SigLIP encoder frozen (its
+                projector and the decoder train); set model.hf_path and data.
 Every field of configs/sft.py applies (model, data, optimizer, train, checkpoint, mesh);
 `data.batch_size` is prompts per RL step, `train.steps` RL steps. Prompt records:
 {"prompt": str or messages, "domain": ..., plus the fields the domain's reward reads}.
@@ -236,6 +237,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         # reference and the sampler's KV cache; image pixels ride in the rollout batch.
         c.model.preset = "gemma3_4b_vlm"
         c.model.logits_chunk = 1024  # (a 262k vocabulary)
+        c.model.freeze = ["vision/(patch|position|layers)"]  # the SigLIP encoder stays fixed
+        c.data.max_images = 2  # image slots per rollout row
         c.data.sources = [
             {"path": "image_prompts.jsonl", "weight": 1.0, "domain": "math", "format": "auto"}
         ]

@@ -66,6 +66,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # "package.module:function", called with rngs= and nnx_kwargs.
     c.model.nnx = ""
     c.model.nnx_kwargs = ml_collections.ConfigDict()  # the builder's keyword arguments
+    # Params held fixed while the rest trains (regexes searched in param paths): e.g.
+    # ["vision/(patch|position|layers)"] freezes a VLM's image encoder, ["vision"] its projector
+    # too (docs/models.md); [] trains everything.
+    c.model.freeze = []
     c.tokenizer = ""  # tokenizer directory; "" uses model.hf_path
 
     # Data: sources are mixed by weight; rows are packed to max_len.
@@ -85,6 +89,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # `posttrain data stratify`: [{"weights": {"easy": 1}, "steps": 100}, {"weights": {"easy":
     # 1, "hard": 1}}] (steps need packing=False; or "examples"; the last phase: the rest).
     c.data.curriculum = []
+    # Vision-language models: image slots per packed row (0: as many as max_len holds); an
+    # example with more images is cut before the first that does not fit.
+    c.data.max_images = 0
     c.eval_data = []  # held-out sources for the eval loss (same fields as data.sources)
     # An eval suite run at every eval step, logged as eval suite/<category>/<task>/<metric>:
     # "configs/eval.py:<preset>" (docs/eval.md); "" for none.

@@ -277,11 +277,16 @@ def pixel_rows(pixels: Sequence[np.ndarray], spec: ImageSpec) -> np.ndarray:
     return out
 
 
+def prompt_slots(vision: VisionConfig, max_prompt_len: int, max_images: int = 0) -> int:
+    """Image slots of an RL rollout row: `max_images` (`data.max_images`), or as many as
+    `max_prompt_len` holds."""
+    return max_images or max(1, max_prompt_len // vision.tokens_per_image)
+
+
 def prompt_image_spec(
-    vision: VisionConfig | None, tokenizer: Tokenizer, max_prompt_len: int
+    vision: VisionConfig | None, tokenizer: Tokenizer, max_prompt_len: int, max_images: int = 0
 ) -> ImageSpec | None:
-    """The `ImageSpec` of a VLM's prompts (None for a text model): as many image slots per row
-    as `max_prompt_len` holds."""
+    """The `ImageSpec` of a VLM's prompts (None for a text model), `prompt_slots` per row."""
     if vision is None:
         return None
-    return image_spec(vision, tokenizer, max(1, max_prompt_len // vision.tokens_per_image))
+    return image_spec(vision, tokenizer, prompt_slots(vision, max_prompt_len, max_images))

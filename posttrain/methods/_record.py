@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from posttrain.aot import bytes_per_device
 from posttrain.config import ConfigError, build, to_plain
+from posttrain.data._image_chat import prompt_slots
 from posttrain.eval import suite_evaluator
 from posttrain.lora import quantized_shapes
 from posttrain.models import param_shapes, param_shardings
@@ -173,7 +174,7 @@ def _rl_batch(c, mesh):
     per_token = c.ppo or c.distill.enabled  # (GAE, or distillation's per-token advantages)
     shapes["advantages"] = ((rows, length) if per_token else (rows,), jnp.float32)
     if vision := c.model.model_config().vision:  # a VLM's prompt images (`prompt_image_spec`)
-        slots = max(1, c.rollout.max_prompt_len // vision.tokens_per_image)
+        slots = prompt_slots(vision, c.rollout.max_prompt_len, c.data.max_images)
         shapes |= _images(c, rows, length, slots)
     if routes := route_shape(c.loss.router_replay, c.model.model_config()):  # router replay
         shapes["routed_experts"] = ((rows, length, *routes), jnp.int16)

@@ -77,14 +77,31 @@ def _encoder_layer(x_IPW, p, v: VisionConfig, dt):
     """One pre-norm ViT block: full (bidirectional) attention over the patches, then a GELU MLP."""
     h = _layer_norm(x_IPW, p["norm1"], p["norm1_bias"], v.norm_eps)
     q, k, val = (dense(h, p[n].astype(dt)) + p[f"{n}_bias"].astype(dt) for n in ("q", "k", "v"))
-    head_dim = v.width // v.num_heads
-    s_INPP = jnp.einsum("IPNH,IQNH->INPQ", q, k, preferred_element_type=jnp.float32)
-    a_INPP = jax.nn.softmax(s_INPP * head_dim**-0.5, axis=-1).astype(dt)
-    o_IPNH = jnp.einsum("INPQ,IQNH->IPNH", a_INPP, val)
+    o_IPNH = _full_attention(q, k, val, (v.width // v.num_heads) ** -0.5, dt)
     x_IPW = x_IPW + dense(o_IPNH, p["o"].astype(dt), contract=2) + p["o_bias"].astype(dt)
     h = _layer_norm(x_IPW, p["norm2"], p["norm2_bias"], v.norm_eps)
     h = jax.nn.gelu(dense(h, p["fc1"].astype(dt)) + p["fc1_bias"].astype(dt), approximate=True)
     return x_IPW + dense(h, p["fc2"].astype(dt)) + p["fc2_bias"].astype(dt)
+
+
+_QUERY_CHUNK = 512  # queries scored at a time: [I, N, 512, P] scores, not [I, N, P, P]
+
+
+def _full_attention(q_IPNH, k_IPNH, v_IPNH, scale: float, dt):
+    """Softmax attention of every patch over every patch of its image; over many patches
+    (Gemma 3's 4096) the queries go `_QUERY_CHUNK` at a time, each row's softmax whole, so
+    the scores of one chunk are all that exist at once."""
+
+    def attend(q):
+        s = jnp.einsum("IPNH,IQNH->INPQ", q, k_IPNH, preferred_element_type=jnp.float32)
+        a = jax.nn.softmax(s * scale, axis=-1).astype(dt)
+        return jnp.einsum("INPQ,IQNH->IPNH", a, v_IPNH)
+
+    I, P = q_IPNH.shape[:2]
+    if P <= _QUERY_CHUNK or P % _QUERY_CHUNK:
+        return attend(q_IPNH)
+    chunks = q_IPNH.reshape(I, P // _QUERY_CHUNK, _QUERY_CHUNK, *q_IPNH.shape[2:]).swapaxes(0, 1)
+    return jax.lax.map(attend, chunks).swapaxes(0, 1).reshape(q_IPNH.shape)
 
 
 def patchify(images_IHWC: jax.Array, patch_size: int) -> jax.Array:
@@ -108,7 +125,10 @@ def encode_images(params: dict, images_BIHWC: jax.Array, config: ModelConfig) ->
     x = patchify(images_BIHWC.reshape(B * I, *images_BIHWC.shape[2:]).astype(dt), v.patch_size)
     x = dense(x, params["patch"].astype(dt)) + params["patch_bias"].astype(dt)
     x = constrain(x + params["position"].astype(dt), ("act_batch", None, "act_embed"))
-    x, _ = jax.lax.scan(lambda x, p: (_encoder_layer(x, p, v, dt), None), x, params["layers"])
+    layer = lambda x, p: (_encoder_layer(x, p, v, dt), None)  # noqa: E731
+    if config.remat != "none":  # the decoder's remat choice: keep only each layer's input
+        layer = jax.checkpoint(layer, prevent_cse=False)
+    x, _ = jax.lax.scan(layer, x, params["layers"])
     if v.final_norm:
         x = _layer_norm(x, params["final_norm"], params["final_norm_bias"], v.norm_eps)
     p = params["projector"]

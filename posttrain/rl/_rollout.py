@@ -138,7 +138,9 @@ class Rollouts:
         self.stacked = process_meshes(devices)[1] if jax.process_count() > 1 else None
         self.engine = None  # the paged engine, made at the first sampling (on its devices)
         r = config.rollout
-        self.images = prompt_image_spec(model_config.vision, tokenizer, r.max_prompt_len)
+        self.images = prompt_image_spec(
+            model_config.vision, tokenizer, r.max_prompt_len, config.data.max_images
+        )
         self.env_pool = None  # multi-turn: where environments run (made at the first episodes)
 
     def sample(

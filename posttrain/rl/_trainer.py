@@ -144,7 +144,9 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
     check_router_replay(c, model_config, jax.process_count())
-    images = prompt_image_spec(model_config.vision, tokenizer, c.rollout.max_prompt_len)
+    images = prompt_image_spec(
+        model_config.vision, tokenizer, c.rollout.max_prompt_len, c.data.max_images
+    )
     if images is not None and (c.env.name or c.rollout.partial):
         raise ConfigError(
             "a vision-language model's rollouts are single-turn and whole for now (multi-turn "

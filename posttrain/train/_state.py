@@ -46,12 +46,14 @@ def state_shardings(
 ) -> TrainState:
     """Shardings of every leaf: optimizer moments follow their params, scalars are replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 (frozen params: no moments)
     opt = optax.tree_utils.tree_map_params(
         optimizer,
-        lambda _, sharding: sharding,
+        lambda leaf, sharding: leaf if masked(leaf) else sharding,
         abstract_state.opt_state,
         param_shardings,
         transform_non_params=lambda _: replicated,
+        is_leaf=masked,
     )
     return TrainState(
         step=replicated,

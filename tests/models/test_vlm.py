@@ -193,3 +193,17 @@ def test_engine_samples_a_group_from_one_prefill_with_images(vlm_dir):
     ]
     assert len({c.token_ids for row in paged for c in row}) > 2  # (really sampled)
     assert stats["prompt_tokens"] == 3 * stats["prefill_tokens"] == 3 * sum(map(len, prompts))
+
+
+def test_encoder_attention_over_many_patches_goes_in_query_chunks():
+    """Gemma 3's 4096 patches: the queries are scored 512 at a time (the memory of one chunk's
+    scores), giving what one softmax over all of them gives."""
+    from posttrain.models._vision import _full_attention
+
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 1024, 2, 8), jnp.float32) for i in range(3))
+    chunked = _full_attention(q, k, v, 8**-0.5, jnp.float32)
+    scores = jnp.einsum("IPNH,IQNH->INPQ", q, k) * 8**-0.5
+    whole = jnp.einsum("INPQ,IQNH->IPNH", jax.nn.softmax(scores, axis=-1), v)
+    np.testing.assert_allclose(chunked, whole, atol=1e-6)
+    lowered = jax.jit(lambda q: _full_attention(q, k, v, 1.0, jnp.float32)).lower(q).as_text()
+    assert "1024x1024" not in lowered and "512x1024" in lowered
