@@ -60,6 +60,7 @@ def test_every_notebook_is_there():
         "03_grpo.ipynb",
         "04_bring_your_own_hf_model.ipynb",
         "05_bring_your_own_flax_model.ipynb",
+        "06_vision_language.ipynb",
     ]
     with open(os.path.join(REPO, "notebooks", "README.md")) as f:
         readme = f.read()

@@ -19,6 +19,11 @@ import PIL.Image
 import PIL.ImageDraw
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from posttrain.data import load_tokenizer
+from posttrain.data._formats import encode_prompt
+from posttrain.data._image_chat import flatten_record, load_pixels, prompt_image_spec
+from posttrain.sampling import generate
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220)}
 QUESTIONS = {
     "count": "How many shapes are there?",
@@ -146,3 +151,21 @@ def write_task(
         (out / name).write_text("\n".join(lines) + "\n")
     paths = {split: str(out / name) for split, name in files.items()}
     return {"tokenizer": build_tokenizer(out / "tokenizer"), "images": str(out / "images"), **paths}
+
+
+def greedy_accuracy(model, tokenizer_dir: str, path: str, *, limit: int | None = None) -> float:
+    """The share of a chat file's questions (`write_task`'s sft_*.jsonl: an image and a
+    question, then the answer) whose greedy answer, read with the images, is the answer."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    spec = prompt_image_spec(model.config.vision, tokenizer, 64)
+    prompts, images, answers = [], [], []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()][:limit]
+    for record in records:
+        flat, refs = flatten_record({"prompt": record["messages"][:-1]}, spec, ("prompt",))
+        prompts.append(encode_prompt(flat, tokenizer))
+        images.append(list(load_pixels(refs, spec, str(Path(path).parent))))
+        answers.append(record["messages"][-1]["content"])
+    out = generate(model, tokenizer, prompts, max_new_tokens=3, images=images)
+    said = [(row[0].text.split() or [""])[0] for row in out]
+    return float(np.mean([s == a for s, a in zip(said, answers, strict=True)]))

@@ -4,7 +4,6 @@ near-perfect, GRPO on image prompts then raises its sampled reward, and DPO on i
 pairs teaches a model that does not look yet to tell the right count from a wrong one (seeded
 runs)."""
 
-import json
 import os
 import shutil
 
@@ -12,12 +11,8 @@ import numpy as np
 import pytest
 
 from posttrain.config import load_config_file, override
-from posttrain.data import load_tokenizer
-from posttrain.data._formats import encode_prompt
-from posttrain.data._image_chat import flatten_record, load_pixels, prompt_image_spec
-from posttrain.demo._shapes import write_task
+from posttrain.demo._shapes import greedy_accuracy, write_task
 from posttrain.methods import run_from_config
-from posttrain.sampling import generate
 from posttrain.train import load_checkpoint_model, read_metrics
 from tests.train.conftest import REPO
 
@@ -44,21 +39,7 @@ def _config(file: str, preset: str, task: dict, values: dict):
 
 
 def accuracy(model, task: dict, path: str) -> float:
-    """Greedy answers to the records' questions (with their images) that equal the answer."""
-    tokenizer = load_tokenizer(task["tokenizer"])
-    spec = prompt_image_spec(model.config.vision, tokenizer, 64)
-    root = os.path.dirname(path)
-    prompts, images, answers = [], [], []
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            flat, refs = flatten_record({"prompt": record["messages"][:-1]}, spec, ("prompt",))
-            prompts.append(encode_prompt(flat, tokenizer))
-            images.append(list(load_pixels(refs, spec, root)))
-            answers.append(record["messages"][-1]["content"])
-    out = generate(model, tokenizer, prompts, max_new_tokens=3, images=images)
-    said = [row[0].text.strip().split(" ")[0] if row[0].text.strip() else "" for row in out]
-    return float(np.mean([s == a for s, a in zip(said, answers, strict=True)]))
+    return greedy_accuracy(model, task["tokenizer"], path)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +93,7 @@ def test_grpo_with_image_prompts_raises_the_reward(sft, task, tmp_path):
     assert accuracy(load_checkpoint_model(workdir), task, task["eval"]) >= 0.8
 
 
+@pytest.mark.slow  # ~70 s here (SFT and GRPO, above, run in the default suite)
 def test_dpo_on_image_pairs_learns_to_look(sft, task, tmp_path):
     """From the SFT model at 100 steps (it answers without looking: a third right), DPO on
     pairs of the right count and a wrong one: a model blind to the images would prefer the
