@@ -21,13 +21,25 @@ from posttrain.lora._quant import LEAD_AXES, dequantize_tree, in_dims, is_spec, 
 from posttrain.models import ModelConfig, ParamSpec, param_specs
 from posttrain.parallel import tree_shardings
 
+_VISION_MATRICES = ("q", "k", "v", "o", "fc1", "fc2")
+
+
+def _adaptable(model_config: ModelConfig) -> list[tuple[str, ...]]:
+    """The layer matrices, plus a VLM's encoder-layer matrices ("vision/layers/q", ...: no
+    default target matches them, so a LoRA run keeps the tower frozen unless asked)."""
+    paths = [path for path, _ in layer_matrices(model_config)]
+    if model_config.vision is not None and model_config.nnx is None:
+        paths += [("vision", "layers", name) for name in _VISION_MATRICES]
+    return paths
+
 
 def target_paths(model_config: ModelConfig, lora: LoRAConfig) -> list[tuple[str, ...]]:
-    """Paths (e.g. ("layers", "attn", "q")) of every weight the config's targets match (layer
-    matrices only: norms, biases, routers, embed and lm_head are never adapted)."""
+    """Paths (e.g. ("layers", "attn", "q"), ("vision", "layers", "v")) of every weight the
+    config's targets match (layer matrices only: norms, biases, routers, embed and lm_head are
+    never adapted)."""
     found = [
         path
-        for path, _ in layer_matrices(model_config)
+        for path in _adaptable(model_config)
         if any(re.search(p, "/".join(path)) for p in lora.targets)
     ]
     if not found:
@@ -175,7 +187,12 @@ def wrap(lora: LoRAConfig | None, base: dict | None, trained, *, adapters: bool 
     with it, the frozen `base` with the adapters `trained` (or with none: `adapters=False`)."""
     if lora is None:
         return trained, {}
-    return base, adapter_kwargs(lora, trained if adapters else None)
+    if not adapters:
+        return base, adapter_kwargs(lora, None)
+    if "vision" in trained:  # the (small) image encoder's adapters merge once, up front
+        base = {**base, "vision": _merge_tree(base["vision"], trained["vision"], lora.scale)}
+        trained = {k: v for k, v in trained.items() if k != "vision"}
+    return base, adapter_kwargs(lora, trained)
 
 
 def merge(base_params: dict, adapters: dict, lora: LoRAConfig) -> dict:

@@ -57,6 +57,11 @@ def save_peft(
       ValueError: a target whose HF layout is not a plain `[out, in]` view of ours (e.g. MLA
         checkpoints with interleaved rope dims); export it merged instead.
     """
+    if "vision" in adapters:
+        raise ValueError(
+            "adapters on the vision encoder have no PEFT export here yet; export merged "
+            "(--merge-lora)"
+        )
     entries = {e.path: e for e in weight_table(model_config, export_layout(model_config))}
     tensors: dict[str, np.ndarray] = {}
     modules: set[str] = set()

@@ -202,8 +202,9 @@ def is_spec(x) -> bool:
 
 
 def in_dims(path: tuple[str, ...]) -> int:
-    """Contracted dims of a layer weight: two for the projection out of heads, else one."""
-    return 2 if path[-2:] == ("attn", "o") else 1
+    """Contracted dims of a layer weight: two for the projection out of heads (the decoder's
+    attn/o, the vision encoder's o), else one."""
+    return 2 if path[-2:] == ("attn", "o") or path in (("vision", "layers", "o"),) else 1
 
 
 def _quant_axis(path: tuple[str, ...], spec: ParamSpec) -> int:

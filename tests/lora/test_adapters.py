@@ -16,6 +16,7 @@ from posttrain.lora import (
     merge,
     save_peft,
     target_paths,
+    wrap,
 )
 from posttrain.models import Transformer, forward, from_hf, get_preset, to_hf
 from posttrain.testing import hf_logits, save_tiny_hf_model
@@ -153,3 +154,35 @@ def test_peft_layout_loads_in_peft_with_the_same_logits(trained_llama, tmp_path)
     with torch.no_grad():
         out = wrapped(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(out, logits, atol=1e-4)
+
+
+def test_vision_encoder_adapters_are_opt_in_and_merge_like_the_wrapped_forward():
+    """A VLM's image encoder takes adapters only when a target names its weights ("vision/
+    layers/..."); wrapped (merged into the tower up front) and merged-for-export forwards agree,
+    and the adapters move what the image tokens carry, so they get gradients."""
+    config = get_preset("tiny_vlm")
+    assert all(path[0] != "vision" for path in target_paths(config, LoRAConfig()))
+    lora = LoRAConfig(targets=("attn/(q|v)$", "vision/layers/(q|o|fc1)$"), rank=4, alpha=8.0)
+    vision_paths = [p for p in target_paths(config, lora) if p[0] == "vision"]
+    assert vision_paths == [("vision", "layers", n) for n in ("q", "o", "fc1")]
+    params = Transformer.init(config, 0).params
+    adapters = _with_random_b(init_adapters(config, lora, jax.random.key(1)))
+    v = config.vision
+    tokens = np.array(TOKENS % config.vocab_size)
+    tokens[:, 1 : 1 + v.tokens_per_image] = v.image_token_id
+    images = jax.random.normal(jax.random.key(2), (2, 1, v.image_size, v.image_size, 3))
+
+    def run(p, a):
+        model_params, kwargs = wrap(lora, p, a)
+        return forward(model_params, jnp.asarray(tokens), config, images_BIHWC=images, **kwargs)
+
+    base = forward(params, jnp.asarray(tokens), config, images_BIHWC=images)
+    merged = forward(merge(params, adapters, lora), jnp.asarray(tokens), config,
+                     images_BIHWC=images)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(run(params, adapters)), atol=1e-5)
+    tower_only = run(params, {"vision": adapters["vision"]})
+    assert float(jnp.max(jnp.abs(tower_only - base))) > 1e-3
+    grads = jax.grad(lambda a: jnp.sum(run(params, a) ** 2))(adapters)
+    assert float(jnp.max(jnp.abs(grads["vision"]["layers"]["q"]["a"]))) > 0
+    with pytest.raises(ValueError, match="export merged"):
+        save_peft(config, adapters, lora, "/nonexistent")
