@@ -167,3 +167,48 @@ def test_bad_image_records_are_named_or_counted(vlm, tmp_path):
     text_model = ExampleEncoder(tokenizer, "auto", 512)
     with pytest.raises(RecordError, match="no vision tower"):
         text_model((json.dumps(_chat([1])), "line 4"))
+
+
+def test_hf_parquet_images_mix_with_text_only_chats(vlm, tmp_path):
+    """Hugging Face's VLM dataset layout in Parquet (an "images" column of {"bytes", "path"}
+    and bare {"type": "image"} parts) mixed with a text-only JSON-lines source: each batch row's
+    pixels are its images' (decoded from the bytes), text-only documents bring none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokenizer, vision, root = vlm
+    N = vision.tokens_per_image
+    rows = []
+    for i in range(6):
+        with open(root / "images" / f"{i}.png", "rb") as f:
+            data = f.read()
+        user = [{"type": "image", "text": None}, {"type": "text", "text": QUESTION}]
+        rows.append({
+            "messages": [{"role": "user", "content": user},
+                         {"role": "assistant", "content": [{"type": "text", "text": "2",
+                                                            "image": None}]}],
+            "images": [{"bytes": data, "path": None}],
+        })  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "vlm.parquet")
+    text = [{"messages": [{"role": "user", "content": QUESTION},
+                          {"role": "assistant", "content": "4"}]}] * 6  # fmt: skip
+    (tmp_path / "text.jsonl").write_text("\n".join(json.dumps(r) for r in text))
+    config = DataConfig(
+        sources=(SourceConfig(str(tmp_path / "vlm.parquet")),
+                 SourceConfig(str(tmp_path / "text.jsonl"))),
+        max_len=2 * N + 40, batch_size=4, shuffle=False, num_epochs=1, max_images=2,
+    )  # fmt: skip
+    data = make_pipeline(config, tokenizer, process_index=0, process_count=1, vision=vision)
+    seen, decoded = {"image": 0, "text": 0}, []
+    for batch in data:
+        for tokens, segments, pixels in zip(
+            batch["tokens"], batch["segment_ids"], batch["images"], strict=True
+        ):
+            slots = [_red_index(p, vision) for p in pixels if np.abs(p).sum() > 0]
+            for segment in sorted(set(segments[segments > 0].tolist())):
+                k = int(((tokens == vision.image_token_id) & (segments == segment)).sum()) // N
+                seen["image" if k else "text"] += 1
+            assert len(slots) == (tokens == vision.image_token_id).sum() // N
+            decoded += slots
+    assert seen == {"image": 6, "text": 6} and sorted(decoded) == list(range(6))
+    assert data.stats["skipped"] == 0
