@@ -8,6 +8,7 @@ from posttrain.data._clean import CleanConfig, clean
 from posttrain.data._curriculum import Phase
 from posttrain.data._decontam import DecontamConfig, decontaminate
 from posttrain.data._dedup import DedupConfig, dedup
+from posttrain.data._images import ImageError, image_array, load_image, preprocess_images
 from posttrain.data._io import RecordWriter, read_records
 from posttrain.data._long_context import KINDS as LONG_CONTEXT_KINDS
 from posttrain.data._long_context import long_context_records, read_paragraphs
@@ -37,6 +38,7 @@ __all__ = [
     "LONG_CONTEXT_KINDS",
     "TOOL_FORMATS",
     "DataConfig",
+    "ImageError",
     "PairError",
     "ParsedTurn",
     "Phase",
@@ -51,12 +53,15 @@ __all__ = [
     "dedup",
     "diff_builds",
     "encode_pair",
+    "image_array",
+    "load_image",
     "long_context_records",
     "load_tokenizer",
     "make_pipeline",
     "make_preference_pipeline",
     "parse_tool_calls",
     "preference_batches",
+    "preprocess_images",
     "read_paragraphs",
     "read_records",
     "register_tool_format",

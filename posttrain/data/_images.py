@@ -8,7 +8,7 @@ photos are meant to be seen. `preprocess_images(images, vision)` converts each t
 it straight to the model's square `image_size` with its resampling filter (Gemma 3's and
 SigLIP's processors do not keep the aspect ratio), rescales by 1/255 and normalises with the
 model's mean and std: what transformers' `SiglipImageProcessor` / `Gemma3ImageProcessor` give,
-channels last.
+channels last. `image_array(ref, vision)` does both for one image.
 """
 
 from __future__ import annotations
@@ -53,22 +53,27 @@ def _read_bytes(ref: str, root: str | None) -> bytes:
     try:
         with paths.path(ref).open("rb") as f:
             return f.read()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+    except FileNotFoundError:
         raise ImageError(
-            f"image file {_short(ref)} does not exist ({type(e).__name__}); relative paths "
-            "resolve against the data file's directory"
+            f"image file {_short(ref)} does not exist; relative paths resolve against the data "
+            "file's directory"
         ) from None
+    except OSError as e:  # a directory, no permission, a failed download
+        reason = e.strerror or _short(str(e))  # (str(e) repeats the whole path)
+        raise ImageError(f"image file {_short(ref)} cannot be read ({reason})") from None
 
 
 def _decode(data: bytes, what: str) -> PIL.Image.Image:
     try:
         image = PIL.Image.open(io.BytesIO(data))
         image.load()
-    except (PIL.UnidentifiedImageError, OSError, ValueError) as e:
-        raise ImageError(
-            f"image {what} cannot be decoded ({e}); is it a PNG/JPEG/... file?"
-        ) from None
-    return PIL.ImageOps.exif_transpose(image)
+    except PIL.UnidentifiedImageError:
+        reason = "not a format Pillow reads"
+    except (OSError, ValueError) as e:  # truncated, corrupt
+        reason = _short(str(e))
+    else:
+        return PIL.ImageOps.exif_transpose(image)
+    raise ImageError(f"image {what} cannot be decoded ({reason}); is it a PNG/JPEG/... file?")
 
 
 def load_image(ref: Any, *, root: str | None = None) -> PIL.Image.Image:
@@ -116,26 +121,42 @@ def load_image(ref: Any, *, root: str | None = None) -> PIL.Image.Image:
 
 
 def _rgb(image: PIL.Image.Image) -> PIL.Image.Image:
-    """RGB as transformers' `convert_rgb` makes it: transparency composited onto white."""
-    if image.mode == "RGB":
-        return image
-    rgba = image.convert("RGBA")
-    white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255))
-    return PIL.Image.alpha_composite(white, rgba).convert("RGB")
+    """RGB as transformers' `convert_to_rgb` makes it: transparency (an alpha band or a palette's
+    transparent colour) composited onto white, anything else `convert("RGB")`."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return PIL.Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def preprocess_images(images: Sequence[PIL.Image.Image], vision: VisionConfig) -> np.ndarray:
-    """Float32 pixels `[len(images), S, S, C]` (S = `vision.image_size`, channels last), as the
-    model's HF image processor makes them: RGB (transparency on white), resized to S x S with
-    `vision.resample`, rescaled by 1/255, normalised by `vision.image_mean` / `image_std`."""
+    """The pixels the model's HF image processor makes of `images`, channels last.
+
+    Each image is converted to RGB (transparency onto white; grey `L` for a 1-channel encoder),
+    resized straight to `vision.image_size` square with `vision.resample`, rescaled by 1/255
+    and normalised by `vision.image_mean` / `vision.image_std`.
+
+    Args:
+      images: decoded images (`load_image`), any size and mode.
+      vision: the model's encoder config.
+
+    Returns:
+      float32 `[len(images), S, S, C]`, S = `vision.image_size`, C = `vision.channels`.
+    """
     S, C = vision.image_size, vision.channels
     out = np.zeros((len(images), S, S, C), np.float32)
     mean = np.asarray(vision.image_mean, np.float32)
     std = np.asarray(vision.image_std, np.float32)
     resample = _RESAMPLE[vision.resample]
     for i, image in enumerate(images):
-        rgb = _rgb(image) if C == 3 else image.convert("L")
-        resized = np.asarray(rgb.resize((S, S), resample=resample), np.float32)
+        converted = _rgb(image) if C == 3 else image.convert("L")
+        resized = np.asarray(converted.resize((S, S), resample=resample), np.float32)
         resized = resized.reshape(S, S, C) * np.float32(1 / 255)
         out[i] = (resized - mean) / std
     return out
+
+
+def image_array(ref: Any, vision: VisionConfig, *, root: str | None = None) -> np.ndarray:
+    """`preprocess_images` of the one image `load_image(ref, root=root)` reads: `[S, S, C]`."""
+    return preprocess_images([load_image(ref, root=root)], vision)[0]

@@ -53,7 +53,7 @@ class VisionConfig:
     decoder's image-token embeddings (Gemma 3, LLaVA-style VLMs).
 
     Images arrive as float pixels `[I, image_size, image_size, channels]`, already resized and
-    normalised (`posttrain.data.images`); the text holds `tokens_per_image` copies of
+    normalised (`posttrain.data.preprocess_images`); the text holds `tokens_per_image` copies of
     `image_token_id` for each, which the projected features replace in order.
     """
 

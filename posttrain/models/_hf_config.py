@@ -16,6 +16,7 @@ from posttrain.models._hf_vlm import (
     VLM_TYPES,
     vlm_from_hf,
     vlm_to_hf,
+    with_image_processor,
 )
 
 SUPPORTED_MODEL_TYPES = (
@@ -470,6 +471,12 @@ def load_hf_config_and_layout(path: str, **overrides) -> tuple[ModelConfig, Chec
     overrides.setdefault("name", os.path.basename(os.path.normpath(path)))
     hf = read_json(config_path)
     try:
-        return config_from_hf(hf, source=config_path, **overrides), checkpoint_layout(hf)
+        config, layout = config_from_hf(hf, source=config_path, **overrides), checkpoint_layout(hf)
     except KeyError as e:
         raise HFFormatError(f"{config_path} lacks the field {e.args[0]!r}") from None
+    if config.vision is not None:  # the directory's image processor: resize filter, mean, std
+        try:
+            config = config.replace(vision=with_image_processor(config.vision, path))
+        except ValueError as e:
+            raise HFFormatError(str(e)) from None
+    return config, layout

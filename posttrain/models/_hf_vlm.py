@@ -10,6 +10,10 @@ the text models' names and `vision_tower.`/`multi_modal_projector.`, then rename
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
+from posttrain import paths
 from posttrain.models._config import ModelConfig, VisionConfig
 
 VLM_TYPES = ("gemma3", "llava")
@@ -24,6 +28,11 @@ _PREFIXES = {
     "vision_tower.": ("vision_tower.vision_model.", "model.vision_tower.", "vision_tower."),
     "multi_modal_projector.": ("model.multi_modal_projector.", "multi_modal_projector."),
 }
+# PIL's resampling filters by the number image processor configs store them as.
+_RESAMPLE = {2: "bilinear", 3: "bicubic"}
+# Where a model directory keeps its image processor's settings: on its own (the Hub's), or
+# nested under "image_processor" (transformers 5's `Processor.save_pretrained`).
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # What `to_hf` writes: transformers 5's `save_pretrained` names.
 EXPORT_PREFIXES = (
     ("model.", "language_model.model."),
@@ -93,6 +102,50 @@ def vlm_from_hf(hf: dict) -> tuple[dict, VisionConfig, bool, tuple[str, ...]]:
     unused = tuple(f"encoder.layers.{i}." for i in range(run, layers)) + ("head.",)
     unused += () if vision.final_norm else ("post_layernorm.",)
     return text, vision, bool(tie), unused
+
+
+def image_processor_fields(processor: dict) -> dict:
+    """The `VisionConfig` fields an HF image processor config sets (`resample`, `image_mean`,
+    `image_std`: those it has); ValueError for a resize filter the pipeline does not have."""
+    fields = {}
+    if "resample" in processor:
+        resample = processor["resample"]
+        if resample not in _RESAMPLE:
+            raise ValueError(
+                f"resample {resample!r} is not supported (2 bilinear or 3 bicubic, PIL's numbers)"
+            )
+        fields["resample"] = _RESAMPLE[resample]
+    if processor.get("do_normalize", True):
+        for key in ("image_mean", "image_std"):
+            if processor.get(key) is not None:
+                fields[key] = tuple(float(x) for x in processor[key])
+    else:  # pixels stay rescaled to [0, 1]
+        channels = len(processor.get("image_mean") or (0, 0, 0))
+        fields["image_mean"], fields["image_std"] = (0.0,) * channels, (1.0,) * channels
+    return fields
+
+
+def with_image_processor(vision: VisionConfig, model_dir: str) -> VisionConfig:
+    """`vision` with the resize filter, mean and std of `model_dir`'s image processor config
+    (preprocessor_config.json, else processor_config.json's "image_processor"); as it is when
+    the directory has neither. ValueError naming the file for what the pipeline cannot do."""
+    for name in _PROCESSOR_FILES:
+        file = paths.join(model_dir, name)
+        if not paths.path(file).exists():
+            continue
+        try:
+            processor = json.loads(paths.path(file).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from None
+        if name == "processor_config.json":
+            processor = processor.get("image_processor")
+            if not isinstance(processor, dict):
+                continue
+        try:
+            return dataclasses.replace(vision, **image_processor_fields(processor))
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
+    return vision
 
 
 def vlm_to_hf(config: ModelConfig, text_hf: dict) -> dict:

@@ -120,7 +120,8 @@ def encode_images(params: dict, images_BIHWC: jax.Array, config: ModelConfig) ->
     if images_BIHWC.shape[2:] != (v.image_size, v.image_size, v.channels):
         raise ValueError(
             f"images of shape {images_BIHWC.shape[2:]}; this model takes "
-            f"{(v.image_size, v.image_size, v.channels)} (resize with posttrain.data.images)"
+            f"{(v.image_size, v.image_size, v.channels)} (posttrain.data.preprocess_images "
+            "resizes them)"
         )
     x = patchify(images_BIHWC.reshape(B * I, *images_BIHWC.shape[2:]).astype(dt), v.patch_size)
     x = dense(x, params["patch"].astype(dt)) + params["patch_bias"].astype(dt)

@@ -282,7 +282,8 @@ def generate(
       length_bucket: prompts are left-padded to a multiple of this, so prompt lengths in the
         same bucket share one compilation.
       images: a VLM's images per prompt, float pixels `[H, W, C]` each, resized and
-        normalised (`posttrain.data.images`); prompt i's image tokens take its images in order.
+        normalised (`posttrain.data.preprocess_images`); prompt i's image tokens take its
+        images in order.
 
     Returns:
       Per prompt, a list of its n `Completion`s (text, token_ids, logprobs, finish_reason). The
