@@ -35,8 +35,10 @@ class ImageError(ValueError):
 
 
 def _short(ref: Any) -> str:
+    """A ref for a message, at most 80 characters: a long one keeps its start and its end (a
+    path's file name)."""
     text = repr(ref) if not isinstance(ref, str) else ref
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= 80 else text[:30] + "..." + text[-47:]
 
 
 def _read_bytes(ref: str, root: str | None) -> bytes:
