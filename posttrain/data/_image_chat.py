@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -260,17 +261,17 @@ def prompt_pixels(prompt: Mapping[str, Any], spec: ImageSpec) -> np.ndarray:
     return load_pixels(refs, spec, prompt.get("image_root"), cache=True)
 
 
-def pixel_rows(pixels: Sequence[np.ndarray], spec: ImageSpec) -> np.ndarray:
+def pixel_rows(pixels: Sequence[np.ndarray], spec: ImageSpec, rows: int = 0) -> np.ndarray:
     """Per-row pixels `[k_i, S, S, C]` as one `[rows, max_images, S, S, C]` array, zeros in the
-    slots a row does not use.
+    slots a row does not use (and in rows past `len(pixels)`, up to `rows`).
 
     Raises:
       ValueError: a row has more images than `spec.max_images`.
     """
     v = spec.vision
-    out = np.zeros((len(pixels), spec.max_images, v.image_size, v.image_size, v.channels),
-                   np.float32)  # fmt: skip
-    for row, p in zip(out, pixels, strict=True):
+    rows = max(rows, len(pixels))
+    out = np.zeros((rows, spec.max_images, v.image_size, v.image_size, v.channels), np.float32)
+    for row, p in zip(out, pixels, strict=False):
         if len(p) > spec.max_images:
             raise ValueError(f"{len(p)} images in a row of {spec.max_images} image slots")
         row[: len(p)] = p
@@ -290,3 +291,16 @@ def prompt_image_spec(
     if vision is None:
         return None
     return image_spec(vision, tokenizer, prompt_slots(vision, max_prompt_len, max_images))
+
+
+def vision_spec(config, tokenizer: Tokenizer, vision: VisionConfig | None) -> ImageSpec | None:
+    """The `ImageSpec` of a VLM's SFT or preference data (None for a text model): a
+    `DataConfig`'s `max_images` slots per row, or as many as its `max_len` holds."""
+    return prompt_image_spec(vision, tokenizer, config.max_len, config.max_images)
+
+
+def image_root(pattern: str) -> str:
+    """The directory a source's relative image paths resolve against: its file's, or for a
+    glob the directory before the first wildcard."""
+    head = pattern[: min((pattern.find(c) for c in "*?[" if c in pattern), default=len(pattern))]
+    return os.path.dirname(head) or "."

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from posttrain.data._accounting import Tally, find_tally, log_source, source_nam
 from posttrain.data._accounting import metrics as count_metrics
 from posttrain.data._curriculum import Phase, check_curriculum, curriculum_dataset
 from posttrain.data._formats import ExampleEncoder
-from posttrain.data._image_chat import ImageSpec, image_spec
+from posttrain.data._image_chat import image_root, vision_spec
 from posttrain.data._sources import Records, SourceConfig, canonical_identity
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
 from posttrain.models import VisionConfig
@@ -185,22 +184,6 @@ def make_pipeline(
                 images=images, image_root=image_root(source.path),
             )(recs[0])  # fmt: skip
     return SFTData(config, tokenizer, records, pi, pc, images)
-
-
-def vision_spec(config, tokenizer: Tokenizer, vision: VisionConfig | None) -> ImageSpec | None:
-    """The `ImageSpec` of a VLM's data (None for a text model); `config.max_images` slots per
-    row, or as many as `config.max_len` holds."""
-    if vision is None:
-        return None
-    slots = config.max_images or max(1, config.max_len // vision.tokens_per_image)
-    return image_spec(vision, tokenizer, slots)
-
-
-def image_root(pattern: str) -> str:
-    """The directory a source's relative image paths resolve against: its file's, or for a
-    glob the directory before the first wildcard."""
-    head = pattern[: min((pattern.find(c) for c in "*?[" if c in pattern), default=len(pattern))]
-    return os.path.dirname(head) or "."
 
 
 def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

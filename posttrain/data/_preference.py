@@ -188,7 +188,5 @@ def collate(
     batch["margins"] = np.zeros(rows, np.float32)
     batch["margins"][: len(pairs)] = [p.get("margin", 0.0) for p in pairs]
     if images is not None:
-        pixels = [prompt_pixels(p, images) for p in pairs]
-        batch["images"] = pixel_rows(pixels + [prompt_pixels({}, images)] * (rows - len(pairs)),
-                                     images)  # fmt: skip
+        batch["images"] = pixel_rows([prompt_pixels(p, images) for p in pairs], images, rows)
     return batch

@@ -17,16 +17,14 @@ from tqdm.auto import tqdm
 
 from posttrain.data._accounting import log_source, source_names, zero_counts
 from posttrain.data._accounting import metrics as count_metrics
-from posttrain.data._image_chat import ImageSpec
+from posttrain.data._image_chat import ImageSpec, image_root, vision_spec
 from posttrain.data._pipeline import (
     _RUNTIME_FIELDS,
     DataConfig,
     canonical_identity,
     data_manifest,
-    image_root,
     index_mixture,
     process_share,
-    vision_spec,
 )
 from posttrain.data._preference import (
     _KEPT_ERRORS,

@@ -20,11 +20,16 @@ import numpy as np
 from posttrain.data import DataConfig, Tokenizer
 from posttrain.data._accounting import source_names
 from posttrain.data._formats import TEXT_KEYS, RecordError, decode, encode_prompt
-from posttrain.data._image_chat import ImageRecordError, ImageSpec, flatten_record, has_images
+from posttrain.data._image_chat import (
+    ImageRecordError,
+    ImageSpec,
+    flatten_record,
+    has_images,
+    image_root,
+)
 from posttrain.data._pipeline import (
     _RUNTIME_FIELDS,
     canonical_identity,
-    image_root,
     index_mixture,
     process_share,
 )

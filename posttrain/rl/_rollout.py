@@ -114,10 +114,9 @@ def rollout_batch(
                 if c.routed_experts is None or len(c.routed_experts) != n:
                     raise ValueError(f"completion {j} of prompt {g} has no routing for each token")
                 out["routed_experts"][r, :n] = c.routed_experts
-    if images is not None:
-        pixels = [prompt_pixels(p, images) for p in prompts for _ in range(G)]
-        pixels += [prompt_pixels({}, images)] * (rows - len(pixels))
-        out["images"] = pixel_rows(pixels, images)
+    if images is not None:  # each row its prompt's images; fillers none
+        out["images"] = pixel_rows([prompt_pixels(p, images) for p in prompts for _ in range(G)],
+                                   images, rows)  # fmt: skip
     return out
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from posttrain.models import KV_DTYPES, Transformer, require_kv_cache
 from posttrain.parallel import logical_to_spec
 from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
+from posttrain.sampling._request import Request
 from posttrain.sampling._rounds import speculate
 from posttrain.sampling._speculative import (
     MTP,
@@ -122,38 +123,6 @@ class EngineConfig:
                 f"of 128; use 'xla'"
             )
         return self.attention
-
-
-@dataclasses.dataclass
-class Request:
-    """A prompt and what to generate for it: `n` samples of at most `max_new_tokens` each,
-    sample j keyed `fold_in(key, j)` (and a VLM's `images`, which its image tokens take in
-    order; prefilled once for the n samples). Filled in as it runs: `tokens`/`logprobs` per sample
-    and `done` per sample; with `EngineConfig.record_routes`, `routes` per finished sample
-    (int16 `[prompt + tokens, MoE layers, top-k]`, None if cancelled); `versions` per sample:
-    the engine's `version` (its weights' version) when each token was decoded."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    key: jax.Array
-    n: int = 1
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    tokens: list[list[int]] = dataclasses.field(default_factory=list)
-    logprobs: list[list[float]] = dataclasses.field(default_factory=list)
-    done: list[bool] = dataclasses.field(default_factory=list)
-    routes: list = dataclasses.field(default_factory=list)
-    versions: list[list[int]] = dataclasses.field(default_factory=list)
-    admitted: int = 0  # samples placed in rows so far
-    images: np.ndarray | None = None  # a VLM's prompt images, float32 [I, H, W, C]
-
-    def __post_init__(self):
-        self.tokens = [[] for _ in range(self.n)]
-        self.logprobs = [[] for _ in range(self.n)]
-        self.done = [False] * self.n
-        self.routes = [None] * self.n
-        self.versions = [[] for _ in range(self.n)]
 
 
 @dataclasses.dataclass
