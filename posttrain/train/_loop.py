@@ -16,9 +16,13 @@ prompts -> rollouts -> rewards -> advantages) also has
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import re
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -26,6 +30,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from posttrain import paths
 from posttrain.parallel import Watchdog, shard_batch
 from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._metrics import MetricsWriter, peak_flops_per_device
@@ -47,6 +52,9 @@ class LoopConfig:
     # or hung; the process stops with an error instead of waiting forever (0: off). The
     # first step, which compiles, gets max(this, 30 minutes).
     step_timeout_s: float = 600.0
+    # "N:M": a jax.profiler trace of steps N to M (inclusive; RL: generation, rewards and the
+    # update) into <workdir>/profile, for TensorBoard's profile plugin or Perfetto. "" = off.
+    profile_steps: str = ""
 
     def __post_init__(self):
         if self.steps <= 0 or self.micro_batches <= 0 or self.log_every <= 0:
@@ -57,6 +65,19 @@ class LoopConfig:
             )
         if self.step_timeout_s < 0:
             raise ValueError("train.step_timeout_s must be >= 0 (0 turns the watchdog off)")
+        self.profile_range()  # checks the spelling
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """(first, last) step of `profile_steps`, or None when profiling is off."""
+        if not self.profile_steps:
+            return None
+        found = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", self.profile_steps)
+        if not found or not 1 <= int(found.group(1)) <= int(found.group(2)):
+            raise ValueError(
+                f"train.profile_steps={self.profile_steps!r}: write FIRST:LAST, two step numbers "
+                "with 1 <= FIRST <= LAST, e.g. 5:7 (steps 5, 6 and 7)"
+            )
+        return int(found.group(1)), int(found.group(2))
 
 
 class TrainingDiverged(RuntimeError):
@@ -83,6 +104,42 @@ class _Preemption:
     def __exit__(self, *exc):
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
+
+
+class _Profiler:
+    """Traces `loop.profile_steps` with `jax.profiler` into <workdir>/profile: the host's
+    Python and every device program of those steps (RL: the rollout source's generation and
+    rewards, drawn in `next(data)`, and the update). A remote workdir gets the trace uploaded
+    when it stops. View: `tensorboard --logdir <workdir>/profile` (Profile tab) or the
+    `*.trace.json.gz` in https://ui.perfetto.dev."""
+
+    def __init__(self, loop: LoopConfig, workdir: str):
+        self.range, self.workdir = loop.profile_range(), workdir
+        self.folder: str | None = None
+
+    def start(self, step: int) -> None:
+        if self.range is None or step != self.range[0]:
+            return
+        out = paths.join(self.workdir, "profile")
+        self.folder = tempfile.mkdtemp(prefix="posttrain-profile-") if paths.is_remote(out) else out
+        jax.profiler.start_trace(self.folder, create_perfetto_trace=True)
+        log.info("profiling steps %d to %d into %s", *self.range, out)
+
+    def annotate(self, name: str, step: int):
+        """A named span on the trace's host timeline (nothing when not tracing)."""
+        if self.folder is None:
+            return contextlib.nullcontext()
+        return jax.profiler.TraceAnnotation(f"{name} {step}")
+
+    def stop(self, step: int, metrics=None, *, force: bool = False) -> None:
+        if self.folder is None or not (force or step == self.range[1]):
+            return
+        jax.block_until_ready(metrics)  # the last step's device work is in the trace
+        jax.profiler.stop_trace()
+        out = paths.join(self.workdir, "profile")
+        if paths.is_remote(out):
+            paths.upload(self.folder, out)
+        self.folder = None
 
 
 def _host_metrics(metrics) -> dict[str, float]:
@@ -178,7 +235,9 @@ def train_loop(
     pending = None  # (step, device metrics, tokens, seconds) of the previous step
     last_time = time.perf_counter()
     watchdog = Watchdog(loop.step_timeout_s if jax.process_count() > 1 else 0.0)
-    with _Preemption() as preemption, watchdog:
+    profiler = _Profiler(loop, workdir)
+    with _Preemption() as preemption, watchdog, contextlib.ExitStack() as stack:
+        stack.callback(lambda: profiler.stop(0, force=True))  # a run that stops early
 
         def flush(pending):
             step, metrics, tokens, seconds, source_metrics = pending
@@ -207,7 +266,9 @@ def train_loop(
         if observe is not None:
             observe(start, state, None)
         for step in range(start + 1, loop.steps + 1):
-            host_batch = next(data)
+            profiler.start(step)
+            with profiler.annotate("batch", step):  # RL: generation and rewards
+                host_batch = next(data)
             source_metrics = batch_metrics() if batch_metrics is not None else {}
             tokens = _tokens(host_batch) * jax.process_count()
             batch = shard_batch(host_batch, mesh)
@@ -215,7 +276,9 @@ def train_loop(
                 summary["batch_shapes"] = jax.tree.map(
                     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch
                 )
-            state, metrics = step_fn(state, batch)
+            with profiler.annotate("train", step):
+                state, metrics = step_fn(state, batch)
+            profiler.stop(step, metrics)
             if observe is not None:
                 observe(step, state, metrics)
             if pending is not None:

@@ -1,5 +1,7 @@
 """GRPO-family runs (configs/grpo.py) on a toy verifiable task: learning, logging, resume."""
 
+import glob
+import gzip
 import json
 import os
 import signal
@@ -54,10 +56,13 @@ def test_reward_rises_on_the_toy_task(preset, tmp_path):
 def test_engine_and_static_sampler_give_the_same_run(tmp_path):
     """Rollouts on the paged engine (the default: continuous batching, prefix sharing) draw what
     the static sampler draws for the same per-prompt seeds, so the two runs' reward curves match
-    step by step (up to a token flipped by float rounding, which never happened here)."""
+    step by step (up to a token flipped by float rounding, which never happened here).
+    The engine run also traces steps 2-3 with the profiler (`train.profile_steps`)."""
     runs = {}
     for sampler in ("engine", "static"):
-        config = toy_config("tiny", train__steps=4, rollout__sampler=sampler)
+        profile = "2:3" if sampler == "engine" else ""
+        config = toy_config("tiny", train__steps=4, rollout__sampler=sampler,
+                            train__profile_steps=profile)  # fmt: skip
         run_from_config(config, str(tmp_path / sampler))
         runs[sampler] = read_metrics(str(tmp_path / sampler))
     engine, static = ([r["reward"] for r in runs[k]] for k in ("engine", "static"))
@@ -65,6 +70,16 @@ def test_engine_and_static_sampler_give_the_same_run(tmp_path):
     assert all(r["logp_gap"] < 1e-3 for r in runs["engine"])
     # Prefix sharing: each group of 8 samples prefilled its prompt once.
     assert all(r["prompt_tokens"] == 8 * r["prefill_tokens"] > 0 for r in runs["engine"])
+    # The trace holds steps 2 and 3 (each step's rollout batch and update, and the engine's
+    # prefill and decode programs) and nothing of steps 1 or 4.
+    (trace,) = glob.glob(str(tmp_path / "engine/profile/plugins/profile/*/*.trace.json.gz"))
+    assert glob.glob(str(tmp_path / "engine/profile/plugins/profile/*/*.xplane.pb"))
+    with gzip.open(trace) as f:
+        names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+    assert {"batch 2", "train 2", "batch 3", "train 3"} <= names
+    assert not {"batch 1", "train 1", "batch 4", "train 4"} & names
+    for program in ("jit_prefill", "jit_decode", "jit_step"):
+        assert any(name.endswith(f"Execute ({program})") for name in names), program
 
 
 def test_ppo_with_a_critic_raises_the_reward(tmp_path):

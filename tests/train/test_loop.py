@@ -89,6 +89,7 @@ def test_divergence_stops_with_a_checkpoint(tmp_path, devices):
         ({"mesh__ici__data": 3}, r"mesh.ici \(data=3\) multiplies to 3, but there are 8 devices"),
         ({"data__batch_size": 12}, r"not divisible by the data-parallel size 8"),
         ({"optimizer__schedule": "cosin"}, r"optimizer.schedule='cosin'"),
+        ({"train__profile_steps": "5-7"}, r"train.profile_steps='5-7': write FIRST:LAST"),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path, change, message, devices):
