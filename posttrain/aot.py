@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from posttrain._collectives import collectives, summary
 from posttrain._flops import _expected_ratio, _expert_buffer, matmul_flops
 from posttrain.config import ConfigError
 from posttrain.models import bubble_fraction
@@ -43,13 +44,23 @@ class Chip:
     hbm_bandwidth: float  # bytes/s
     dims: int  # torus dimensions of a slice (3 for v4/v5p, 2 for v5e/v6e)
     cores_per_chip: int  # the slice name counts TensorCores (v4/v5p: 2 per chip)
+    ici_bandwidth: float  # bytes/s, bidirectional, all of a chip's ICI ports together
+    dcn_bandwidth: float  # bytes/s of data-center network per chip (its host's NICs / chips)
+
+    @property
+    def ici_port(self) -> float:
+        """Bidirectional bytes/s of one ICI port (a torus dimension's ring uses two)."""
+        return self.ici_bandwidth / (2 * self.dims)
 
 
+# Google Cloud's published figures: ICI per chip (v5p 1,200 GB/s bidirectional; v5e 1,600
+# Gbps, v6e 3,584 Gbps; v4 2,400 Gbps), DCN per chip (v5p 50 Gbps; v5e 2 x 100 Gbps and v6e
+# 4 x 200 Gbps NICs per 8-chip host; v4 taken as v5p's).
 CHIPS = {
-    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2.765e12, 3, 2),
-    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 0.819e12, 2, 1),
-    "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1.64e12, 2, 1),
-    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1.2e12, 3, 2),
+    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2.765e12, 3, 2, 1200e9, 6.25e9),
+    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 0.819e12, 2, 1, 200e9, 3.125e9),
+    "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1.64e12, 2, 1, 448e9, 12.5e9),
+    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1.2e12, 3, 2, 300e9, 6.25e9),
 }
 
 
@@ -98,6 +109,9 @@ class CompileReport:
     compiled: bool = True  # False: the arguments alone exceed HBM, XLA was not asked
     host_temporaries: float = 0.0  # activations offloaded to host memory (remat=offload_dots)
     bubble: float = 0.0  # pipeline stages' idle share of the step (mesh stage > 1)
+    # The program's collectives by kind (`posttrain._collectives.summary`): runs, bytes moved
+    # per device, seconds at the slice's ICI / DCN bandwidth, and how much of it is async.
+    communication: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -116,16 +130,35 @@ class CompileReport:
         return self.total <= FIT_FRACTION * self.capacity
 
     @property
-    def step_seconds(self) -> float:
-        """Roofline: the larger of compute time and HBM traffic time on one chip."""
+    def compute_seconds(self) -> float:
+        """Roofline of one chip: the larger of compute time and HBM traffic time."""
         return max(
             self.compiled_flops / self.chips / self.chip.peak_flops,
             self.bytes_accessed / self.chip.hbm_bandwidth,
         )
 
     @property
+    def communication_seconds(self) -> tuple[float, float]:
+        """(synchronous, async) seconds of the step's collectives."""
+        total = self.communication.get("total", {})
+        overlappable = total.get("overlappable_seconds", 0.0)
+        return total.get("seconds", 0.0) - overlappable, overlappable
+
+    @property
+    def step_seconds(self) -> float:
+        """Compute (or HBM) time, plus the synchronous collectives, with the async ones hidden
+        under compute as far as it lasts."""
+        exposed, overlappable = self.communication_seconds
+        return max(self.compute_seconds, overlappable) + exposed
+
+    @property
     def mfu(self) -> float:
         return self.model_flops / (self.chips * self.chip.peak_flops * self.step_seconds)
+
+    @property
+    def compute_mfu(self) -> float:
+        """MFU from compute and HBM traffic alone (communication free)."""
+        return self.model_flops / (self.chips * self.chip.peak_flops * self.compute_seconds)
 
     def lines(self) -> list[str]:
         gib = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
@@ -157,7 +190,22 @@ class CompileReport:
             f"(x{self.compiled_flops / self.model_flops:.2f} of the model's; remat and expert "
             f"buffers explain x{self.expected_ratio:.2f})",
             f"  XLA cost analysis      {self.xla_flops:.3e}  (loop bodies counted once)",
-            f"  roofline step time     {self.step_seconds:.3f} s, MFU {100 * self.mfu:.0f}%",
+        ]
+        for kind, row in self.communication.items():
+            if kind != "total":
+                out.append(f"  {kind:<22} {row['runs']:6.0f} runs, {row['bytes'] / GiB:8.3f} GiB "
+                           f"per chip, {row['seconds']:.3f} s" + (
+                               f" ({row['dcn_seconds']:.3f} s over DCN)"
+                               if row["dcn_seconds"] else ""))  # fmt: skip
+        exposed, overlappable = self.communication_seconds
+        share = exposed + max(0.0, overlappable - self.compute_seconds)  # not under compute
+        out += [
+            f"  roofline step time     {self.step_seconds:.3f} s = compute/HBM "
+            f"{self.compute_seconds:.3f} s + collectives {exposed:.3f} s synchronous"
+            + (f", {overlappable:.3f} s async" if overlappable else ""),
+            f"  MFU                    {100 * self.mfu:.0f}% (collectives "
+            f"{100 * share / self.step_seconds:.0f}% of the step; compute and HBM alone: "
+            f"{100 * self.compute_mfu:.0f}%)",
         ]
         return out
 
@@ -264,10 +312,11 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
             host = float(getattr(memory, "host_temp_size_in_bytes", 0))
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list | tuple) else cost
+            communication = _communication(compiled.as_text(), low.mesh, topology, chip)
         except _TooLarge:
             host = 0.0
             sizes = (state_bytes + batch_bytes, state_bytes, 0.0, state_bytes)
-            cost, compiled_ok = {}, False
+            cost, compiled_ok, communication = {}, False, {}
         except jax.errors.JaxRuntimeError as e:
             # XLA refuses a program whose buffers exceed HBM; it says how much they need.
             found = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", str(e))
@@ -275,7 +324,7 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
                 raise
             temporaries = float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024
             sizes = (state_bytes + batch_bytes, state_bytes, temporaries, state_bytes)
-            cost, host = {}, 0.0
+            cost, host, communication = {}, 0.0, {}
         seconds = time.perf_counter() - start
         program = matmul_flops(jax.make_jaxpr(step)(*low.arguments()).jaxpr)
         expert_buffer = _expert_buffer(low.model_config, low.mesh)
@@ -306,7 +355,19 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         bubble=bubble_fraction(
             dict(low.mesh.shape).get("stage", 1), model_config.pipeline_microbatches
         ),
+        communication=communication,
     )
+
+
+def _communication(hlo: str, mesh, topology: str, chip: Chip) -> dict:
+    """The compiled program's collectives timed on the slice (`posttrain._collectives`)."""
+    devices = list(mesh.devices.flat)
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    slice_of = (lambda i: getattr(devices[i], "slice_index", 0)) if len(slices) > 1 else None
+    generation = topology.split()[-1]  # "2 x v5p-256" -> "v5p-256"
+    torus = [int(x) for x in parse_topology(generation)[2].split(":")[1].split("x")]
+    found = collectives(hlo, devices=len(devices), slice_of=slice_of, torus=torus)
+    return summary(found, chip.ici_port, chip.dcn_bandwidth)
 
 
 def smallest_fit(compile_plan: Callable, config, generation: str, *, start_chips: int = 4,

@@ -61,6 +61,8 @@ def test_cli_compiles_the_tiny_sft_step_for_a_v5e_slice(capsys):
     out = capsys.readouterr().out
     assert code == 0 and out.strip().splitlines()[-1] == "fits"
     assert "8 x TPU v5e, 16 GiB HBM each" in out and "temporaries" in out
+    # The data-parallel gradients meet in all-reduces, timed on the slice's ICI.
+    assert re.search(r"all-reduce\s+\d+ runs", out) and "collectives" in out
 
 
 @pytest.mark.slow  # two TPU compiles, ~40 s
