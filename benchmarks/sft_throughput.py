@@ -1,11 +1,14 @@
-"""SFT training throughput: posttrain vs HF transformers + PyTorch eager, same model, same run.
+"""SFT training throughput: posttrain vs HF transformers (PyTorch eager and `torch.compile`) and
+Tunix's `PeftTrainer`, same model, same run.
 
-Both sides take full optimizer steps (AdamW, next-token loss over every token) on the same
+Every side takes full optimizer steps (AdamW, next-token loss over every token) on the same
 Llama-style model (4 layers, d=256, V=4096, float32) and the same batch of random token rows.
+Tunix runs in its own venv (benchmarks/_sft_tunix.py, re-invoked with `--tunix-python`):
 
-    python benchmarks/sft_throughput.py --batch=8 --seq=512 --steps=10
+    python benchmarks/sft_throughput.py --batch=8 --seq=512 --steps=10 \
+        --tunix-python=/work/peers/tunix-venv/bin/python
 
-Reported in docs/benchmarks.md; the target is posttrain >= 1.5x PyTorch eager on CPU.
+Reported in docs/benchmarks.md; the target is posttrain >= 1.5x the fastest peer on CPU.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import argparse
 import functools
 import json
 import os
+import subprocess
+import tempfile
 import time
 
 import jax
 import numpy as np
-from _peers import hf_llama  # benchmarks/ is the script directory
+from _machine import cpu_model, vector_extensions  # benchmarks/ is the script directory
+from _peers import hf_llama
 
 from posttrain.models import ModelConfig, init_params, num_params
 from posttrain.train import OptimizerConfig, create_state, make_optimizer, sft_loss, train_step
@@ -67,10 +73,12 @@ def time_posttrain(batch: dict, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def time_pytorch(batch: dict, steps: int) -> float:
+def time_pytorch(batch: dict, steps: int, compile: bool = False) -> float:
     import torch
 
     model = hf_llama(MODEL, "float32", "cpu")
+    if compile:
+        model = torch.compile(model)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0
     )
@@ -84,7 +92,7 @@ def time_pytorch(batch: dict, steps: int) -> float:
         loss.backward()
         optimizer.step()
 
-    for _ in range(2):
+    for _ in range(3 if compile else 2):  # (torch.compile: the backward compiles on step 1)
         step()
     start = time.perf_counter()
     for _ in range(steps):
@@ -98,34 +106,51 @@ def main():
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--tunix-python", default="", help="a Python with google-tunix")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     args = parser.parse_args()
 
     import torch
 
     batch = _batch(args.batch, args.seq)
     tokens = args.batch * args.seq
-    rows = {
-        f"HF transformers + PyTorch eager ({torch.get_num_threads()} threads)": time_pytorch(
-            batch, args.steps
-        ),
-        "posttrain (jit, XLA)": time_posttrain(batch, args.steps),
-    }
+    threads = torch.get_num_threads()
+    rows = {f"HF transformers + PyTorch eager ({threads} threads)": time_pytorch(batch, args.steps)}
+    if not args.no_compile:
+        rows[f"HF transformers + torch.compile ({threads} threads)"] = time_pytorch(
+            batch, args.steps, compile=True
+        )
+    if args.tunix_python:
+        rows["Tunix PeftTrainer (full parameters)"] = time_tunix(args)
+    rows["posttrain (jit, XLA)"] = time_posttrain(batch, args.steps)
     baseline = next(iter(rows.values()))
+    fastest_peer = min(v for k, v in rows.items() if not k.startswith("posttrain"))
     print(
         f"\n{MODEL.name}: {num_params(MODEL) / 1e6:.1f}M params, batch {args.batch} x "
-        f"{args.seq}, AdamW step, float32, {jax.devices()[0].device_kind} "
-        f"({os.cpu_count()} cores)\n"
+        f"{args.seq}, AdamW step, float32, {cpu_model()}, {vector_extensions()}\n"
     )
-    print("| implementation | step (ms) | tokens/s | speed vs PyTorch |")
-    print("|---|---|---|---|")
+    print("| implementation | step (ms) | tokens/s | vs PyTorch eager | vs fastest peer |")
+    print("|---|---|---|---|---|")
     for name, seconds in rows.items():
         print(
             f"| {name} | {seconds * 1e3:.0f} | {tokens / seconds:,.0f} | "
-            f"{baseline / seconds:.2f}x |"
+            f"{baseline / seconds:.2f}x | {fastest_peer / seconds:.2f}x |"
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "seconds_per_step": rows}, f, indent=2)
+            json.dump({"args": vars(args), "cpu": cpu_model(), "vector_extensions":
+                       vector_extensions(), "seconds_per_step": rows}, f, indent=2)  # fmt: skip
+
+
+def time_tunix(args) -> float:
+    """Tunix's PeftTrainer in its own venv (benchmarks/_sft_tunix.py) on the same batch."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "tunix.json")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sft_tunix.py")
+        subprocess.run([args.tunix_python, script, f"--batch={args.batch}", f"--seq={args.seq}",
+                        f"--steps={args.steps}", "--out", out], check=True)  # fmt: skip
+        with open(out) as f:
+            return json.load(f)["seconds_per_step"]
 
 
 if __name__ == "__main__":
