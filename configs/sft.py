@@ -135,6 +135,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.train.seed = 0  # init / dropout seed
     c.train.progress = True  # progress bar
     c.train.step_timeout_s = 600.0  # multi-process: no progress this long stops the run (0: off)
+    c.train.profile_steps = ""  # "N:M": jax.profiler trace of steps N..M into <workdir>/profile
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 200  # save every N steps (also at the end and on SIGTERM)
