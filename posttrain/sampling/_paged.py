@@ -27,7 +27,7 @@ from posttrain.models import (
     token_logprobs,
     unstack_layers,
 )
-from posttrain.sampling._sample import sample_tokens
+from posttrain.sampling._sample import draw_unfiltered, sample_tokens, unfiltered
 from posttrain.sampling._speculative import MTP, DraftModel
 
 SCRATCH = 0  # block 0: padding and finished rows write here; nothing reads it
@@ -187,8 +187,8 @@ def prefill(
 
 
 def _sample_rows(rows: Rows, keys_B):
-    """Each row's next token from `logits_BV` under its own settings (all greedy: one argmax,
-    no sort)."""
+    """Each row's next token from `logits_BV` under its own settings (greedy rows and rows
+    without top-k/top-p need no vocabulary sort: when no row filters, none sorts)."""
 
     def one(key, logits_V, temperature, top_k, top_p):
         return sample_tokens(
@@ -201,7 +201,15 @@ def _sample_rows(rows: Rows, keys_B):
     def greedy():
         return jnp.argmax(rows.logits_BV, axis=-1).astype(jnp.int32)
 
-    return jax.lax.cond(jnp.all(rows.temperature_B == 0), greedy, sampled)
+    def plain():
+        drawn_B = jax.vmap(lambda k, l_V, t: draw_unfiltered(k, l_V[None], t)[0])(
+            keys_B, rows.logits_BV, rows.temperature_B
+        )
+        return jnp.where(rows.temperature_B > 0, drawn_B, greedy())
+
+    no_sort_B = (rows.temperature_B == 0) | unfiltered(rows.top_k_B, rows.top_p_B)
+    branch = jnp.where(jnp.all(rows.temperature_B == 0), 0, jnp.where(jnp.all(no_sort_B), 1, 2))
+    return jax.lax.switch(branch, (greedy, plain, sampled))
 
 
 def _token_logprobs(logits_BXV, tokens_BX):

@@ -26,18 +26,36 @@ def filter_logits(logits_BV, *, temperature, top_k, top_p):
     return jnp.where(scaled_BV >= cut_B1, scaled_BV, _MASKED)
 
 
+def unfiltered(top_k, top_p):
+    """Whether top-k and top-p keep every token (then sampling needs no vocabulary sort)."""
+    return (top_k <= 0) & (top_p >= 1.0)
+
+
+def draw_unfiltered(rng, logits_BV, temperature):
+    """A draw from softmax(logits / temperature) over the whole vocabulary: what
+    `filter_logits` keeps with top_k=0, top_p=1 (without its float32 cumulative sum's rounding,
+    which can drop a tail token whose mass is below 1e-7)."""
+    scaled_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    return jax.random.categorical(rng, scaled_BV, axis=-1).astype(jnp.int32)
+
+
 def sample_tokens(rng, logits_BV, *, temperature, top_k, top_p):
     """Next token ids `[B]`: argmax where temperature is 0, else a draw from `filter_logits`.
 
-    A real branch on the (scalar) temperature: greedy decoding skips the vocabulary sort that
-    top-k/top-p need, which is most of a small model's decode step.
+    Real branches on the (scalar) settings: greedy decoding, and sampling without top-k or
+    top-p (RL rollouts), skip the vocabulary sort that top-k/top-p need, which is most of a
+    small model's decode step.
     """
 
     def greedy():
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
+    def plain():
+        return draw_unfiltered(rng, logits_BV, temperature)
+
     def sample():
         filtered_BV = filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
         return jax.random.categorical(rng, filtered_BV, axis=-1).astype(jnp.int32)
 
-    return jax.lax.cond(temperature > 0, sample, greedy)
+    branch = jnp.where(temperature > 0, jnp.where(unfiltered(top_k, top_p), 1, 2), 0)
+    return jax.lax.switch(branch, (greedy, plain, sample))
