@@ -120,6 +120,9 @@ class AlgorithmConfig:
     whiten_advantages: bool = True  # GAE: whiten advantages over the batch's tokens
     epochs: int = 1  # passes over each rollout batch (PPO epochs)
     minibatches: int = 1  # optimizer updates per pass
+    # One update per rollout batch: the old policy is the one being updated, so its log-probs
+    # come from the update's own forward (stop-gradient) instead of a separate pass first.
+    fuse_old_logps: bool = True
 
     def __post_init__(self):
         if self.advantage not in (*ADVANTAGE_MODES, "gae"):
@@ -346,6 +349,18 @@ class RLConfig:
     @property
     def ppo(self) -> bool:
         return self.algorithm.advantage == "gae"
+
+    @property
+    def fused_old_logps(self) -> bool:
+        """Whether the update's forward supplies the old log-probs (`algorithm.fuse_old_logps`
+        where nothing needs them before the update: one update per batch, no critic, no
+        teacher, no KL penalty in the reward, no off-policy correction)."""
+        a = self.algorithm
+        return (
+            a.fuse_old_logps and a.epochs == 1 and a.minibatches == 1 and not self.ppo
+            and not self.distill.teacher and self.loss.correction == "off"
+            and not (self.kl.enabled and self.kl.mode == "reward")
+        )  # fmt: skip
 
     @property
     def rows(self) -> int:

@@ -151,6 +151,7 @@ def rl_loss(
     domains: Sequence[str] = (),
     critic: CriticLoss | None = None,
     policy: Policy | None = None,
+    fused_old_logps: bool = False,
 ):
     """`(params, batch, rng) -> sums` of the policy loss (plus KL, entropy and value terms).
 
@@ -167,6 +168,10 @@ def rl_loss(
     `clip_fraction/<domain>`; with a critic `value_loss`, `value_clip_fraction`, `value`; with
     an off-policy correction `is_dropped` (share of sampled tokens it dropped), `is_weight`
     (mean weight of the kept ones) and `is_ratio` (mean token ratio p_old / p_sampler).
+
+    `fused_old_logps`: the batch has no `old_logps`; with one update per batch they are this
+    forward's own log-probs (stop-gradient: the ratio is 1, its gradient the policy gradient's),
+    and `logp_gap_max` (the largest |trainer - sampler| gap) is returned here.
     """
 
     policy = policy or Policy(key="policy" if critic else None)
@@ -187,16 +192,17 @@ def rl_loss(
         )
         stats = token_stats(model_params, hidden, batch["targets"], model_config, entropy=True)
         logp = stats["logp"]
+        old_logps = jax.lax.stop_gradient(logp) if fused_old_logps else batch["old_logps"]
         mask = batch["loss_mask"]
         if config.mask_truncated:
             mask = mask * (1.0 - batch["truncated"])[:, None]
         sampled = mask
-        corrected = config.correct(batch["old_logps"], batch["sampler_logps"], mask)
+        corrected = config.correct(old_logps, batch["sampler_logps"], mask)
         if corrected is not None:
             mask = corrected["kept"]  # dropped tokens leave the loss and its normaliser
         out = policy_loss(
             logp,
-            batch["old_logps"],
+            old_logps,
             batch["advantages"],
             mask,
             clip_low=config.clip_low,
@@ -241,7 +247,7 @@ def rl_loss(
         numerator, normaliser = aggregate(
             per_token, mask, config.aggregation, max_len=max_new_tokens
         )
-        gap = jnp.abs(batch["old_logps"] - batch["sampler_logps"])
+        gap = jnp.abs(old_logps - batch["sampler_logps"])
         sums = {
             "loss_sum": numerator,
             "num_tokens": normaliser,
@@ -252,6 +258,8 @@ def rl_loss(
             **_token_mean("approx_kl_old", out["approx_kl"], mask),
             **_token_mean("logp_gap", gap, batch["loss_mask"]),
         }
+        if fused_old_logps:  # (micro-batches: the step keeps the largest, by the "_max" name)
+            sums["logp_gap_max"] = jnp.max(jnp.where(batch["loss_mask"] > 0, gap, 0.0))
         for d, name in enumerate(domains):  # per-domain curves (docs/rl.md "Stability")
             in_domain = mask * (batch["domain_ids"] == d)[:, None]
             sums.update(_token_mean(f"entropy/{name}", entropy, in_domain))

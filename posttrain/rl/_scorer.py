@@ -59,7 +59,8 @@ class Scorer:
         rows = process_rows(len(batch["rewards"]), self.mesh)
         device_batch = shard_batch({k: v[rows] for k, v in batch.items()}, self.mesh)
         policy = policy_params(c, params)
-        batch["old_logps"] = host_array(self.logps(policy, self.base, device_batch))
+        if not c.fused_old_logps:  # (else the update's forward computes them)
+            batch["old_logps"] = host_array(self.logps(policy, self.base, device_batch))
         batch["kl_coefs"] = (kl_coef * self.scale[batch["domain_ids"]]).astype(np.float32)
         mask = batch["loss_mask"]
         penalty = np.zeros_like(mask)

@@ -49,6 +49,15 @@ def _group_stats(rewards: np.ndarray, lengths: np.ndarray, domains, domain_ids, 
     return out
 
 
+def _gap_max(batch: dict, mask: np.ndarray) -> dict[str, float]:
+    """The largest |trainer old log-prob - sampler log-prob| of the step's sampled tokens (with
+    fused old log-probs the update's loss reports it)."""
+    if "old_logps" not in batch:
+        return {}
+    return {"logp_gap_max": float(np.abs(batch["old_logps"] - batch["sampler_logps"])[mask].max(
+        initial=0.0))}  # fmt: skip
+
+
 def _ratio_extremes(batch: dict, mask: np.ndarray, level: str) -> dict[str, float]:
     """The smallest and largest ratio p_old / p_sampler of the step's sampled tokens, and with a
     sequence-level correction of its rows (the means are the loss's `is_ratio`)."""
@@ -181,9 +190,7 @@ class RolloutSource:
             "pass_rate": float((batch["rewards"][real] >= threshold).mean()),
             "response_length": float(batch["lengths"][real].mean()),
             "truncated": float(batch["truncated"][real].mean()),
-            "logp_gap_max": float(
-                np.abs(batch["old_logps"] - batch["sampler_logps"])[mask].max(initial=0.0)
-            ),
+            **_gap_max(batch, mask),
             **_ratio_extremes(batch, mask, c.loss.correction),
             "groups": float(len(kept)),
             # (grouped domain updates: 1, every update of the step sees one domain)

@@ -112,6 +112,7 @@ def rl_plan(
             domains=domains,
             critic=critic,
             policy=Policy(lora, frozen.get("base"), key="policy" if c.ppo else None),
+            fused_old_logps=c.fused_old_logps,
         )
 
     passes = BatchPasses(c.algorithm.epochs, c.algorithm.minibatches)

@@ -98,7 +98,10 @@ def train_step(
 
         grads, sums = jax.grad(objective, has_aux=True)(state.params)
         grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
-        return (grads, jax.tree.map(jnp.add, sums_acc, sums)), None
+        # Sums add up over micro-batches; an "X_max" keeps the largest.
+        sums = {k: (jnp.maximum if k.endswith("_max") else jnp.add)(sums_acc[k], v)
+                for k, v in sums.items()}  # fmt: skip
+        return (grads, sums), None
 
     sums_shape = jax.eval_shape(loss_fn, state.params, jax.tree.map(lambda x: x[0], micro), rngs[0])
     zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape)

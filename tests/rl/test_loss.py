@@ -114,3 +114,32 @@ def test_update_raises_the_log_prob_of_a_positive_advantage(rollouts):
     mask = batch["loss_mask"] > 0
     total = lambda lp, r: float(lp[r][mask[r]].sum())
     assert total(after, 0) > total(logps, 0) and total(after, 5) < total(logps, 5)
+
+
+def test_fused_old_log_probs_give_the_separate_pass_update(rollouts):
+    """`fused_old_logps` (one update per batch) takes the old log-probs from the update's own
+    forward: the same update as a separate pass's log-probs, and the same logp_gap metrics
+    (logp_gap_max kept as the largest over micro-batches)."""
+    model, batch, logps = rollouts
+    inputs = {**_inputs(batch, logps), "old_logps": logps}
+    sgd = optax.sgd(1.0)
+    results = []
+    for fused in (False, True):
+        loss = rl_loss(CONFIG, PolicyLossConfig(), max_new_tokens=MAX_NEW, use_reference=True,
+                       fused_old_logps=fused)  # fmt: skip
+        data = {k: v for k, v in inputs.items() if not (fused and k == "old_logps")}
+        state = create_state(jax.tree.map(jnp.copy, model.params), sgd, seed=0)
+        step = functools.partial(train_step, loss_fn=loss, optimizer=sgd, micro_batches=2)
+        new, metrics = jax.jit(step)(state, data)
+        results.append((jax.device_get(metrics), jax.device_get(new.params)))
+    (m0, p0), (m1, p1) = results
+    for name in ("loss", "grad_norm", "kl", "ratio", "logp_gap", "entropy"):
+        assert_close(m1[name], m0[name], rtol=2e-5, scale=1.0, err_msg=name)
+    gap = np.abs(logps - batch["sampler_logps"])[batch["loss_mask"] > 0]
+    assert_close(m1["logp_gap_max"], gap.max(), rtol=1e-3, scale=1.0)
+    assert "logp_gap_max" not in m0  # (the separate pass's runs log it from the host batch)
+    for a, b, old in zip(*map(jax.tree.leaves, (p1, p0, jax.device_get(model.params))),
+                         strict=True):  # fmt: skip
+        update = b - old
+        np.testing.assert_allclose(a - old, update, rtol=1e-4,
+                                   atol=2 * ulp(old) + 1e-5 * np.abs(update).max())  # fmt: skip
