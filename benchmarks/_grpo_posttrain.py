@@ -69,9 +69,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--set", default="{}", help='config overrides (JSON), a lever to measure')
+    parser.add_argument("--set", default="{}", help="config overrides (JSON), a lever to measure")
+    parser.add_argument("--devices", type=int, default=1, help="CPU devices (decoupled: 2)")
     args = parser.parse_args()
     spec = _rl_task.read_spec(args.spec)
+    if args.devices > 1:  # (before jax is imported)
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
 
     import jax
     import numpy as np
@@ -99,8 +102,9 @@ def main() -> None:
         "trainer_pass_s": mean("prepare_s"),  # (of train_s: the old-log-prob pass, advantages)
         "completion_tokens": mean("response_length") * completions,
         "rewards": [r["reward"] for r in rows],
+        "settings": json.loads(args.set),
         "notes": "paged engine (64 slots, prefix sharing); reward in 1 worker process; "
-                 "train_s = log-prob pass of the sampled rows + advantages + one update",
+                 "train_s = the trainer's pass (unless fused) + advantages + one update",
     })  # fmt: skip
 
 
