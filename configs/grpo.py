@@ -108,6 +108,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.algorithm.std_eps = 1e-4
     c.algorithm.epochs = 1  # passes over each rollout batch
     c.algorithm.minibatches = 1  # optimizer updates per pass
+    c.algorithm.fuse_old_logps = True  # one update per batch: old log-probs from its forward
 
     c.loss = ml_collections.ConfigDict()
     c.loss.clip_low = 0.2  # ratio >= 1 - clip_low

@@ -123,6 +123,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.95
     c.optimizer.eps = 1e-8
     c.optimizer.grad_clip = 1.0  # global-norm clipping (0: off)
+    c.optimizer.mu_dtype = ""  # Adam's first moment: "" (the params' dtype) | bfloat16
     c.z_loss = 0.0  # weight of log(Z)^2
 
     c.train = ml_collections.ConfigDict()

@@ -21,6 +21,9 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping threshold; 0 disables
+    # Adam's first moment kept in this dtype ("": the params'); "bfloat16" saves a quarter of
+    # float32 params' optimizer state (the second moment stays in the params' dtype).
+    mu_dtype: str = ""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -31,6 +34,10 @@ class OptimizerConfig:
             raise ValueError("optimizer.learning_rate must be > 0, warmup_steps and grad_clip >= 0")
         if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1) or self.eps <= 0:
             raise ValueError("optimizer.b1 and optimizer.b2 must be in [0, 1), optimizer.eps > 0")
+        if self.mu_dtype not in ("", "bfloat16", "float32"):
+            raise ValueError(
+                f"optimizer.mu_dtype={self.mu_dtype!r}; choose '' (the params'), bfloat16 or float32"
+            )
         if not 0 <= self.end_lr_ratio <= 1 or self.weight_decay < 0:
             raise ValueError(
                 "optimizer.end_lr_ratio must be in [0, 1] and optimizer.weight_decay >= 0"
@@ -70,6 +77,7 @@ def make_optimizer(
             eps=config.eps,
             weight_decay=config.weight_decay,
             mask=decay_mask,
+            mu_dtype=config.mu_dtype or None,
         )
     )
     chain = optax.chain(*parts)

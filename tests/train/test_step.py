@@ -227,3 +227,25 @@ def test_an_update_making_non_finite_params_is_skipped():
     assert np.isfinite(float(metrics["grad_norm"])) and int(metrics["bad_step"]) == 1
     for key in ("w", "b"):
         np.testing.assert_array_equal(new.params[key], state.params[key])
+
+
+def test_bfloat16_first_moment_halves_it_and_follows_the_float32_update():
+    """`optimizer.mu_dtype="bfloat16"`: Adam's first moment is stored in bfloat16 (half its
+    bytes); the first update, m = (1 - b1) g rounded to bfloat16 then divided by sqrt(v), is the
+    float32 update within bfloat16's relative rounding (2^-8)."""
+    params = init_params(CONFIG, jax.random.key(0))
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01) * jnp.sign(p + 0.5), params)
+    updates = {}
+    for dtype in ("", "bfloat16"):
+        config = OptimizerConfig(learning_rate=1e-2, grad_clip=0.0, mu_dtype=dtype)
+        optimizer = make_optimizer(config, 10)
+        state = optimizer.init(params)
+        mu = state[0][0].mu  # the chain's adamw: (scale_by_adam state, ...)
+        assert {leaf.dtype for leaf in jax.tree.leaves(mu)} == {
+            jnp.dtype(dtype or "float32")
+        }
+        updates[dtype] = optimizer.update(grads, state, params)[0]
+    for a, b in zip(*map(jax.tree.leaves, (updates["bfloat16"], updates[""])), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2**-8, atol=0)
+    with pytest.raises(ValueError, match="optimizer.mu_dtype='fp8'"):
+        OptimizerConfig(mu_dtype="fp8")
