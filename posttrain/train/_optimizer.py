@@ -36,7 +36,8 @@ class OptimizerConfig:
             raise ValueError("optimizer.b1 and optimizer.b2 must be in [0, 1), optimizer.eps > 0")
         if self.mu_dtype not in ("", "bfloat16", "float32"):
             raise ValueError(
-                f"optimizer.mu_dtype={self.mu_dtype!r}; choose '' (the params'), bfloat16 or float32"
+                f"optimizer.mu_dtype={self.mu_dtype!r}; choose '' (the params' dtype), "
+                "bfloat16 or float32"
             )
         if not 0 <= self.end_lr_ratio <= 1 or self.weight_decay < 0:
             raise ValueError(

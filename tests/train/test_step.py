@@ -241,9 +241,7 @@ def test_bfloat16_first_moment_halves_it_and_follows_the_float32_update():
         optimizer = make_optimizer(config, 10)
         state = optimizer.init(params)
         mu = state[0][0].mu  # the chain's adamw: (scale_by_adam state, ...)
-        assert {leaf.dtype for leaf in jax.tree.leaves(mu)} == {
-            jnp.dtype(dtype or "float32")
-        }
+        assert {leaf.dtype for leaf in jax.tree.leaves(mu)} == {jnp.dtype(dtype or "float32")}
         updates[dtype] = optimizer.update(grads, state, params)[0]
     for a, b in zip(*map(jax.tree.leaves, (updates["bfloat16"], updates[""])), strict=True):
         np.testing.assert_allclose(a, b, rtol=2**-8, atol=0)
