@@ -109,10 +109,10 @@ def _groups(attrs: str, devices: int) -> np.ndarray:
         if groups and len({len(g) for g in groups}) == 1:
             return np.array(groups)
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\s*(,|$)", attrs)
-    if pairs:  # collective-permute: each pair is a "group" of two
-        return np.array([[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}",
-                                                                  pairs.group(1))])  # fmt: skip
-    return np.arange(devices)[None]  # no groups: every device
+    listed = re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)) if pairs else []
+    if listed:  # collective-permute: each pair is a "group" of two
+        return np.array([[int(a), int(b)] for a, b in listed])
+    return np.arange(devices)[None]  # no groups (or an empty list): every device
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
