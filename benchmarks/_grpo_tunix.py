@@ -30,39 +30,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import itertools
-import json
 import os
 import time
 
 import _rl_task
-
-TUNIX_ROPE_THETA = 1e6  # Tunix's Llama3 ignores the config's theta (see tunix_sampler.py)
-
-
-def tunix_config(path: str):
-    """The HF config.json of a Llama as Tunix's `llama3.ModelConfig`."""
-    from tunix.models.llama3 import model as llama3
-
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    rope = hf.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if theta != TUNIX_ROPE_THETA or rope.get("rope_type", "default") != "default":
-        raise ValueError(f"Tunix's Llama3 applies plain RoPE with theta {TUNIX_ROPE_THETA}")
-    if hf.get("attention_bias") or hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
-        raise ValueError("Tunix's Llama3 has no biases and a SiLU MLP")
-    return llama3.ModelConfig(
-        num_layers=hf["num_hidden_layers"],
-        vocab_size=hf["vocab_size"],
-        embed_dim=hf["hidden_size"],
-        hidden_dim=hf["intermediate_size"],
-        num_heads=hf["num_attention_heads"],
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        num_kv_heads=hf["num_key_value_heads"],
-        rope_theta=theta,
-        norm_eps=hf["rms_norm_eps"],
-        weight_tying=hf.get("tie_word_embeddings", False),
-    )
+from tunix_sampler import _tunix_config  # (stdlib-only module: loads in Tunix's venv)
 
 
 def digit_reward(prompts, completions, **kwargs) -> list[float]:
@@ -97,7 +69,7 @@ def main() -> None:
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
         model = llama3_params.create_model_from_safe_tensors(
-            spec["model_dir"], tunix_config(spec["model_dir"]), mesh=mesh, dtype=jnp.float32
+            spec["model_dir"], _tunix_config(spec["model_dir"]), mesh=mesh, dtype=jnp.float32
         )
     rollout_config = base_rollout.RolloutConfig(
         max_tokens_to_generate=N,
