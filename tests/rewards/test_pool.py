@@ -37,6 +37,10 @@ def spawns_and_hangs(record, completion):
     sleep_forever(record, completion)
 
 
+def returns_a_float(record, completion):
+    return 0.5  # TRL's signature returns floats; ours wants (score, info dict)
+
+
 def unpicklable_info(record, completion):
     return 1.0, {"lock": __import__("threading").Lock()}
 
@@ -62,7 +66,7 @@ def pool():
     registry.register("echo2", echo, weight=0.5)
     registry.register("echo2", "tests.rewards.test_pool:echo", weight=0.25, name="again")
     registry.register("math", "posttrain.rewards:math_reward")
-    for fn in (sleep_forever, raises, aborts, spawns_and_hangs, unpicklable_info):
+    for fn in (sleep_forever, raises, aborts, spawns_and_hangs, unpicklable_info, returns_a_float):
         registry.register(fn.__name__, fn)
     with RewardPool(registry, workers=2, timeout_s=TIMEOUT_S, domain_timeout_s={"echo": 30}) as p:
         p.score([{"domain": "echo", "x": 0}] * 2, ["warm", "up"])  # wait for both workers
@@ -216,3 +220,20 @@ def test_worker_that_cannot_start_raises():
     with RewardPool(registry, workers=1) as pool:
         with pytest.raises(RuntimeError, match="died while starting"):
             pool.score([{"domain": "broken"}], ["x"])
+
+
+def test_a_reward_returning_a_bare_float_is_counted_and_named(pool, caplog):
+    """A reward function with the wrong return type scores 0 as a crash; RL's tally makes it
+    the `reward_errors` share and warns once, with what the function must return."""
+    from posttrain.rl._domains import component_means, tally_components
+
+    results = pool.score([{"domain": "returns_a_float"}] * 3 + [{"domain": "echo", "x": 1}],
+                         ["a", "b", "c", "d"])  # fmt: skip
+    assert [r.status for r in results] == ["crash"] * 3 + ["ok"]
+    totals = {}
+    with caplog.at_level("WARNING", logger="posttrain.rl._domains"):
+        tally_components(totals, results)
+        tally_components(totals, results)  # (one warning per domain and kind of error)
+    assert component_means(totals)["reward_errors"] == 0.75
+    (warning,) = [r.message for r in caplog.records]
+    assert "'returns_a_float'" in warning and "must return (score, info dict), got 0.5" in warning
