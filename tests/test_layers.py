@@ -23,7 +23,7 @@ LAYERS = (
     {"methods", "demo"},
     {"train", "rl", "envs", "eval", "sweep", "aot", "_sweep_report", "config_docs"},
     {"losses", "sampling", "rewards", "data", "lora", "serve"},
-    {"models", "_flops"},
+    {"models", "_flops", "_collectives"},
     {"parallel", "config", "paths", "errors", "testing"},
 )
 
