@@ -36,37 +36,26 @@ WORKERS = {
     "trl": "_grpo_trl.py",
     "tunix": "_grpo_tunix.py",
 }
-# The model: Llama-style, 4 layers, d=256, 8 q / 4 kv heads of 32, MLP 1024, the demo
-# tokenizer's 512 ids; RoPE theta 1e6 (Tunix's Llama3 rotates with 1e6 whatever its config
-# says: benchmarks/tunix_sampler.py).
-MODEL = dict(
-    hidden_size=256,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    rope_theta=1e6,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+# The model: generate_throughput.py's Llama (4 layers, d=256, 8 q / 4 kv heads, MLP 1024) with
+# the demo tokenizer's 512 ids and RoPE theta 1e6 (Tunix's Llama3 rotates with 1e6 whatever its
+# config says: benchmarks/tunix_sampler.py).
 
 
 def prepare(folder: str, args) -> str:
     """Writes the model, tokenizer and spec.json into `folder`; returns the spec's path."""
     import torch
     import transformers
+    from generate_throughput import HF_CONFIG
 
     from posttrain.demo import ASSETS_DIR
 
     model_dir = os.path.join(folder, "model")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(ASSETS_DIR / "tokenizer"))
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
+        **{**HF_CONFIG, "vocab_size": len(tokenizer), "rope_theta": 1e6},
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        **MODEL,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)

@@ -73,11 +73,11 @@ def time_posttrain(batch: dict, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def time_pytorch(batch: dict, steps: int, compile: bool = False) -> float:
+def time_pytorch(batch: dict, steps: int, compiled: bool = False) -> float:
     import torch
 
     model = hf_llama(MODEL, "float32", "cpu")
-    if compile:
+    if compiled:
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0
@@ -92,7 +92,7 @@ def time_pytorch(batch: dict, steps: int, compile: bool = False) -> float:
         loss.backward()
         optimizer.step()
 
-    for _ in range(3 if compile else 2):  # (torch.compile: the backward compiles on step 1)
+    for _ in range(3 if compiled else 2):  # (torch.compile: the backward compiles on step 1)
         step()
     start = time.perf_counter()
     for _ in range(steps):
@@ -118,7 +118,7 @@ def main():
     rows = {f"HF transformers + PyTorch eager ({threads} threads)": time_pytorch(batch, args.steps)}
     if not args.no_compile:
         rows[f"HF transformers + torch.compile ({threads} threads)"] = time_pytorch(
-            batch, args.steps, compile=True
+            batch, args.steps, compiled=True
         )
     if args.tunix_python:
         rows["Tunix PeftTrainer (full parameters)"] = time_tunix(args)

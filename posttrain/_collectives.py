@@ -147,7 +147,7 @@ def _runs(comps: dict[str, list[str]]) -> dict[str, int]:
         name, times = stack.pop()
         runs[name] = runs.get(name, 0) + times
         for line in comps.get(name, ()):
-            called = dict((k, v) for k, v in _CALLS.findall(line))
+            called = dict(_CALLS.findall(line))
             trips = _trip_count(comps.get(called["condition"], [])) if "body" in called else 1
             for key, callee in called.items():
                 if callee in comps and key != "to_apply":

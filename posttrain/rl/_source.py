@@ -54,8 +54,8 @@ def _gap_max(batch: dict, mask: np.ndarray) -> dict[str, float]:
     fused old log-probs the update's loss reports it)."""
     if "old_logps" not in batch:
         return {}
-    return {"logp_gap_max": float(np.abs(batch["old_logps"] - batch["sampler_logps"])[mask].max(
-        initial=0.0))}  # fmt: skip
+    gap = np.abs(batch["old_logps"] - batch["sampler_logps"])[mask]
+    return {"logp_gap_max": float(gap.max(initial=0.0))}
 
 
 def _ratio_extremes(batch: dict, mask: np.ndarray, level: str) -> dict[str, float]:
