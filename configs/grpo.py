@@ -237,6 +237,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         # 16 image prompts x 8 samples per step on 4 v5p chips (FSDP): the policy, its frozen
         # reference and the sampler's KV cache; image pixels ride in the rollout batch.
         c.model.preset = "gemma3_4b_vlm"
+        c.model.remat = "full"
         c.model.logits_chunk = 1024  # (a 262k vocabulary)
         c.model.freeze = ["vision/(patch|position|layers)"]  # the SigLIP encoder stays fixed
         c.data.max_images = 2  # image slots per rollout row
@@ -267,7 +268,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.kl.coef = 0.001
         if size == "qwen3_8b_32k_v5p":
             # Long reasoning rollouts: 8 prompts x 8 samples of up to 32k tokens; the train
-            # step's rows split over sequence=4 x fsdp=8, one row per fsdp group per micro-batch.
+            # step's rows split over sequence=4 x fsdp=8, one row per fsdp group per micro-batch;
+            # full remat (the saved matmul outputs of 32k-token rows would not fit).
+            c.model.remat = "full"
             c.model.logits_chunk = 4096
             c.mesh.ici = {"data": 1, "fsdp": -1, "expert": 1, "sequence": 4, "tensor": 1}
             c.data.batch_size = 8

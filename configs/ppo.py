@@ -32,6 +32,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.algorithm.minibatches = 2
     c.rollout.num_generations = 4  # PPO needs no groups; a few samples per prompt still help
     c.data.batch_size *= 2
+    if preset == "qwen3_8b_v5p":
+        # The critic trains beside the policy: with the matmul outputs kept (the GRPO plan's
+        # dots_no_batch) this step needs 112 of 95 GiB per chip on v5p-64, so full remat.
+        c.model.remat = "full"
 
     c.critic = ml_collections.ConfigDict()
     c.critic.init = "policy"  # policy | rm:<reward model run>[#head]

@@ -8,15 +8,15 @@ import math
 from jax.extend.core import jaxprs_in_params
 
 
-def _expected_ratio(m, length: int, expert_buffer: float) -> float:
+def _expected_ratio(m, length: int, expert_buffer: float, lm_head: bool = True) -> float:
     """Training FLOPs of the program over the model's that the plan explains: `full` remat
     recomputes each layer's forward in the backward pass (its 2 of 6 N go to 8 N; the LM head
     and the attention kernel are not recomputed; other policies save the matmuls), and
     expert-parallel buffers sized for `expert_buffer` x the balanced load run that many rows
     through the routed experts."""
-    total = m.flops_per_token(length)
-    head = 6 * m.embed_dim * m.vocab_size
-    attention = total - m.flops_per_token(0)
+    total = m.flops_per_token(length, lm_head)
+    head = 6 * m.embed_dim * m.vocab_size if lm_head else 0
+    attention = total - m.flops_per_token(0, lm_head)
     layers = total - head - attention
     if m.moe:
         routed = 6 * m.num_moe_layers * m.moe.top_k * 3 * m.embed_dim * m.moe.expert_mlp_dim

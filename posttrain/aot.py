@@ -112,6 +112,7 @@ class CompileReport:
     # The program's collectives by kind (`posttrain._collectives.summary`): runs, bytes moved
     # per device, seconds at the slice's ICI / DCN bandwidth, and how much of it is async.
     communication: dict = dataclasses.field(default_factory=dict)
+    remat: str = ""  # the model's layer remat policy in this program
 
     @property
     def total(self) -> float:
@@ -222,7 +223,8 @@ class Lowering:
       inputs: the step's named frozen inputs (abstract, sharded); batch: one global batch.
       tokens, length: tokens of one step, and the sequence length (for model FLOPs).
       resident: bytes per device the method keeps beside the step, by name.
-      model_config: the trained model's config.
+      model_config: the trained model's config; lm_head: whether the step computes its
+        vocabulary logits (not a reward model's trunk), for the model's FLOPs.
     """
 
     method: str
@@ -237,6 +239,7 @@ class Lowering:
     length: int
     resident: dict
     model_config: Any
+    lm_head: bool = True
 
     def jitted(self):
         """The step as a run jits it (donated state; frozen inputs keep their shardings)."""
@@ -329,8 +332,8 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         program = matmul_flops(jax.make_jaxpr(step)(*low.arguments()).jaxpr)
         expert_buffer = _expert_buffer(low.model_config, low.mesh)
     model_config, tokens, length = low.model_config, low.tokens, low.length
-    model_flops = model_config.flops_per_token(length) * tokens
-    attention = model_flops - model_config.flops_per_token(0) * tokens
+    model_flops = model_config.flops_per_token(length, low.lm_head) * tokens
+    attention = model_flops - model_config.flops_per_token(0, low.lm_head) * tokens
     # A fused attention kernel's FLOPs are not matmuls in the program: add the formula's.
     program_flops = program + (attention if kernels else 0.0)
     devices = low.mesh.devices.size
@@ -347,7 +350,7 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         model_flops=model_flops,
         compiled_flops=program_flops,
         xla_flops=float(cost.get("flops", 0.0)) * devices,
-        expected_ratio=_expected_ratio(model_config, length, expert_buffer),
+        expected_ratio=_expected_ratio(model_config, length, expert_buffer, low.lm_head),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         compile_seconds=seconds,
         compiled=compiled_ok,
@@ -356,6 +359,7 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
             dict(low.mesh.shape).get("stage", 1), model_config.pipeline_microbatches
         ),
         communication=communication,
+        remat=model_config.remat,
     )
 
 
@@ -386,6 +390,43 @@ def smallest_fit(compile_plan: Callable, config, generation: str, *, start_chips
             return f"{generation}-{chips * chip.cores_per_chip}", report
         chips *= 2
     return None, report
+
+
+def fastest_fit(reports: dict[str, CompileReport]) -> str | None:
+    """The remat policy (a key of `reports`, one compile of the plan each) with the shortest
+    roofline step among those that fit; within 1% of it, the one that needs less HBM.
+    `offload_dots` is not ranked: its step also moves the saved activations to host memory and
+    back, which the roofline does not time."""
+    timed = {p: r for p, r in reports.items() if r.fits and r.compiled and not r.host_temporaries}
+    if not timed:
+        return None
+    best = min(r.step_seconds for r in timed.values())
+    close = [p for p, r in timed.items() if r.step_seconds <= 1.01 * best]
+    return min(close, key=lambda p: timed[p].total)
+
+
+def remat_lines(reports: dict[str, CompileReport]) -> list[str]:
+    """A table of one plan compiled once per remat policy, and the fastest that fits."""
+    out = ["remat policy    per-chip total       fits  FLOPs vs model  roofline step  MFU"]
+    for policy, r in reports.items():
+        memory = f"{r.total / GiB:7.2f} GiB ({100 * r.total / r.capacity:3.0f}%)"
+        host = f", + {r.host_temporaries / GiB:.1f} GiB on host" if r.host_temporaries else ""
+        # (a plan that does not fit has no program to read collectives from: no step time)
+        timing = f"{r.step_seconds:9.3f} s  {100 * r.mfu:3.0f}%" if r.fits else "        -      -"
+        out.append(
+            f"{policy:<15} {memory}  {'yes' if r.fits else 'no ':<4}  "
+            f"x{r.compiled_flops / r.model_flops:<13.2f}  {timing}{host}"
+        )
+    best = fastest_fit(reports)
+    if best is None:
+        out.append("no policy fits this slice (offload_dots aside)")
+    else:
+        r = reports[best]
+        out.append(
+            f"fastest that fits: {best} (--config.model.remat={best}), roofline step "
+            f"{r.step_seconds:.3f} s; offload_dots's host transfers are not timed"
+        )
+    return out
 
 
 def suggestion(report: CompileReport) -> str:

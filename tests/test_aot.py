@@ -12,6 +12,7 @@ from posttrain import cli
 from posttrain.aot import matmul_flops, parse_topology
 from posttrain.config import ConfigError, load_config_file, override
 from posttrain.methods import compile_plan
+from posttrain.models import get_preset
 from posttrain.parallel import MeshConfig, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,12 +58,50 @@ def test_matmul_flops_count_shard_map_bodies_per_manual_device(devices):
 
 
 def test_cli_compiles_the_tiny_sft_step_for_a_v5e_slice(capsys):
-    code = cli.main(["compile", "--config=configs/sft.py:tiny", "--topology=v5e-8"])
+    sweep = ["--remat-sweep", "--config.data.batch_size=256"]  # once per remat policy too
+    code = cli.main(["compile", "--config=configs/sft.py:tiny", "--topology=v5e-8", *sweep])
     out = capsys.readouterr().out
     assert code == 0 and out.strip().splitlines()[-1] == "fits"
     assert "8 x TPU v5e, 16 GiB HBM each" in out and "temporaries" in out
     # The data-parallel gradients meet in all-reduces, timed on the slice's ICI.
     assert re.search(r"all-reduce\s+\d+ runs", out) and "collectives" in out
+    # The sweep: one compile per remat policy. Full remat runs the layers' forward twice: their
+    # matmuls' 6 FLOPs per parameter and token become 8 (not the LM head's); keeping every
+    # matmul output (none) needs the most memory and recomputes nothing.
+    rows = dict(re.findall(r"^(none|full|dots|dots_no_batch|offload_dots)\s+(.*)$", out, re.M))
+    assert set(rows) == {"none", "full", "dots", "dots_no_batch", "offload_dots"}
+    ratio = {p: float(re.search(r"x([\d.]+)", row).group(1)) for p, row in rows.items()}
+    total = {p: float(row.split()[0]) for p, row in rows.items()}
+    tiny, length = get_preset("tiny"), 128  # configs/sft.py:tiny's rows
+    head = 6 * tiny.embed_dim * tiny.vocab_size
+    layers = tiny.flops_per_token(0) - head
+    attention = tiny.flops_per_token(length) - tiny.flops_per_token(0)
+    full = (layers * 4 / 3 + head + attention) / tiny.flops_per_token(length)
+    assert ratio["none"] == pytest.approx(1.0, abs=0.03), out
+    assert ratio["full"] == pytest.approx(full, rel=0.05) and full > 1.1, out
+    assert total["full"] < total["dots_no_batch"] < total["none"], out
+    assert "on host" in rows["offload_dots"]  # listed, not ranked (test below)
+    assert re.search(r"fastest that fits: (full|dots_no_batch|dots|none) ", out), out
+
+
+def test_fastest_remat_is_the_quickest_plan_that_fits():
+    from posttrain.aot import CHIPS, CompileReport, GiB, fastest_fit
+
+    def plan(total_gib, flops, host=0.0):  # one v5p chip, compute-bound
+        return CompileReport(
+            topology="v5p-8", chips=1, chip=CHIPS["v5p"], method="sft", arguments=total_gib * GiB,
+            outputs=0.0, temporaries=0.0, aliased=0.0, resident={}, model_flops=1e15,
+            compiled_flops=flops, xla_flops=flops, expected_ratio=1.0, bytes_accessed=0.0,
+            compile_seconds=1.0, host_temporaries=host * GiB,
+        )  # fmt: skip
+
+    reports = {"full": plan(20, 1.33e15), "dots": plan(94, 1.0e15), "none": plan(80, 1.0e15)}
+    assert fastest_fit(reports) == "none"  # dots needs 94 of 95 GiB: over the 95% line
+    reports["dots_no_batch"] = plan(60, 1.005e15)  # within 1% of the quickest, less memory
+    assert fastest_fit(reports) == "dots_no_batch"
+    reports = {"full": plan(20, 1.33e15), "offload_dots": plan(30, 1.0e15, host=40)}
+    assert fastest_fit(reports) == "full"  # its host transfers are not timed
+    assert fastest_fit({"none": plan(200, 1.0e15)}) is None
 
 
 @pytest.mark.slow  # two TPU compiles, ~40 s

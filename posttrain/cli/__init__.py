@@ -25,7 +25,7 @@ commands:
   export     write a checkpoint as a Hugging Face directory (--workdir=DIR --out=HF_DIR)
   compile    AOT-compile the train step for a TPU slice and report memory, FLOPs and fit
              (--config=configs/<method>.py:preset --topology=v5p-1024 [--num-slices=N]
-             [--find-smallest])
+             [--find-smallest] [--remat-sweep])
   sweep      run a grid or random search over config keys
              (--config=configs/sweeps/<name>.py --workdir=DIR [--dry-run])
   demo       the end-to-end demo on a bundled tiny model and task (--workdir=DIR)

@@ -11,6 +11,7 @@ HELP = (
     [
         "posttrain compile --config=configs/sft.py:kimi_k2_1t --topology=v5p-1024",
         "posttrain compile --config=configs/grpo.py:qwen3_8b_v5p --topology=v5p-64 --find-smallest",
+        "posttrain compile --config=configs/sft.py:llama3_70b_v5p --topology=v5p-256 --remat-sweep",
     ],
 )
 
@@ -23,12 +24,18 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_bool(
             "find_smallest", False, "also search the smallest slice it fits on", flag_values=fv
         )
+        flags.DEFINE_bool(
+            "remat_sweep",
+            False,
+            "also compile the plan once per layer remat policy and name the fastest that fits",
+            flag_values=fv,
+        )
 
     fv = parse(argv, define, HELP)
     if fv.config is None or not fv.topology:
         raise UserError("--config=configs/<method>.py:preset and --topology=v5p-1024 are required")
-    from posttrain.aot import suggestion
-    from posttrain.methods import compile_plan, smallest_fit
+    from posttrain.aot import remat_lines, suggestion
+    from posttrain.methods import compile_plan, remat_sweep, smallest_fit
 
     report = compile_plan(fv.config, fv.topology, num_slices=fv.num_slices)
     print("\n".join(report.lines()))
@@ -36,6 +43,9 @@ def main(argv: list[str]) -> int:
         generation = fv.topology.split("-")[0]
         name, _ = smallest_fit(fv.config, generation)
         print(f"smallest {generation} slice it fits on: {name or 'none up to 8192 chips'}")
+    if fv.remat_sweep:
+        sweep = remat_sweep(fv.config, fv.topology, num_slices=fv.num_slices, known=report)
+        print("\n".join(remat_lines(sweep)))
     if report.fits:
         print("fits")
         return 0

@@ -1,7 +1,7 @@
 """Training methods (sft, dpo, rm, grpo, ppo): one `Method` record each, which `posttrain train`,
 `posttrain compile`, `posttrain sweep` and the notebooks read (see `_record.py`)."""
 
-from posttrain.methods._compile import compile_plan, lowering, smallest_fit
+from posttrain.methods._compile import compile_plan, lowering, remat_sweep, smallest_fit
 from posttrain.methods._record import (
     METHODS,
     Method,
@@ -19,6 +19,7 @@ __all__ = [
     "get",
     "lowering",
     "method_config",
+    "remat_sweep",
     "run_from_config",
     "smallest_fit",
 ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 from posttrain import aot
+from posttrain.config import override
 from posttrain.methods._record import config_domains, method_config
 from posttrain.parallel import axis_rules, make_mesh
 from posttrain.train._params import with_shardings
@@ -46,6 +49,7 @@ def lowering(config, devices, domains=None) -> aot.Lowering:
         length=length,
         resident=resident,
         model_config=model_config,
+        lm_head=method.name != "rm",  # a reward model's trunk never computes vocab logits
     )
 
 
@@ -64,6 +68,23 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> aot.CompileRe
     generation, devices = aot.topology_devices(topology, num_slices)
     name = topology if num_slices == 1 else f"{num_slices} x {topology}"
     return aot.measure(lowering(config, devices), name, generation)
+
+
+REMAT_SWEEP = ("full", "dots_no_batch", "dots", "offload_dots", "none")  # most saved last
+
+
+def remat_sweep(config, topology: str, *, num_slices: int = 1, known=None):
+    """The plan compiled once per layer remat policy (`REMAT_SWEEP`): {policy: report}, for
+    `posttrain.aot.remat_lines` / `fastest_fit`. `known`: a report of this plan already
+    compiled (under its own policy), reused."""
+    reports = {}
+    for policy in REMAT_SWEEP:
+        if known is not None and known.remat == policy:
+            reports[policy] = known
+        else:
+            changed = override(copy.deepcopy(config), {"model.remat": policy})
+            reports[policy] = compile_plan(changed, topology, num_slices=num_slices)
+    return reports
 
 
 def smallest_fit(config, generation: str, **kwargs):

@@ -414,10 +414,12 @@ class ModelConfig:
             return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, 0
         return self.num_kv_heads, self.head_dim, self.head_dim
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, lm_head: bool = True) -> float:
         """Training FLOPs per token (forward + backward): 6 x active matmul params + causal
         attention. For MoE only the experts a token is routed to (plus shared ones) count.
-        An NNX module: 6 x its parameters (its attention is not known)."""
+        `lm_head=False`: a reward model's trunk, which never computes the vocabulary logits
+        (its few scalar heads are left out). An NNX module: 6 x its parameters (its attention
+        is not known)."""
         if self.nnx is not None:
             return 6.0 * nnx_num_params(self.nnx)
         D, N = self.embed_dim, self.num_heads
@@ -438,7 +440,7 @@ class ModelConfig:
             active = (e.top_k + e.num_shared_experts) * 3 * D * e.expert_mlp_dim
             routed = self.num_moe_layers * (active + D * e.num_experts)  # + the router
             mlp = self.first_k_dense * dense_mlp + routed
-        matmul_params = self.num_layers * attn + mlp + D * self.vocab_size
+        matmul_params = self.num_layers * attn + mlp + (D * self.vocab_size if lm_head else 0)
         # Causal QK^T and AV: half of 2*L*N*(qk + v) multiply-adds per token, x3 with backward.
         attention = 3 * self.num_layers * N * (self.head_dim + self.v_head_dim) * seq_len
         return 6 * matmul_params + attention

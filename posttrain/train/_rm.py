@@ -273,7 +273,7 @@ def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None
         loss_input_shardings=input_sh,
         evaluate=evaluate,
         extras=extras,
-        flops_per_token=model_config.flops_per_token(config.data.max_len),
+        flops_per_token=model_config.flops_per_token(config.data.max_len, lm_head=False),
         on_metrics=on_metrics,
     )
     summary["model_config"] = model_config

@@ -67,7 +67,8 @@ def test_real_size_presets_shape_check(preset):
     values = load_config_file(os.path.join(REPO, "configs", "sft.py") + f":{preset}")
     config = build(SFTConfig, {k: v for k, v in values.items() if k != "method"})
     model_config = config.model.model_config()
-    assert model_config.remat == "full" and model_config.compute_dtype == "bfloat16"
+    # (the remat policy `posttrain compile --remat-sweep` found fastest on the plan's slice)
+    assert model_config.remat == "dots_no_batch" and model_config.compute_dtype == "bfloat16"
     optimizer = make_optimizer(config.optimizer, config.train.steps)
     from posttrain.models import param_shapes
 
