@@ -13,9 +13,11 @@ all-to-all (n-1)/n of its buffer, a collective-permute the whole buffer. A group
 dimensions of the torus drives k bidirectional rings (2 ports each); over DCN, the chip's share
 of its host's network. Across slices, a TPU program sends and receives through the megascale
 runtime (host-transfer `recv`s named after the collective they implement); each counts as that
-collective among the slices, over DCN. Async collectives (`*-start` / `*-done` pairs, or marked
-`async_collective_name`) may overlap compute; synchronous ones (and DCN transfers, to be safe)
-add to the step.
+collective among the slices, over DCN. Async collectives (`*-start` / `*-done` pairs, marked
+`async_collective_name`, or configured as an async collective fusion, which libtpu's
+`--xla_tpu_enable_async_collective_fusion*` flags make: one op shown up to three times under
+one channel id, counted once) may overlap compute; synchronous ones (and DCN transfers, to be
+safe) add to the step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,18 @@ import re
 
 import numpy as np
 
+# libtpu flags posttrain's CLI sets when LIBTPU_INIT_ARGS is unset (the tests too): FSDP weight
+# gathers as async all-gathers that overlap the layers' compute, as MaxText's TPU recipes set
+# them. Without the last flag, libtpu compiles a gather over 64+ chips as a synchronous
+# all-reduce of a zero-filled buffer (docs/compile.md).
+TPU_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true "
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+    "--xla_tpu_overlap_compute_collective_tc=true "
+    "--xla_enable_async_all_gather=true "
+    "--xla_tpu_prefer_async_allgather_to_allreduce=true"
+)
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5,
           "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
@@ -39,6 +53,7 @@ _DCN_RECV = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\srecv\(.*xla_megascale_runtime.*"
     r'_xla_host_transfer_rendezvous="([a-z\-]+?)(?:-start)?\.'
 )
+_ASYNC_FUSION = '"async_collective_fusion_config"'
 _CALLS = re.compile(r"\b(calls|body|condition|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
@@ -172,6 +187,7 @@ def collectives(hlo: str, *, devices: int, slice_of=None, torus=()) -> list[Coll
     runs = _runs(comps)
     dims_sorted = sorted(torus, reverse=True)
     found = []
+    channels: dict[str, int] = {}  # channel id -> its index in `found`
     for name, lines in comps.items():
         if name not in runs:
             continue
@@ -186,7 +202,16 @@ def collectives(hlo: str, *, devices: int, slice_of=None, torus=()) -> list[Coll
             if not op:
                 continue
             result, kind, start, rest = op.groups()
-            start = start or "async_collective_name=" in rest
+            # TPU's async collective fusions carry their collective in a config of its own
+            start = start or any(m in rest for m in ("async_collective_name=", _ASYNC_FUSION))
+            channel = re.search(r"channel_id=(\d+)", rest)
+            if channel and channel.group(1) in channels:
+                # One collective, several copies: an async collective fusion's start, its done
+                # and the compute fused with it each show the op under the same channel.
+                i = channels[channel.group(1)]
+                async_ = found[i].overlappable or bool(start)
+                found[i] = dataclasses.replace(found[i], overlappable=async_)
+                continue
             sizes = _shape_bytes(result)
             if not sizes:
                 continue
@@ -208,6 +233,8 @@ def collectives(hlo: str, *, devices: int, slice_of=None, torus=()) -> list[Coll
             )
             spread = next((k for k in range(1, len(dims_sorted) + 1)
                            if math.prod(dims_sorted[:k]) >= n), len(dims_sorted))  # fmt: skip
+            if channel:
+                channels[channel.group(1)] = len(found)
             found.append(Collective(kind, float(nbytes), n, runs[name], dcn, spread, bool(start)))
     return found
 

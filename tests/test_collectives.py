@@ -74,3 +74,54 @@ def test_a_group_that_spans_two_slices_goes_over_dcn():
     assert table["total"]["dcn_seconds"] == pytest.approx(
         sum(c.count * c.moved for c in over_dcn) / 3.125e9, rel=1e-12
     )
+
+
+# An async collective fusion as libtpu (jax[tpu] 0.10.2) prints it with MaxText's
+# `--xla_tpu_enable_async_collective_fusion*` flags: the all-gather appears in the start's
+# computation, the done's and a fusion with compute, under one channel id. Trimmed by hand.
+_ASYNC_FUSION_HLO = """HloModule m, entry_computation_layout={()->f32[]}
+
+%start (p: bf16[128,256]) -> (bf16[128,256], bf16[1024,256]) {
+  %p = bf16[128,256]{1,0} parameter(0)
+  %all-gather.1 = bf16[1024,256]{1,0} all-gather(%p), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}, backend_config={"async_collective_fusion_config":{"flag_start":"-1"}}
+  ROOT %t = (bf16[128,256]{1,0}, bf16[1024,256]{1,0}) tuple(%p, %all-gather.1)
+}
+
+%done (q: bf16[128,256]) -> bf16[1024,256] {
+  %q = bf16[128,256]{1,0} parameter(0)
+  ROOT %all-gather.2 = bf16[1024,256]{1,0} all-gather(%q), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}, backend_config={"async_collective_fusion_config":{"flag_start":"2"}}
+}
+
+%body (s: (s32[], bf16[128,256])) -> (s32[], bf16[128,256]) {
+  %s = (s32[], bf16[128,256]{1,0}) parameter(0)
+  %w = bf16[128,256]{1,0} get-tuple-element(%s), index=1
+  %async-collective-start.1 = (bf16[128,256]{1,0}, bf16[1024,256]{1,0}) fusion(%w), kind=kCustom, calls=%start
+  %async-collective-done.1 = bf16[1024,256]{1,0} fusion(%w), kind=kCustom, calls=%done
+  %i = s32[] get-tuple-element(%s), index=0
+  ROOT %r = (s32[], bf16[128,256]{1,0}) tuple(%i, %w)
+}
+
+%cond (c: (s32[], bf16[128,256])) -> pred[] {
+  %c = (s32[], bf16[128,256]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main () -> f32[] {
+  %init = (s32[], bf16[128,256]{1,0}) parameter(0)
+  %loop = (s32[], bf16[128,256]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %z = f32[] constant(0)
+}
+"""  # noqa: E501 (HLO lines as libtpu prints them)
+
+
+def test_an_async_collective_fusion_is_one_overlappable_collective():
+    (gather,) = collectives(_ASYNC_FUSION_HLO, devices=8, torus=(2, 2, 2))
+    assert (gather.kind, gather.count, gather.group, gather.nbytes) == (
+        "all-gather",
+        5,
+        8,
+        1024 * 256 * 2,
+    )
+    assert gather.overlappable  # it may run under compute: the roofline hides it there

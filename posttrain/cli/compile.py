@@ -44,7 +44,9 @@ def main(argv: list[str]) -> int:
         name, _ = smallest_fit(fv.config, generation)
         print(f"smallest {generation} slice it fits on: {name or 'none up to 8192 chips'}")
     if fv.remat_sweep:
-        sweep = remat_sweep(fv.config, fv.topology, num_slices=fv.num_slices, known=report)
+        sweep = remat_sweep(
+            fv.config, fv.topology, num_slices=fv.num_slices, known=report, progress=True
+        )
         print("\n".join(remat_lines(sweep)))
     if report.fits:
         print("fits")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+from tqdm.auto import tqdm
+
 from posttrain import aot
 from posttrain.config import override
 from posttrain.methods._record import config_domains, method_config
@@ -73,12 +75,12 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> aot.CompileRe
 REMAT_SWEEP = ("full", "dots_no_batch", "dots", "offload_dots", "none")  # most saved last
 
 
-def remat_sweep(config, topology: str, *, num_slices: int = 1, known=None):
+def remat_sweep(config, topology: str, *, num_slices: int = 1, known=None, progress=False):
     """The plan compiled once per layer remat policy (`REMAT_SWEEP`): {policy: report}, for
     `posttrain.aot.remat_lines` / `fastest_fit`. `known`: a report of this plan already
-    compiled (under its own policy), reused."""
+    compiled (under its own policy), reused. `progress`: a bar over the compiles."""
     reports = {}
-    for policy in REMAT_SWEEP:
+    for policy in tqdm(REMAT_SWEEP, desc="remat sweep", disable=not progress, leave=False):
         if known is not None and known.remat == policy:
             reports[policy] = known
         else:
