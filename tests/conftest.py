@@ -16,10 +16,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # The TPU AOT test loads libtpu; let concurrent test processes each load it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# The TPU programs compile as `posttrain` compiles them (its CLI sets these when unset).
-from posttrain._collectives import TPU_FLAGS  # noqa: E402
-
-os.environ.setdefault("LIBTPU_INIT_ARGS", TPU_FLAGS)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

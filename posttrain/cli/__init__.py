@@ -10,7 +10,6 @@ import sys
 import traceback
 
 from posttrain import errors
-from posttrain._collectives import TPU_FLAGS
 from posttrain.cli import compile, data, demo, eval, export, generate, serve, sweep, train
 from posttrain.cli._errors import exit_code, message
 
@@ -67,8 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     _skip_absent_tpu()
-    # Async collectives on TPU (runs and `posttrain compile` alike); LIBTPU_INIT_ARGS= opts out.
-    os.environ.setdefault("LIBTPU_INIT_ARGS", TPU_FLAGS)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
