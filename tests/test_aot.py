@@ -84,6 +84,21 @@ def test_cli_compiles_the_tiny_sft_step_for_a_v5e_slice(capsys):
     assert re.search(r"fastest that fits: (full|dots_no_batch|dots|none) ", out), out
 
 
+def test_a_reward_model_plan_counts_no_vocabulary_projection():
+    """A reward model's trunk never computes vocabulary logits: the program's matmul FLOPs of
+    its step match the model's without the LM head, as an SFT step's match them with it. (XLA
+    attention computes every score, twice the causal formula: the +attention below.)"""
+    tiny, length = get_preset("tiny"), 48
+    attention = tiny.flops_per_token(length) - tiny.flops_per_token(0)
+    same = {"model.attention": "xla", "model.checkpoint": "", "data.max_len": length}
+    for method in ("sft", "rm"):
+        config = load_config_file(os.path.join(REPO, "configs", f"{method}.py") + ":tiny")
+        report = compile_plan(override(config, same), "v5e-8")
+        model = tiny.flops_per_token(length, lm_head=method == "sft")
+        expected = (model + attention) / model  # (x1.09 SFT, x1.11 RM; x0.86 if RM had a head)
+        assert report.compiled_flops / report.model_flops == pytest.approx(expected, rel=0.02)
+
+
 def test_fastest_remat_is_the_quickest_plan_that_fits():
     from posttrain.aot import CHIPS, CompileReport, GiB, fastest_fit
 

@@ -51,7 +51,7 @@ def lowering(config, devices, domains=None) -> aot.Lowering:
         length=length,
         resident=resident,
         model_config=model_config,
-        lm_head=method.name != "rm",  # a reward model's trunk never computes vocab logits
+        lm_head=method.lm_head,
     )
 
 

@@ -58,6 +58,8 @@ class Method:
         keeps its own).
       resident: `(config, model_config, mesh) -> {name: bytes per device}` the run keeps
         beside the step (a frozen reference, the rollout KV cache).
+      lm_head: whether the step computes vocabulary logits (a reward model's trunk does not),
+        for the model's FLOPs.
     """
 
     name: str
@@ -69,6 +71,7 @@ class Method:
     rows: Callable[[Any], int]
     devices: Callable[[Any, list], list] = lambda c, devices: list(devices)
     resident: Callable[[Any, Any, Any], dict] = lambda c, model_config, mesh: {}
+    lm_head: bool = True
 
 
 def config_domains(c) -> tuple[str, ...]:
@@ -261,6 +264,7 @@ METHODS: dict[str, Method] = {
             frozen=_rm_frozen,
             batch=_preference_batch,
             rows=lambda c: c.data.batch_size,
+            lm_head=False,
         ),
         _rl("grpo"),
         _rl("ppo"),
