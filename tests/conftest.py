@@ -55,3 +55,30 @@ def gcs_bucket(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+TRAINED_STEPS = 200  # SFT steps of `trained_tiny`: its greedy answers end at EOS after 3-4 tokens
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory):
+    """A trained start: configs/sft.py:tiny (the demo's recipe) cut to TRAINED_STEPS steps, so
+    the model answers the demo's problems and stops at EOS after 2 to 4 tokens: rows of a batch
+    end at different lengths, unlike a random model's. Built once per test session and shared
+    by the xdist workers (file-locked). Returns the SFT workdir (`model.checkpoint=`)."""
+    from filelock import FileLock
+
+    from tests.launch import finish, launch
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    workdir = root / "trained_tiny"
+    with FileLock(str(root / "trained_tiny.lock")):
+        if not (workdir / "done").exists():
+            argv = ["-m", "posttrain.cli", "train", "--config=configs/sft.py:tiny",
+                    f"--workdir={workdir}", f"--config.train.steps={TRAINED_STEPS}",
+                    "--config.train.eval_every=0", "--config.train.progress=False",
+                    "--config.checkpoint.async_save=False"]  # fmt: skip
+            finish(launch(argv), timeout=900)
+            (workdir / "done").touch()
+    return str(workdir)

@@ -6,6 +6,14 @@ from posttrain.parallel._distributed import (
     Watchdog,
     initialize,
 )
+from posttrain.parallel._exchange import (
+    CHECK_ENV,
+    ProcessesDiverged,
+    agree,
+    checks_enabled,
+    crossing,
+    exchange,
+)
 from posttrain.parallel._mesh import MESH_AXES, MeshConfig, make_mesh, process_meshes
 from posttrain.parallel._rules import (
     DEFAULT_RULES,
@@ -21,6 +29,12 @@ from posttrain.parallel._rules import (
 from posttrain.parallel._shard import process_rows, shard_batch, to_process_local
 
 __all__ = [
+    "CHECK_ENV",
+    "ProcessesDiverged",
+    "agree",
+    "checks_enabled",
+    "crossing",
+    "exchange",
     "DEFAULT_RULES",
     "DistributedConfig",
     "DistributedError",

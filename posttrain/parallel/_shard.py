@@ -6,6 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from posttrain.parallel._exchange import crossing
 from posttrain.parallel._rules import LogicalAxes, named_sharding
 
 BATCH_AXES: LogicalAxes = ("act_batch", "act_length")
@@ -50,6 +51,7 @@ def to_process_local(tree, shardings, stacked_mesh):
     stacked mesh (a copy per process, device to device), then each process keeps its shards;
     no host ever holds the tree."""
     stacked = jax.tree.map(lambda s: NamedSharding(stacked_mesh, s.spec), shardings)
+    crossing(f"copy per process of {len(jax.tree.leaves(tree))} arrays")
     copies = jax.device_put(tree, stacked)
     return jax.tree.map(
         lambda x, s: jax.make_array_from_single_device_arrays(

@@ -128,13 +128,15 @@ def split_rows(batch: dict[str, np.ndarray], parts: int) -> list[dict[str, np.nd
 class Rollouts:
     """Sampling and scoring of prompt batches with the current weights."""
 
-    def __init__(self, config: RLConfig, tokenizer, model_config, pool, domains, devices=None):
+    def __init__(
+        self, config: RLConfig, tokenizer, model_config, pool, domains, channel="rollouts"
+    ):
         self.config, self.tokenizer, self.model_config = config, tokenizer, model_config
         self.pool, self.domains = pool, domains
         self.max_len = config.rollout.max_prompt_len + config.rollout.max_new_tokens
-        # Several processes: the devices it samples on (every process's), where they exchange
-        # the sampled groups.
-        self.stacked = process_meshes(devices)[1] if jax.process_count() > 1 else None
+        # Several processes: the name under which they exchange the sampled groups (one per
+        # thread that samples: the processes' n-th exchanges on a channel meet).
+        self.channel = channel
         self.engine = None  # the paged engine, made at the first sampling (on its devices)
         r = config.rollout
         self.images = prompt_image_spec(
@@ -143,15 +145,32 @@ class Rollouts:
         self.env_pool = None  # multi-turn: where environments run (made at the first episodes)
 
     def sample(
-        self, params, prompts, seed: int = 0, *, seeds=None, greedy: bool = False, timings=None
+        self,
+        params,
+        prompts,
+        seed: int = 0,
+        *,
+        seeds=None,
+        greedy: bool = False,
+        timings=None,
+        label: str = "",
     ):
         """(completions per prompt, rewards `[prompts, n]`); adds the seconds spent to
         `timings["generate_s"]` and `timings["reward_s"]` when given.
 
         `seeds` (one per prompt, instead of `seed`) make each prompt's samples its own, which
         is how several processes share the prompts: each samples and scores its share with its
-        own copy of the weights (`SamplerWeights`), and every process gets all of them back.
+        own copy of the weights (`SamplerWeights`), and every process gets all of them back
+        through the host (`gather_groups`; `label` names the exchange, e.g. "step 3 attempt 0",
+        and must be the same on every process). There `timings` also gets each process's mean
+        completion length (`response_length/process<i>`).
         """
+        # Sampling issues many small device calls, a number that depends on the rows (their
+        # lengths, EOS). Whatever the trainer queued before (its step, the copy of the weights
+        # to each process) finishes first: XLA:CPU stalls a device's queue once it holds 32
+        # programs, and a stalled launch of a program spanning processes (or devices) while
+        # its other parts wait for it deadlocks the run.
+        jax.block_until_ready(params)
         if jax.process_count() == 1:
             return self._sample(params, prompts, seed, seeds, greedy, timings)
         if self.config.env.name:
@@ -166,8 +185,17 @@ class Rollouts:
                     params, prompts[share], seed, seeds and seeds[share], greedy, timings
                 )
         G = 1 if greedy else self.config.rollout.num_generations
-        r = self.config.rollout
-        return gather_groups(completions, rewards, len(prompts), G, r.max_new_tokens, self.stacked)
+        label = f"{label or 'sampling'}: {len(prompts)} prompts x {G}"
+        out = gather_groups(
+            completions, rewards, len(prompts), G, channel=self.channel, label=label
+        )
+        if timings is not None:
+            for p in range(jax.process_count()):
+                mine = [c for group in out[0][prompt_share(len(prompts), p)] for c in group]
+                key = f"response_length/process{p}"
+                timings[key] = timings.get(key, 0.0) + sum(len(c.token_ids) for c in mine)
+                timings[f"n:{key}"] = timings.get(f"n:{key}", 0) + len(mine)
+        return out
 
     def _sample(self, params, prompts, seed, seeds, greedy, timings):
         r = self.config.rollout
@@ -341,7 +369,9 @@ def draw_groups(c: RLConfig, prompts, rollouts: Rollouts, params, step: int):
             int(np.random.SeedSequence([c.train.seed, step, attempt, i]).generate_state(1)[0])
             for i in range(len(batch))
         ]
-        comps, rews = rollouts.sample(params, batch, seeds=seeds, timings=timings)
+        comps, rews = rollouts.sample(
+            params, batch, seeds=seeds, timings=timings, label=f"step {step} attempt {attempt}"
+        )
         for p, g, r in zip(batch, comps, rews, strict=True):
             if c.rollout.dynamic_sampling and np.all(r == r[0]):
                 dropped += 1

@@ -13,67 +13,54 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from posttrain.parallel import crossing, exchange
 from posttrain.sampling import Completion
 
 
-def prompt_share(prompts: int) -> slice:
-    """This process's contiguous share of a step's `prompts` (whole groups; the last
-    processes' shares may be shorter or empty)."""
+def prompt_share(prompts: int, process: int | None = None) -> slice:
+    """This process's (or `process`'s) contiguous share of a step's `prompts` (whole groups;
+    the last processes' shares may be shorter or empty)."""
     per = -(-prompts // jax.process_count())
-    start = min(prompts, per * jax.process_index())
+    start = min(prompts, per * (jax.process_index() if process is None else process))
     return slice(start, min(prompts, start + per))
 
 
 def gather_groups(
-    completions, rewards: np.ndarray, prompts: int, G: int, max_new_tokens: int, mesh
+    completions, rewards: np.ndarray, prompts: int, G: int, *, channel: str, label: str
 ):
     """Every process's `(completions per prompt, rewards [share, G])`, concatenated in prompt
     order: `(completions, rewards [prompts, G])` on every process. The gathered completions
-    carry ids, log-probs and finish reasons, not text (scoring has used it). The exchange runs
-    on `mesh` (the sampler's devices, stacked by `process_meshes`), so a decoupled sampler's
-    thread never queues a collective on the devices the trainer's steps use."""
-    per = -(-prompts // jax.process_count())
-    ids = np.zeros((per, G, max_new_tokens), np.int32)
-    logps = np.zeros((per, G, max_new_tokens), np.float32)
-    lengths = np.zeros((per, G), np.int32)
-    truncated = np.zeros((per, G), bool)
-    scores = np.zeros((per, G), np.float32)
-    for i, group in enumerate(completions):
-        for j, c in enumerate(group):
-            n = len(c.token_ids)
-            ids[i, j, :n], logps[i, j, :n], lengths[i, j] = c.token_ids, c.logprobs, n
-            truncated[i, j] = c.finish_reason == "length"
-        scores[i] = rewards[i]
-    local = {"ids": ids, "logps": logps, "lengths": lengths, "truncated": truncated}
-    every = _allgather({**local, "scores": scores}, mesh)
-    out = []
-    for i in range(prompts):  # (the tiled gather is in process order: prompt order)
-        group = []
-        for j in range(G):
-            n = int(every["lengths"][i, j])
-            group.append(
-                Completion(
-                    None,
-                    tuple(int(t) for t in every["ids"][i, j, :n]),
-                    tuple(float(x) for x in every["logps"][i, j, :n]),
-                    "length" if every["truncated"][i, j] else "stop",
-                )
+    carry ids, log-probs and finish reasons, not text (scoring has used it).
+
+    The exchange goes through the host (`posttrain.parallel.exchange` on `channel`, checked
+    against `label`): it queues no program on any device, so a decoupled sampler's thread and
+    the trainer's never order programs spanning processes differently on two processes."""
+    flat = [c for group in completions for c in group]
+    local = {
+        "ids": np.asarray([t for c in flat for t in c.token_ids], np.int32),
+        "logps": np.asarray([x for c in flat for x in c.logprobs], np.float32),
+        "lengths": np.asarray([len(c.token_ids) for c in flat], np.int32),
+        "truncated": np.asarray([c.finish_reason == "length" for c in flat], bool),
+        "scores": np.asarray(rewards, np.float32).reshape(len(completions), G),
+    }
+    out, scores = [], []
+    for theirs in exchange(channel, label, local):
+        ends = np.cumsum(theirs["lengths"])
+        starts = ends - theirs["lengths"]
+        theirs_flat = [
+            Completion(
+                None,
+                tuple(int(t) for t in theirs["ids"][a:b]),
+                tuple(float(x) for x in theirs["logps"][a:b]),
+                "length" if cut else "stop",
             )
-        out.append(group)
-    return out, every["scores"][:prompts]
-
-
-def _allgather(tree, stacked_mesh):
-    """Each process's arrays, concatenated in process order, on every process."""
-    by_process = NamedSharding(stacked_mesh, PartitionSpec("processes"))
-    n = jax.process_count()
-    placed = jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(
-            by_process, x, (x.shape[0] * n, *x.shape[1:])
-        ),
-        tree,
-    )
-    return jax.tree.map(host_array, placed)
+            for a, b, cut in zip(starts, ends, theirs["truncated"], strict=True)
+        ]
+        out += [theirs_flat[i : i + G] for i in range(0, len(theirs_flat), G)]
+        scores.append(theirs["scores"].reshape(-1, G))
+    if len(out) != prompts:
+        raise ValueError(f"the processes sampled {len(out)} prompt groups of {prompts}")
+    return out, np.concatenate(scores).astype(np.float32)
 
 
 def host_array(x: jax.Array) -> np.ndarray:
@@ -82,6 +69,7 @@ def host_array(x: jax.Array) -> np.ndarray:
     if jax.process_count() == 1:
         return np.asarray(x)
     everywhere = NamedSharding(x.sharding.mesh, PartitionSpec())
+    crossing(f"gather {x.dtype}{list(x.shape)}")
     return np.asarray(jax.jit(_identity, out_shardings=everywhere)(x).addressable_data(0))
 
 

@@ -242,16 +242,16 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
                 )
                 for _ in range(2 if sampler_devices else 1)
             ]
-            rollouts = Rollouts(c, tokenizer, model_config, pools[0], domains, devices)
+            rollouts = Rollouts(c, tokenizer, model_config, pools[0], domains)
             producer = None
             if sampler_devices:
                 # The sampler scores in its own thread: evaluation gets the other pool.
                 mine = [d for d in sampler_devices if d.process_index == jax.process_index()]
                 sampler_side = sampler.on(make_mesh(MeshConfig(), mine))
                 sampler_rollouts = Rollouts(
-                    c, tokenizer, model_config, pools[0], domains, sampler_devices
+                    c, tokenizer, model_config, pools[0], domains, channel="sampler"
                 )
-                rollouts = Rollouts(c, tokenizer, model_config, pools[1], domains, devices)
+                rollouts = Rollouts(c, tokenizer, model_config, pools[1], domains)
 
                 def producer(start: int) -> RolloutProducer:
                     kind = PartialProducer if c.rollout.partial else RolloutProducer
@@ -294,7 +294,8 @@ def _evaluate(c: RLConfig, eval_prompts: PromptData, rollouts: Rollouts, params)
         prompts = prompts[: c.train.eval_batches * eval_prompts.rows]
     for i in range(0, len(prompts), 64):
         chunk = prompts[i : i + 64]
-        _, r = rollouts.sample(params, chunk, 0, greedy=True, timings=tallies)
+        _, r = rollouts.sample(params, chunk, 0, greedy=True, timings=tallies,
+                               label=f"eval prompts {i}-{i + len(chunk)}")  # fmt: skip
         rewards.extend(r[:, 0])
         domain_ids.extend(p["domain_id"] for p in chunk)
     rewards, domain_ids = np.asarray(rewards), np.asarray(domain_ids)
@@ -311,6 +312,6 @@ def _evaluate(c: RLConfig, eval_prompts: PromptData, rollouts: Rollouts, params)
                 (rewards[rows] >= c.rewards.pass_threshold).mean()
             )
     parts = component_means(tallies).items()
-    out.update({f"eval_{k}": v for k, v in parts if k.startswith("reward_parts/")})
+    out.update({f"eval_{k}": v for k, v in parts if k.startswith(("reward_parts/", "response"))})
     out["eval_loss"] = -out["eval_reward"]
     return out

@@ -124,6 +124,8 @@ def generate_continuous(
     keys = _keys(seed, seeds, len(ids))
     if seeds is None:
         keys = jax.vmap(jax.random.fold_in, (None, 0))(keys, jnp.arange(len(ids)))
+    # Each request's key as host data: submitting a prompt costs no device call.
+    keys = np.asarray(jax.random.key_data(keys))
     if images is not None and len(images) != len(ids):
         raise ValueError(f"images: {len(images)} lists for {len(ids)} prompts; give one per prompt")
     requests = [

@@ -20,7 +20,14 @@ decoding (`_rounds.speculate`): a row emits 1 to k+1 tokens per model forward, g
 the plain engine's, sampling keeps the model's distribution. A request reserves k slots past
 its prompt and budget; a draft model (or MTP module) keeps its own pool on the same blocks and
 tables, so prefix sharing and block accounting cover it. The device functions are in `_paged`;
-this is the host side (admission, block tables, counts)."""
+this is the host side (admission, block tables, counts).
+
+The host queues a fixed number of device programs per engine call (a prefill, a decode chunk),
+whatever the number of requests: their arguments are host arrays, requests may bring their
+keys as host data, and the results come back in one transfer. XLA:CPU holds at most 32
+programs queued per device; past that a launch waits on a thread the other queued programs
+may need, and with a program spanning processes (or devices) in the queue the run deadlocks
+(docs/multihost.md)."""
 
 from __future__ import annotations
 
@@ -410,26 +417,27 @@ class Engine:
         copies = copies or [(SCRATCH, SCRATCH)]
         copies += copies[-1:] * (c.slots - len(copies))
         images = self._images([req for req, _ in leaders], G)
+        # Host arrays: the jitted prefill takes them in its one call (a jnp call per argument
+        # would queue a device program each; see the module docstring).
         self._rows = prefill(
             self.model,
             None if isinstance(self.drafter, PromptLookup) else self.drafter,
             self._rows,
-            jnp.asarray(tokens),
-            jnp.asarray(lengths),
-            jnp.asarray(tables),
-            jnp.asarray(ring_rows),
-            jnp.asarray([a for a, _ in copies], jnp.int32),
-            jnp.asarray([b for _, b in copies], jnp.int32),
-            jnp.asarray([s[0] for s in padded], jnp.int32),
-            jnp.asarray([s[4] for s in padded], jnp.int32),
-            jnp.asarray(row_tables),
-            jnp.asarray([s[1].max_new_tokens for s in padded], jnp.int32),
-            jax.vmap(jax.random.fold_in)(
-                jnp.stack([s[1].key for s in padded]), jnp.asarray([s[2] for s in padded])
-            ),
-            jnp.asarray([s[1].temperature for s in padded], jnp.float32),
-            jnp.asarray([s[1].top_k for s in padded], jnp.int32),
-            jnp.asarray([s[1].top_p for s in padded], jnp.float32),
+            tokens,
+            lengths,
+            tables,
+            ring_rows,
+            np.asarray([a for a, _ in copies], np.int32),
+            np.asarray([b for _, b in copies], np.int32),
+            np.asarray([s[0] for s in padded], np.int32),
+            np.asarray([s[4] for s in padded], np.int32),
+            row_tables,
+            np.asarray([s[1].max_new_tokens for s in padded], np.int32),
+            _key_data([s[1].key for s in padded]),
+            np.asarray([s[2] for s in padded], np.int32),
+            np.asarray([s[1].temperature for s in padded], np.float32),
+            np.asarray([s[1].top_k for s in padded], np.int32),
+            np.asarray([s[1].top_p for s in padded], np.float32),
             images,
             block_size=bs,
         )
@@ -438,7 +446,7 @@ class Engine:
             self._row_of[row] = (req, j, table)
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.blocks_in_use)
 
-    def _images(self, requests: list[Request], groups: int) -> jax.Array | None:
+    def _images(self, requests: list[Request], groups: int) -> np.ndarray | None:
         """A VLM's prefill images `[groups, I, H, W, C]` (I: the most any prompt has, rounded up
         to a power of two to bound compilations; zeros past a prompt's own); None for a text
         model."""
@@ -456,7 +464,7 @@ class Engine:
         for g, req in enumerate(requests):
             if req.images is not None and len(req.images):
                 out[g, : len(req.images)] = req.images
-        return jnp.asarray(out)
+        return out
 
     # -- cancelling: a client went away, a stop string was hit --------------------------------
 
@@ -490,6 +498,15 @@ class Engine:
         for j in samples:
             request.done[j] = True
         return all(request.done)
+
+
+def _key_data(keys):
+    """Requests' keys as one array of key data (`jax.random.key_data`): on the host when every
+    request brought its key's data, else stacked on the device."""
+    if all(isinstance(k, np.ndarray) for k in keys):
+        return np.stack(keys)
+    return jax.random.key_data(jnp.stack([jax.random.wrap_key_data(k) if isinstance(k, np.ndarray)
+                                          else k for k in keys]))  # fmt: skip
 
 
 _POOLS = ("k", "v", "draft_k", "draft_v")  # split over the tensor axis like the model's heads

@@ -82,7 +82,8 @@ def prefill(
     group_X,
     tables_XM,
     budget_X,
-    keys_X,
+    key_data_X,
+    samples_X,
     temperature_X,
     top_k_X,
     top_p_X,
@@ -93,9 +94,11 @@ def prefill(
     """Prefills G right-padded prompts into their blocks (`tables_GR`, R blocks covering the
     padded length) of the model's pool (and the drafter's), copies blocks `copy_from_C` to
     `copy_to_C` (the shared prompts' last blocks), and starts rows `rows_X` on prompt `group_X`
-    with their own tables, budgets and keys. Repeated entries (padding) must repeat the same
+    with their own tables, budgets and keys (row x draws with `fold_in(key x, sample x)`, its
+    request's key made from `key_data_X`). Repeated entries (padding) must repeat the same
     values. An MTP module caches positions 0 .. length - 2 (position i needs token i + 1).
     `images_GIHWC`: a VLM's prompt images (each prompt's image tokens take its images)."""
+    keys_X = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_X), samples_X)
     config = model.config
     G, P = tokens_GP.shape
     positions_GP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (G, P))

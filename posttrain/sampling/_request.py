@@ -19,7 +19,7 @@ class Request:
 
     prompt: list[int]
     max_new_tokens: int
-    key: jax.Array
+    key: jax.Array | np.ndarray  # a PRNG key, or its data (`jax.random.key_data`) on the host
     n: int = 1
     temperature: float = 0.0
     top_k: int = 0

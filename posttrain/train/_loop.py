@@ -30,7 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain import paths
-from posttrain.parallel import Watchdog, shard_batch
+from posttrain.parallel import Watchdog, agree, checks_enabled, crossing, shard_batch
 from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._metrics import MetricsWriter, peak_flops_per_device
 
@@ -156,6 +156,11 @@ def _tokens(batch: dict) -> float:
     return float(sum(np.sum(v > 0) for k, v in batch.items() if k.endswith("segment_ids")))
 
 
+def _shapes(batch: dict) -> str:
+    """A global batch's shapes, for the check that processes step alike."""
+    return ", ".join(f"{k}{list(v.shape)}" for k, v in sorted(batch.items()))
+
+
 def train_loop(
     *,
     state,
@@ -234,6 +239,7 @@ def train_loop(
     pending = None  # (step, device metrics, tokens, seconds) of the previous step
     last_time = time.perf_counter()
     watchdog = Watchdog(loop.step_timeout_s if jax.process_count() > 1 else 0.0)
+    check_processes = checks_enabled()
     profiler = _Profiler(loop, workdir)
     with _Preemption() as preemption, watchdog, contextlib.ExitStack() as stack:
         stack.callback(lambda: profiler.stop(0, force=True))  # a run that stops early
@@ -275,6 +281,10 @@ def train_loop(
                 summary["batch_shapes"] = jax.tree.map(
                     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch
                 )
+            if jax.process_count() > 1:  # (the step is a program spanning the processes)
+                crossing(f"train step {_shapes(batch)}")
+                if check_processes:
+                    agree("loop", f"step {step}")
             with profiler.annotate("train", step):
                 state, metrics = step_fn(state, batch)
             profiler.stop(step, metrics)

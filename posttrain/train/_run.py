@@ -25,7 +25,7 @@ from posttrain.config import ConfigError
 from posttrain.data import load_tokenizer
 from posttrain.models import ModelConfig, param_shapes, param_shardings, param_specs
 from posttrain.models._moe import update_routing_bias
-from posttrain.parallel import axis_rules, make_mesh, shard_batch
+from posttrain.parallel import axis_rules, crossing, make_mesh, shard_batch
 from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._lock import claim, run_lock
 from posttrain.train._loop import train_loop
@@ -323,6 +323,7 @@ def each_batch(batches, mesh, max_batches: int = 0):
             return
         batch = next(batches, None)
         if jax.process_count() > 1:
+            crossing("whether every process's batches ended")
             done = multihost_utils.process_allgather(np.asarray(batch is None))
             if np.all(done):
                 return

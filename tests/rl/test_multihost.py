@@ -1,11 +1,9 @@
-"""GRPO across processes: 2 processes x 4 fake CPU devices over gloo log the same rewards and
-losses as 1 process x 8 devices, and their checkpoint restores in one process."""
+"""RL across processes: GRPO and PPO, co-located and decoupled, as 2 processes x 4 fake CPU
+devices over gloo log the same rewards, losses and greedy evals as 1 process x 8 devices from
+a trained start whose completions end at EOS at different lengths; their checkpoint restores in
+one process."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -13,32 +11,33 @@ import pytest
 
 from posttrain.demo import ASSETS_DIR
 from posttrain.train import load_checkpoint_model, read_metrics
+from tests.launch import finish, launch, launch_group
 from tests.tolerance import assert_close
 
-from .toy import REPO
-
-STEPS = 3
+STEPS = 2
 GRPO, PPO = {"file": "grpo.py"}, {"file": "ppo.py"}  # configs/<file>:tiny
-# A random tiny model on the toy task (an SFT start would add a run and prove nothing more
-# here: what is compared is the split of the same work over processes).
-OVERRIDES = {
-    "train__steps": STEPS,
-    "data__batch_size": 8,
-    "rollout__num_generations": 4,
-    "rollout__max_new_tokens": 4,
-    "kl__coef": 0.05,  # the reference pass too
-    "algorithm__minibatches": 2,  # strided minibatches of the global batch, as in one process
-    # Greedy eval of 8 held-out prompts, shared over the processes as well (steps 0 and 3).
-    "eval_data": [
-        {
-            "path": str(ASSETS_DIR / "eval.jsonl"),
-            "weight": 1.0,
-            "domain": "arithmetic",
-            "format": "auto",
-        }
-    ],  # fmt: skip
-    "train__eval_batches": 1,
-}
+EVAL_PROMPTS = 13  # greedy eval of 13 held-out prompts: 7 on one process, 6 on the other
+
+
+def _overrides(trained_tiny: str, eval_path: str) -> dict:
+    """The trained start on the toy task: its completions end at EOS after a few tokens, at
+    different lengths on different rows and processes (at temperature 1 some run to the
+    8-token budget); greedy eval after every step and at the end."""
+    return {
+        "model__checkpoint": trained_tiny,
+        "train__steps": STEPS,
+        "data__batch_size": 8,
+        "rollout__num_generations": 4,
+        "rollout__max_new_tokens": 8,
+        "kl__coef": 0.05,  # the reference pass too
+        "algorithm__minibatches": 2,  # strided minibatches of the global batch, as in one process
+        "eval_data": [
+            {"path": eval_path, "weight": 1.0, "domain": "arithmetic", "format": "auto"}
+        ],  # fmt: skip
+        "train__eval_every": 1,
+        "checkpoint__async_save": False,
+    }
+
 
 _RUNNER = """
 import json, sys
@@ -52,81 +51,63 @@ print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _start(workdir, devices, overrides, process_id=None, num_processes=None, port=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "POSTTRAIN_"))}
-    env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-    )
-    if num_processes:
-        env.update(
-            POSTTRAIN_COORDINATOR=f"localhost:{port}",
-            POSTTRAIN_NUM_PROCESSES=str(num_processes),
-            POSTTRAIN_PROCESS_ID=str(process_id),
-        )
-    return subprocess.Popen(
-        [sys.executable, "-c", _RUNNER, str(workdir), json.dumps({**OVERRIDES, **overrides})],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _finish(process, timeout=900) -> str:
-    out, _ = process.communicate(timeout=timeout)
-    if process.returncode != 0:
-        pytest.fail(f"the GRPO run failed ({process.returncode}):\n{out[-4000:]}")
-    return out
+def _argv(workdir, overrides) -> list[str]:
+    return ["-c", _RUNNER, str(workdir), json.dumps(overrides)]
 
 
 # Decoupled: each of 2 processes samples on its last device and trains on its other 3; one
 # process samples on its last 2 and trains on 6 (6 prompts x 4 samples: 12 rows a minibatch).
-DECOUPLED = ({"rollout__sampler_devices": 1}, {"rollout__sampler_devices": 2})
-DECOUPLED = tuple({**GRPO, **d, "data__batch_size": 6} for d in DECOUPLED)
+DECOUPLED = {"rollout__sampler_devices": 1, "data__batch_size": 6}
+DECOUPLED_ONE = {"rollout__sampler_devices": 2, "data__batch_size": 6}
 
 
 @pytest.mark.parametrize(
-    "two_config, one_config",
+    "method, two_extra, one_extra",
     [
-        (GRPO, GRPO),
-        pytest.param(*DECOUPLED, marks=pytest.mark.slow),
+        (GRPO, {}, {}),
+        (GRPO, DECOUPLED, DECOUPLED_ONE),
         # PPO: the critic's values are gathered like the log-probs, GAE on every process.
-        pytest.param(PPO, PPO, marks=pytest.mark.slow),
+        (PPO, {}, {}),
+        (PPO, DECOUPLED, DECOUPLED_ONE),
     ],
-    ids=["co-located", "decoupled", "ppo"],
+    ids=["grpo", "grpo-decoupled", "ppo", "ppo-decoupled"],
 )
-def test_grpo_on_two_processes_matches_one_and_restores_in_one(tmp_path, two_config, one_config):
-    port = _port()
-    pair = [_start(tmp_path / "two", 4, two_config, i, 2, port) for i in range(2)]
-    single = _start(tmp_path / "one", 8, one_config)
+def test_rl_on_two_processes_matches_one_from_a_trained_start(
+    tmp_path, trained_tiny, method, two_extra, one_extra
+):
+    """Rows end at EOS at different lengths on the two processes and the eval set splits
+    7/6; each process still issues the same programs spanning processes in the same order
+    (checked before every step, POSTTRAIN_CHECK_PROCESSES), and the run matches one process's."""
+    eval_path = tmp_path / "eval.jsonl"
+    with open(ASSETS_DIR / "eval.jsonl") as f:
+        eval_path.write_text("".join(f.readlines()[:EVAL_PROMPTS]))
+    base = {**method, **_overrides(trained_tiny, str(eval_path))}
+    pair = launch_group(_argv(tmp_path / "two", {**base, **two_extra}), processes=2, devices=4)
+    single = launch(_argv(tmp_path / "one", {**base, **one_extra}), devices=8)
     for p in [*pair, single]:
-        assert f"STOPPED completed {STEPS}" in _finish(p)
+        assert f"STOPPED completed {STEPS}" in finish(p)
 
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
-    keys = ["reward", "reward_std", "pass_rate", "response_length", "loss", "kl"]
-    keys += ["value_loss", "value"] if two_config is PPO else []
+    keys = ["reward", "reward_std", "pass_rate", "response_length", "truncated", "loss", "kl"]
+    keys += ["value_loss", "value"] if method is PPO else []
     for key in keys:
         a, b = [r[key] for r in two], [r[key] for r in one]
         # Each process sampled half the groups with its own copy of the weights and scored
         # them in its own reward pool; the batch, and so every loss term, is the same.
         assert_close(a, b, rtol=1e-5, err_msg=key)
-    assert len({r["reward"] for r in one}) > 1  # the steps differ: they are not all trivial
+    # The hard case was met: the processes' completions ended at different lengths.
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
+    assert any(a != b for a, b in lengths), lengths
+    assert len({r["reward"] for r in one} | {r["loss"] for r in one}) > 1  # not all trivial
+
     evals = [read_metrics(str(tmp_path / w), split="eval") for w in ("two", "one")]
-    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [0, STEPS]
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [0, 1, STEPS]
     for key in ("eval_reward", "eval_pass_rate", "eval_prompts"):
         assert_close([r[key] for r in evals[0]], [r[key] for r in evals[1]], rtol=1e-5)
+    assert [r["eval_prompts"] for r in evals[0]] == [EVAL_PROMPTS] * 3
 
-    if two_config is PPO:
+    if method is PPO:
         # load_checkpoint_model does not read PPO checkpoints yet (their params are
         # {"policy", "value"}: its partial restore finds no "embed"... and silently returns
         # the abstract shapes; a bug outside multi-process RL).

@@ -1,0 +1,86 @@
+"""Starting the subprocesses tests run: one process or several joined over gloo on this host,
+each with its own count of fake CPU devices; multi-process runs check every step that the
+processes still agree (`POSTTRAIN_CHECK_PROCESSES`)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    argv: list[str],
+    *,
+    devices: int = 1,
+    process_id: int | None = None,
+    num_processes: int | None = None,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    stderr=subprocess.STDOUT,
+) -> subprocess.Popen:
+    """`python argv...` in the repository with `devices` fake CPU devices; with
+    `num_processes`, as process `process_id` of a run whose coordinator is localhost:`port`.
+    Output is text on `stdout` (stderr merged unless given)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "POSTTRAIN_"))}
+    environ.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
+    )
+    if num_processes:
+        environ.update(
+            POSTTRAIN_COORDINATOR=f"localhost:{port}",
+            POSTTRAIN_NUM_PROCESSES=str(num_processes),
+            POSTTRAIN_PROCESS_ID=str(process_id),
+            POSTTRAIN_CHECK_PROCESSES="1",
+        )
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=REPO,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+
+
+def launch_group(argv: list[str], *, processes: int, devices: int, env=None, stderr=None):
+    """`processes` processes of one run, `devices` fake devices each."""
+    port = free_port()
+    return [
+        launch(
+            argv,
+            devices=devices,
+            process_id=i,
+            num_processes=processes,
+            port=port,
+            env=env,
+            stderr=subprocess.STDOUT if stderr is None else stderr,
+        )
+        for i in range(processes)
+    ]
+
+
+def finish(process: subprocess.Popen, timeout: float = 900) -> str:
+    """The output of a process that must exit 0 (else the test fails with its tail)."""
+    import pytest
+
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"a subprocess ran past {timeout} s:\n{(out or '')[-4000:]}{err or ''}")
+    if process.returncode != 0:
+        pytest.fail(f"a subprocess failed ({process.returncode}):\n{(out or '')[-4000:]}"
+                    f"{(err or '')[-4000:]}")  # fmt: skip
+    return out
