@@ -5,9 +5,7 @@ process stopping the run with a clear error instead of a hang."""
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import jax
@@ -15,9 +13,9 @@ import numpy as np
 import pytest
 
 from posttrain.parallel import DistributedConfig, DistributedError, initialize
+from tests.launch import free_port, launch
 from tests.tolerance import assert_close
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = [
     "train",
     "--config=configs/sft.py:tiny",
@@ -30,33 +28,14 @@ TRAIN = [
 ]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args, workdir, devices, process_id=None, num_processes=None, port=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "POSTTRAIN_"))}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    if num_processes:
-        env.update(
-            POSTTRAIN_COORDINATOR=f"localhost:{port}",
-            POSTTRAIN_NUM_PROCESSES=str(num_processes),
-            POSTTRAIN_PROCESS_ID=str(process_id),
-        )
-    return subprocess.Popen(
-        [sys.executable, "-m", "posttrain.cli", *args, f"--workdir={workdir}"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    argv = ["-m", "posttrain.cli", *args, f"--workdir={workdir}"]
+    return launch(argv, devices=devices, process_id=process_id, num_processes=num_processes,
+                  port=port, stderr=subprocess.PIPE)  # fmt: skip
 
 
 def _two_processes(args, workdir):
-    port = _port()
+    port = free_port()
     return [_launch(args, workdir, 4, i, 2, port) for i in range(2)]
 
 
