@@ -156,6 +156,22 @@ def write_task(
 def greedy_accuracy(model, tokenizer_dir: str, path: str, *, limit: int | None = None) -> float:
     """The share of a chat file's questions (`write_task`'s sft_*.jsonl: an image and a
     question, then the answer) whose greedy answer, read with the images, is the answer."""
+    return sampled_accuracy(model, tokenizer_dir, path, limit=limit, n=1, temperature=0.0)
+
+
+def sampled_accuracy(
+    model,
+    tokenizer_dir: str,
+    path: str,
+    *,
+    limit: int | None = None,
+    n: int = 8,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> float:
+    """`greedy_accuracy` of `n` samples per question at `temperature` (drawn from `seed`): the
+    share of all samples that answer right, what RL's sampled reward measures on these
+    questions."""
     tokenizer = load_tokenizer(tokenizer_dir)
     spec = prompt_image_spec(model.config.vision, tokenizer, 64)
     prompts, images, answers = [], [], []
@@ -166,6 +182,8 @@ def greedy_accuracy(model, tokenizer_dir: str, path: str, *, limit: int | None =
         prompts.append(encode_prompt(flat, tokenizer))
         images.append(list(load_pixels(refs, spec, str(Path(path).parent))))
         answers.append(record["messages"][-1]["content"])
-    out = generate(model, tokenizer, prompts, max_new_tokens=3, images=images)
-    said = [(row[0].text.split() or [""])[0] for row in out]
-    return float(np.mean([s == a for s, a in zip(said, answers, strict=True)]))
+    out = generate(model, tokenizer, prompts, max_new_tokens=3, images=images, n=n,
+                   temperature=temperature, seed=seed)  # fmt: skip
+    right = [(c.text.split() or [""])[0] == a for row, a in zip(out, answers, strict=True)
+             for c in row]  # fmt: skip
+    return float(np.mean(right))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from posttrain.config import load_config_file, override
-from posttrain.demo._shapes import greedy_accuracy, write_task
+from posttrain.demo._shapes import greedy_accuracy, sampled_accuracy, write_task
 from posttrain.methods import run_from_config
 from posttrain.train import load_checkpoint_model, read_metrics
 from tests.train.conftest import REPO
@@ -70,14 +70,15 @@ def test_sft_teaches_the_visual_task(sft, task):
 def test_grpo_with_image_prompts_raises_the_reward(sft, task, tmp_path):
     """From the SFT model, GRPO on the count questions' image prompts (the integer verifier of
     domain "arithmetic" scores them), its image encoder frozen, sharpens its sampled answers:
-    the mean reward of the last 10 steps beats the first 10's."""
+    8 samples of each held-out question (the same seeds before and after) are right more
+    often. (Per-step training rewards cover other prompts each step: too noisy to compare.)"""
     workdir = str(tmp_path / "grpo")
     config = _config("grpo.py", "tiny", task, {
         "model.checkpoint": sft, "model.freeze": ["vision/(patch|position|layers)"],
         "data.sources": [{"path": task["prompts"], "weight": 1.0, "domain": "arithmetic",
                           "format": "auto"}],
         "data.batch_size": 8, "rollout.num_generations": 8, "rollout.max_prompt_len": 32,
-        "rollout.max_new_tokens": 3, "train.steps": 50, "optimizer.learning_rate": 1e-3,
+        "rollout.max_new_tokens": 3, "train.steps": 50, "optimizer.learning_rate": 3e-4,
         "optimizer.warmup_steps": 10, "checkpoint.every": 50,
     })  # fmt: skip
     run_from_config(config, workdir)
@@ -89,7 +90,10 @@ def test_grpo_with_image_prompts_raises_the_reward(sft, task, tmp_path):
     )
     rewards = [r["reward"] for r in read_metrics(workdir, "train")]
     print("rewards", np.round(rewards, 2).tolist())
-    assert np.mean(rewards[-10:]) > np.mean(rewards[:10]) + 0.05
+    before = sampled_accuracy(load_checkpoint_model(sft), task["tokenizer"], task["eval"])
+    after = sampled_accuracy(load_checkpoint_model(workdir), task["tokenizer"], task["eval"])
+    print(f"sampled accuracy (8 per question) {before:.3f} -> {after:.3f}")
+    assert after > before + 0.05
     assert accuracy(load_checkpoint_model(workdir), task, task["eval"]) >= 0.8
 
 
