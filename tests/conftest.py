@@ -79,6 +79,6 @@ def trained_tiny(tmp_path_factory):
                     f"--workdir={workdir}", f"--config.train.steps={TRAINED_STEPS}",
                     "--config.train.eval_every=0", "--config.train.progress=False",
                     "--config.checkpoint.async_save=False"]  # fmt: skip
-            finish(launch(argv), timeout=900)
+            finish(launch(argv, unoptimised=False), timeout=900)  # (200 steps: executing)
             (workdir / "done").touch()
     return str(workdir)

@@ -25,13 +25,17 @@ def launch(
     port: int | None = None,
     env: dict[str, str] | None = None,
     stderr=subprocess.STDOUT,
+    unoptimised: bool = True,
 ) -> subprocess.Popen:
     """`python argv...` in the repository with `devices` fake CPU devices; with
     `num_processes`, as process `process_id` of a run whose coordinator is localhost:`port`.
-    Output is text on `stdout` (stderr merged unless given)."""
+    Output is text on `stdout` (stderr merged unless given). `unoptimised`: compiled at -O0
+    as the in-process tests are (tests/conftest.py; a short run spends most of its time
+    compiling: the 2-process GRPO test 46 -> 30 s); False for a long run that mostly executes."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "POSTTRAIN_"))}
     environ.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+        + (" --xla_backend_optimization_level=0" if unoptimised else ""),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
         **(env or {}),
