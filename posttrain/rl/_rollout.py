@@ -16,7 +16,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -24,18 +24,16 @@ import numpy as np
 
 from posttrain.data._image_chat import ImageSpec, pixel_rows, prompt_image_spec, prompt_pixels
 from posttrain.envs import Budget, ElasticPool, episode_metrics, make_env, run_episodes
-from posttrain.lora import adapter_shardings, merge, param_bytes
-from posttrain.models import Transformer, param_shardings
-from posttrain.parallel import process_meshes, to_process_local
+from posttrain.lora import param_bytes
+from posttrain.models import Transformer
 from posttrain.rewards import (
     overlong_penalty,
 )
 from posttrain.rl._config import EnvConfig, RLConfig
 from posttrain.rl._domains import component_means, tally_components
-from posttrain.rl._scorer import policy_params
+from posttrain.rl._sampler_weights import SamplerSide
 from posttrain.rl._shares import gather_groups, prompt_share
 from posttrain.sampling import Completion, Engine, EngineConfig, generate, generate_continuous
-from posttrain.train._lora import base_shardings
 
 
 def rollout_batch(
@@ -387,18 +385,6 @@ def draw_groups(c: RLConfig, prompts, rollouts: Rollouts, params, step: int):
     return kept, completions, all_rewards, counts
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplerSide:
-    """How a decoupled sampler gets its weights: `published(trained params)` is what the
-    trainer sends each step (the policy; with LoRA only its adapters), placed on the sampler's
-    devices with `shardings`; `prepare(sent) -> weights` runs there (LoRA: merges the adapters
-    into the sampler's own copy of the base)."""
-
-    published: Callable[[Any], Any]
-    shardings: Any
-    prepare: Callable[[Any], Any]
-
-
 class RolloutProducer:
     """Decoupled rollouts: a thread samples and scores batches on the sampler's devices with the
     newest weights it was sent, at most `rollout.max_staleness` steps ahead of the trainer.
@@ -478,53 +464,3 @@ class RolloutProducer:
             self.cond.notify_all()
         if self.started:
             self.thread.join(timeout=300)
-
-
-class SamplerWeights:
-    """What the sampler runs: the policy's params, or with LoRA the frozen base with the
-    adapters merged in. A co-located sampler merges on the trainer's devices; a decoupled one
-    (`on(sampler_mesh)`) keeps its own copy of the base and is sent only the adapters."""
-
-    def __init__(self, c: RLConfig, model_config, mesh, base=None):
-        self.c, self.model_config, self.base, self.lora = c, model_config, base, c.lora
-        if self.lora is not None:
-            self._merge = self._merger(mesh)
-        self._local = None
-        if jax.process_count() > 1:  # each process samples its prompts on its own devices
-            local_mesh, self._stacked = process_meshes(mesh.devices.flat)
-            self._local = param_shardings(model_config, local_mesh)
-
-    def _merger(self, mesh):
-        lora = self.lora
-        shardings = param_shardings(self.model_config, mesh)
-        return jax.jit(lambda base, adapters: merge(base, adapters, lora), out_shardings=shardings)
-
-    def __call__(self, params):
-        """The sampler's weights from the trained params (co-located)."""
-        policy = policy_params(self.c, params)
-        weights = policy if self.lora is None else self._merge(self.base, policy)
-        if self._local is None:
-            return weights
-        return to_process_local(weights, self._local, self._stacked)
-
-    def on(self, sampler_mesh) -> SamplerSide:
-        """The decoupled sampler's side: what is sent (`published`), how it is placed on
-        `sampler_mesh` and turned into weights there."""
-        published = lambda params: policy_params(self.c, params)  # noqa: E731
-        if self._local is not None:  # each process's sampler gets its own copy, device to device
-            if self.lora is not None:
-                raise ValueError("a decoupled LoRA sampler runs in one process for now")
-            shardings = param_shardings(self.model_config, sampler_mesh)
-            return SamplerSide(
-                lambda params: to_process_local(published(params), self._local, self._stacked),
-                shardings,
-                prepare=lambda weights: weights,
-            )
-        if self.lora is None:
-            shardings = param_shardings(self.model_config, sampler_mesh)
-            return SamplerSide(published, shardings, prepare=lambda weights: weights)
-        lora, model_config = self.lora, self.model_config
-        base = jax.device_put(self.base, base_shardings(lora, model_config, sampler_mesh))
-        merge_there = self._merger(sampler_mesh)
-        shardings = adapter_shardings(model_config, lora, sampler_mesh)
-        return SamplerSide(published, shardings, prepare=lambda a: merge_there(base, a))

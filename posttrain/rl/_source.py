@@ -30,10 +30,10 @@ from posttrain.rl._replay import route_shape
 from posttrain.rl._rollout import (
     RolloutProducer,
     Rollouts,
-    SamplerWeights,
     draw_groups,
     rollout_batch,
 )
+from posttrain.rl._sampler_weights import SamplerWeights
 from posttrain.rl._scorer import Scorer
 
 

@@ -45,7 +45,8 @@ from posttrain.rl._offline_rl import offline_rl
 from posttrain.rl._partial import PartialProducer
 from posttrain.rl._prompts import AdaptiveDomains, PromptData
 from posttrain.rl._replay import check_router_replay
-from posttrain.rl._rollout import RolloutProducer, Rollouts, SamplerWeights
+from posttrain.rl._rollout import RolloutProducer, Rollouts
+from posttrain.rl._sampler_weights import SamplerWeights
 from posttrain.rl._scorer import Scorer
 from posttrain.rl._source import RolloutSource
 from posttrain.rl._teacher import Teacher, split_teacher_devices, teacher_model
