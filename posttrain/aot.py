@@ -285,6 +285,23 @@ class _TooLarge(Exception):
     """The step's arguments alone exceed HBM: no compile is needed to know it does not fit."""
 
 
+def _compile_uncached(lowered):
+    """Compiles for the slice with JAX's persistent compilation cache off: libtpu's compile-only
+    client writes its executables there but cannot read them back ("PjRtCompiler must be
+    constructed with a Client"), so a cached plan would only cost a write and a warning."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if not jax.config.jax_enable_compilation_cache:
+        return lowered.compile()
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        return lowered.compile()
+    finally:  # the rest of the process compiles as before
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+
+
 def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport:
     """Compiles `lowering` (on a slice of `generation`, named `topology` in the report) and
     measures its memory, FLOPs and roofline step time."""
@@ -304,7 +321,7 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         try:
             if state_bytes + batch_bytes > FIT_FRACTION * chip.hbm_bytes:
                 raise _TooLarge  # no compile needed to know (a quick smallest-slice search)
-            compiled = lowered.compile()
+            compiled = _compile_uncached(lowered)
             memory = compiled.memory_analysis()
             sizes = (
                 memory.argument_size_in_bytes,

@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A run's place among several processes: set by `launch` for its own runs, never inherited.
+_PROCESSES = ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID",
+              "POSTTRAIN_CHECK_PROCESSES")  # fmt: skip
 
 
 def free_port() -> int:
@@ -32,7 +35,7 @@ def launch(
     Output is text on `stdout` (stderr merged unless given). `unoptimised`: compiled at -O0
     as the in-process tests are (tests/conftest.py; a short run spends most of its time
     compiling: the 2-process GRPO test 46 -> 30 s); False for a long run that mostly executes."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "POSTTRAIN_"))}
+    environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in _PROCESSES}
     environ.update(
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
         + (" --xla_backend_optimization_level=0" if unoptimised else ""),

@@ -18,8 +18,9 @@ from posttrain.demo import ASSETS_DIR
 from posttrain.methods import run_from_config
 from posttrain.models import from_hf
 from posttrain.train import load_checkpoint_model, read_metrics
+from tests.launch import REPO, finish
 from tests.rl.toy import toy_config
-from tests.train.conftest import REPO, finish, start_run
+from tests.train.conftest import start_run
 
 STEPS = 8  # checkpoints every 4 (tests/train/conftest.py SMALL)
 

@@ -6,9 +6,6 @@ process), and export it to gs:// and to a shared local folder byte for byte as o
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,16 +18,10 @@ from posttrain.models._safetensors import STATS, Region, _merge, _runs
 from posttrain.parallel import MeshConfig, make_mesh
 from posttrain.testing import hf_logits, save_tiny_hf_model
 from tests import gcs_emulator
+from tests.launch import launch_group
 from tests.tolerance import assert_close
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARE = 0.5 + 0.1  # what one of 2 processes may read of the tensor bytes
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _tensor_bytes(path: str) -> int:
@@ -49,6 +40,11 @@ SMALL = dict(vocab_size=64, num_hidden_layers=1, intermediate_size=32, num_atten
 SMALL.update(num_key_value_heads=2)
 
 
+# The module fixtures below are built once: one xdist worker runs all of this module's
+# tests (`make test` runs --dist loadgroup; tests/README.md).
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("stream") / "model")
@@ -62,30 +58,14 @@ def two_processes(hf_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("workers")
     downloads = str(out / "downloads.txt")
     emulator, host = gcs_emulator.start("stream-test", stats=downloads)
-    port = _port()
-    drop = ("XLA_FLAGS", "POSTTRAIN_", "TENSORSTORE_GCS")  # the workers get our emulator only
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
-        JAX_PLATFORMS="cpu",
+    env = dict(  # the workers reach our emulator (posttrain.paths points tensorstore at it)
         STORAGE_EMULATOR_HOST=host,
         BUCKET="gs://stream-test",
-        POSTTRAIN_COORDINATOR=f"localhost:{port}",
-        POSTTRAIN_NUM_PROCESSES="2",
         POSTTRAIN_CACHE=str(out / "cache"),
         DOWNLOADS=downloads,
     )
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.models._stream_worker", hf_dir, str(out)],
-            cwd=REPO,
-            env={**env, "POSTTRAIN_PROCESS_ID": str(i)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    argv = ["-m", "tests.models._stream_worker", hf_dir, str(out)]
+    workers = launch_group(argv, processes=2, devices=4, env=env)
     try:
         for i, w in enumerate(workers):
             log, _ = w.communicate(timeout=300)

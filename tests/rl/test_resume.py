@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import jax
@@ -14,8 +13,9 @@ import pytest
 from posttrain.methods import run_from_config
 from posttrain.models import init_params
 from posttrain.train import TrainingDiverged, load_checkpoint_model, read_metrics
+from tests.launch import finish, launch
 
-from .toy import REPO, TWO_DOMAIN_REWARDS, toy_config, two_domain_prompts
+from .toy import TWO_DOMAIN_REWARDS, toy_config, two_domain_prompts
 
 STEPS = 8
 # Wall-clock times: the only metrics a resumed run cannot repeat.
@@ -34,27 +34,8 @@ print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
 
 def _start(workdir, overrides, step_delay=0.0) -> subprocess.Popen:
     """A GRPO run on the toy task in a fresh Python process (as `posttrain train` would be)."""
-    env = {
-        **os.environ,
-        "STEP_DELAY": str(step_delay),
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-c", _RUNNER, str(workdir), json.dumps(overrides)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _finish(process, timeout=600) -> str:
-    out, _ = process.communicate(timeout=timeout)
-    if process.returncode != 0:
-        pytest.fail(f"the RL run failed ({process.returncode}):\n{out[-3000:]}")
-    return out
+    argv = ["-c", _RUNNER, str(workdir), json.dumps(overrides)]
+    return launch(argv, devices=8, env={"STEP_DELAY": str(step_delay)})
 
 
 def _committed(workdir, step) -> bool:
@@ -91,8 +72,8 @@ def test_grpo_resumes_bitwise_after_sigkill(tmp_path):
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert not _committed(tmp_path / "killed", STEPS)
-    assert f"STOPPED completed {STEPS}" in _finish(_start(tmp_path / "killed", overrides))
-    assert f"STOPPED completed {STEPS}" in _finish(straight)
+    assert f"STOPPED completed {STEPS}" in finish(_start(tmp_path / "killed", overrides))
+    assert f"STOPPED completed {STEPS}" in finish(straight)
 
     a, b = read_metrics(str(tmp_path / "straight")), read_metrics(str(tmp_path / "killed"))
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))

@@ -3,11 +3,9 @@
 import json
 import os
 import subprocess
-import sys
-
-import pytest
 
 from posttrain.config import load_config_file, override
+from tests.launch import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,8 +34,7 @@ def small_config(**overrides):
 
 _RUNNER = """
 import json, os, sys, time
-sys.path.insert(0, {tests!r})
-from train.conftest import small_config
+from tests.train.conftest import small_config
 from posttrain.methods import run_from_config
 delay = float(os.environ.get("STEP_DELAY", "0"))
 config = small_config(**json.loads(sys.argv[2]))
@@ -48,28 +45,10 @@ print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
 
 
 def start_run(workdir, *, step_delay=0.0, **overrides) -> subprocess.Popen:
-    """Starts `run_from_config` on the small config in a fresh Python process."""
-    env = {
-        **os.environ,
-        "STEP_DELAY": str(step_delay),
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-    }
-    script = _RUNNER.format(tests=os.path.join(REPO, "tests"))
-    return subprocess.Popen(
-        [sys.executable, "-c", script, str(workdir), json.dumps(overrides)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def finish(process: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = process.communicate(timeout=timeout)
-    if process.returncode != 0:
-        pytest.fail(f"training process failed ({process.returncode}):\n{out[-3000:]}")
-    return out
+    """Starts `run_from_config` on the small config in a fresh Python process (8 fake devices,
+    tests/launch.py); `step_delay` seconds of sleep after each step's metrics."""
+    argv = ["-c", _RUNNER, str(workdir), json.dumps(overrides)]
+    return launch(argv, devices=8, env={"STEP_DELAY": str(step_delay)})
 
 
 def train_losses(workdir) -> list[tuple[int, float]]:

@@ -13,9 +13,15 @@ import pytest
 
 from posttrain.models import from_hf, to_hf
 from posttrain.train import load_checkpoint_model
-from tests.train.conftest import finish, start_run, train_losses
+from tests.launch import finish
+from tests.train.conftest import start_run, train_losses
 
 STEPS = 12
+
+
+# The module fixtures below are built once: one xdist worker runs all of this module's
+# tests (`make test` runs --dist loadgroup; tests/README.md).
+pytestmark = pytest.mark.xdist_group(__name__)
 
 
 @pytest.fixture(scope="module")
