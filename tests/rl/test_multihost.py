@@ -61,16 +61,18 @@ DECOUPLED = {"rollout__sampler_devices": 1, "data__batch_size": 6}
 DECOUPLED_ONE = {"rollout__sampler_devices": 2, "data__batch_size": 6}
 
 
+# The default suite runs co-located GRPO and decoupled PPO (~50 s each): together they meet
+# both rollout paths and the critic's values crossing processes; the other two combinations
+# are slow tests (make test-slow).
 @pytest.mark.parametrize(
     "method, two_extra, one_extra",
     [
-        (GRPO, {}, {}),
-        (GRPO, DECOUPLED, DECOUPLED_ONE),
+        pytest.param(GRPO, {}, {}, id="grpo"),
+        pytest.param(GRPO, DECOUPLED, DECOUPLED_ONE, id="grpo-decoupled", marks=pytest.mark.slow),
         # PPO: the critic's values are gathered like the log-probs, GAE on every process.
-        (PPO, {}, {}),
-        (PPO, DECOUPLED, DECOUPLED_ONE),
+        pytest.param(PPO, {}, {}, id="ppo", marks=pytest.mark.slow),
+        pytest.param(PPO, DECOUPLED, DECOUPLED_ONE, id="ppo-decoupled"),
     ],
-    ids=["grpo", "grpo-decoupled", "ppo", "ppo-decoupled"],
 )
 def test_rl_on_two_processes_matches_one_from_a_trained_start(
     tmp_path, trained_tiny, method, two_extra, one_extra
