@@ -14,16 +14,16 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || echo "bubblewrap (bwrap) missing: the sandbox tests will be skipped; apt-get install bubblewrap"
 	$(PY) -m ruff check posttrain tests benchmarks configs notebooks tpu_scripts
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=40
+	$(PY) -m pytest -n 2 --durations=40
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup -m slow --durations=15
+	$(PY) -m pytest -n 2 -m slow --durations=15
 
 # The default suite with XLA:CPU held to 128-bit vectors: reductions sum in another order, as on
 # another CPU (tests/README.md). Not part of CI: it doubles the suite's time. XLA:CPU cannot
 # convert float16 below AVX (no F16C): the float16 test is left out.
 test-perturbed: $(STAMP)
-	XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 $(PY) -m pytest -n 2 --dist loadgroup --durations=15 \
+	XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 $(PY) -m pytest -n 2 --durations=15 \
 		--deselect tests/losses/test_reward.py::test_low_precision_inputs_compute_in_float32
 
 demo: $(STAMP)

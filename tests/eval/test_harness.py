@@ -64,11 +64,6 @@ def always_one(record, completion):
     return 1.0, {}
 
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, devices):
     """An 8-step SFT run with checkpoints at 4 and 8, the eval loss and the suite at both."""

@@ -95,11 +95,6 @@ def test_merged_params_equal_the_wrapped_forward(preset):
     np.testing.assert_allclose(np.asarray(merged), np.asarray(wrapped), atol=1e-5)
 
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def trained_llama(tmp_path_factory):
     """A tiny HF Llama with adapters trained a few SGD steps (so B != 0)."""

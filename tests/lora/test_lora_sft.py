@@ -45,11 +45,6 @@ def _eval_accuracy(config, params, model_config):
     return totals["accuracy_sum"] / totals["num_tokens"]
 
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, devices):
     workdir = str(tmp_path_factory.mktemp("lora_sft"))

@@ -40,11 +40,6 @@ SMALL = dict(vocab_size=64, num_hidden_layers=1, intermediate_size=32, num_atten
 SMALL.update(num_key_value_heads=2)
 
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("stream") / "model")

@@ -40,11 +40,6 @@ def _losses(workdir) -> list[float]:
     return [r["loss"] for r in read_metrics(str(workdir))]
 
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("nnx_sft")

@@ -150,15 +150,10 @@ def test_resume_continues_exactly(tmp_path):
     assert saved["used"] > 0
 
 
-def test_rejection_sampling_stage_runs_before_rl(tmp_path):
-    # A briefly supervised model, so that completions end (random ones never emit EOS).
-    sft = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny")
-    sft.eval_data = []
-    sft.train.steps, sft.train.progress, sft.data.max_len = 40, False, 64
-    sft.mesh.ici = {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
-    run_from_config(sft, str(tmp_path / "sft"))
+def test_rejection_sampling_stage_runs_before_rl(tmp_path, trained_tiny):
+    # A trained start, so that completions end (random ones never emit EOS).
     overrides = {
-        "model__checkpoint": str(tmp_path / "sft"),
+        "model__checkpoint": trained_tiny,
         "train__steps": 2,
         "rft__steps": 6,
         "rft__prompts": 32,

@@ -82,11 +82,6 @@ def test_replaying_the_models_own_routing_changes_nothing():
     assert lm_logits(params, moved, config).shape == (2, 12, config.vocab_size)
 
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def sampled():
     """(trainer params, sampler model, the rollout batch of its samples with their routing)."""

@@ -67,11 +67,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("serve") / "model"

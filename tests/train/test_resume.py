@@ -19,11 +19,6 @@ from tests.train.conftest import start_run, train_losses
 STEPS = 12
 
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("straight")

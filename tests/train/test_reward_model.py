@@ -32,11 +32,6 @@ def _pairs(records, domain):
     return out
 
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def held_out():
     return make_dataset(64, seed=1)

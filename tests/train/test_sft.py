@@ -23,11 +23,6 @@ from posttrain.train import (
 )
 from tests.train.conftest import REPO, small_config
 
-# The module fixtures below are built once: one xdist worker runs all of this module's
-# tests (`make test` runs --dist loadgroup; tests/README.md).
-pytestmark = pytest.mark.xdist_group(__name__)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, devices):
     workdir = tmp_path_factory.mktemp("sft")
