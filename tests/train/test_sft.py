@@ -23,6 +23,7 @@ from posttrain.train import (
 )
 from tests.train.conftest import REPO, small_config
 
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, devices):
     workdir = tmp_path_factory.mktemp("sft")
