@@ -106,16 +106,20 @@ def pytest_unconfigure(config):
 
 # How `make test` spreads the suite over its xdist workers (tests/README.md):
 # - One worker runs all the tests of a module whose module fixtures train or load a model, so
-#   each is built once (xdist's own `--dist loadgroup` cannot mark them under pytest 9: it
-#   renames test ids through an attribute pytest 9 no longer reads).
-ONE_WORKER = {
-    "tests/train/test_vlm_training.py", "tests/models/test_hf_stream.py",
-    "tests/train/test_resume.py", "tests/lora/test_lora_sft.py", "tests/eval/test_harness.py",
-    "tests/train/test_sft.py", "tests/models/test_nnx_example.py",
-    "tests/train/test_reward_model.py", "tests/sampling/test_serve.py",
-    "tests/lora/test_adapters.py", "tests/rl/test_router_replay.py", "tests/rl/test_loss.py",
-    "tests/rl/test_multihost.py",  # (trained_tiny: the other worker would wait on its lock)
-}  # fmt: skip
+#   each is built once, and of modules that share a file-locked session fixture, so the other
+#   worker never waits on the lock (xdist's own `--dist loadgroup` cannot mark them under
+#   pytest 9: it renames test ids through an attribute pytest 9 no longer reads).
+ONE_WORKER = [
+    ("tests/train/test_vlm_training.py",), ("tests/models/test_hf_stream.py",),
+    ("tests/train/test_resume.py",), ("tests/lora/test_lora_sft.py",),
+    ("tests/eval/test_harness.py",), ("tests/train/test_sft.py",),
+    ("tests/models/test_nnx_example.py",), ("tests/train/test_reward_model.py",),
+    ("tests/sampling/test_serve.py",), ("tests/lora/test_adapters.py",),
+    ("tests/rl/test_router_replay.py",), ("tests/rl/test_loss.py",),
+    ("tests/rl/test_multihost.py",),  # trained_tiny (test_grpo's user starts later)
+    ("tests/envs/test_calculator.py", "tests/envs/test_endpoint.py"),  # calculator_sft
+]  # fmt: skip
+_GROUP_OF = {module: group[0] for group in ONE_WORKER for module in group}
 # - The modules with the longest tests start first, so that no worker is left alone at the end
 #   with one of them.
 START_FIRST = [
@@ -133,7 +137,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's `load` scheduling (one test at a time to whichever worker is free), except that
-    the tests of a module in ONE_WORKER go to one worker together (sent first: xdist sends the
+    the tests of each ONE_WORKER group go to one worker together (sent first: xdist sends the
     largest groups first)."""
     if config.getvalue("dist") != "load":
         return None  # another --dist asked for explicitly
@@ -141,7 +145,6 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0]
-            return module if module in ONE_WORKER else nodeid
+            return _GROUP_OF.get(nodeid.split("::")[0], nodeid)
 
     return Scheduling(config, log)
