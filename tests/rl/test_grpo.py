@@ -83,7 +83,7 @@ def test_engine_and_static_sampler_give_the_same_run(tmp_path):
 
 
 def test_ppo_with_a_critic_raises_the_reward(tmp_path):
-    config = toy_config("tiny", "ppo.py", train__steps=25, data__batch_size=16)
+    config = toy_config("tiny", "ppo.py", train__steps=15, data__batch_size=16)  # (0.03 -> 0.66)
     summary = run_from_config(config, str(tmp_path))
     rows = read_metrics(str(tmp_path))
     # The checkpoint holds {"policy", "value"}: generate, eval and export read the policy.
