@@ -16,18 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # The TPU AOT test loads libtpu; let concurrent test processes each load it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# A persistent compilation cache for this test run only: the controller makes a fresh directory
-# (and removes it in pytest_unconfigure); the xdist workers and the subprocesses tests start
-# inherit it, so a program that several tests compile (the same toy config's step, the same
-# sampler) is compiled once. Every program is cached, however quick to compile: at -O0 most
-# take well under the default 1 s threshold. Nothing crosses runs (tests/README.md).
-if "PYTEST_XDIST_WORKER" not in os.environ:
-    import tempfile
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="posttrain-test-jax-cache-")
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
+# No persistent compilation cache (JAX_COMPILATION_CACHE_DIR): with one, the slow test
+# tests/rl/test_grpo.py::test_resume_continues_exactly deadlocked in XLA:CPU's collectives (8
+# fake devices: "Termination timeout for all reduce RendezvousKey ... only 6 of them arrived")
+# and passes without it (tests/README.md).
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -94,14 +86,6 @@ def trained_tiny(tmp_path_factory):
             finish(launch(argv, unoptimised=False), timeout=900)  # (200 steps: executing)
             (workdir / "done").touch()
     return str(workdir)
-
-
-def pytest_unconfigure(config):
-    """The run's compilation cache goes with the run (the controller made it)."""
-    if "_OWN_CACHE" in globals():
-        import shutil
-
-        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 # How `make test` spreads the suite over its xdist workers (tests/README.md):

@@ -44,9 +44,7 @@ def _losses(workdir) -> list[tuple[int, float]]:
 
 def test_sft_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path):
     url = f"{gcs_bucket}/sft"
-    # The uninterrupted reference first: the runs below then find its programs in the test
-    # run's compilation cache (tests/README.md) instead of compiling them again.
-    finish(start_run(tmp_path / "local", train__steps=STEPS))
+    straight = start_run(tmp_path / "local", train__steps=STEPS)  # the uninterrupted reference
     process = start_run(url, step_delay=0.3, train__steps=STEPS)
     deadline = time.time() + 240
     while not _committed(url, 4):
@@ -58,6 +56,7 @@ def test_sft_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path):
     process.wait()
     assert not _committed(url, STEPS)
     assert f"STOPPED completed {STEPS}" in finish(start_run(url, train__steps=STEPS))
+    finish(straight)
 
     names = _names(url)
     assert {"config.json", "manifest.json", "metrics.jsonl"} <= names
