@@ -91,7 +91,7 @@ def trained_tiny(tmp_path_factory):
 # How `make test` spreads the suite over its xdist workers (tests/README.md):
 # - One worker runs all the tests of a module whose module fixtures train or load a model, so
 #   each is built once, and of modules that share a file-locked session fixture, so the other
-#   worker never waits on the lock (xdist's own `--dist loadgroup` cannot mark them under
+#   worker does not sit waiting on the lock (xdist's own `--dist loadgroup` cannot mark them under
 #   pytest 9: it renames test ids through an attribute pytest 9 no longer reads).
 ONE_WORKER = [
     ("tests/train/test_vlm_training.py",), ("tests/models/test_hf_stream.py",),

@@ -380,3 +380,20 @@ def test_engine_decode_compiles_with_the_ragged_paged_attention_kernel_for_tpu()
             .compile()
         )
     assert "ragged_paged_attention" in compiled.as_text()
+
+
+def test_a_configured_compilation_cache_is_left_out_of_slice_compiles(tmp_path, recwarn):
+    """libtpu's compile-only client cannot read back what it writes to JAX's persistent cache:
+    a plan compiled with a cache configured writes nothing there and warns nothing, and the
+    cache is on again afterwards."""
+    config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny")
+    cache = str(tmp_path / "cache")
+    saved = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", cache)
+    try:
+        compile_plan(override(config, {"model.attention": "xla"}), "v5e-8")
+        assert jax.config.jax_enable_compilation_cache
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved)
+    assert not os.path.exists(cache) or not os.listdir(cache)
+    assert not [w for w in recwarn if "compilation cache" in str(w.message)]
