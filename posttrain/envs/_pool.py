@@ -8,6 +8,7 @@ free (up to `max_workers`), and a thread that finds no work for `idle_s` leaves 
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -19,8 +20,11 @@ class ElasticPool:
     """Runs submitted calls on `min_workers`..`max_workers` threads, grown with the queue.
 
     Attributes:
-      size: threads alive now; peak: the most alive at once; spawned: threads started.
+      size: threads alive now; peak: the most alive at once; spawned: threads started;
+      name: the name of this pool's threads ("posttrain-env-<n>", one n per pool).
     """
+
+    _count = itertools.count()
 
     def __init__(self, min_workers: int = 1, max_workers: int = 8, idle_s: float = 2.0):
         if not 0 <= min_workers <= max_workers or max_workers < 1:
@@ -34,6 +38,7 @@ class ElasticPool:
         self.size = self.peak = self.spawned = 0
         self._pending = self._busy = 0
         self._closed = False
+        self.name = f"posttrain-env-{next(self._count)}"
         for _ in range(min_workers):
             self._spawn()
 
@@ -53,7 +58,7 @@ class ElasticPool:
         self.size += 1
         self.spawned += 1
         self.peak = max(self.peak, self.size)
-        threading.Thread(target=self._work, daemon=True, name="posttrain-env").start()
+        threading.Thread(target=self._work, daemon=True, name=self.name).start()
 
     def _work(self) -> None:
         while True:

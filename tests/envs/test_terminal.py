@@ -424,7 +424,7 @@ def test_code_that_exits_early_fails_the_tests(new_env, exit_call):
 def test_64_concurrent_episodes_on_two_threads_leave_nothing_behind(ws_root):
     root, tag = ws_root / "ws", f"episode-{uuid.uuid4().hex}"
     root.mkdir()
-    threads_seen = []
+    threads_seen = []  # this pool's threads alive (other tests' pools may still be winding down)
     record = {
         "prompt": "go",
         "tests": [{"name": "n", "code": "assert open('n.txt').read().strip().isdigit()"}],
@@ -438,7 +438,7 @@ def test_64_concurrent_episodes_on_two_threads_leave_nothing_behind(ws_root):
             out, _ = _bash(env, f"(exec -a {tag} sleep 30) & cat n.txt")
             assert out == f"exit code: 0\nstdout:\n{i}\n"
             _bash(env, f"test $(cat n.txt) = {i} && touch ok")
-            threads_seen.append(sum(t.name == "posttrain-env" for t in threading.enumerate()))
+            threads_seen.append(sum(t.name == pool.name for t in threading.enumerate()))
             step = env.step({"role": "assistant", "content": "done"})
             return step.reward
         finally:
