@@ -2,12 +2,13 @@
 
 import os
 
+from tests.launch import FAST_COMPILE  # (imports no jax)
+
 # Must be set before jax initialises its backends. The tiny test programs spend far longer in
-# XLA:CPU's LLVM backend than running: compiling them unoptimised (-O0) makes the suite ~30%
-# faster (37:41 -> 26:29 on 2 cores) and changes no result the tests check (tests/README.md).
+# XLA:CPU's compiler than running: FAST_COMPILE (-O0, the older fusion emitters) makes the suite
+# far faster and changes no result the tests check (tests/README.md).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

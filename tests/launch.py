@@ -7,6 +7,11 @@ import socket
 import subprocess
 import sys
 
+# How tests compile XLA:CPU programs they mostly compile rather than run (tests/README.md): LLVM
+# without optimisation (-O0), and fusions through XLA:CPU's older elemental emitters instead of
+# its MLIR fusion emitters, which take longer to compile (tests/models + tests/losses: 221 ->
+# 149 s on 2 cores).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A run's place among several processes: set by `launch` for its own runs, never inherited.
 _PROCESSES = ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID",
@@ -32,13 +37,13 @@ def launch(
 ) -> subprocess.Popen:
     """`python argv...` in the repository with `devices` fake CPU devices; with
     `num_processes`, as process `process_id` of a run whose coordinator is localhost:`port`.
-    Output is text on `stdout` (stderr merged unless given). `unoptimised`: compiled at -O0
-    as the in-process tests are (tests/conftest.py; a short run spends most of its time
+    Output is text on `stdout` (stderr merged unless given). `unoptimised`: compiled with
+    FAST_COMPILE as the in-process tests are (tests/conftest.py; a short run spends most of its time
     compiling: the 2-process GRPO test 46 -> 30 s); False for a long run that mostly executes."""
     environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in _PROCESSES}
     environ.update(
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
-        + (" --xla_backend_optimization_level=0" if unoptimised else ""),
+        + (f" {FAST_COMPILE}" if unoptimised else ""),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
         **(env or {}),
