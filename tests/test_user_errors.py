@@ -57,6 +57,15 @@ def inputs(tmp_path_factory):
     (root / "broken_hf").mkdir()
     (root / "broken_hf" / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
     (root / "prompts.jsonl").write_text('"What is 1 + 1?"\n{"question": 2}\n')
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    for name in ("records", "ev", "hard"):  # data tools' inputs (and an existing output)
+        (root / f"{name}.jsonl").write_text(json.dumps(chat) + "\n")
+    os.symlink(root / "records.jsonl", root / "link.jsonl")
+    os.link(root / "records.jsonl", root / "hardlink.jsonl")
+    (root / "asked.jsonl").write_text('"What is 2 + 2?"\n')
+    (root / "asked.completions.jsonl").write_text('{"completion": "4"}\n')  # a run before
+    (root / "cad").mkdir()
+    (root / "cad" / "train.jsonl").write_text("{}\n")  # a `data cad` run before
     damaged = root / "damaged_hf"  # a model directory whose weights file was cut short
     tiny = get_preset("tiny")
     to_hf(Transformer(init_params(tiny, jax.random.key(0)), tiny), str(damaged))
@@ -246,6 +255,207 @@ CASES = [
         "generate-mesh",
         ["generate", "--model={run}", "--prompt=hi", "--mesh=fsdp=3"],
         "--mesh='fsdp=3'",
+    ),
+    # data tools and generate: an output that is an input, or another output, or exists
+    (
+        "decontaminate-out-is-the-eval-set",
+        [
+            "data",
+            "decontaminate",
+            "--input={root}/records.jsonl",
+            "--eval={root}/ev.jsonl",
+            "--out={root}/ev.jsonl",
+        ],
+        "--out={root}/ev.jsonl is also an input (--eval={root}/ev.jsonl)",
+    ),
+    (
+        "decontaminate-report-is-the-input",
+        [
+            "data",
+            "decontaminate",
+            "--input={root}/records.jsonl",
+            "--eval={root}/ev.jsonl",
+            "--out={root}/new.jsonl",
+            "--report={root}/records.jsonl",
+        ],
+        "--report={root}/records.jsonl is also an input (--input={root}/records.jsonl)",
+    ),
+    (
+        "decontaminate-report-is-the-out",
+        [
+            "data",
+            "decontaminate",
+            "--input={root}/records.jsonl",
+            "--eval={root}/ev.jsonl",
+            "--out={root}/new.jsonl",
+            "--report={root}/new.jsonl",
+        ],
+        "--report={root}/new.jsonl and --out={root}/new.jsonl are the same file",
+    ),
+    (
+        "clean-out-is-the-input",
+        ["data", "clean", "--input={root}/records.jsonl", "--out={root}/records.jsonl"],
+        "is also an input (--input={root}/records.jsonl)",
+    ),
+    (
+        "clean-out-in-the-input-glob",
+        ["data", "clean", "--input={root}/rec*.jsonl", "--out={root}/records.jsonl"],
+        "is also an input (--input={root}/rec*.jsonl)",
+    ),
+    (
+        "clean-out-through-dot-dot",
+        ["data", "clean", "--input={root}/records.jsonl", "--out={root}/run/../records.jsonl"],
+        "is also an input",
+    ),
+    (
+        "clean-out-is-a-symlink-to-the-input",
+        ["data", "clean", "--input={root}/records.jsonl", "--out={root}/link.jsonl"],
+        "--out={root}/link.jsonl is also an input",
+    ),
+    (
+        "clean-out-is-a-hard-link-to-the-input",
+        [
+            "data",
+            "clean",
+            "--input={root}/records.jsonl",
+            "--out={root}/hardlink.jsonl",
+            "--overwrite",
+        ],
+        "--out={root}/hardlink.jsonl is also an input",
+    ),
+    (
+        "clean-overrides-is-the-out",
+        [
+            "data",
+            "clean",
+            "--input={root}/records.jsonl",
+            "--out={root}/ev.jsonl",
+            "--overrides={root}/ev.jsonl",
+            "--overwrite",
+        ],
+        "is also an input (--overrides={root}/ev.jsonl)",
+    ),
+    (
+        "clean-stats-is-the-out",
+        [
+            "data",
+            "clean",
+            "--input={root}/records.jsonl",
+            "--out={root}/new.jsonl",
+            "--stats={root}/new.jsonl",
+        ],
+        "--stats={root}/new.jsonl and --out={root}/new.jsonl are the same file",
+    ),
+    (
+        "clean-rejects-is-the-out",
+        [
+            "data",
+            "clean",
+            "--input={root}/records.jsonl",
+            "--out={root}/new.jsonl",
+            "--rejects={root}/new.jsonl",
+        ],
+        "--rejects={root}/new.jsonl and --out={root}/new.jsonl are the same file",
+    ),
+    (
+        "clean-out-exists",
+        ["data", "clean", "--input={root}/records.jsonl", "--out={root}/ev.jsonl"],
+        "--out={root}/ev.jsonl exists; pass --overwrite to replace it",
+    ),
+    (
+        "clean-workers",
+        ["data", "clean", "--input={root}/records.jsonl", "--out={root}/new.jsonl", "--workers=-3"],
+        "--workers=-3: give 0 (one per CPU core)",
+    ),
+    (
+        "dedup-report-is-the-out",
+        [
+            "data",
+            "dedup",
+            "--input={root}/records.jsonl",
+            "--out={root}/new.jsonl",
+            "--report={root}/new.jsonl",
+        ],
+        "--report={root}/new.jsonl and --out={root}/new.jsonl are the same file",
+    ),
+    (
+        "dedup-clusters-is-the-input",
+        [
+            "data",
+            "dedup",
+            "--input={root}/records.jsonl",
+            "--out={root}/new.jsonl",
+            "--clusters={root}/records.jsonl",
+        ],
+        "--clusters={root}/records.jsonl is also an input",
+    ),
+    (
+        "dedup-report-exists",
+        [
+            "data",
+            "dedup",
+            "--input={root}/records.jsonl",
+            "--out={root}/new.jsonl",
+            "--report={root}/hard.jsonl",
+        ],
+        "--report={root}/hard.jsonl exists; pass --overwrite",
+    ),
+    (
+        "dedup-workers",
+        ["data", "dedup", "--input={root}/records.jsonl", "--out={root}/new.jsonl", "--workers=-3"],
+        "--workers=-3",
+    ),
+    (
+        "stratify-bucket-is-the-input",
+        ["data", "stratify", "--input={root}/hard.jsonl", "--out={root}", "--score-field=s"],
+        "--out={root} (hard.jsonl) is also an input (--input={root}/hard.jsonl)",
+    ),
+    (
+        "build-out-is-a-file",
+        ["data", "build", "--input={root}/records.jsonl", "--out={root}/records.jsonl"],
+        "--out={root}/records.jsonl is a file",
+    ),
+    (
+        "pairs-out-is-the-prompts",
+        [
+            "data",
+            "pairs",
+            "--model={run}",
+            "--prompts={root}/prompts.jsonl",
+            "--out={root}/prompts.jsonl",
+        ],
+        "--out={root}/prompts.jsonl is also an input (--prompts={root}/prompts.jsonl)",
+    ),
+    (
+        "synth-out-exists",
+        [
+            "data",
+            "synth",
+            "--model={run}",
+            "--prompts={root}/prompts.jsonl",
+            "--out={root}/ev.jsonl",
+        ],
+        "--out={root}/ev.jsonl exists",
+    ),
+    (
+        "cad-files-exist",
+        ["data", "cad", "--out={root}/cad", "--sft=1", "--train=1", "--eval=1"],
+        "--out={root}/cad (train.jsonl) exists; pass --overwrite",
+    ),
+    (
+        "generate-out-is-the-prompts-file",
+        [
+            "generate",
+            "--model={run}",
+            "--prompts-file={root}/asked.jsonl",
+            "--out={root}/asked.jsonl",
+        ],
+        "--out={root}/asked.jsonl is also an input (--prompts_file={root}/asked.jsonl)",
+    ),
+    (
+        "generate-default-out-exists",
+        ["generate", "--model={run}", "--prompts-file={root}/asked.jsonl"],
+        "--out={root}/asked.completions.jsonl exists; pass --overwrite",
     ),
     # eval, export, compile, sweep
     ("eval-no-target", ["eval", EVAL], "one of --workdir=DIR or --model=HF_DIR"),

@@ -169,3 +169,9 @@ def mesh(value: str):
         raise UserError(
             f"--mesh={value!r}: {e} (write axis=size pairs, e.g. fsdp=4,tensor=2)"
         ) from None
+
+
+def check_workers(workers: int) -> None:
+    """A --workers flag whose 0 means one process per CPU core."""
+    if workers < 0:
+        raise UserError(f"--workers={workers}: give 0 (one per CPU core) or a number of processes")

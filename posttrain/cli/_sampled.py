@@ -3,6 +3,7 @@ prompts, how to sample and how to score."""
 
 from __future__ import annotations
 
+from posttrain.cli._outputs import check_flags, define_overwrite
 from posttrain.errors import UserError
 
 
@@ -37,6 +38,7 @@ def define_sampling(flags, fv, *, samples: int) -> None:
     flags.DEFINE_float("timeout_s", 10.0, "verifier time per completion", flag_values=fv)
     flags.DEFINE_float("pass_threshold", 1.0, "a sample passes with reward >= this",
                        flag_values=fv)  # fmt: skip
+    define_overwrite(flags, fv)
 
 
 def load(fv):
@@ -54,6 +56,7 @@ def load(fv):
     for pattern in fv.prompts:
         if not paths.glob(pattern):
             raise UserError(f"--prompts={pattern}: no such file")
+    check_flags(fv, inputs=("prompts",), outputs=("out",))
     config = SampleConfig(
         samples=fv.samples,
         max_new_tokens=fv.max_new_tokens,

@@ -44,6 +44,10 @@ def main(argv: list[str]) -> int:
         raise UserError("--input=FILE_OR_GLOB (one or more) and --out=DIR are required")
     if fv.shard_records < 1:
         raise UserError(f"--shard_records={fv.shard_records}: give a positive number")
+    from posttrain import paths
+
+    if not paths.is_remote(fv.out) and os.path.lexists(fv.out) and not os.path.isdir(fv.out):
+        raise UserError(f"--out={fv.out} is a file; give the folder builds go in (<out>/<id>/)")
     from posttrain.data._build import build
 
     result = build(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from posttrain.cli._flags import parse
+from posttrain.cli._outputs import check_flags, define_overwrite
 from posttrain.errors import UserError
 
 HELP = (
@@ -27,6 +28,7 @@ def main(argv: list[str]) -> int:
                           "1 plates, 2 brackets and flanges, 3 gears and enclosures",
                           flag_values=fv)  # fmt: skip
         flags.DEFINE_integer("seed", 0, "seeds every draw", flag_values=fv)
+        define_overwrite(flags, fv)
 
     fv = parse(argv, define, HELP)
     if not fv.out:
@@ -35,7 +37,12 @@ def main(argv: list[str]) -> int:
         raise UserError("--sft, --train and --eval must be at least 1")
     if not fv.levels or any(level not in ("1", "2", "3") for level in fv.levels):
         raise UserError(f"--levels takes 1, 2 and 3, got {fv.levels}")
-    from posttrain.demo._cad import build_cad_assets
+    import os
+
+    from posttrain.demo._cad import ASSET_FILES, build_cad_assets
+
+    files = {f"--out={fv.out} ({f})": os.path.join(fv.out, f) for f in ASSET_FILES}
+    check_flags(fv, inputs=(), outputs=(), more=files)
 
     try:
         paths = build_cad_assets(

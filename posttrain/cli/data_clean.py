@@ -7,7 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from posttrain.cli._flags import parse
+from posttrain.cli._flags import check_workers, parse
+from posttrain.cli._outputs import check_flags, define_overwrite
 from posttrain.errors import UserError
 
 HELP = (
@@ -33,6 +34,7 @@ def main(argv: list[str]) -> int:
                             flag_values=fv)  # fmt: skip
         flags.DEFINE_string("stats", None, "write the counts as JSON to this file", flag_values=fv)
         flags.DEFINE_integer("workers", 0, "processes (0: one per CPU core)", flag_values=fv)
+        define_overwrite(flags, fv)
         flags.DEFINE_string("normalize", "NFC", "NFC, NFKC, NFD, NFKD or none", flag_values=fv)
         flags.DEFINE_bool("strip_control", True, "remove control characters", flag_values=fv)
         flags.DEFINE_bool("drop_empty_turns", True, "remove empty messages", flag_values=fv)
@@ -48,6 +50,8 @@ def main(argv: list[str]) -> int:
     fv = parse(argv, define, HELP)
     if not fv.input or not fv.out:
         raise UserError("--input=PATTERN (one or more) and --out=FILE are required")
+    check_workers(fv.workers)
+    check_flags(fv, inputs=("input", "overrides"), outputs=("out", "rejects", "stats"))
     from posttrain.data._clean import CleanConfig, clean
 
     try:

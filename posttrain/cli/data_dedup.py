@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from posttrain.cli._flags import parse
+from posttrain.cli._flags import check_workers, parse
+from posttrain.cli._outputs import check_flags, define_overwrite
 from posttrain.errors import UserError
 
 HELP = (
@@ -50,10 +51,13 @@ def main(argv: list[str]) -> int:
             "clusters", "", "write every cluster to this JSONL file", flag_values=fv
         )
         flags.DEFINE_string("report", "", "write the report to this JSON file", flag_values=fv)
+        define_overwrite(flags, fv)
 
     fv = parse(argv, define, HELP)
     if not fv.input or not fv.out:
         raise UserError("--input=FILE_OR_GLOB (repeatable) and --out=FILE are required")
+    check_workers(fv.workers)
+    check_flags(fv, inputs=("input",), outputs=("out", "clusters", "report"))
     from rich.console import Console
     from rich.table import Table
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from posttrain.cli._flags import parse
+from posttrain.cli._outputs import check_flags, define_overwrite
 from posttrain.errors import UserError
 
 HELP = (
@@ -43,6 +44,7 @@ def main(argv: list[str]) -> int:
                           "for difficulty ratings", flag_values=fv)  # fmt: skip
         flags.DEFINE_string("format", "jsonl", "bucket files: jsonl, parquet or arrayrecord",
                             flag_values=fv)  # fmt: skip
+        define_overwrite(flags, fv)
 
     fv = parse(argv, define, HELP)
     if not fv.input or not fv.out:
@@ -52,12 +54,17 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from posttrain.data._stratify import read_pass_rates, stratify_records
+    from posttrain import paths
+    from posttrain.data._stratify import bucket_names, read_pass_rates, stratify_records
 
     try:
         edges = [float(e) for e in fv.edges] or None
     except ValueError:
         raise UserError(f"--edges={','.join(fv.edges)}: numbers, e.g. 0.2,0.8") from None
+    names = fv.names or bucket_names(len(edges) + 1 if edges else fv.buckets)
+    files = [f"{n}.{fv.format}" for n in names] + ["stratify.json"]
+    check_flags(fv, inputs=("input", "pass_rates"), outputs=(),
+                more={f"--out={fv.out} ({f})": paths.join(fv.out, f) for f in files})  # fmt: skip
     rates = read_pass_rates(fv.pass_rates) if fv.pass_rates else None
     if fv.model:
         rates = _sampled(fv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from posttrain.cli._flags import define_mesh, mesh, parse
+from posttrain.cli._outputs import check_flags, define_overwrite
 from posttrain.errors import UserError
 
 HELP = (
@@ -25,7 +26,9 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_string("model", None, "HF model directory or training workdir", flag_values=fv)
         flags.DEFINE_string("prompt", None, "prompt text (streamed answer)", flag_values=fv)
         flags.DEFINE_string("prompts_file", None, "JSONL of prompts (batch mode)", flag_values=fv)
-        flags.DEFINE_string("out", None, "batch-mode output JSONL", flag_values=fv)
+        flags.DEFINE_string("out", None, "batch-mode output JSONL (default: the prompts "
+                            "file's name with .completions.jsonl)", flag_values=fv)  # fmt: skip
+        define_overwrite(flags, fv)
         flags.DEFINE_bool(
             "chat", False, "wrap the prompt as a user turn of the chat template", flag_values=fv
         )
@@ -43,7 +46,7 @@ def main(argv: list[str]) -> int:
     import jax
 
     from posttrain import paths
-    from posttrain.sampling import check_settings
+    from posttrain.sampling import check_settings, default_out
     from posttrain.train import load_model_and_tokenizer
 
     check_settings(  # before the model loads
@@ -52,6 +55,9 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     if fv.prompts_file and not paths.path(fv.prompts_file).is_file():
         raise UserError(f"--prompts-file={fv.prompts_file}: no such file")
+    if fv.prompts_file:
+        fv.out = fv.out or default_out(fv.prompts_file)
+        check_flags(fv, inputs=("prompts_file",), outputs=("out",))
 
     devices = mesh(fv.mesh)
     with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():

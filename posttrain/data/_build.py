@@ -49,7 +49,13 @@ from posttrain.data._build_check import (
     sha256_file,
     verify,
 )
-from posttrain.data._io import RecordWriter, read_records
+from posttrain.data._io import (
+    RecordWriter,
+    clear_stale,
+    default_mode,
+    read_records,
+    staging_name,
+)
 from posttrain.data._sources import Records
 
 
@@ -117,7 +123,9 @@ def build(
     if found := _built_before(out_dir, described, params, shard_records):
         manifest = verify(found)
         return BuildResult(manifest["id"], found, True, manifest)
-    staging = tempfile.mkdtemp(prefix=".build-", dir=out_dir if local else None)
+    if local:
+        clear_stale(out_dir, ".build-")  # what a killed build left
+    staging = tempfile.mkdtemp(prefix=staging_name(".build-"), dir=out_dir if local else None)
     try:
         manifest = _write(readers, described, staging, shard_records, params, progress)
         return _publish(staging, out_dir, manifest)
@@ -222,7 +230,7 @@ def _publish(staging: str, out_dir: str, manifest: dict[str, Any]) -> BuildResul
     if not paths.is_remote(final):
         if os.path.exists(final):
             raise ValueError(f"{final} exists but holds no {MANIFEST}; remove it and build again")
-        os.chmod(staging, 0o755)  # mkdtemp's folder is private; a build is for everyone to read
+        os.chmod(staging, default_mode(folder=True))  # (mkdtemp's folder is private)
         os.replace(staging, final)
     else:  # an earlier upload cut short left no manifest: the same files go up again
         for name in sorted(os.listdir(staging), key=lambda n: n == MANIFEST):  # manifest last

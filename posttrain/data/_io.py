@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -48,6 +49,52 @@ def kind_of(path: str) -> str:
     return _KINDS[suffix]
 
 
+def staging_name(stem: str) -> str:
+    """The start of a staging file's or folder's name for this process: `<stem><pid>.`, so that
+    `clear_stale` tells a killed run's leftovers from a running one's."""
+    return f"{stem}{os.getpid()}."
+
+
+def clear_stale(folder: str, stem: str) -> list[str]:
+    """Removes what killed runs left in `folder` while staging: the entries named
+    `<stem><pid>.*` (`staging_name`) whose process is gone. Returns their names."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = name[len(stem) :].split(".", 1)[0] if name.startswith(stem) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        full = os.path.join(folder, name)
+        with contextlib.suppress(FileNotFoundError):  # (another run cleared it first)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.remove(full)
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def default_mode(folder: bool = False) -> int:
+    """The permissions a new file (or folder) gets under the process's umask, as `open` gives
+    them; `mkstemp` and `mkdtemp` make theirs private, which a published output must not be."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if folder else 0o666) & ~umask
+
+
 class RecordWriter:
     """Writes records (JSON-able dicts) to `path`, its format by suffix. The records go to a
     temporary local file that replaces (or uploads to) `path` on `close()`; an exception inside
@@ -60,9 +107,11 @@ class RecordWriter:
     def __init__(self, path: str):
         self.path, self.kind, self.count = path, kind_of(path), 0
         folder = None if paths.is_remote(path) else os.path.dirname(os.path.abspath(path))
+        stem = f".{Path(path).name}."
         if folder:
             os.makedirs(folder, exist_ok=True)
-        fd, self._tmp = tempfile.mkstemp(prefix=f".{Path(path).name}.", suffix=".part", dir=folder)
+            clear_stale(folder, stem)  # a killed run's staging file of this output
+        fd, self._tmp = tempfile.mkstemp(prefix=staging_name(stem), suffix=".part", dir=folder)
         os.close(fd)
         self._rows: list[dict] = []
         self._parquet = None
@@ -119,6 +168,7 @@ class RecordWriter:
             paths.upload(self._tmp, self.path)
             os.remove(self._tmp)
         else:
+            os.chmod(self._tmp, default_mode())
             os.replace(self._tmp, self.path)
 
     def abort(self) -> None:

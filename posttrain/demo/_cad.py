@@ -97,6 +97,10 @@ def build_cad_tokenizer(out_dir: str | Path, texts: Sequence[str]) -> str:
     return build_tokenizer(out_dir, texts=texts, chat_template=CALCULATOR_TEMPLATE)
 
 
+# What `build_cad_assets` writes into its folder.
+ASSET_FILES = ("tokenizer", "sft.jsonl", "trajectories.jsonl", "train.jsonl", "eval.jsonl")
+
+
 def build_cad_assets(
     out_dir: str | Path,
     *,

@@ -8,7 +8,7 @@ from posttrain.sampling._continuous import (
 )
 from posttrain.sampling._engine import Engine, EngineConfig, EngineStats, Request
 from posttrain.sampling._generate import Completion, check_settings, generate
-from posttrain.sampling._run import run_generate
+from posttrain.sampling._run import default_out, run_generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
 from posttrain.sampling._serve import ServeConfig, serve
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup
@@ -29,6 +29,7 @@ __all__ = [
     "Request",
     "request_completions",
     "run_generate",
+    "default_out",
     "sample_tokens",
     "serve",
     "ServeConfig",

@@ -21,6 +21,11 @@ def _render(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def default_out(prompts_file: str) -> str:
+    """Where `generate` writes a prompts file's completions without --out."""
+    return os.path.splitext(prompts_file)[0] + ".completions.jsonl"
+
+
 def run_generate(
     model,
     tokenizer,
@@ -71,7 +76,7 @@ def run_generate(
         results = generate(model, tokenizer, ids, n=n, seed=seed, **settings)
     else:  # the paged engine: prompts of any mix of lengths, n samples share their prefill
         results = generate_continuous(model, tokenizer, ids, n=n, seed=seed, slots=32, **settings)
-    out = out or os.path.splitext(prompts_file)[0] + ".completions.jsonl"
+    out = out or default_out(prompts_file)
     records = [
         {
             "prompt": text,

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import grain
@@ -145,6 +147,26 @@ def test_building_again_reuses_the_build_and_a_changed_file_is_refused(
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="manifest.json: was edited"):
         verify(first.path)
+
+
+def test_a_build_is_readable_under_the_umask_and_a_killed_builds_staging_is_cleared(
+    tmp_path, inputs
+):
+    sources, _, _ = inputs
+    out = tmp_path / "builds"
+    out.mkdir()
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()  # a pid no process has: a killed build's
+    (out / f".build-{process.pid}.k1ll3d").mkdir()
+    (out / f".build-{process.pid}.k1ll3d" / "shard-00000.arrayrecord").write_bytes(b"part")
+    old = os.umask(0o022)
+    try:
+        result = build(sources, str(out), shard_records=SHARD, progress=False)
+    finally:
+        os.umask(old)
+    assert os.listdir(out) == [result.id]  # the staging of the killed build is gone
+    assert Path(result.path).stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in Path(result.path).iterdir()} == {0o644}
 
 
 def test_one_changed_record_changes_the_id_and_diff_names_it(tmp_path, inputs):

@@ -119,6 +119,9 @@ def test_cli_writes_the_report(data, tmp_path):
             f"--out={tmp_path / 'o.jsonl'}", f"--report={report}", "--workers=1"]  # fmt: skip
     assert main(argv) == 0
     assert json.loads(report.read_text())["dropped"] == 5
+    with pytest.raises(UserError, match="o.jsonl exists; pass --overwrite"):
+        main(argv)
+    argv.append("--overwrite")
     with pytest.raises(UserError, match="ngram must be 1 to 64"):
         main([*argv, "--ngram=0"])
     with pytest.raises(FileNotFoundError, match="missing.txt"):

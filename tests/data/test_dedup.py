@@ -218,8 +218,10 @@ def test_cli_writes_the_report_and_rejects_bad_flags(run, tmp_path):
     got = json.loads(rep.read_text())
     assert (got["kept"], got["dropped_near"]) == (report["kept"], report["dropped_near"])
     assert out.exists()
+    with pytest.raises(UserError, match="o.parquet exists; pass --overwrite"):
+        main(argv)
     with pytest.raises(UserError, match="bands=4 rows=0"):
-        main([*argv, "--bands=4"])
+        main([*argv, "--bands=4", "--overwrite"])
     with pytest.raises(UserError, match="required"):
         main(["posttrain data dedup", f"--out={out}"])
 

@@ -32,3 +32,42 @@ def test_a_failed_write_leaves_nothing_and_parquet_refuses_new_fields(tmp_path, 
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="unsupported suffix '.csv'"):
         RecordWriter(str(tmp_path / "out.csv"))
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and was reaped)."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_outputs_take_the_users_umask(tmp_path, umask):
+    import os
+
+    old = os.umask(umask)
+    try:
+        for suffix in ("jsonl", "parquet", "arrayrecord"):
+            with RecordWriter(str(tmp_path / f"out.{suffix}")) as writer:
+                writer.write(RECORDS[0])
+            assert (tmp_path / f"out.{suffix}").stat().st_mode & 0o777 == 0o666 & ~umask
+    finally:
+        os.umask(old)
+
+
+def test_a_killed_writers_staging_file_is_cleared_by_the_next_one(tmp_path):
+    import os
+
+    dead = tmp_path / f".out.jsonl.{_dead_pid()}.k1ll3d.part"  # a run killed mid-write
+    live = tmp_path / f".out.jsonl.{os.getpid()}.w0rk1n.part"  # a writer of this process
+    other = tmp_path / f".other.jsonl.{_dead_pid()}.x.part"  # another output's: not ours
+    for path in (dead, live, other):
+        path.write_text("partial")
+    with RecordWriter(str(tmp_path / "out.jsonl")) as writer:
+        writer.write(RECORDS[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["out.jsonl", live.name, other.name]
+    )
