@@ -99,7 +99,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.env.fault_rate = 0.0  # > 0: tool calls fail this often (timeouts, errors, empty results)
     c.env.workers_min = 0  # the tool worker pool shrinks to this many threads when idle
     c.env.workers_max = 8  # and grows to this many while tool calls wait
-    # Reward of episodes cut by a budget (None: scored like finished ones).
+    # Reward of episodes cut by a budget (None: scored like finished ones; 0 in an environment
+    # registered with `rewards=True`).
     c.env.truncated_reward = ml_collections.config_dict.placeholder(float)
 
     c.algorithm = ml_collections.ConfigDict()

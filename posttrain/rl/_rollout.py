@@ -23,7 +23,14 @@ import jax
 import numpy as np
 
 from posttrain.data._image_chat import ImageSpec, pixel_rows, prompt_image_spec, prompt_pixels
-from posttrain.envs import Budget, ElasticPool, episode_metrics, make_env, run_episodes
+from posttrain.envs import (
+    Budget,
+    ElasticPool,
+    episode_metrics,
+    make_env,
+    rewards_itself,
+    run_episodes,
+)
 from posttrain.lora import param_bytes
 from posttrain.models import Transformer
 from posttrain.rewards import (
@@ -309,11 +316,20 @@ class Rollouts:
         flat = [(p, ep) for p, group in zip(prompts, episodes, strict=True) for ep in group]
         rewards = np.zeros(len(flat), np.float32)
         scored = []
+        own = rewards_itself(e.name)  # its records need no reward domain: never the pool
         for i, (_, ep) in enumerate(flat):
             if ep.truncated and e.truncated_reward is not None:
                 rewards[i] = e.truncated_reward
             elif ep.reward is not None:
                 rewards[i] = ep.reward
+            elif own and ep.truncated:
+                rewards[i] = 0.0  # cut by a budget before the environment scored it
+            elif own:
+                raise ValueError(
+                    f"environment {e.name!r} is registered with rewards=True but ended an "
+                    "episode without a reward (Step.reward=None); return the episode's reward "
+                    "when done, or register it without rewards=True to score by domain"
+                )
             else:
                 scored.append(i)
         if scored:

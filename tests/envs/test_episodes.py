@@ -1,6 +1,8 @@
 """Multi-turn episodes on the engine: token in / token out (the trainer scores exactly what the
 sampler drew; observation tokens carry no loss), budgets, tool errors and their metrics."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -20,6 +22,8 @@ from posttrain.envs import (
 from posttrain.models import Transformer, get_preset
 from posttrain.sampling import Engine, EngineConfig
 from tests.envs.conftest import assert_trained_as_sampled
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +182,60 @@ def test_pool_grows_with_the_queue_and_shrinks_when_idle():
     assert pool.size == 1  # idle threads left, down to min_workers
     assert pool.submit(lambda: 7).result(timeout=5) == 7
     pool.close()
+
+
+_USER_ENV_CONFIG = """
+from posttrain.config import load_config_file
+from posttrain.envs import Environment, Step, prompt_messages, register_env
+
+
+class Chatty(Environment):
+    '''Scores its own episodes (rewards=True) but never ends one: every episode is cut by a
+    budget, before the environment gives a reward.'''
+
+    def reset(self):
+        return prompt_messages(self.record)
+
+    def step(self, message):
+        return Step([{{"role": "user", "content": "go on"}}])
+
+
+register_env("chatty", Chatty, rewards=True)
+
+
+def get_config(_):
+    c = load_config_file({grpo!r})
+    c.model.checkpoint = ""  # a random start: the episodes are cut whatever it samples
+    c.data.sources = [{{"path": {data!r}, "weight": 1.0, "domain": "chatty", "format": "auto"}}]
+    c.eval_data = []
+    c.data.batch_size = 4  # x 2 samples: a row per fake device
+    c.rollout.num_generations = 2
+    c.env.name = "chatty"
+    c.env.max_turns = 2
+    c.train.steps = 2
+    c.train.progress = False
+    c.checkpoint.async_save = False
+    return c
+"""
+
+
+def test_a_self_rewarding_environments_cut_episodes_train_from_the_cli(tmp_path):
+    """An environment registered with rewards=True, whose records name a domain nobody
+    registered (as configs/agent.py's terminal presets do), and every episode cut by a budget:
+    GRPO from the CLI with the default env.truncated_reward gives them 0, never the reward pool
+    (which would stop the run: unknown reward domain 'chatty')."""
+    import json
+
+    from posttrain import cli
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("hi", "yo", "ok", "no")))
+    config = tmp_path / "user_env.py"
+    grpo = os.path.join(REPO, "configs", "grpo.py") + ":tiny"
+    config.write_text(_USER_ENV_CONFIG.format(grpo=grpo, data=str(data)))
+    workdir = tmp_path / "run"
+    assert cli.main(["train", f"--config={config}:x", f"--workdir={workdir}"]) == 0
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("split") == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["episode/truncated"] == 1.0 and r["reward"] == 0.0 for r in train), train
