@@ -229,7 +229,9 @@ def test_a_self_rewarding_environments_cut_episodes_train_from_the_cli(tmp_path)
     from posttrain import cli
 
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("hi", "yo", "ok", "no")))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("hi", "yo", "ok", "no"))
+    )
     config = tmp_path / "user_env.py"
     grpo = os.path.join(REPO, "configs", "grpo.py") + ":tiny"
     config.write_text(_USER_ENV_CONFIG.format(grpo=grpo, data=str(data)))
