@@ -253,10 +253,13 @@ def topology_devices(topology: str, num_slices: int = 1):
     """(generation, devices) of a TPU slice from libtpu's topologies (nothing runs on them).
 
     Raises:
-      ConfigError: an unknown topology.
+      ConfigError: an unknown topology, or fewer than one slice.
       ImportError: libtpu is not installed (install the `tpu` extra).
     """
     from jax.experimental import topologies
+
+    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
+        raise ConfigError(f"num_slices={num_slices}: a plan spans 1 or more slices (over DCN)")
 
     try:
         import libtpu  # noqa: F401

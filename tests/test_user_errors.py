@@ -234,7 +234,17 @@ CASES = [
     (
         "generate-temperature",
         ["generate", "--model={run}", "--prompt=hi", "--temperature=-1"],
-        "temperature must be >= 0",
+        "temperature must be a finite number >= 0",
+    ),
+    (
+        "generate-temperature-nan",
+        ["generate", "--model={run}", "--prompt=hi", "--temperature=nan"],
+        "temperature must be a finite number >= 0 (0 is greedy), got nan",
+    ),
+    (
+        "generate-temperature-infinity",
+        ["generate", "--model={run}", "--prompt=hi", "--temperature=Infinity"],
+        "got inf",
     ),
     (
         "generate-prompts-file",
@@ -457,6 +467,14 @@ CASES = [
         ["generate", "--model={run}", "--prompts-file={root}/asked.jsonl"],
         "--out={root}/asked.completions.jsonl exists; pass --overwrite",
     ),
+    # serve: flags refused before the model loads
+    ("serve-port-range", ["serve", "--model={run}", "--port=70000"], "--port=70000: a port is 0"),
+    ("serve-negative-port", ["serve", "--model={run}", "--port=-1"], "--port=-1"),
+    (
+        "serve-foreign-address",
+        ["serve", "--model={run}", "--host=192.0.2.1", "--port=0"],
+        "--host=192.0.2.1 --port=0: cannot listen there (Cannot assign requested address)",
+    ),
     # eval, export, compile, sweep
     ("eval-no-target", ["eval", EVAL], "one of --workdir=DIR or --model=HF_DIR"),
     ("eval-not-a-run", ["eval", EVAL, "--model={root}/not_a_model"], "neither a training workdir"),
@@ -473,6 +491,16 @@ CASES = [
         "no checkpoint",
     ),
     ("compile-topology", ["compile", SFT, "--topology=v9z-8"], "v9z-8"),
+    (
+        "compile-no-slices",
+        ["compile", SFT, "--topology=v5p-8", "--num_slices=0"],
+        "num_slices=0: a plan spans 1 or more slices",
+    ),
+    (
+        "compile-negative-slices",
+        ["compile", SFT, "--topology=v5p-8", "--num-slices=-2"],
+        "num_slices=-2",
+    ),
     (
         "sweep-no-workdir",
         ["sweep", f"--config={REPO}/configs/sweeps/sft_lr_seeds.py"],

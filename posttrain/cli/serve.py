@@ -67,6 +67,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--num-blocks must be >= 0 (0: sized to fit), got {fv.num_blocks}")
     if fv.speculative < -1:
         raise UserError(f"--speculative must be >= 0 (0: plain decoding), got {fv.speculative}")
+    _check_address(fv.host, fv.port)
     import jax
 
     from posttrain.sampling import ServeConfig, serve
@@ -88,6 +89,23 @@ def main(argv: list[str]) -> int:
         module = _mtp_module(fv.model, devices) if fv.mtp else None
     serve(model, tokenizer, config, host=fv.host, port=fv.port, mesh=devices, mtp=module)
     return 0
+
+
+def _check_address(host: str, port: int) -> None:
+    """Refuses, before the model loads, an address the server could not listen on."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port={port}: a port is 0 to 65535 (0: any free one)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:  # (socket.gaierror included: a host that does not resolve)
+        reason = e.strerror or str(e)
+        raise UserError(f"--host={host} --port={port}: cannot listen there ({reason})") from None
 
 
 def _mtp_module(path: str, devices):

@@ -16,6 +16,7 @@ output does not depend on the chunk size, and the same inputs give the same file
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -68,8 +69,9 @@ class SampleConfig:
             raise ConfigError("samples, max_new_tokens and max_prompt_len must be >= 1")
         if self.chunk < 1 or self.offset < 0 or self.limit < 0:
             raise ConfigError("chunk must be >= 1, offset and limit >= 0")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ConfigError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
+        finite = math.isfinite(self.temperature)
+        if not (finite and self.temperature >= 0) or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError("temperature must be finite and >= 0, top_p in (0, 1], top_k >= 0")
 
 
 def _prompts(sources, tokenizer, c: SampleConfig, counts: dict, registry) -> Iterator[dict]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -150,8 +151,10 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_p: float, top
     """Raises a ValueError naming the first sampling setting out of range."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not (temperature >= 0 and math.isfinite(temperature)):  # (NaN compares False)
+        raise ValueError(
+            f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
+        )
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:

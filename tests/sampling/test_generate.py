@@ -210,7 +210,16 @@ def test_stop_strings_and_eos():
         (dict(n=0), "n .* must be >= 1"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+        (
+            dict(temperature=float("nan")),
+            r"temperature must be a finite number >= 0 \(0 is greedy\), got nan",
+        ),
+        (
+            dict(temperature=float("inf")),
+            r"temperature must be a finite number >= 0 \(0 is greedy\), got inf",
+        ),
+        (dict(top_p=float("nan")), r"top_p must be in \(0, 1\]"),
         (dict(top_k=-2), "top_k must be >= 0"),
         (dict(prompts=["abc"]), "pass a tokenizer"),
         (dict(prompts=[[]]), "prompt 0 is empty"),
