@@ -107,3 +107,20 @@ def test_exit_codes_tell_a_scheduler_what_happened(monkeypatch, tmp_path, capsys
     monkeypatch.setattr(methods, "run_from_config", bug)
     assert cli.main(argv) == errors.EXIT_BUG
     assert "Traceback" in capsys.readouterr().err  # a bug keeps its traceback
+
+
+def test_list_fields_are_set_from_the_command_line(capsys):
+    """docs/configs.md: any field can be set, a list as a JSON or Python literal."""
+    from posttrain.cli._flags import config_flag, parse
+
+    source = {"path": "a.jsonl", "weight": 2.0, "domain": "math", "format": "auto"}
+    argv = ["posttrain train", "--config=configs/grpo.py:tiny", "--config.eval_data=[]",
+            f"--config.data.sources=[{source}]",  # Python (single quotes)
+            '--config.lora.targets=["attn/q$", "mlp/up$"]']  # JSON  # fmt: skip
+    fv = parse(argv, lambda flags, fv: config_flag(fv, argv))
+    assert fv.config.eval_data == []
+    assert [dict(s) for s in fv.config.data.sources] == [source]
+    assert list(fv.config.lora.targets) == ["attn/q$", "mlp/up$"]
+    err = _refused(["train", "--config=configs/sft.py:tiny", "--workdir=w",
+                    "--config.eval_data={'path': 'a.jsonl'}"], capsys)  # fmt: skip
+    assert "is not a list: write a JSON or Python list" in err

@@ -22,12 +22,42 @@ def _normalize(argv: list[str]) -> list[str]:
     ]
 
 
+class _ListParser(flags.ArgumentParser):
+    """`--config.a.b=[...]` for a list field: a JSON or Python literal (docs/configs.md)."""
+
+    def parse(self, argument):
+        import ast
+        import json
+
+        if isinstance(argument, list):
+            return argument
+        try:
+            value = json.loads(argument)
+        except ValueError:
+            try:
+                value = ast.literal_eval(argument)
+            except (SyntaxError, ValueError):
+                value = None
+        if not isinstance(value, list):
+            raise ValueError(
+                f"{argument!r} is not a list: write a JSON or Python list, e.g. [] or "
+                '\'[{"path": "a.jsonl", "weight": 1.0}]\''
+            )
+        return value
+
+    def flag_type(self) -> str:
+        return "list"
+
+
 def config_flag(fv, argv: list[str]) -> None:
     """`--config=configs/<method>.py[:preset]` with `--config.a.b=value` overrides, read from
-    `argv` (not sys.argv, so `main([...])` from Python overrides the same way)."""
+    `argv` (not sys.argv, so `main([...])` from Python overrides the same way); a list field
+    takes a JSON or Python list literal."""
     import os
 
     from ml_collections import config_flags
+
+    config_flags.register_flag_parser_for_type(list, _ListParser())
 
     for spec in (a.split("=", 1)[1] for a in _normalize(argv) if a.startswith("--config=")):
         if not os.path.isfile(spec.partition(":")[0]):
