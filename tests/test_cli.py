@@ -124,3 +124,16 @@ def test_list_fields_are_set_from_the_command_line(capsys):
     err = _refused(["train", "--config=configs/sft.py:tiny", "--workdir=w",
                     "--config.eval_data={'path': 'a.jsonl'}"], capsys)  # fmt: skip
     assert "is not a list: write a JSON or Python list" in err
+
+
+def test_a_resumed_run_says_so(tmp_path, capsys):
+    """The second run of a workdir names the checkpoint it resumes from (its metrics.jsonl is cut
+    back to that step), in the shell's stderr."""
+    argv = ["train", "--config=configs/sft.py:tiny", f"--workdir={tmp_path}",
+            "--config.model.checkpoint=", "--config.eval_data=[]", "--config.train.progress=false",
+            "--config.checkpoint.async_save=false", "--config.data.batch_size=8"]  # fmt: skip
+    assert cli.main([*argv, "--config.train.steps=1"]) == 0
+    assert "resumed" not in capsys.readouterr().err
+    assert cli.main([*argv, "--config.train.steps=2"]) == 0
+    err = capsys.readouterr().err
+    assert f"posttrain: resumed from step 1 ({tmp_path}/checkpoints/1)" in err, err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import glob
+import logging
 import os
 import sys
 import traceback
@@ -62,6 +63,8 @@ def _skip_absent_tpu() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the shell's `posttrain`: our notes only once, not again through a root
+        logging.getLogger("posttrain").propagate = False  # handler (absl adds one on its first log)
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
@@ -84,8 +87,33 @@ def main(argv: list[str] | None = None) -> int:
     return errors.EXIT_USER
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at the time (a test may have replaced it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def _show_progress_notes() -> None:
+    """The library's INFO notes (resumed from a checkpoint, joined a multi-process run, ...)
+    go to stderr as "posttrain: ..." lines; Python's default shows only warnings."""
+    logger = logging.getLogger("posttrain")
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("posttrain: %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
 def _run(name: str, command, rest: list[str], debug: bool) -> int:
     """Runs a command; an error the user can fix is one line and exit code 2 (see errors.py)."""
+    _show_progress_notes()
     try:
         return command([name, *rest])
     except KeyboardInterrupt:

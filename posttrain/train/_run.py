@@ -275,7 +275,11 @@ def train(
             resumed, state, data_state, _ = restored
             if data_state is not None:
                 data.set_state(data_state)
-            log.info("resumed from step %d in %s", resumed, checkpointer.directory)
+            log.info(
+                "resumed from step %d (%s); metrics.jsonl keeps its lines up to that step",
+                resumed,
+                checkpointer.directory / str(resumed),
+            )
         else:
             state = jax.jit(
                 functools.partial(create_state, optimizer=optimizer, seed=config.train.seed),
