@@ -2,13 +2,18 @@
 
 import os
 
-from tests.launch import FAST_COMPILE  # (imports no jax)
+from tests.launch import FAST_COMPILE, PATIENT_COLLECTIVES  # (imports no jax)
 
 # Must be set before jax initialises its backends. The tiny test programs spend far longer in
 # XLA:CPU's compiler than running: FAST_COMPILE (-O0, the older fusion emitters) makes the suite
 # far faster and changes no result the tests check (tests/README.md).
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_force_host_platform_device_count=8",
+        FAST_COMPILE,
+        PATIENT_COLLECTIVES,
+    ]  # fmt: skip
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -12,6 +12,13 @@ import sys
 # its MLIR fusion emitters, which take longer to compile (tests/models + tests/losses: 221 ->
 # 149 s on 2 cores).
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# XLA:CPU aborts the process when a collective's fake devices do not all arrive within 40 s; on
+# 2 busy cores a test's 8 device threads can be that late (seen: "Fatal Python error: Aborted"
+# in a slow GRPO test while other work ran). A test is stopped by its own timeouts instead.
+PATIENT_COLLECTIVES = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+    "--xla_cpu_collective_timeout_seconds=900"
+)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A run's place among several processes: set by `launch` for its own runs, never inherited.
 _PROCESSES = ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID",
@@ -42,7 +49,7 @@ def launch(
     compiling: the 2-process GRPO test 46 -> 30 s); False for a long run that mostly executes."""
     environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in _PROCESSES}
     environ.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {PATIENT_COLLECTIVES}"
         + (f" {FAST_COMPILE}" if unoptimised else ""),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),

@@ -475,6 +475,22 @@ CASES = [
         ["serve", "--model={run}", "--host=192.0.2.1", "--port=0"],
         "--host=192.0.2.1 --port=0: cannot listen there (Cannot assign requested address)",
     ),
+    # paths
+    (
+        "workdir-is-a-file",
+        ["train", SFT, "--workdir={root}/records.jsonl"],
+        "--workdir={root}/records.jsonl is a file; give a folder",
+    ),
+    (
+        "sweep-workdir-is-a-file",
+        ["sweep", f"--config={REPO}/configs/sweeps/sft_lr_seeds.py", "--workdir={root}/ev.jsonl"],
+        "--workdir={root}/ev.jsonl is a file",
+    ),
+    (
+        "demo-workdir-is-a-file",
+        ["demo", "--workdir={root}/hard.jsonl"],
+        "--workdir={root}/hard.jsonl is a file",
+    ),
     # eval, export, compile, sweep
     ("eval-no-target", ["eval", EVAL], "one of --workdir=DIR or --model=HF_DIR"),
     ("eval-not-a-run", ["eval", EVAL, "--model={root}/not_a_model"], "neither a training workdir"),

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 from posttrain import errors
+
+# A full disk or quota, a read-only filesystem: the place a command writes to refuses.
+_PLACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
 def exit_code(e: BaseException) -> int:
@@ -17,6 +21,8 @@ def exit_code(e: BaseException) -> int:
         return errors.EXIT_USER
     if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
         return errors.EXIT_USER
+    if isinstance(e, OSError) and e.errno in _PLACE_ERRNOS:
+        return errors.EXIT_USER  # the destination, not the program: the user frees or moves it
     if isinstance(e, ValueError) and _raised_by_posttrain(e):
         return errors.EXIT_USER  # posttrain raises ValueError only for input it refuses
     return errors.EXIT_BUG

@@ -205,3 +205,13 @@ def check_workers(workers: int) -> None:
     """A --workers flag whose 0 means one process per CPU core."""
     if workers < 0:
         raise UserError(f"--workers={workers}: give 0 (one per CPU core) or a number of processes")
+
+
+def check_folder(flag: str, path: str) -> None:
+    """A folder flag (a workdir) that names an existing file is refused before anything runs."""
+    import os
+
+    from posttrain import paths
+
+    if not paths.is_remote(path) and os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"--{flag}={path} is a file; give a folder (a new one, or a run's)")

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from posttrain.cli._flags import parse
+from posttrain.cli._flags import check_folder, parse
 
 HELP = (
     "SFT, DPO and GRPO of a tiny model on a bundled arithmetic task, on CPU (~7 minutes); "
@@ -31,6 +31,8 @@ def main(argv: list[str]) -> int:
         )
 
     fv = parse(argv, define, HELP)
+    if fv.workdir:
+        check_folder("workdir", fv.workdir)
     if fv.task == "calculator":
         from posttrain.demo._calculator import run_calculator_demo
 

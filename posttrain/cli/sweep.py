@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.cli._flags import config_flag, parse
+from posttrain.cli._flags import check_folder, config_flag, parse
 from posttrain.errors import UserError
 
 HELP = (
@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
     fv = parse(argv, define, HELP)
     if fv.config is None or not fv.workdir:
         raise UserError("--config=configs/sweeps/<name>.py and --workdir=DIR are required")
+    check_folder("workdir", fv.workdir)
     from posttrain import methods
     from posttrain.sweep import run_sweep
 

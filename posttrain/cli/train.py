@@ -6,7 +6,7 @@ import os
 import sys
 
 from posttrain import errors
-from posttrain.cli._flags import config_flag, define_distributed, join, parse
+from posttrain.cli._flags import check_folder, config_flag, define_distributed, join, parse
 from posttrain.errors import EXIT_PREEMPTED, UserError
 
 HELP = (
@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
     fv = parse(argv, define, HELP)
     if fv.config is None or not fv.workdir:
         raise UserError("--config=configs/<method>.py[:preset] and --workdir=DIR are required")
+    check_folder("workdir", fv.workdir)
     several = join(fv)
     from posttrain.methods import run_from_config
 

@@ -7,8 +7,11 @@ iterator state of every process, the run config and the dataset manifest.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +19,23 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from posttrain import paths
+from posttrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteStateError(RuntimeError):
     """A train state with NaN or infinite values, which is never saved."""
+
+
+class CheckpointWriteError(UserError):
+    """A save the destination refused (full disk or quota, read-only, no permission): the run
+    stops at once; what the failed save had written is removed."""
+
+
+# Causes a user fixes at the destination; any other failure of a save is raised as it is.
+_PLACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+_TMP = ".orbax-checkpoint-tmp"
 
 
 @jax.jit
@@ -48,10 +62,28 @@ class CheckpointConfig:
             )
 
 
+class _QuietPlaceErrors(logging.Filter):
+    """Drops Orbax's logs of a save the destination refused (its threads log each with a
+    traceback, hundreds of lines): `Checkpointer` reports that failure in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            return _os_error(record.exc_info[1]) not in _PLACE_ERRNOS
+        return _os_error(Exception(text)) not in _PLACE_ERRNOS
+
+
+_quiet = _QuietPlaceErrors()
+
+
 class Checkpointer:
     """Saves and restores train states under `<workdir>/checkpoints/<step>`."""
 
     def __init__(self, workdir: str, config: CheckpointConfig):
+        if _quiet not in logging.getLogger("absl").filters:  # (Orbax logs through absl)
+            logging.getLogger("absl").addFilter(_quiet)
         self.directory = paths.path(workdir) / "checkpoints"  # local or gs://
         self.every = config.every
         keep = [policies.LatestN(n=config.keep_last or None)]  # None: all; never fewer than 1
@@ -101,12 +133,46 @@ class Checkpointer:
         items["data"] = ocp.args.JsonSave(data)
         for name, value in (extra or {}).items():
             items[name] = ocp.args.JsonSave(value)
-        return self.manager.save(
-            step, args=ocp.args.Composite(**items), metrics=metrics, force=force
+        return self._checked(
+            self.manager.save, step, args=ocp.args.Composite(**items), metrics=metrics, force=force
         )
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for the save in the background; raises `CheckpointWriteError` if it failed."""
+        self._checked(self.manager.wait_until_finished)
+
+    def check(self) -> None:
+        """Raises `CheckpointWriteError` if a save in the background has failed (cheap: called
+        after every step, so that a run stops at the step it noticed, not at its next save)."""
+        self._checked(self.manager.check_for_errors)
+
+    def _checked(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            code = _os_error(e)
+            if code not in _PLACE_ERRNOS:
+                raise
+            steps = self._remove_partial()
+            last = self.manager.latest_step()
+            raise CheckpointWriteError(
+                f"saving checkpoint {', '.join(map(str, steps)) or ''} in {self.directory} "
+                f"failed: {os.strerror(code)}; the run stopped there and its partial files "
+                f"were removed. The last good checkpoint is "
+                f"{'step ' + str(last) if last is not None else 'none'}: free space (or fix the "
+                "destination) and rerun to resume"
+            ) from e
+
+    def _remove_partial(self) -> list[int]:
+        """Removes the temporary folders of saves that did not finish; returns their steps."""
+        if jax.process_index() != 0 or not self.directory.exists():
+            return []
+        steps = []
+        for path in self.directory.iterdir():
+            if _TMP in path.name:
+                steps.append(int(path.name.split(".")[0]))
+                path.rmtree(missing_ok=True)
+        return sorted(steps)
 
     def restore(self, abstract_state, *, step: int | None = None):
         """Restores the newest readable checkpoint onto `abstract_state`'s shardings.
@@ -184,3 +250,18 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _os_error(e: BaseException) -> int | None:
+    """The errno behind a failed save: an OSError's, or the one tensorstore names in its text
+    ("[os_error_code='28']"), or one of the messages the C library words."""
+    for cause in (e, e.__cause__, e.__context__):
+        if isinstance(cause, OSError) and cause.errno:
+            return cause.errno
+    text = str(e)
+    if found := re.search(r"os_error_code='(\d+)'", text):
+        return int(found.group(1))
+    for code in _PLACE_ERRNOS:
+        if os.strerror(code) in text:
+            return code
+    return None

@@ -209,6 +209,7 @@ def train_loop(
 
     def save(step, state, metrics=None, force=False):
         nonlocal saved_step, pending
+        checkpointer.wait()  # the previous save (Orbax waits for it anyway): its error first
         if pending is not None and pending[0] == step:
             # The step's metrics are logged before its checkpoint, so that a run resumed from
             # it (after a kill) has every line up to it; they reach a gs:// log here too.
@@ -303,6 +304,7 @@ def train_loop(
             last_time = now
             bar.update(1)
             watchdog.beat()
+            checkpointer.check()  # a save that failed in the background stops the run here
 
             eval_metrics = None
             if loop.eval_every and step % loop.eval_every == 0 and step != loop.steps:

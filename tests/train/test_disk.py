@@ -1,0 +1,79 @@
+"""A workdir on a filesystem that fills up or refuses writes: the run stops at once with one line,
+leaves no partial checkpoint, and the next run (with space) resumes from the last good one and
+ends bitwise as an uninterrupted run. The filesystem is a small tmpfs the test mounts (root
+only: skipped with a message where mounting is not allowed)."""
+
+import contextlib
+import os
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from posttrain import cli
+from posttrain.train import load_checkpoint_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 6
+RUN = ["train", f"--config={REPO}/configs/sft.py:tiny", "--config.model.checkpoint=",
+       "--config.eval_data=[]", "--config.train.progress=false", f"--config.train.steps={STEPS}",
+       "--config.checkpoint.every=2", "--config.train.log_every=1"]  # fmt: skip
+CHECKPOINT_KB = 1720  # one checkpoint of the tiny model (du -sk checkpoints/2)
+
+
+@contextlib.contextmanager
+def _tmpfs(path, size_kb: int, *options: str):
+    os.makedirs(path)
+    opts = ",".join([f"size={size_kb}k", *options])
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}): run as root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _losses(workdir) -> list[tuple[int, float]]:
+    import json
+
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def test_a_full_disk_stops_the_run_and_the_next_run_resumes_exactly(tmp_path, capsys):
+    straight = tmp_path / "straight"
+    assert cli.main([*RUN, f"--workdir={straight}"]) == 0
+    with _tmpfs(tmp_path / "disk", CHECKPOINT_KB * 3 // 2) as disk:  # room for one checkpoint
+        workdir = disk / "run"
+        capsys.readouterr()
+        assert cli.main([*RUN, f"--workdir={workdir}"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            f"posttrain train: saving checkpoint 4 in {workdir}/checkpoints failed: No space left "
+            "on device; the run stopped there and its partial files were removed. The last good "
+            "checkpoint is step 2: free space (or fix the destination) and rerun to resume",
+            "(--debug shows the traceback)",
+        ], err
+        assert os.listdir(workdir / "checkpoints") == ["2"]  # nothing newer, nothing partial
+
+        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        assert cli.main([*RUN, f"--workdir={workdir}"]) == 0
+        assert "resumed from step 2" in capsys.readouterr().err
+        assert _losses(workdir) == _losses(straight)  # bitwise: floats compared exactly
+        resumed = load_checkpoint_model(str(workdir), STEPS).params
+        for x, y in zip(jax.tree.leaves(load_checkpoint_model(str(straight), STEPS).params),
+                        jax.tree.leaves(resumed), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_read_only_workdir_is_one_line(tmp_path, capsys):
+    with _tmpfs(tmp_path / "ro", 1024, "ro") as readonly:
+        assert cli.main([*RUN, f"--workdir={readonly}/run"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            f"posttrain train: Read-only file system: {readonly}/run",
+            "(--debug shows the traceback)",
+        ], err
