@@ -348,12 +348,17 @@ def _compilation_cache(path: str):
     if jax.config.jax_compilation_cache_dir:
         yield
         return
+    min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_compilation_cache_dir", path)
+    # Every program, not only those over JAX's 1 s default: a small model's step compiles in
+    # less, and a sweep repeats it per trial all the same.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     compilation_cache.reset_cache()
     try:
         yield
     finally:  # the rest of the process compiles as before
         jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
         compilation_cache.reset_cache()
 
 

@@ -262,10 +262,13 @@ def test_sweep_of_two_learning_rates_and_two_seeds(tmp_path, capsys):
     trial that was killed."""
     workdir = str(tmp_path / "sweep")
     cache = jax.config.jax_compilation_cache_dir
+    min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
     rows = sweep.run_sweep(lr_seeds(), workdir, methods=methods)
     out = capsys.readouterr().out
     assert "trial 1/4: learning_rate=0.003,seed=0" in out and "trial 4/4" in out
     assert jax.config.jax_compilation_cache_dir == cache  # the sweep's cache is not left on
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == min_secs
+    # (every program is cached, however fast it compiled: the tests compile at -O0)
     assert cache or os.listdir(os.path.join(workdir, "jax_cache"))
 
     table = read_csv(os.path.join(workdir, "summary.csv"))
