@@ -63,27 +63,32 @@ class CheckpointConfig:
 
 
 class _QuietPlaceErrors(logging.Filter):
-    """Drops Orbax's logs of a save the destination refused (its threads log each with a
-    traceback, hundreds of lines): `Checkpointer` reports that failure in one line."""
+    """Drops the logs of a save the destination refused (Orbax's threads log each failure with
+    a traceback, hundreds of lines, and asyncio its futures' unread exceptions): `Checkpointer`
+    reports that failure in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+        if record.levelno < logging.ERROR:
             return True
-        text = record.getMessage()
-        if record.exc_info and record.exc_info[1] is not None:
-            return _os_error(record.exc_info[1]) not in _PLACE_ERRNOS
-        return _os_error(Exception(text)) not in _PLACE_ERRNOS
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None:
+            if "orbax" not in record.pathname:
+                return True
+            error = Exception(record.getMessage())
+        return _os_error(error) not in _PLACE_ERRNOS
 
 
 _quiet = _QuietPlaceErrors()
+_NOISY = ("absl", "asyncio")  # (Orbax logs through absl)
 
 
 class Checkpointer:
     """Saves and restores train states under `<workdir>/checkpoints/<step>`."""
 
     def __init__(self, workdir: str, config: CheckpointConfig):
-        if _quiet not in logging.getLogger("absl").filters:  # (Orbax logs through absl)
-            logging.getLogger("absl").addFilter(_quiet)
+        for name in _NOISY:
+            if _quiet not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_quiet)
         self.directory = paths.path(workdir) / "checkpoints"  # local or gs://
         self.every = config.every
         keep = [policies.LatestN(n=config.keep_last or None)]  # None: all; never fewer than 1
