@@ -475,6 +475,25 @@ CASES = [
         ["serve", "--model={run}", "--host=192.0.2.1", "--port=0"],
         "--host=192.0.2.1 --port=0: cannot listen there (Cannot assign requested address)",
     ),
+    ("serve-max-requests", ["serve", "--model={run}", "--max-requests=0"], "--max-requests must"),
+    ("serve-num-blocks", ["serve", "--model={run}", "--num-blocks=-1"], "--num-blocks must be"),
+    ("serve-speculative", ["serve", "--model={run}", "--speculative=-2"], "--speculative must"),
+    (
+        "serve-mtp-without-drafts",
+        ["serve", "--model={run}", "--mtp", "--speculative=0"],
+        "--mtp drafts tokens: drop --speculative=0",
+    ),
+    ("serve-preset", ["serve", "--model={run}", "--preset=fastest"], "unknown serve preset"),
+    (
+        "clean-out-suffix",
+        ["data", "clean", "--input={root}/records.jsonl", "--out={root}/new.csv"],
+        "new.csv: unsupported suffix '.csv'",
+    ),
+    (
+        "dedup-missing-input",
+        ["data", "dedup", "--input={root}/missing.jsonl", "--out={root}/new.jsonl"],
+        "data source {root}/missing.jsonl does not exist",
+    ),
     # paths
     (
         "workdir-is-a-file",
