@@ -175,3 +175,15 @@ def _use_emulator(host: str) -> None:
     import fsspec
 
     fsspec.config.conf.setdefault("gcs", {}).setdefault("token", "anon")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether local process `pid` runs (in this pid namespace): what tells a lock or a staging
+    file left by a killed process from one whose writer still works."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

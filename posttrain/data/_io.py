@@ -65,7 +65,7 @@ def clear_stale(folder: str, stem: str) -> list[str]:
     removed = []
     for name in names:
         pid = name[len(stem) :].split(".", 1)[0] if name.startswith(stem) else ""
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or paths.pid_alive(int(pid)):
             continue
         full = os.path.join(folder, name)
         with contextlib.suppress(FileNotFoundError):  # (another run cleared it first)
@@ -75,16 +75,6 @@ def clear_stale(folder: str, stem: str) -> list[str]:
                 os.remove(full)
             removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def default_mode(folder: bool = False) -> int:

@@ -162,7 +162,7 @@ class WorkdirLock:
             return f"its last heartbeat was {age:.0f} s ago (lease {lease:.0f} s)"
         same_host = holder.get("host") == socket.gethostname()
         if same_host and holder.get("pid_namespace") == _pid_namespace():
-            if not _alive(holder.get("pid", 0)):
+            if not paths.pid_alive(holder.get("pid", 0)):
                 return f"its process {holder.get('pid')} on this host is gone"
         return None
 
@@ -263,16 +263,6 @@ def run_lock(workdir: str):
     finally:
         if lock := _HELD.pop(paths.join(workdir), None):
             lock.release()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _pid_namespace() -> str:
