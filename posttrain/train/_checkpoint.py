@@ -160,8 +160,9 @@ class Checkpointer:
                 raise
             steps = self._remove_partial()
             last = self.manager.latest_step()
+            which = f"checkpoint {', '.join(map(str, steps))}" if steps else "a checkpoint"
             raise CheckpointWriteError(
-                f"saving checkpoint {', '.join(map(str, steps)) or ''} in {self.directory} "
+                f"saving {which} in {self.directory} "
                 f"failed: {os.strerror(code)}; the run stopped there and its partial files "
                 f"were removed. The last good checkpoint is "
                 f"{'step ' + str(last) if last is not None else 'none'}: free space (or fix the "
