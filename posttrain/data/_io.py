@@ -55,17 +55,19 @@ def staging_name(stem: str) -> str:
     return f"{stem}{os.getpid()}."
 
 
-def clear_stale(folder: str, stem: str) -> list[str]:
+def clear_stale(folder: str, stem: str, suffix: str = "") -> list[str]:
     """Removes what killed runs left in `folder` while staging: the entries named
-    `<stem><pid>.*` (`staging_name`) whose process is gone. Returns their names."""
+    `<stem><pid>.<random><suffix>` (`staging_name` + mkstemp/mkdtemp) whose process is gone.
+    Returns their names."""
     try:
         names = os.listdir(folder)
     except OSError:
         return []
     removed = []
     for name in names:
-        pid = name[len(stem) :].split(".", 1)[0] if name.startswith(stem) else ""
-        if not pid.isdigit() or paths.pid_alive(int(pid)):
+        rest = name[len(stem) :] if name.startswith(stem) and name.endswith(suffix) else ""
+        parts = rest[: len(rest) - len(suffix)].split(".")  # [pid, random]: no other output's
+        if len(parts) != 2 or not parts[0].isdigit() or paths.pid_alive(int(parts[0])):
             continue
         full = os.path.join(folder, name)
         with contextlib.suppress(FileNotFoundError):  # (another run cleared it first)
@@ -100,7 +102,7 @@ class RecordWriter:
         stem = f".{Path(path).name}."
         if folder:
             os.makedirs(folder, exist_ok=True)
-            clear_stale(folder, stem)  # a killed run's staging file of this output
+            clear_stale(folder, stem, ".part")  # a killed run's staging file of this output
         fd, self._tmp = tempfile.mkstemp(prefix=staging_name(stem), suffix=".part", dir=folder)
         os.close(fd)
         self._rows: list[dict] = []

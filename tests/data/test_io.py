@@ -64,10 +64,11 @@ def test_a_killed_writers_staging_file_is_cleared_by_the_next_one(tmp_path):
     dead = tmp_path / f".out.jsonl.{_dead_pid()}.k1ll3d.part"  # a run killed mid-write
     live = tmp_path / f".out.jsonl.{os.getpid()}.w0rk1n.part"  # a writer of this process
     other = tmp_path / f".other.jsonl.{_dead_pid()}.x.part"  # another output's: not ours
-    for path in (dead, live, other):
+    longer = tmp_path / f".out.jsonl.5.{_dead_pid()}.y.part"  # out.jsonl.5's: not ours either
+    for path in (dead, live, other, longer):
         path.write_text("partial")
     with RecordWriter(str(tmp_path / "out.jsonl")) as writer:
         writer.write(RECORDS[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["out.jsonl", live.name, other.name]
+        ["out.jsonl", live.name, other.name, longer.name]
     )
