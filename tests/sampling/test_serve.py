@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import jax
@@ -58,6 +59,18 @@ def _wait_for(condition, what: str, process=None, log=None):
 def _get(url: str, path: str):
     with urllib.request.urlopen(url.rstrip("/").removesuffix("/v1") + path, timeout=5) as r:
         return json.load(r)
+
+
+def _post_raw(url: str, path: str, body: bytes) -> tuple[int, dict]:
+    """(status, JSON body) of a POST whose bytes a client library would not send (NaN, ...)."""
+    request = urllib.request.Request(
+        url.rstrip("/") + path, data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
 
 
 def _healthy(url: str) -> bool:
@@ -261,6 +274,11 @@ def test_refused_requests_are_openai_errors(client, reference):
         client.completions.create(model=NAME, prompt="hi", logprobs=2)
     with pytest.raises(openai.NotFoundError, match="'gpt-4o' does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
+    for value in ("NaN", "Infinity", "-Infinity"):  # JSON's extensions Python reads
+        body = f'{{"model": "{NAME}", "messages": {json.dumps(CHAT)}, "temperature": {value}}}'
+        status, error = _post_raw(str(client.base_url), "/chat/completions", body.encode())
+        assert status == 400, (value, error)
+        assert "temperature must be a finite number >= 0" in error["error"]["message"]
 
 
 def test_a_bad_model_directory_is_one_user_error(model_dir, tmp_path, capsys):
