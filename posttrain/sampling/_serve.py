@@ -172,14 +172,26 @@ def _chat_ids(tokenizer, messages, tools) -> list[int]:
         raise _APIError("'messages' must be a list of message objects", param="messages")
     rendered = []
     for m in messages:
-        if isinstance(m.get("content"), list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in m["content"]):
+        content = m.get("content")
+        if not isinstance(m.get("role"), str):
+            raise _APIError("each message needs a 'role' string", param="messages")
+        if content is not None and not isinstance(content, (str, list)):
+            raise _APIError(
+                "a message's 'content' must be a string, a list of text parts or null, got "
+                f"{json.dumps(content)[:60]}",
+                param="messages",
+            )
+        if isinstance(content, list):  # content parts: text only
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
                 raise _APIError("only text content parts are supported", param="messages")
             m = {**m, "content": "".join(p.get("text", "") for p in m["content"])}
         rendered.append({"content": None, **m} if "tool_calls" in m else m)
     try:
         return tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tools=tools)
-    except (ValueError, jinja2.TemplateError) as e:
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise _APIError(f"cannot render the messages with the chat template: {e}") from None
 
 
@@ -325,7 +337,7 @@ def create_app(backend, config: ServeConfig):
     async def body_of(request: fastapi.Request) -> dict:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested too deep to parse)
             raise _APIError("the request body is not JSON") from None
         if not isinstance(body, dict):
             raise _APIError("the request body must be a JSON object")

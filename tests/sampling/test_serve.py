@@ -279,6 +279,19 @@ def test_refused_requests_are_openai_errors(client, reference):
         status, error = _post_raw(str(client.base_url), "/chat/completions", body.encode())
         assert status == 400, (value, error)
         assert "temperature must be a finite number >= 0" in error["error"]["message"]
+    for content, message in [
+        (5, "'content' must be a string, a list of text parts or null, got 5"),
+        ({"a": 1}, "'content' must be a string"),
+        ([{"type": "text", "text": 7}], "only text content parts are supported"),
+    ]:
+        body = {"model": NAME, "messages": [{"role": "user", "content": content}]}
+        status, error = _post_raw(
+            str(client.base_url), "/chat/completions", json.dumps(body).encode()
+        )
+        assert status == 400 and message in error["error"]["message"], error
+    deep = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, error = _post_raw(str(client.base_url), "/chat/completions", deep)
+    assert (status, error["error"]["message"]) == (400, "the request body is not JSON")
 
 
 def test_a_bad_model_directory_is_one_user_error(model_dir, tmp_path, capsys):
