@@ -56,6 +56,10 @@ def main(argv: list[str]) -> int:
             "max_requests", 64, "requests in flight or waiting; more are answered 429",
             flag_values=fv,
         )  # fmt: skip
+        flags.DEFINE_integer(
+            "max_body_mb", 8, "largest request body in MiB; larger ones are answered 413 unread",
+            flag_values=fv,
+        )  # fmt: skip
         define_mesh(fv)
 
     fv = parse(argv, define, HELP)
@@ -63,6 +67,8 @@ def main(argv: list[str]) -> int:
         raise UserError("--model=HF_DIR_OR_WORKDIR is required")
     if fv.max_requests < 1:
         raise UserError(f"--max-requests must be >= 1, got {fv.max_requests}")
+    if fv.max_body_mb < 1:
+        raise UserError(f"--max-body-mb must be >= 1, got {fv.max_body_mb}")
     if fv.num_blocks < 0:
         raise UserError(f"--num-blocks must be >= 0 (0: sized to fit), got {fv.num_blocks}")
     if fv.speculative < -1:
@@ -78,6 +84,7 @@ def main(argv: list[str]) -> int:
         fv.preset,
         model_name=fv.served_model_name or fv.model,
         max_requests=fv.max_requests,
+        max_body_bytes=fv.max_body_mb * 2**20,
         num_blocks=fv.num_blocks,
         **({"speculative": speculative} if speculative is not None else {}),
     )

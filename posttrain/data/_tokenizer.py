@@ -113,7 +113,15 @@ class Tokenizer:
         Returns:
           The token ids.
         """
+        if len(text) > 65536:  # (the batch call lets other threads run meanwhile: a server's)
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string's length, which
+        byte-level and SentencePiece vocabularies never undercut): a text of more than
+        n x this characters holds more than n tokens."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def encode_batch(
         self, texts: Sequence[str], *, add_special_tokens: bool = True

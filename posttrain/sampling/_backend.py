@@ -59,6 +59,7 @@ class ServeConfig:
     speculative: int = 0
     max_requests: int = 64  # requests in flight or waiting for the engine; more get HTTP 429
     default_max_tokens: int = 256  # max_tokens of a request that gives none (cut to fit)
+    max_body_bytes: int = 8 * 2**20  # a larger request body is refused (HTTP 413) unread
 
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "ServeConfig":

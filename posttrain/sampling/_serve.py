@@ -10,6 +10,7 @@ FastAPI and uvicorn are imported when an app is built, not with `posttrain.sampl
 module evaluates its annotations: FastAPI reads the handlers' `fastapi.Request` at build time).
 """
 
+import asyncio
 import json
 import secrets
 import socket
@@ -334,9 +335,40 @@ def create_app(backend, config: ServeConfig):
     def stats():
         return backend.stats()
 
+    limit = config.max_body_bytes
+    # A prompt of more characters than this holds more than max_seq_len tokens, whatever the
+    # text: refused before the tokenizer spends seconds on it (4x spare for normalisers that
+    # shrink text).
+    longest = getattr(backend.tokenizer, "max_token_chars", None)  # (a stand-in may have none)
+    most_chars = 4 * backend.max_seq_len * longest() if longest else float("inf")
+
+    def check_chars(texts, param: str) -> None:
+        chars = sum(len(t) for t in texts if isinstance(t, str))
+        if chars > most_chars:
+            raise _APIError(
+                f"This model's maximum context length is {backend.max_seq_len} tokens, and "
+                f"the {param} has {chars} characters, which cannot fit; shorten it",
+                param=param,
+            )
+
+    def too_large(size: str) -> _APIError:
+        return _APIError(
+            f"the request body is {size} bytes; this server takes at most {limit} "
+            "(posttrain serve --max-body-mb)",
+            status=413,
+        )
+
     async def body_of(request: fastapi.Request) -> dict:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # refused before it is read
+            raise too_large(declared)
+        raw = bytearray()
+        async for part in request.stream():  # (a body without a length: counted as it comes)
+            raw += part
+            if len(raw) > limit:
+                raise too_large(f"more than {limit}")
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (ValueError, RecursionError):  # (RecursionError: nested too deep to parse)
             raise _APIError("the request body is not JSON") from None
         if not isinstance(body, dict):
@@ -386,7 +418,11 @@ def create_app(backend, config: ServeConfig):
     @app.post("/v1/completions")
     async def completions(request: fastapi.Request):
         body = await body_of(request)
-        prompts = _prompt_ids(backend.tokenizer, body.get("prompt"))
+        prompt = body.get("prompt")
+        for text in prompt if isinstance(prompt, list) else [prompt]:
+            check_chars([text], "prompt")
+        # Tokenizing a long prompt takes a while: off the event loop, which answers /health.
+        prompts = await asyncio.to_thread(_prompt_ids, backend.tokenizer, prompt)
         reply = _Reply(config.model_name, sum(map(len, prompts)), chat=False)
         return await answer(body, prompts, reply)
 
@@ -394,7 +430,10 @@ def create_app(backend, config: ServeConfig):
     async def chat_completions(request: fastapi.Request):
         body = await body_of(request)
         tools = _tools(body)
-        prompt = _chat_ids(backend.tokenizer, body.get("messages"), tools)
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            check_chars([m.get("content") for m in messages if isinstance(m, dict)], "messages")
+        prompt = await asyncio.to_thread(_chat_ids, backend.tokenizer, messages, tools)
         reply = _Reply(config.model_name, len(prompt), chat=True, tools=tools)
         return await answer(body, [prompt], reply)
 

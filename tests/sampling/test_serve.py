@@ -4,6 +4,7 @@ and decoded together in the engine; engine failures are HTTP 500s; `Engine.cance
 import asyncio
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import jax
@@ -289,9 +291,48 @@ def test_refused_requests_are_openai_errors(client, reference):
             str(client.base_url), "/chat/completions", json.dumps(body).encode()
         )
         assert status == 400 and message in error["error"]["message"], error
+    # A body declared at 9 MiB (over the default 8) is refused from its headers, before it is
+    # sent: the client reads the answer without sending a byte of it.
+    parsed = urllib.parse.urlsplit(str(client.base_url))
+    connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=10)
+    connection.putrequest("POST", parsed.path.rstrip("/") + "/completions")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(9 * 2**20))
+    connection.endheaders()
+    answer = connection.getresponse()
+    error = json.load(answer)
+    connection.close()
+    assert (
+        answer.status == 413
+        and "is 9437184 bytes; this server takes at most 8388608" in (error["error"]["message"])
+    )
     deep = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     status, error = _post_raw(str(client.base_url), "/chat/completions", deep)
     assert (status, error["error"]["message"]) == (400, "the request body is not JSON")
+
+
+def test_health_answers_while_a_long_prompt_is_refused(client):
+    """A 6 MiB prompt (under the body limit, far over the context): /health keeps answering
+    while it is read and refused as too long (by its length in characters, untokenized)."""
+    url = str(client.base_url)
+    body = json.dumps({"model": NAME, "prompt": "1 2 3 " * 2**20}).encode()
+    result = {}
+    worker = threading.Thread(
+        target=lambda: result.update(
+            zip(("status", "error"), _post_raw(url, "/completions", body), strict=True)
+        )
+    )
+    worker.start()
+    worst = 0.0
+    while worker.is_alive():
+        start = time.monotonic()
+        assert _healthy(url)
+        worst = max(worst, time.monotonic() - start)
+        time.sleep(0.05)
+    worker.join()
+    message = result["error"]["error"]["message"]
+    assert result["status"] == 400 and "6291456 characters, which cannot fit" in message
+    assert worst < 5.0, worst  # (generous: a loaded CI machine; measured below 0.1 s here)
 
 
 def test_a_bad_model_directory_is_one_user_error(model_dir, tmp_path, capsys):
