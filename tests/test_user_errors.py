@@ -484,6 +484,7 @@ CASES = [
         "--mtp drafts tokens: drop --speculative=0",
     ),
     ("serve-preset", ["serve", "--model={run}", "--preset=fastest"], "unknown serve preset"),
+    ("serve-max-body", ["serve", "--model={run}", "--max-body-mb=0"], "--max-body-mb must be"),
     (
         "clean-out-suffix",
         ["data", "clean", "--input={root}/records.jsonl", "--out={root}/new.csv"],
