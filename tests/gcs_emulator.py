@@ -28,7 +28,6 @@ from gcp_storage_emulator.handlers import objects
 _download = objects.download
 _STATS: str | None = None  # where the emulator process appends "PID BYTES" per download
 _lock = threading.Lock()
-_pids: dict[tuple, int] = {}  # client (host, port) -> pid
 
 
 def _download_with_generation(request, response, storage, *args, **kwargs):
@@ -52,12 +51,16 @@ def _count(request, size: int) -> None:
         start = int(match[1])
         end = min(size, int(match[2]) + 1) if match[2] else size
         nbytes = max(0, end - start)
-    client = tuple(request._request_handler.client_address[:2])  # noqa: SLF001
+    # The pid is looked up once per connection (its handler), never per (host, port): a port
+    # that one process closed can be the next port of the other (seen: a process's downloads
+    # counted as its peer's).
+    handler = request._request_handler  # noqa: SLF001
     with _lock:
-        if client not in _pids:
-            _pids[client] = _client_pid(client)
+        pid = getattr(handler, "_client_pid", None)
+        if pid is None:
+            pid = handler._client_pid = _client_pid(tuple(handler.client_address[:2]))
         with open(_STATS, "a") as f:
-            f.write(f"{_pids.get(client, -1)} {nbytes}\n")
+            f.write(f"{pid} {nbytes}\n")
 
 
 def _client_pid(client: tuple) -> int:
