@@ -475,7 +475,18 @@ CASES = [
         ["serve", "--model={run}", "--host=192.0.2.1", "--port=0"],
         "--host=192.0.2.1 --port=0: cannot listen there (Cannot assign requested address)",
     ),
-    ("serve-max-requests", ["serve", "--model={run}", "--max-requests=0"], "--max-requests must"),
+    (
+        "serve-max-request-samples",
+        ["serve", "--model={run}", "--max-request-samples=0"],
+        "--max-request-samples must be >= 1",
+    ),
+    ("serve-max-sequences", ["serve", "--model={run}", "--max-sequences=-1"], "--max-sequences"),
+    (
+        "serve-max-queue-tokens",
+        ["serve", "--model={run}", "--max-queue-tokens=-5"],
+        "--max-queue-tokens must be >= 0",
+    ),
+    ("serve-drain", ["serve", "--model={run}", "--drain-s=-1"], "--drain-s must be >= 0"),
     ("serve-num-blocks", ["serve", "--model={run}", "--num-blocks=-1"], "--num-blocks must be"),
     ("serve-speculative", ["serve", "--model={run}", "--speculative=-2"], "--speculative must"),
     (

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 from posttrain.cli._flags import define_mesh, mesh, parse
 from posttrain.errors import UserError
@@ -53,27 +55,52 @@ def main(argv: list[str]) -> int:
             flag_values=fv,
         )  # fmt: skip
         flags.DEFINE_integer(
-            "max_requests", 64, "requests in flight or waiting; more are answered 429",
-            flag_values=fv,
+            "max_request_samples", 64, "most sequences (n x prompts) one request may ask for; "
+            "more is HTTP 400", flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_integer(
+            "max_sequences", 0, "sequences in flight or waiting, all requests together; more "
+            "get HTTP 429 (0: four times the preset's rows)", flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_integer(
+            "max_queue_tokens", 0, "KV tokens (prompts + n x max_tokens) in flight or waiting; "
+            "more get HTTP 429 (0: four times the KV pool)", flag_values=fv,
         )  # fmt: skip
         flags.DEFINE_integer(
             "max_body_mb", 8, "largest request body in MiB; larger ones are answered 413 unread",
             flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_string(
+            "api_key", None, "the key /v1/* requests must send as 'Authorization: Bearer KEY' "
+            "(default: $POSTTRAIN_API_KEY; the environment keeps it out of `ps`)", flag_values=fv,
+        )  # fmt: skip
+        flags.DEFINE_integer(
+            "drain_s", 5, "on SIGTERM or Ctrl-C, seconds the answers in flight get before the "
+            "server exits", flag_values=fv,
         )  # fmt: skip
         define_mesh(fv)
 
     fv = parse(argv, define, HELP)
     if not fv.model:
         raise UserError("--model=HF_DIR_OR_WORKDIR is required")
-    if fv.max_requests < 1:
-        raise UserError(f"--max-requests must be >= 1, got {fv.max_requests}")
-    if fv.max_body_mb < 1:
-        raise UserError(f"--max-body-mb must be >= 1, got {fv.max_body_mb}")
+    for name in ("max_request_samples", "max_body_mb"):
+        if fv[name].value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {fv[name].value}")
+    for name in ("max_sequences", "max_queue_tokens", "drain_s"):
+        if fv[name].value < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {fv[name].value}")
     if fv.num_blocks < 0:
         raise UserError(f"--num-blocks must be >= 0 (0: sized to fit), got {fv.num_blocks}")
     if fv.speculative < -1:
         raise UserError(f"--speculative must be >= 0 (0: plain decoding), got {fv.speculative}")
     _check_address(fv.host, fv.port)
+    api_key = fv.api_key if fv.api_key is not None else os.environ.get("POSTTRAIN_API_KEY", "")
+    if not api_key and not _loopback(fv.host):
+        print(
+            f"posttrain: warning: --host={fv.host} serves beyond this machine and no API key is "
+            "set: anyone who can reach the port can use the model (set POSTTRAIN_API_KEY)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     import jax
 
     from posttrain.sampling import ServeConfig, serve
@@ -83,8 +110,12 @@ def main(argv: list[str]) -> int:
     config = ServeConfig.from_preset(  # before the model loads
         fv.preset,
         model_name=fv.served_model_name or fv.model,
-        max_requests=fv.max_requests,
+        max_request_samples=fv.max_request_samples,
+        max_sequences=fv.max_sequences,
+        max_queue_tokens=fv.max_queue_tokens,
         max_body_bytes=fv.max_body_mb * 2**20,
+        api_key=api_key,
+        drain_s=fv.drain_s,
         num_blocks=fv.num_blocks,
         **({"speculative": speculative} if speculative is not None else {}),
     )
@@ -113,6 +144,18 @@ def _check_address(host: str, port: int) -> None:
     except OSError as e:  # (socket.gaierror included: a host that does not resolve)
         reason = e.strerror or str(e)
         raise UserError(f"--host={host} --port={port}: cannot listen there ({reason})") from None
+
+
+def _loopback(host: str) -> bool:
+    """Whether every address `host` resolves to is this machine's loopback."""
+    import ipaddress
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def _mtp_module(path: str, devices):

@@ -36,7 +36,8 @@ from posttrain.models import Transformer
 from posttrain.sampling._backend import ServeConfig, _Backend
 from posttrain.sampling._engine import Engine, EngineConfig
 from posttrain.sampling._generate import Completion
-from posttrain.sampling._serve import _APIError, _get, _settings, _tools, api_app
+from posttrain.sampling._serve import api_app
+from posttrain.sampling._serve_request import _APIError, _get, _settings, _tools
 
 MODEL_NAME = "posttrain-episodes"  # the model the answers name (requests may name any)
 

@@ -8,10 +8,12 @@ its row. The HTTP layer (`_serve`) only parses, checks and formats.
 """
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import queue
 import threading
+import time
 import traceback
 from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple
@@ -28,6 +30,9 @@ from posttrain.sampling._speculative import MTP, PromptLookup
 class EngineFailed(Exception):
     """An engine step failed; the message is the error (the server answers HTTP 500)."""
 
+
+# tokens_per_second counts the tokens generated over this many seconds.
+_RATE_WINDOW_S = 10.0
 
 # How each preset sets the engine (see docs/generation.md, "Serving").
 PRESETS = {
@@ -57,9 +62,20 @@ class ServeConfig:
     # Prompt-lookup drafts per speculative round (0: plain decoding). Greedy answers are the
     # same either way; seeded samples are reproducible, but other draws than plain decoding's.
     speculative: int = 0
-    max_requests: int = 64  # requests in flight or waiting for the engine; more get HTTP 429
+    # Admission (docs/generation.md, "Limits"): one request's n x prompts; more is HTTP 400.
+    max_request_samples: int = 64
+    # Sequences (n x prompts, summed over requests) in flight or waiting; more get HTTP 429.
+    # 0: four times `slots`.
+    max_sequences: int = 0
+    # KV tokens (each prompt + n x max_tokens) in flight or waiting; more get HTTP 429, one
+    # request over it HTTP 400. 0: four times the KV pool's tokens.
+    max_queue_tokens: int = 0
     default_max_tokens: int = 256  # max_tokens of a request that gives none (cut to fit)
     max_body_bytes: int = 8 * 2**20  # a larger request body is refused (HTTP 413) unread
+    # Requests to /v1/* need `Authorization: Bearer <api_key>` when set (compared in constant
+    # time); /health and /metrics stay open.
+    api_key: str = dataclasses.field(default="", repr=False)
+    drain_s: int = 5  # on SIGTERM or Ctrl-C: seconds answers in flight get, then they are cut
 
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "ServeConfig":
@@ -134,6 +150,10 @@ class _Backend:
         self._eos = frozenset(tokenizer.eos_ids)
         with self._on_mesh():
             self.engine = self._new_engine()
+        # Tokens the KV pool holds (its first block is the null block).
+        self.kv_tokens = (self.engine.num_blocks - 1) * self.engine.config.block_size
+        self._counts = collections.deque([(time.monotonic(), 0)])  # (time, tokens generated)
+        self._counts_lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit" | "cancel", track)
         self._active: list[_Track] = []  # submitted and not finished; the worker's alone
         self._worker = threading.Thread(target=self._work, name="posttrain-engine", daemon=True)
@@ -165,7 +185,26 @@ class _Backend:
                 "speculative": self._config.speculative,
                 "drafter": type(self.engine.drafter).__name__ if self.engine.drafter else None,
                 "blocks_in_use": engine.blocks_in_use, "requests": len(self._active),
+                "tokens_per_second": self._tokens_per_second(),
                 **dataclasses.asdict(engine.stats)}  # fmt: skip
+
+    def _tokens_per_second(self) -> float:
+        """Tokens generated over the last `_RATE_WINDOW_S` seconds (or since start), per second."""
+        now = time.monotonic()
+        with self._counts_lock:
+            counts = list(self._counts)
+        start = max(now - _RATE_WINDOW_S, counts[0][0])
+        before = [n for t, n in counts if t <= start] or [counts[0][1]]
+        return (counts[-1][1] - before[-1]) / max(now - start, 1e-3)
+
+    def _count_tokens(self) -> None:
+        """Records the tokens generated so far (the worker, after each step), keeping the
+        last sample before the window."""
+        now = time.monotonic()
+        with self._counts_lock:
+            self._counts.append((now, self.engine.stats.generated_tokens))
+            while len(self._counts) > 2 and self._counts[1][0] <= now - _RATE_WINDOW_S:
+                self._counts.popleft()
 
     # -- the handlers' side (event loop) ---------------------------------------------------
 
@@ -249,6 +288,7 @@ class _Backend:
                 try:
                     if not self.engine.idle:
                         self.engine.step()
+                        self._count_tokens()
                     self._publish()
                 except Exception as e:  # noqa: BLE001
                     self._fail(e, [])

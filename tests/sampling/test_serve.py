@@ -37,7 +37,8 @@ from posttrain.sampling import (
     generate_speculative,
 )
 from posttrain.sampling._backend import PRESETS, Piece, _Backend
-from posttrain.sampling._serve import _tool_calls, create_app
+from posttrain.sampling._serve import create_app
+from posttrain.sampling._serve_reply import _tool_calls
 from posttrain.train import load_model_and_tokenizer
 
 NAME = "tiny-test"
@@ -470,7 +471,7 @@ def test_cancel_frees_rows_and_blocks_and_leaves_the_others_alone(loaded):
 class _ScriptedBackend:
     """A backend that answers every prompt with `text`; `complete` waits for `go` once set."""
 
-    max_seq_len = 4096
+    max_seq_len = kv_tokens = 4096
 
     class tokenizer:  # noqa: N801
         adds_bos, bos_id, vocab_size = False, None, 128
@@ -485,6 +486,9 @@ class _ScriptedBackend:
 
     def __init__(self, text):
         self.text, self.entered, self.go = text, threading.Event(), None
+
+    def stats(self):
+        return {}
 
     async def complete(self, prompts, settings):
         self.entered.set()
@@ -519,7 +523,7 @@ def _running(app):
 def scripted():
     """An in-process server over a `_ScriptedBackend`, at most one request at a time."""
     backend = _ScriptedBackend('Sure.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
-    with _running(create_app(backend, ServeConfig(model_name=NAME, max_requests=1))) as client:
+    with _running(create_app(backend, ServeConfig(model_name=NAME, max_sequences=1))) as client:
         yield backend, client
 
 
@@ -561,3 +565,138 @@ def test_a_request_beyond_the_limit_gets_429_while_the_event_loop_stays_free(scr
         backend.go.set()
         first.join()
     assert client.completions.create(model=NAME, prompt="c", max_tokens=2).choices[0].text
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """The samples of `GET /metrics`, parsed by prometheus-client: name{labels} -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = url.rstrip("/").removesuffix("/v1")
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def _post_and_leave(url: str, body: dict, wait) -> None:
+    """POSTs `body` (not streamed) over a raw connection, waits for `wait()`, then closes the
+    connection without reading the answer: a client that gave up."""
+    parsed = urllib.parse.urlsplit(url)
+    data = json.dumps(body).encode()
+    with socket.create_connection((parsed.hostname, parsed.port), timeout=10) as sock:
+        sock.sendall(
+            f"POST {parsed.path.rstrip('/')}/completions HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        _wait_for(wait, "the request in the engine")
+
+
+def test_a_client_that_leaves_a_whole_request_cancels_it(in_process):
+    """Not streamed: the handler notices the closed connection while the engine decodes,
+    cancels the request (its row and blocks back at once) and counts it as 499."""
+    backend, client = in_process
+    url = str(client.base_url)
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0}
+    _post_and_leave(url, body, lambda: backend.stats()["generated_tokens"] > 0)
+    _wait_for(lambda: backend.stats()["requests"] == 0, "the request's cancellation")
+    stats = backend.stats()
+    assert stats["blocks_in_use"] == 0 and stats["generated_tokens"] < 400
+    _wait_for(lambda: backend.stats()["generated_tokens"] == stats["generated_tokens"], "idle")
+    assert _metrics(url)['posttrain_requests_total{path="/v1/completions",status="499"}'] == 1
+
+
+def test_metrics_count_requests_tokens_and_blocks(in_process, reference):
+    backend, client = in_process
+    url = str(client.base_url)
+    _, expected, _ = reference
+    answer = client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=8, temperature=0)
+    assert [c.text for c in answer.choices] == [e.text for e in expected]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="x", n=65)  # over --max-request-samples
+    assert _healthy(url)
+    m, stats = _metrics(url), backend.stats()
+    assert m['posttrain_requests_total{path="/v1/completions",status="200"}'] == 1
+    assert m['posttrain_requests_total{path="/v1/completions",status="400"}'] == 1
+    assert m['posttrain_requests_total{path="/health",status="200"}'] >= 1
+    generated = sum(len(e.token_ids) for e in expected)
+    assert m["posttrain_generated_tokens_total"] == stats["generated_tokens"] == generated
+    assert 0 < m["posttrain_tokens_per_second"] <= generated / 1e-3
+    assert m["posttrain_kv_blocks"] == stats["num_blocks"] > 1
+    assert m["posttrain_kv_blocks_in_use"] == m["posttrain_queue_sequences"] == 0
+    assert m["posttrain_queue_requests"] == m["posttrain_queue_tokens"] == 0
+
+
+@pytest.fixture
+def limited():
+    """A scripted server taking 4 sequences a request, 6 and 3000 KV tokens at once."""
+    backend = _ScriptedBackend("ok")
+    config = ServeConfig(model_name=NAME, max_request_samples=4, max_sequences=6,
+                         max_queue_tokens=3000)  # fmt: skip
+    with _running(create_app(backend, config)) as client:
+        yield backend, client
+
+
+def test_admission_counts_sequences_and_tokens_not_requests(limited):
+    backend, client = limited
+    url = str(client.base_url)
+    ask = lambda **kw: client.completions.create(model=NAME, prompt="ab", **kw)  # noqa: E731
+    with pytest.raises(openai.BadRequestError, match=r"asks for 6 sequences \(n x prompts\)"):
+        client.completions.create(model=NAME, prompt=["a", "b"], n=3)  # 6 > 4 a request
+    # 2 + 2 x 1600 KV tokens: more than the whole queue holds, so never admitted: 400.
+    with pytest.raises(openai.BadRequestError, match="needs 3202 KV tokens"):
+        ask(n=2, max_tokens=1600)
+    backend.go = threading.Event()
+    first = threading.Thread(target=lambda: ask(n=4, max_tokens=10))
+    first.start()
+    backend.entered.wait()
+    try:
+        assert _get(url, "/v1/stats")["queue"] == {"requests": 1, "sequences": 4, "tokens": 42}
+        with pytest.raises(openai.RateLimitError, match="4 of 6 sequences, 42 of 3000 KV"):
+            ask(n=3, max_tokens=10)  # 7 sequences: over 6
+        with pytest.raises(openai.RateLimitError, match="busy"):
+            ask(n=1, max_tokens=2960)  # 42 + 2962 tokens: over 3000
+        second = threading.Thread(target=lambda: ask(n=2, max_tokens=10))  # fits: admitted
+        second.start()
+        _wait_for(lambda: _get(url, "/v1/stats")["queue"]["sequences"] == 6, "admission")
+    finally:
+        backend.go.set()
+        first.join()
+    second.join()
+    assert _get(url, "/v1/stats")["queue"] == {"requests": 0, "sequences": 0, "tokens": 0}
+
+
+def test_an_api_key_guards_v1_and_health_stays_open():
+    backend = _ScriptedBackend("ok")
+    config = ServeConfig(model_name=NAME, api_key="s3cret")
+    assert "s3cret" not in repr(config)
+    with _running(create_app(backend, config)) as client:
+        url = str(client.base_url)
+        for key in ("x", "s3cret-and-more", ""):
+            with pytest.raises(openai.AuthenticationError, match="Incorrect API key") as e:
+                client.with_options(api_key=key).models.list()
+            assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        status, error = _post_raw(url, "/completions", b'{"model": "tiny-test", "prompt": "a"}')
+        assert status == 401 and error["error"]["code"] == "invalid_api_key"
+        keyed = client.with_options(api_key="s3cret")
+        assert keyed.completions.create(model=NAME, prompt="a").choices[0].text == "ok"
+        assert _healthy(url)  # /health (and /metrics) need no key: probes and scrapers
+
+
+def test_an_unknown_path_is_an_openai_error(scripted):
+    _, client = scripted
+    status, error = _post_raw(str(client.base_url), "/embeddings", b"{}")
+    assert status == 404 and error["error"]["message"] == "Not Found"
+
+
+def test_serving_beyond_loopback_without_a_key_warns_before_the_model_loads(tmp_path, capsys):
+    assert cli.main(["serve", f"--model={tmp_path}", "--host=0.0.0.0", "--port=0"]) == 2
+    err = capsys.readouterr().err
+    assert "--host=0.0.0.0 serves beyond this machine and no API key is set" in err
+    assert err.index("warning") < err.index("neither an HF model")  # then the model refused
+    assert cli.main(["serve", f"--model={tmp_path}", "--port=0"]) == 2
+    assert "warning" not in capsys.readouterr().err  # loopback: no warning
