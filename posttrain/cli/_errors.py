@@ -7,8 +7,9 @@ import os
 
 from posttrain import errors
 
-# A full disk or quota, a read-only filesystem: the place a command writes to refuses.
-_PLACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+# A full disk or quota, a read-only filesystem, no permission: the place a command writes to
+# refuses (the last two also for an OSError subclass other than PermissionError).
+_PLACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def exit_code(e: BaseException) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+from posttrain import paths
 from posttrain.cli._flags import parse
 from posttrain.errors import UserError
 
@@ -32,6 +35,14 @@ def main(argv: list[str]) -> int:
             "always replaced whole",
             flag_values=fv,
         )
+        flags.DEFINE_string(
+            "source",
+            None,
+            "VLMs: the HF directory the run's model was loaded from (default: the run's "
+            "model.hf_path), whose encoder tensors the model does not run are copied into the "
+            "export unchanged; '' for none (a preset)",
+            flag_values=fv,
+        )
 
     fv = parse(argv, define, HELP)
     if not fv.workdir or not fv.out:
@@ -46,6 +57,30 @@ def main(argv: list[str]) -> int:
         print(f"wrote the LoRA adapters (PEFT layout) to {fv.out}")
         return 0
     model = load_checkpoint_model(fv.workdir, fv.step)
-    to_hf(model, fv.out, dtype=fv.dtype, overwrite=fv.overwrite)
+    source = fv.source
+    if source is None and model.config.vision is not None:
+        source = _hf_source(fv.workdir)
+    to_hf(model, fv.out, dtype=fv.dtype, overwrite=fv.overwrite, source=source)
     print(f"wrote {fv.out}")
     return 0
+
+
+def _hf_source(workdir: str) -> str:
+    """The HF directory a run's model was loaded from ("" for a preset), through the runs it
+    started from (`model.checkpoint`), as each run's config.json names them."""
+    seen = set()
+    while workdir not in seen:
+        seen.add(workdir)
+        file = paths.join(workdir, "config.json")
+        try:
+            spec = json.loads(paths.path(file).read_text()).get("model") or {}
+        except (OSError, ValueError, AttributeError) as e:
+            raise UserError(
+                f"{file} does not say which HF directory the model was loaded from ({e}); a VLM "
+                "export copies the encoder tensors the model does not run from it: pass "
+                "--source=DIR (or --source='' for a model not loaded from one)"
+            ) from None
+        if spec.get("hf_path") or not spec.get("checkpoint"):
+            return spec.get("hf_path", "")
+        workdir = spec["checkpoint"]
+    raise UserError(f"runs start from each other in a circle at {workdir}; pass --source=DIR")

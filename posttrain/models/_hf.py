@@ -20,6 +20,7 @@ import numpy as np
 
 from posttrain import paths
 from posttrain.models._config import ModelConfig
+from posttrain.models._hf_carry import Carry, plan_carry
 from posttrain.models._hf_config import (
     CheckpointLayout,
     HFFormatError,
@@ -122,6 +123,13 @@ class _SafetensorsDir:
                 f"tensor {name!r} in {paths.join(self.path, info.file)} has shape "
                 f"{info.shape}, but config.json implies {shape}"
             )
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._files.tensors[name].shape
+
+    def read_whole(self, name: str) -> np.ndarray:
+        """Tensor `name` as it is stored."""
+        return self.read([whole(name, self.shape(name))])[0]
 
     def read(self, regions: list[Region]) -> list[np.ndarray]:
         """Each region of an HF tensor, read concurrently."""
@@ -367,13 +375,16 @@ def to_hf(
     dtype=None,
     max_shard_bytes: int = 5 * 1024**3,
     overwrite: bool = False,
+    source: str | None = None,
 ) -> None:
     """Writes `model` as an HF directory (`config.json` + safetensors) that transformers loads.
 
     Every process writes the rows of each HF tensor its devices hold (`_hf_export`), so no host
     gathers the model; host memory holds at most one layer of one weight. The export is whole:
     it replaces a previous export at `path` (its weights, index and configs; tokenizer files
-    stay), so `path` never loads a mix of the two.
+    stay), so `path` never loads a mix of the two. A VLM export also holds, unchanged, the
+    tensors of `source` its model does not run (`_hf_carry`), so it keeps every tensor the model
+    was loaded with and transformers finds every weight.
 
     Args:
       model: the model to export.
@@ -384,44 +395,64 @@ def to_hf(
       max_shard_bytes: larger checkpoints are split into shards with an index file.
       overwrite: export into `path` even if it holds files but no previous export (e.g. a
         training workdir): its config.json and *.safetensors are replaced, other files stay.
+      source: a VLM's HF directory it was loaded from (`from_hf`'s path; a run's
+        `model.hf_path`), whose encoder tensors the model does not run are copied from it
+        unchanged; "" for a VLM not loaded from one (e.g. a preset). Every process must see it.
 
     Raises:
-      ValueError: the model has no exact HF equivalent (e.g. MoE routing HF cannot express).
-      UserError: `path` is not empty and holds no export, and `overwrite` is False.
+      ValueError: the model has no exact HF equivalent (e.g. MoE routing HF cannot express),
+        or it is a VLM and `source` is None.
+      UserError: `path` is not empty and holds no export, and `overwrite` is False; `source`
+        is gone or holds another model.
+      OSError: the destination refused the export (full disk, read-only); its partial files
+        are removed and `path` is left as it was (its message says so; its errno is the cause's).
     """
     config = model.config
     np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
     hf_config = config_to_hf(config, jnp.dtype(np_dtype).name)  # fails before writing anything
+    carry = plan_carry(config, hf_config, source, _SafetensorsDir)
     with staged_export(path, overwrite=overwrite, shared=True) as staging:
-        _write_hf(model, hf_config, staging, np_dtype, max_shard_bytes)
+        _write_hf(model, carry, staging, np_dtype, max_shard_bytes)
+    if carry.tensors:
+        log.info(
+            "%s: %d encoder tensors the model does not run were written beside its own (%d "
+            "copied from %s unchanged)",
+            path,
+            len(carry.tensors),
+            sum(t.source_name is not None for t in carry.tensors),
+            source or "no source",
+        )
 
 
-def _write_hf(
-    model: Transformer, hf_config: dict, path: str, np_dtype, max_shard_bytes: int
-) -> None:
+def _write_hf(model: Transformer, carry: Carry, path: str, np_dtype, max_shard_bytes: int) -> None:
     """Writes the export into the empty folder `path` that every process sees: each process its
-    rows of each HF tensor (`_hf_export`), process 0 the configs and the index."""
+    rows of each HF tensor (`_hf_export`), process 0 the carried tensors, the configs and the
+    index."""
     config = model.config
     pieces = []  # (entry, param, index into its stacked dims, HF name)
     for entry in weight_table(config, export_layout(config)):
         param = _get(model.params, entry.path)
         pieces += [(entry, param, i, name) for i, name in entry.pieces(param.shape)]
-    layout = plan([(p[3], p[0].hf_shape) for p in pieces], np_dtype, max_shard_bytes)
-    writer = Writer(path, layout)
-    converters: dict = {}
-    row_axes = {}  # per weight: the axis of our piece that indexes the HF rows (None: unknown)
-    for entry, param, index, name in pieces:
-        if entry.path not in row_axes:
-            view = _hf_view(entry, param.shape[entry.stacked_dims :])
-            row_axes[entry.path] = None if view is None else int(np.argmax(view[1]))
-        row_axis = row_axes[entry.path]
-        for start, rows in hf_rows(entry.to_hf, param, index, np_dtype, row_axis, converters):
-            if start == 0 and rows.shape[1:] != entry.hf_shape[1:]:
-                raise AssertionError(f"{name}: converted to {rows.shape}, not {entry.hf_shape}")
-            writer.write(name, start, rows)
-    writer.close()
+    tensors = [(p[3], p[0].hf_shape) for p in pieces] + [(t.name, t.shape) for t in carry.tensors]
+    layout = plan(tensors, np_dtype, max_shard_bytes)
+    with Writer(path, layout) as writer:
+        converters: dict = {}
+        row_axes = {}  # per weight: the axis of our piece that indexes the HF rows (None: unknown)
+        for entry, param, index, name in pieces:
+            if entry.path not in row_axes:
+                view = _hf_view(entry, param.shape[entry.stacked_dims :])
+                row_axes[entry.path] = None if view is None else int(np.argmax(view[1]))
+            row_axis = row_axes[entry.path]
+            for start, rows in hf_rows(entry.to_hf, param, index, np_dtype, row_axis, converters):
+                if start == 0 and rows.shape[1:] != entry.hf_shape[1:]:
+                    raise AssertionError(f"{name}: converted to {rows.shape}, not {entry.hf_shape}")
+                writer.write(name, start, rows)
+        if jax.process_index() == 0:
+            for tensor in carry.tensors:  # one at a time: at most one tensor in host memory
+                writer.write(tensor.name, 0, carry.read(tensor, np_dtype))
     if jax.process_index() != 0:
         return
+    hf_config = carry.hf_config
     paths.write_text(paths.join(path, "config.json"), json.dumps(hf_config, indent=2))
     if len(layout.files) > 1:
         total = sum(t.nbytes for t in layout.tensors.values())

@@ -95,7 +95,8 @@ def barrier(name: str) -> None:
 
 class Writer:
     """Writes byte ranges of the files of `layout` into the folder `staging` (local and shared by
-    every process, or a gs:// prefix); every process makes one, then calls `close`."""
+    every process, or a gs:// prefix); every process makes one, then calls `close` (or uses it
+    as a context manager: closed on success, its files let go of on an error)."""
 
     def __init__(self, staging: str, layout: Layout):
         self.staging, self.layout = staging, layout
@@ -136,14 +137,31 @@ class Writer:
             future.result()
         self._pending, self._pending_bytes = [], 0
 
+    def _release(self) -> None:
+        """Closes this process's open files (a failed write leaves them open otherwise)."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._pending, self._pending_bytes = [], 0
+            self._release()
+
     def close(self) -> None:
         """Finishes this process's writes, waits for every process's, and (gs://) has process 0
         compose each file from its parts."""
-        self._wait()
-        for fd in self._fds.values():
-            os.fsync(fd)
-            os.close(fd)
-        self._fds.clear()
+        try:
+            self._wait()
+            for fd in self._fds.values():
+                os.fsync(fd)  # a full disk may only tell here
+        finally:
+            self._release()
         barrier("posttrain-export-written")
         if self.remote and jax.process_index() == 0:
             fs = filesystem(self.staging)

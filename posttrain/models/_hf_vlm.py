@@ -195,6 +195,21 @@ def vlm_to_hf(config: ModelConfig, text_hf: dict) -> dict:
     }
 
 
+def keep_source_encoder(hf: dict, source: dict, *, head: bool) -> dict:
+    """`hf`, a VLM export's `config.json`, with the encoder of `source` (the `config.json` of
+    the directory the model was loaded from, whose unused encoder tensors the export carries):
+    its layer count, LLaVA's feature layer read from the end of it, and a pooling head when the
+    export carries one (`head`)."""
+    v, s = dict(hf["vision_config"]), source.get("vision_config") or {}
+    run = v["num_hidden_layers"]
+    v["num_hidden_layers"] = int(s.get("num_hidden_layers", 12))
+    v["vision_use_head"] = head
+    out = {**hf, "vision_config": v}
+    if hf["model_type"] == "llava":  # the layer the projector reads, counted from the end
+        out["vision_feature_layer"] = run - v["num_hidden_layers"] - 1
+    return out
+
+
 def checkpoint_prefixes(names) -> tuple[tuple[str, str], ...]:
     """`(our prefix, the checkpoint's)` for each part of a VLM, from its tensor names."""
     out = []

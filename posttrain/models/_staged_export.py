@@ -5,6 +5,7 @@ at its destination in an order that never leaves a loadable mix of the two (`_re
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -33,9 +34,22 @@ def _is_export_file(name: str) -> bool:
 
 
 def check_export_destination(path: str, *, overwrite: bool = False) -> None:
-    """Raises `UserError` unless an export may go to `path` (what `to_hf` checks first; a
-    command calls it before loading a large checkpoint)."""
+    """Raises `UserError` unless an export may go to `path`, `ExportWriteError` when its
+    filesystem is read-only (what `to_hf` checks first; a command calls it before loading a
+    large checkpoint)."""
     _check_destination(paths.path(path), overwrite)
+    _check_writable(paths.path(path))
+
+
+def _check_writable(dest: epath.Path) -> None:
+    """Refuses a local `dest` on a read-only filesystem (that of its nearest existing folder)."""
+    if paths.is_remote(dest):
+        return
+    folder = os.path.abspath(os.fspath(dest))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        raise _refused(OSError(errno.EROFS, os.strerror(errno.EROFS)), dest, None, False)
 
 
 def _check_destination(dest: epath.Path, overwrite: bool) -> None:
@@ -56,6 +70,16 @@ def _check_destination(dest: epath.Path, overwrite: bool) -> None:
         )
 
 
+class ExportWriteError(OSError):
+    """The destination refused an export (full disk or quota, read-only, no permission): its
+    errno is the cause's, so `posttrain` exits 2 for it as for any such refusal
+    (`posttrain.cli._errors`); the message names the destination, the cause and what was left
+    there. The partial files are removed."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 @contextlib.contextmanager
 def staged_export(path: str, *, overwrite: bool = False, shared: bool = False) -> Iterator[str]:
     """An empty folder to write an export into; on success its files replace the export at
@@ -68,30 +92,69 @@ def staged_export(path: str, *, overwrite: bool = False, shared: bool = False) -
     Raises:
       UserError: `path` is not empty and holds no export, and `overwrite` is False; or, shared,
         some process does not see the local staging folder.
+      ExportWriteError: a write failed (e.g. no space left on the device); the staging folder
+        is removed, and `path` is as it was unless the failure came while the new files moved
+        in (then it loads the previous export, or nothing until a rerun finishes).
     """
     dest = paths.path(path)
     _check_destination(dest, overwrite)
+    _check_writable(dest)
     process_zero = jax.process_index() == 0
     beside = not paths.is_remote(path) and (process_zero or shared)
-    if beside and process_zero:  # on the destination's filesystem, so files move in by rename
-        dest.parent.mkdir(parents=True, exist_ok=True)
-    if shared:
-        staging = _shared_staging(dest)
-    else:  # gs:// (and processes other than 0, which write nothing): any local folder.
-        staging = tempfile.mkdtemp(
-            prefix=f".{dest.name}.export-", dir=os.fspath(dest.parent) if beside else None
-        )
+    staging, replacing = None, False
     try:
+        if beside and process_zero:  # on the destination's filesystem: files move in by rename
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        if shared:
+            staging = _shared_staging(dest)
+        else:  # gs:// (and processes other than 0, which write nothing): any local folder.
+            staging = tempfile.mkdtemp(
+                prefix=f".{dest.name}.export-", dir=os.fspath(dest.parent) if beside else None
+            )
         yield staging
         if shared:
             barrier("posttrain-export-staged")
         if process_zero:
+            replacing = True
             _replace_export(staging, dest)
         if shared:
             barrier("posttrain-export-replaced")
+    except OSError as e:
+        if e.errno is None or isinstance(e, ExportWriteError) or not _about(e, dest, staging):
+            raise
+        raise _refused(e, dest, staging, replacing) from e
     finally:
-        if process_zero or not shared:
+        if staging is not None and (process_zero or not shared):
             _remove_tree(staging)
+
+
+def _about(e: OSError, dest: epath.Path, staging: str | None) -> bool:
+    """Whether `e` is about the export's own files: it names none (a write), the staging
+    folder's, `dest`'s or a folder above `dest` (made for it); not, e.g., a checkpoint's."""
+    if not e.filename:
+        return True
+    named = os.path.abspath(os.fspath(e.filename))
+    folders = [os.path.abspath(os.fspath(dest))] + ([os.path.abspath(staging)] if staging else [])
+    return any(os.path.commonpath([named, f]) in (named, f) for f in folders)
+
+
+def _refused(e: OSError, dest: epath.Path, staging: str | None, replacing: bool) -> OSError:
+    """`e`, a failed write of the export to `dest`, as one line: the cause (and the file it
+    names, unless a staging file), and what `dest` holds now."""
+    cause = e.strerror or str(e)
+    named = os.fspath(e.filename) if e.filename else ""
+    if named and not (staging and named.startswith(staging)) and named != os.fspath(dest):
+        cause += f" ({named})"
+    if replacing:
+        left = (
+            f"its files were moving in: {dest} loads the previous export, or nothing (no "
+            "config.json), until a rerun of the export finishes"
+        )
+    elif staging is None:
+        left = "nothing was written"
+    else:
+        left = f"its partial files were removed and {dest} is as it was"
+    return ExportWriteError(e.errno, f"exporting to {dest} failed: {cause}; {left}")
 
 
 def _shared_staging(dest: epath.Path) -> str:

@@ -4,6 +4,8 @@ device's."""
 
 import dataclasses
 import json
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -75,11 +77,55 @@ def test_logits_match_transformers_with_images_and_without(vlm_dir):
     )
 
 
+# The tiny LLaVA's tensors its model does not run: the last of 3 encoder layers (it reads the
+# next-to-last), SigLIP's pooling head and post_layernorm.
+UNUSED = tuple(f"vision_tower.{p}" for p in ("encoder.layers.2.", "head.", "post_layernorm."))
+
+
+def _tensors(path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def _load_report(path) -> dict:
+    """transformers' loading info for the export at `path` (every list empty: it found each
+    weight it expects, and nothing else)."""
+    import transformers
+
+    _, info = transformers.AutoModelForImageTextToText.from_pretrained(
+        str(path), output_loading_info=True
+    )
+    return {k: sorted(v) for k, v in info.items() if k != "error_msgs"}
+
+
+_NO_SURPRISES = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
+
+
+def _encoder(config: dict) -> tuple:
+    """What of a VLM config.json decides which encoder tensors exist and which one is read."""
+    v = config["vision_config"]
+    return v["num_hidden_layers"], v.get("vision_use_head"), config.get("vision_feature_layer")
+
+
 def test_export_round_trip(vlm_dir, tmp_path):
+    """The export holds every tensor of the directory the model came from, byte for byte (the
+    encoder's layers past LLaVA's feature layer, its pooling head and post_layernorm
+    included), under a config.json with the same encoder; transformers finds every weight."""
     model = from_hf(vlm_dir, attention="xla")
-    to_hf(model, str(tmp_path))
+    to_hf(model, str(tmp_path), source=vlm_dir)
     original = json.load(open(f"{vlm_dir}/config.json"))
-    assert json.load(open(tmp_path / "config.json"))["model_type"] == original["model_type"]
+    exported = json.load(open(tmp_path / "config.json"))
+    assert exported["model_type"] == original["model_type"]
+    assert _encoder(exported) == _encoder(original)
+    assert _load_report(tmp_path) == _NO_SURPRISES
+    source, out = _tensors(vlm_dir), _tensors(tmp_path)
+    assert sorted(out) == sorted(source)
+    assert [n for n in source if out[n].tobytes() != source[n].tobytes()] == []
     tokens, mask, pixels, _ = _batch(model.config.vision.tokens_per_image)
     diff = _max_on_valid(
         hf_vlm_logits(str(tmp_path), tokens, mask, pixels),
@@ -89,6 +135,101 @@ def test_export_round_trip(vlm_dir, tmp_path):
     assert diff <= 1e-5
     again = from_hf(str(tmp_path), attention="xla")
     assert again.config.vision == model.config.vision
+
+
+def _save_run(workdir, model, hf_path: str) -> None:
+    """What a run that started from `hf_path` leaves: a checkpoint of `model` and config.json."""
+    from posttrain.train import CheckpointConfig, Checkpointer
+
+    config = {"model": {"hf_path": hf_path, "checkpoint": ""}}
+    model_config = json.loads(json.dumps(dataclasses.asdict(model.config), default=str))
+    checkpointer = Checkpointer(str(workdir), CheckpointConfig(async_save=False))
+    extra = {"config": config, "model_config": model_config}
+    checkpointer.save(3, {"params": model.params}, extra=extra, force=True)
+    checkpointer.close()
+    (workdir / "config.json").write_text(json.dumps(config))
+
+
+def test_a_trained_checkpoint_exported_later_carries_the_unused_tensors(tmp_path, capsys):
+    """A run's checkpoint (LLaVA, every weight changed by "training") exported by the CLI: the
+    tensors the model does not run come from the run's model.hf_path byte for byte, the trained
+    ones from the checkpoint; with that directory gone the export is refused with the reason,
+    and --source names a copy."""
+    from posttrain import cli
+
+    source = save_tiny_hf_vlm("llava", str(tmp_path / "llava"))
+    loaded = from_hf(source)
+    trained = type(loaded)(jax.tree.map(lambda x: x + 0.01, loaded.params), loaded.config)
+    _save_run(tmp_path / "run", trained, source)
+    out = tmp_path / "hf"
+    assert cli.main(["export", f"--workdir={tmp_path / 'run'}", f"--out={out}"]) == 0
+    assert _load_report(out) == _NO_SURPRISES
+    assert _encoder(json.load(open(out / "config.json"))) == (3, True, -2)
+    theirs, ours = _tensors(source), _tensors(out)
+    assert sorted(ours) == sorted(theirs)
+    kept = sorted(n for n in theirs if ours[n].tobytes() == theirs[n].tobytes())
+    assert kept == sorted(n for n in theirs if n.startswith(UNUSED)), kept  # 29 of 89
+    exported = from_hf(str(out)).params
+    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(trained.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    moved = shutil.move(source, tmp_path / "moved")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    capsys.readouterr()
+    assert cli.main(["export", f"--workdir={tmp_path / 'run'}", f"--out={out}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        f"posttrain export: {source}, the HF directory the model was loaded from, does not "
+        f"exist: the export carries its encoder tensors that model 'llava' does not run; "
+        "restore it or name a copy of it (--source=DIR, to_hf(source=...))"
+    ), err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # untouched
+    again = tmp_path / "again"
+    argv = ["export", f"--workdir={tmp_path / 'run'}", f"--out={again}", f"--source={moved}"]
+    assert cli.main(argv) == 0
+    assert (again / "model.safetensors").read_bytes() == before["model.safetensors"]
+
+
+def test_a_gemma3_pooling_head_is_carried(tmp_path):
+    """Gemma 3 with `vision_use_head`: the head its model does not run is exported unchanged."""
+    name, kwargs = HF_VLMS["gemma3"]
+    kwargs = dict(kwargs, vision_config=dict(kwargs["vision_config"], vision_use_head=True))
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(HF_VLMS, "gemma3_head", (name, kwargs))
+        source = save_tiny_hf_vlm("gemma3_head", str(tmp_path / "src"))
+    to_hf(from_hf(source), str(tmp_path / "out"), source=source)
+    assert _load_report(tmp_path / "out") == _NO_SURPRISES
+    theirs, ours = _tensors(source), _tensors(tmp_path / "out")
+    assert any(n.startswith("vision_tower.head.") for n in theirs)
+    assert sorted(ours) == sorted(theirs)
+    assert all(ours[n].tobytes() == theirs[n].tobytes() for n in theirs)
+
+
+def test_vlm_exports_refuse_what_would_drop_tensors(tmp_path):
+    """Without a source a VLM export is refused, and so is a source of another model; a preset
+    (source='') gets LLaVA's unused post_layernorm at LayerNorm's init and loads whole."""
+    from posttrain.errors import UserError
+    from posttrain.models import Transformer, get_preset
+
+    llava = save_tiny_hf_vlm("llava", str(tmp_path / "llava"))
+    gemma = save_tiny_hf_vlm("gemma3", str(tmp_path / "gemma3"))
+    model = from_hf(llava)
+    with pytest.raises(ValueError, match="is a VLM: pass source="):
+        to_hf(model, str(tmp_path / "out"))
+    with pytest.raises(UserError, match=f"{gemma} holds another model than 'llava'"):
+        to_hf(model, str(tmp_path / "out"), source=gemma)
+    assert not (tmp_path / "out").exists()
+
+    preset = Transformer.init(get_preset("tiny_vlm"), 0)
+    to_hf(preset, str(tmp_path / "preset"), source="")
+    assert _load_report(tmp_path / "preset") == _NO_SURPRISES
+    norm = {k: v for k, v in _tensors(tmp_path / "preset").items() if "post_layernorm" in k}
+    assert sorted(norm) == [
+        "vision_tower.post_layernorm.bias",
+        "vision_tower.post_layernorm.weight",
+    ]
+    assert (norm["vision_tower.post_layernorm.weight"] == 1).all()
+    assert (norm["vision_tower.post_layernorm.bias"] == 0).all()
 
 
 def test_sharded_loss_and_gradients_equal_one_device(vlm_dir, devices):
