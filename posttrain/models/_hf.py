@@ -414,13 +414,15 @@ def to_hf(
     with staged_export(path, overwrite=overwrite, shared=True) as staging:
         _write_hf(model, carry, staging, np_dtype, max_shard_bytes)
     if carry.tensors:
+        copied = sum(t.source_name is not None for t in carry.tensors)
         log.info(
-            "%s: %d encoder tensors the model does not run were written beside its own (%d "
-            "copied from %s unchanged)",
+            "%s: also wrote %d encoder tensors the model does not run: %d copied unchanged from "
+            "%s, %d at LayerNorm's init",
             path,
             len(carry.tensors),
-            sum(t.source_name is not None for t in carry.tensors),
-            source or "no source",
+            copied,
+            source or "(no source)",
+            len(carry.tensors) - copied,
         )
 
 

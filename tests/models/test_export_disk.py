@@ -5,6 +5,7 @@ mounts (root only: skipped with a message where mounting is not allowed)."""
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import subprocess
@@ -105,3 +106,26 @@ def test_a_read_only_destination_is_one_line(runs, tmp_path, capsys):
             ]
         assert os.listdir(disk) == ["hf"]
         assert _snapshot(disk / "hf") == before
+
+
+def test_only_the_exports_own_write_errors_are_reworded(tmp_path):
+    """A write error in the staging folder (or naming no file) becomes one line about the
+    destination with the cause's errno; an error about another file (a checkpoint being read,
+    say) passes through as it is."""
+    from posttrain.models._staged_export import staged_export
+
+    out = tmp_path / "hf"
+    with pytest.raises(OSError) as refused:
+        with staged_export(str(out), shared=True):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert refused.value.errno == errno.ENOSPC
+    assert str(refused.value) == (
+        f"exporting to {out} failed: No space left on device; its partial files were removed "
+        f"and {out} is as it was"
+    )
+    elsewhere = str(tmp_path / "run" / "checkpoints" / "1" / "state")
+    with pytest.raises(FileNotFoundError) as passed:
+        with staged_export(str(out), shared=True):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), elsewhere)
+    assert passed.value.filename == elsewhere
+    assert os.listdir(tmp_path) == []  # no staging folder left, no export made

@@ -172,6 +172,19 @@ def test_a_trained_checkpoint_exported_later_carries_the_unused_tensors(tmp_path
     exported = from_hf(str(out)).params
     for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(trained.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # a run that started from that run's checkpoint (e.g. DPO after SFT): the same source
+    (tmp_path / "dpo").mkdir()
+    (tmp_path / "dpo" / "config.json").write_text(
+        json.dumps({"model": {"hf_path": "", "checkpoint": str(tmp_path / "run")}})
+    )
+    shutil.copytree(tmp_path / "run" / "checkpoints", tmp_path / "dpo" / "checkpoints")
+    assert (
+        cli.main(["export", f"--workdir={tmp_path / 'dpo'}", f"--out={tmp_path / 'dpo_hf'}"]) == 0
+    )
+    assert _tensors(tmp_path / "dpo_hf").keys() == ours.keys()
+    assert (tmp_path / "dpo_hf" / "model.safetensors").read_bytes() == (
+        out / "model.safetensors"
+    ).read_bytes()
 
     moved = shutil.move(source, tmp_path / "moved")
     before = {f.name: f.read_bytes() for f in out.iterdir()}
