@@ -48,9 +48,10 @@ class Admission:
         """
         most = min(self.max_request_samples, self.max_sequences)
         if c.sequences > most:
+            flag = "request-samples" if most == self.max_request_samples else "sequences"
             raise _APIError(
                 f"the request asks for {c.sequences} sequences (n x prompts); this server "
-                f"takes at most {most} per request (posttrain serve --max-request-samples)",
+                f"takes at most {most} per request (posttrain serve --max-{flag})",
                 param="n",
             )
         if c.tokens > self.max_tokens:

@@ -34,6 +34,27 @@ class EngineFailed(Exception):
 # tokens_per_second counts the tokens generated over this many seconds.
 _RATE_WINDOW_S = 10.0
 
+
+class _Compilations:
+    """XLA compilations in this process since the first backend (jax.monitoring's event):
+    the engine compiles a program per prefill and decode bucket it meets, so a count that
+    keeps rising under a steady load is a shape leak."""
+
+    count = 0
+    _listening = False
+
+    @classmethod
+    def listen(cls) -> None:
+        if not cls._listening:
+            cls._listening = True
+            jax.monitoring.register_event_duration_secs_listener(cls._heard)
+
+    @classmethod
+    def _heard(cls, event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            cls.count += 1
+
+
 # How each preset sets the engine (see docs/generation.md, "Serving").
 PRESETS = {
     # 64 rows decode together, 16 steps per device call: the most tokens per second; a new
@@ -148,6 +169,7 @@ class _Backend:
         self.max_seq_len = model.config.max_seq_len
         self._model, self._config, self._mesh, self._mtp = model, config, mesh, mtp
         self._eos = frozenset(tokenizer.eos_ids)
+        _Compilations.listen()
         with self._on_mesh():
             self.engine = self._new_engine()
         # Tokens the KV pool holds (its first block is the null block).
@@ -186,6 +208,7 @@ class _Backend:
                 "drafter": type(self.engine.drafter).__name__ if self.engine.drafter else None,
                 "blocks_in_use": engine.blocks_in_use, "requests": len(self._active),
                 "tokens_per_second": self._tokens_per_second(),
+                "compilations": _Compilations.count,
                 **dataclasses.asdict(engine.stats)}  # fmt: skip
 
     def _tokens_per_second(self) -> float:

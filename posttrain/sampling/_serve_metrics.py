@@ -1,7 +1,7 @@
 """`GET /metrics` of `posttrain serve`: Prometheus' text format (prometheus-client), one
 registry per app. HTTP requests by path and status; the admission queue (requests, sequences,
 KV tokens admitted); the engine (KV blocks in use and in the pool, prompts it holds, tokens
-generated and their rate over the last seconds)."""
+generated and their rate over the last seconds, XLA compilations)."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -29,6 +29,10 @@ class _Engine:
         yield CounterMetricFamily(
             "posttrain_generated_tokens", "tokens generated", value=s["generated_tokens"]
         )
+        yield CounterMetricFamily(
+            "posttrain_compilations", "XLA programs compiled (one per engine bucket met)",
+            value=s["compilations"],
+        )  # fmt: skip
 
 
 class ServeMetrics:

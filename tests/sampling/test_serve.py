@@ -629,6 +629,7 @@ def test_metrics_count_requests_tokens_and_blocks(in_process, reference):
     assert m["posttrain_kv_blocks"] == stats["num_blocks"] > 1
     assert m["posttrain_kv_blocks_in_use"] == m["posttrain_queue_sequences"] == 0
     assert m["posttrain_queue_requests"] == m["posttrain_queue_tokens"] == 0
+    assert m["posttrain_compilations_total"] == stats["compilations"]  # (this process's)
 
 
 @pytest.fixture
