@@ -3,7 +3,6 @@ line naming the destination and the cause, leaves no partial export (nor its sta
 behind, and leaves an export already there as it was. The filesystem is a small tmpfs the test
 mounts (root only: skipped with a message where mounting is not allowed)."""
 
-import contextlib
 import dataclasses
 import errno
 import json
@@ -18,23 +17,10 @@ import pytest
 from posttrain import cli
 from posttrain.models import Transformer, get_preset, param_shapes
 from posttrain.train import CheckpointConfig, Checkpointer
+from tests.mounts import tmpfs
 
 CONFIG = get_preset("tiny")
 EXPORT_KB = 652  # one float32 export of the tiny model (du -sk)
-
-
-@contextlib.contextmanager
-def _tmpfs(path, size_kb: int, *options: str):
-    os.makedirs(path)
-    opts = ",".join([f"size={size_kb}k", *options])
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
-                             capture_output=True, text=True)  # fmt: skip
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}): run as root")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +57,7 @@ def _open_files() -> int:
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_export_there(runs, tmp_path, capsys):
-    with _tmpfs(tmp_path / "disk", EXPORT_KB * 3 // 2) as disk:  # room for one export
+    with tmpfs(tmp_path / "disk", EXPORT_KB * 3 // 2) as disk:  # room for one export
         assert _export(runs[0], disk / "hf") == 0
         before = _snapshot(disk / "hf")
         capsys.readouterr()
@@ -92,7 +78,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_export_there(runs, tmp_path, caps
 
 
 def test_a_read_only_destination_is_one_line(runs, tmp_path, capsys):
-    with _tmpfs(tmp_path / "ro", 4 * EXPORT_KB) as disk:
+    with tmpfs(tmp_path / "ro", 4 * EXPORT_KB) as disk:
         assert _export(runs[0], disk / "hf") == 0
         before = _snapshot(disk / "hf")
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)

@@ -3,16 +3,15 @@ leaves no partial checkpoint, and the next run (with space) resumes from the las
 ends bitwise as an uninterrupted run. The filesystem is a small tmpfs the test mounts (root
 only: skipped with a message where mounting is not allowed)."""
 
-import contextlib
 import os
 import subprocess
 
 import jax
 import numpy as np
-import pytest
 
 from posttrain import cli
 from posttrain.train import load_checkpoint_model
+from tests.mounts import tmpfs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 6
@@ -20,20 +19,6 @@ RUN = ["train", f"--config={REPO}/configs/sft.py:tiny", "--config.model.checkpoi
        "--config.eval_data=[]", "--config.train.progress=false", f"--config.train.steps={STEPS}",
        "--config.checkpoint.every=2", "--config.train.log_every=1"]  # fmt: skip
 CHECKPOINT_KB = 1720  # one checkpoint of the tiny model (du -sk checkpoints/2)
-
-
-@contextlib.contextmanager
-def _tmpfs(path, size_kb: int, *options: str):
-    os.makedirs(path)
-    opts = ",".join([f"size={size_kb}k", *options])
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
-                             capture_output=True, text=True)  # fmt: skip
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}): run as root")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def _losses(workdir) -> list[tuple[int, float]]:
@@ -46,7 +31,7 @@ def _losses(workdir) -> list[tuple[int, float]]:
 def test_a_full_disk_stops_the_run_and_the_next_run_resumes_exactly(tmp_path, capsys):
     straight = tmp_path / "straight"
     assert cli.main([*RUN, f"--workdir={straight}"]) == 0
-    with _tmpfs(tmp_path / "disk", CHECKPOINT_KB * 3 // 2) as disk:  # room for one checkpoint
+    with tmpfs(tmp_path / "disk", CHECKPOINT_KB * 3 // 2) as disk:  # room for one checkpoint
         workdir = disk / "run"
         capsys.readouterr()
         assert cli.main([*RUN, f"--workdir={workdir}"]) == 2
@@ -70,7 +55,7 @@ def test_a_full_disk_stops_the_run_and_the_next_run_resumes_exactly(tmp_path, ca
 
 
 def test_a_read_only_workdir_is_one_line(tmp_path, capsys):
-    with _tmpfs(tmp_path / "ro", 1024, "ro") as readonly:
+    with tmpfs(tmp_path / "ro", 1024, "ro") as readonly:
         assert cli.main([*RUN, f"--workdir={readonly}/run"]) == 2
         err = capsys.readouterr().err
         assert err.splitlines() == [
