@@ -42,6 +42,7 @@ def cad_trajectory(task: dict) -> dict:
     final script."""
     from posttrain.envs._cad import CAD_SYSTEM, cad_env, describe
     from posttrain.rewards._cad import build
+    from posttrain.rewards._cad_geometry import measure
 
     call = {"name": "build_part", "arguments": {"script": task["reference"]}}
     tools = cad_env({"prompt": "", "domain": "cad"}).schemas  # (the tool as episodes see it)
@@ -51,7 +52,7 @@ def cad_trajectory(task: dict) -> dict:
             {"role": "user", "content": task["prompt"]},
             {"role": "assistant", "content": "",
              "tool_calls": [{"type": "function", "function": call}]},
-            {"role": "tool", "content": describe(build(task["target"]))},
+            {"role": "tool", "content": describe(measure(build(task["target"])))},
             {"role": "assistant", "content": f"```python\n{task['reference']}```"},
         ],
         "tools": tools,

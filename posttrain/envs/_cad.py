@@ -2,9 +2,10 @@
 script built, as text measurements (and, optionally, as a rendered image), before it answers
 with its final script.
 
-Each `build_part(script)` runs the script in the sandbox (`posttrain.rewards._cad`) and answers
-with the part's bounding-box extents, volume, bodies, through-holes and whether it stands
-stably, or with why no part came out (the script's error, a cap it hit). With `render_dir` set,
+Each `build_part(script)` runs the script in the sandbox and builds and measures its part under
+the same time and memory limits (`posttrain.rewards._cad`), and answers with the part's
+bounding-box extents, volume, bodies, through-holes and whether it stands stably, or with why
+no part came out (the script's error, a cap or limit it hit). With `render_dir` set,
 each part built is also drawn in four orthographic views (`_cad_render.render_views`) to
 `<render_dir>/<episode>_<call>.png`, and its tool message lists the PNG under `"images"` beside
 the text `content`: a multimodal model's chat template can show it, a text template ignores
@@ -22,7 +23,7 @@ from typing import Any
 from posttrain import paths
 from posttrain.envs._base import Step, Tool, ToolEnvironment, register_env
 from posttrain.rewards._cad import run_script
-from posttrain.rewards._cad_geometry import measure
+from posttrain.rewards._cad_geometry import Measurements
 from posttrain.rewards._cad_render import render_views
 
 CAD_SYSTEM = (
@@ -33,9 +34,8 @@ CAD_SYSTEM = (
 )
 
 
-def describe(solid) -> str:
-    """What a built part measures, in words a model reads."""
-    m = measure(solid)
+def describe(m: Measurements) -> str:
+    """What a built part measures (`_cad_geometry.measure`), in words a model reads."""
     if not m.valid:
         return "The script ran but produced an empty or invalid part."
     x, y, z = m.extents
@@ -74,7 +74,7 @@ class CADEnvironment(ToolEnvironment):
         result = run_script(script, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
         if result.solid is None:
             raise RuntimeError(f"no part: {result.error}")
-        text = describe(result.solid)
+        text = describe(result.measurements)
         if self.render_dir:
             path = os.path.join(self.render_dir, f"{self.episode}_{self.calls}.png")
             box = result.solid.bounding_box()  # (min x, y, z, max x, y, z)

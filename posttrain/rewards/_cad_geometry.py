@@ -2,11 +2,13 @@
 
 Every measure is exact or deterministic: volumes and the target overlap come from the geometry
 kernel's booleans (volumetric IoU = vol(A ∩ B) / vol(A ∪ B), no voxels), through-holes from the
-genus of the surface, bodies from its connected components, and stability from the centre of
-mass (signed tetrahedra of the triangle mesh) over the support polygon (the convex hull of the
-vertices within `BASE_TOLERANCE` of the lowest point).
+topology of the surface (`_cad_holes`: the genus, except that bores which cross count one each,
+not as the three loops two crossing bores make), bodies from its connected components, and
+stability from the centre of mass (signed tetrahedra of the triangle mesh) over the support
+polygon (the convex hull of the vertices within `BASE_TOLERANCE` of the lowest point).
 
-`score(candidate, target, task)` returns named components in [0, 1]:
+`score(candidate, target, task)` (or `score_measured` from measurements taken elsewhere)
+returns named components in [0, 1]:
 
 - `valid`: the solid is non-empty and the kernel reports no error.
 - `iou`: volumetric IoU with the target (0 when invalid).
@@ -25,6 +27,8 @@ import dataclasses
 import math
 
 import numpy as np
+
+from posttrain.rewards._cad_holes import topology
 
 BASE_TOLERANCE = 1e-6  # vertices this close to the lowest z (relative to the height) are the base
 DEFAULT_WEIGHTS = {"valid": 1.0, "iou": 4.0, "dimensions": 2.0, "holes": 1.0,
@@ -48,8 +52,8 @@ class Measurements:
     volume: float
     surface_area: float
     extents: tuple[float, float, float]  # bounding-box size along x, y, z
-    bodies: int  # connected components
-    holes: int  # through-holes (the genus of a single body; summed over bodies)
+    bodies: int  # connected closed surfaces (as `Manifold.decompose` splits them)
+    holes: int  # through-holes (`_cad_holes.topology`), summed over bodies
     centre_of_mass: tuple[float, float, float]
     stable: bool
 
@@ -96,14 +100,14 @@ def measure(solid) -> Measurements:
     if not _is_valid(solid):
         return Measurements(False, 0.0, 0.0, (0.0, 0.0, 0.0), 0, 0, (0.0, 0.0, 0.0), False)
     lo, hi = np.split(np.asarray(solid.bounding_box(), np.float64), 2)
-    bodies = solid.decompose()
+    surfaces = topology(solid)
     return Measurements(
         valid=True,
         volume=float(solid.volume()),
         surface_area=float(solid.surface_area()),
         extents=tuple(float(x) for x in hi - lo),
-        bodies=len(bodies),
-        holes=int(sum(b.genus() for b in bodies)),
+        bodies=surfaces.surfaces,
+        holes=surfaces.holes,
         centre_of_mass=tuple(float(x) for x in centre_of_mass(solid)),
         stable=is_stable(solid),
     )
@@ -118,18 +122,25 @@ def iou(a, b) -> float:
 def score(candidate, target, task: CADTask = CADTask()) -> dict[str, float]:
     """The reward components of `candidate` against `target` (see the module docstring)."""
     got = measure(candidate)
+    fit = iou(candidate, target) if got.valid else 0.0
+    return score_measured(got, measure(target) if got.valid else got, fit, task)
+
+
+def score_measured(
+    got: Measurements, want: Measurements, fit: float, task: CADTask = CADTask()
+) -> dict[str, float]:
+    """`score` from measurements: the candidate's, the target's and their IoU."""
     weights = dict(task.weights)
     if not got.valid:
         parts = dict.fromkeys(weights, 0.0)
     else:
-        want = measure(target)
         within = [
             abs(g - w) <= task.tolerance * max(w, 1e-9)
             for g, w in zip(got.extents, want.extents, strict=True)
         ]
         parts = {
             "valid": 1.0,
-            "iou": iou(candidate, target),
+            "iou": fit,
             "dimensions": sum(within) / 3.0,
             "holes": float(task.holes is None or got.holes == task.holes),
             "single_body": float(got.bodies == 1),

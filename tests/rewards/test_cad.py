@@ -1,13 +1,18 @@
 """CAD scripts in the sandbox: the construction tree a script prints is built by the kernel, a
 reference script's part scores 1 on its own target, and hostile scripts (endless loops, memory
-hogs, a million-part union, absurd sizes, output floods) are stopped by a cap that says which."""
+hogs, a million-part union, a part doubled 16 times, absurd sizes, output floods, a part within
+every cap that is too big to build) are stopped by a cap or limit that says which."""
 
+import os
 import re
+import resource
 import shutil
+import time
 
 import manifold3d as m3d
 import pytest
 
+from posttrain.rewards import _cad_builder
 from posttrain.rewards._cad import MAX_NODES, run_script
 from posttrain.rewards._cad_geometry import CADTask, score
 
@@ -84,6 +89,91 @@ def test_hostile_scripts_are_stopped_with_a_reason(code, message):
     assert re.search(message, result.error), result.error
 
 
+def _doubling(n: int) -> str:
+    """A box united with a shifted copy of itself n times: 2^n boxes on a grid (no two touch)
+    from a tree of 2n + 1 nodes, each union's two children one shared sub-part."""
+    shift = "*[2 ** (i // 3 + 1) * (axis == i % 3) for axis in range(3)]"
+    return (f"import cad\ns = cad.box(1, 1, 1)\nfor i in range({n}):\n"
+            f"    s = s + s.translate({shift})\ncad.show(s)\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [8, 12, 16])
+def test_a_doubling_union_is_built_within_the_caps_or_refused_by_its_size(n):
+    """Counted as if written out (each use of a shared sub-part counts), 8 doublings are 256
+    boxes in 766 operations, a part within MAX_NODES that builds; 12 and 16 are refused before
+    any geometry, by the operation cap, at once."""
+    start = time.monotonic()
+    result = run_script(_doubling(n))
+    seconds = time.monotonic() - start
+    ops = 2**n + 2 * (2**n - 1)  # the boxes, and a translate and a union per copy
+    if n == 8:
+        assert ops <= MAX_NODES and result.error == "", result.error
+        assert result.measurements.bodies == 256 and result.solid.volume() == pytest.approx(256)
+    else:
+        assert result.solid is None and ops > MAX_NODES
+        assert f"describes {ops:,} operations ({2**n:,} primitives)" in result.error
+        assert f"the limit is {MAX_NODES}" in result.error
+    assert seconds < 10.0  # run_script's timeout_s (the documented limit)
+
+
+def test_the_operation_cap_counts_shared_sub_parts_without_building_them():
+    from posttrain.rewards._cad_kernel import CADError, check
+
+    nodes = [{"op": "box", "args": [1, 1, 1], "children": []}]
+    for _ in range(600):  # 600 doublings: 1201 nodes, about 3 * 2^600 operations
+        nodes.append({"op": "translate", "args": [1, 0, 0], "children": [len(nodes) - 1]})
+        nodes.append({"op": "union", "args": [], "children": [len(nodes) - 2, len(nodes) - 1]})
+    with pytest.raises(CADError, match=r"describes about 10\^181 operations \(about 10\^180 "
+                       r"primitives\) .*; the limit is 2000"):  # fmt: skip
+        check({"nodes": nodes, "root": len(nodes) - 1})
+    assert check({"nodes": nodes[:17], "root": 16})[1] == 16  # 8 doublings: 766 operations
+
+
+# 300 overlapping 256-facet spheres: 599 operations, within every cap a tree is checked
+# against, but millions of triangles for the kernel to intersect.
+SPHERES = ("import cad\ns = cad.sphere(5, 256)\nfor i in range(1, 300):\n"
+           "    s = s + cad.sphere(5, 256).translate(i, 0, 0)\ncad.show(s)\n")  # fmt: skip
+# 600 disjoint 256-facet cylinders: 611,000 triangles, a few seconds to build and measure.
+CYLINDERS = ("import cad\ns = cad.box(1, 1, 1)\nfor i in range(1, 600):\n"
+             "    s = s + cad.cylinder(1, 0.5, segments=256).translate(2 * (i % 30), "
+             "2 * (i // 30), 0)\ncad.show(s)\n")  # fmt: skip
+
+
+def test_a_part_within_the_caps_too_big_to_build_is_stopped_by_the_memory_limit():
+    """The build runs in a child process with its own memory limit: it fails there (the
+    kernel raises MemoryError or crashes), and this process never holds the geometry."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    start = time.monotonic()
+    result = run_script(SPHERES, timeout_s=5.0, memory_mb=64)
+    assert time.monotonic() - start < 5.0 + 1.0
+    assert result.solid is None
+    assert re.search(r"needed more than 64 MB|crashed the geometry kernel \(SIG\w+\), as "
+                     r"running out of its 64 MB does|took longer than 5 s", result.error), (
+        result.error)  # fmt: skip
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10
+
+
+def test_a_part_that_builds_too_slowly_is_killed_at_the_deadline():
+    start = time.monotonic()
+    result = run_script(CYLINDERS, timeout_s=1.0, memory_mb=1024)
+    assert time.monotonic() - start < 1.0 + 0.5
+    assert result.solid is None
+    # (on a loaded machine the script itself may be what runs out of the second)
+    assert result.error in ("the script and building its part took longer than 1 s",
+                            "the script timed out after 1 s")  # fmt: skip
+    helper = _cad_builder._HELPER["proc"].pid
+    children = f"/proc/{helper}/task/{helper}/children"
+    for _ in range(100):  # the killed child is reaped by the helper at once
+        with open(children) as f:
+            if not f.read().split():
+                break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"the build's process outlived its deadline: {children}")
+    assert os.path.exists(f"/proc/{helper}")  # the helper serves the next build
+    assert run_script(PLATE).error == ""
+
+
 def _tree(code: str) -> dict:
     """The construction tree a script shows, computed on the host with the same API."""
     import contextlib
@@ -117,3 +207,27 @@ def test_the_cad_domain_scores_a_completion_against_the_records_target():
     assert info["cad_reward"]["components"]["holes"] == 0 and 0 < total < 1
     total, info = registry.score(record, "```python\nimport cad\n1 / 0\n```")
     assert total == 0 and "ZeroDivisionError" in info["cad_reward"]["error"]
+    total, info = registry.score(record, f"```python\n{_doubling(16)}```")  # refused: scores 0
+    assert total == 0 and "65,536 primitives" in info["cad_reward"]["error"]
+    assert info["cad_reward"]["components"] == dict.fromkeys(info["cad_reward"]["components"], 0)
+
+
+CROSSING = """
+import cad
+block = cad.box(20, 20, 20)
+bore = cad.cylinder(24, 3)
+block = block - bore.rotate(0, 90, 0).translate(-2, 10, 10)  # along x
+block = block - bore.rotate(-90, 0, 0).translate(10, -2, 10)  # along y, crossing it
+cad.show(block)
+"""
+
+
+def test_two_crossing_bores_are_two_holes_through_the_sandbox():
+    """The crossing-holes fixture end to end: a record asking for 2 holes, its reference script
+    scores 1 (the genus would say 3)."""
+    from posttrain.rewards._cad import cad_reward
+
+    result = run_script(CROSSING)
+    assert result.measurements.holes == 2 and result.measurements.bodies == 1
+    total, info = cad_reward({"target": _tree(CROSSING), "holes": 2}, CROSSING)
+    assert total == pytest.approx(1.0) and info["components"]["holes"] == 1
