@@ -7,32 +7,37 @@ A record:
      "files": {"calc.py": "def add(a, b):\\n    return a - b\\n"},  # the starting workspace
      "tests": [{"name": "small", "code": "from calc import add\\nassert add(2, 3) == 5"}]}
 
-Each episode gets a fresh host directory (`sandbox.make_workspace`) holding `files`; the tools
-`bash`, `read_file` and `write_file` each run in a fresh sandbox container with it bound at
-`/workspace`, so files persist across calls and nothing else does (no process outlives a call,
-no network, the host invisible). The turn without tool calls ends the episode; then each test
-runs, as a Python program in its own sandbox (its code in the container's /tmp, never seen by the
-model) with `/workspace` as working directory and last on `sys.path`. A test passes when it runs
-to its end: exit status 0 and a line the runner prints after its last statement, so a model's
-module that calls `sys.exit(0)` or `os._exit(0)` when imported fails the test, not passes it.
-Tests are plain scripts of asserts (one that calls `sys.exit`, like `unittest.main()`, fails).
+What the policy cannot get around (`tests/envs/test_terminal.py` tries each way):
+
+- Each tool call (`bash`, `read_file`, `write_file`) is one sandbox run (`sandbox.run` with the
+  episode's `sandbox.Workspace`): the workspace is unpacked into a fresh tmpfs at `/workspace`
+  of `workspace_mb` and `workspace_files` inodes, so a write past either fails inside with
+  ENOSPC; nothing but its archive (at most that much) reaches the host. When the call's shell
+  exits, or at `timeout_s` (or when the episode's `max_tool_s` runs out), every process it
+  started is killed, and only then is the workspace packed back: no process outlives a call.
+- The hidden tests run after the last turn, each in a fresh sandbox with the workspace mounted
+  read-only, and never enter a sandbox the policy's commands run in. A test is scored by the
+  exit status of its runner (`assets/terminal_test_runner.py`), a trusted process that imports
+  no workspace file: the workspace's modules a test imports run in a process of their own and
+  return plain data only, so printing a marker, exiting with status 0, hooking the interpreter
+  (`sitecustomize.py`, `.pth`, `atexit`, `sys.excepthook`), patching builtins or returning an
+  object equal to everything cannot pass a test. There is no end-of-test marker to read.
 
 reward = passed / total - format_penalty * (turns with calls that failed to parse)
          - turn_penalty * max(0, turns - free_turns)
 
-`read_file` and `write_file` run in the sandbox too (about 30 ms a call) rather than on the host:
-the workspace is the model's, symlinks included, and the host side runs as root; in the
-container a symlink to `/etc/passwd` or to the workspace's host path resolves to nothing of the
-host, and the files it writes belong to the sandbox's uid.
+A test is a Python script of asserts, run with `/workspace` as its working directory and the
+standard library only; `import <module of the workspace>` works as the proxy above says; it
+writes in `/tmp`, never the workspace; it may run the workspace's scripts with `subprocess`.
+It passes when it runs to its end (or calls `sys.exit(0)`, as `unittest.main()` does on
+success).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import posixpath
-import secrets
 import shlex
 import weakref
 from collections.abc import Mapping
@@ -47,8 +52,10 @@ WORKSPACE = "/workspace"  # where the model sees its workspace
 SYSTEM = """\
 You are working in a Linux shell on the files of a task, in the directory {workspace}. Tools:
 - bash(command): runs a bash command in {workspace} and returns its exit code, stdout and \
-stderr. Each call is a fresh shell: files persist across calls, processes, variables and `cd` \
-do not. No network. A call is killed after {timeout_s:g} s; output is cut after {cap} bytes.
+stderr. Each call is a fresh shell: files in {workspace} persist across calls; processes, \
+variables, `cd` and /tmp do not. No network. A call is stopped after {timeout_s:g} s, with \
+every process it started; output is cut after {cap} bytes. {workspace} holds at most \
+{workspace_mb} MB in {workspace_files} files and directories.
 - read_file(path): returns a file's text.
 - write_file(path, content): writes a file (creating its directories), replacing it.
 Paths are relative to {workspace}. When you are done, answer with a message without tool \
@@ -64,12 +71,14 @@ class TerminalOptions:
     max_output_bytes: int = 8192  # kept of a call's stdout and of its stderr, and of read_file
     max_procs: int = 64  # processes and threads at once in one call's sandbox
     file_size_mb: int = 16  # largest file a call may write
-    workspace_mb: int = 256  # past this total size, every call's answer says to delete files
+    workspace_mb: int = 256  # the workspace's tmpfs size: a write past it fails (ENOSPC)
+    workspace_files: int = 10_000  # files, directories and links the workspace may hold
+    max_tool_s: float | None = None  # tool seconds per episode, calls stopped when spent
     format_penalty: float = 0.0  # per turn with a tool call that failed to parse
     turn_penalty: float = 0.0  # per turn beyond free_turns
     free_turns: int = 10  # turns (model messages, the last included) without turn_penalty
-    workspace_root: str | None = None  # where workspaces are made (None: the system temp dir)
-    backend: str | None = None  # sandbox backend (None: POSTTRAIN_SANDBOX, else bwrap)
+    workspace_root: str | None = None  # where workspace archives live (None: system temp dir)
+    backend: str | None = None  # sandbox backend: bwrap only (None: POSTTRAIN_SANDBOX, bwrap)
 
 
 class TerminalEnvironment(ToolEnvironment):
@@ -82,8 +91,14 @@ class TerminalEnvironment(ToolEnvironment):
 
     def __init__(self, record: Mapping[str, Any], options: TerminalOptions | None = None):
         self.options = options = options or TerminalOptions()
+        if options.max_tool_s is not None and options.max_tool_s <= 0:
+            raise ValueError(f"terminal max_tool_s must be positive, got {options.max_tool_s}")
         system = SYSTEM.format(
-            workspace=WORKSPACE, timeout_s=options.timeout_s, cap=options.max_output_bytes
+            workspace=WORKSPACE,
+            timeout_s=options.timeout_s,
+            cap=options.max_output_bytes,
+            workspace_mb=options.workspace_mb,
+            workspace_files=options.workspace_files,
         )
         tools = [Tool(self.bash), Tool(self.read_file), Tool(self.write_file)]
         super().__init__(record, tools, system)
@@ -93,10 +108,11 @@ class TerminalEnvironment(ToolEnvironment):
             isinstance(k, str) and isinstance(v, str) for k, v in files.items()
         ):
             raise ValueError("a terminal record's 'files' is a {relative path: text} mapping")
-        self.workspace: str | None = None
+        self.workspace: sandbox.Workspace | None = None
         self._finalizer: weakref.finalize | None = None
         self._fault: Exception | None = None
         self.turns = self.bad_turns = 0
+        self.tool_s = 0.0  # sandbox seconds the episode's tool calls took
         self.done = False
 
     # -- the episode ---------------------------------------------------------------------------
@@ -104,10 +120,16 @@ class TerminalEnvironment(ToolEnvironment):
     def reset(self) -> list[dict]:
         self.close()
         o = self.options
-        self.workspace = sandbox.make_workspace(self.record.get("files"), o.workspace_root)
+        self.workspace = sandbox.make_workspace(
+            self.record.get("files"),
+            o.workspace_root,
+            size_mb=o.workspace_mb,
+            max_files=o.workspace_files,
+        )
         # Deleted at close(), or when the environment is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, sandbox.remove_workspace, self.workspace)
         self.turns = self.bad_turns = 0
+        self.tool_s = 0.0
         self.done = False
         return prompt_messages(self.record, self.system)
 
@@ -147,13 +169,14 @@ class TerminalEnvironment(ToolEnvironment):
         return content, ok
 
     def run_tests(self) -> dict[str, bool]:
-        """{test name: passed} for the workspace as it is now."""
+        """{test name: passed} for the workspace as it is now: each test in a fresh sandbox
+        with the workspace read-only, passed when its runner exits with status 0."""
         passed = {}
         for test in self.tests:
-            marker = f"posttrain-test-end-{secrets.token_hex(8)}"
-            result = self._run(f"{test['code']}\nprint({marker!r})\n", "python")
-            last = result.stdout.rstrip("\n").rpartition("\n")[2]
-            passed[test["name"]] = result.ok and last == marker
+            r = self._run(_runner(), "python", stdin=test["code"], readonly=True)
+            if r.exit_code == _RUNNER_SETUP_FAILED:
+                raise sandbox.SandboxError(f"the hidden-test runner failed: {r.stderr[-500:]}")
+            passed[test["name"]] = r.ok
         return passed
 
     def close(self) -> None:
@@ -176,10 +199,13 @@ class TerminalEnvironment(ToolEnvironment):
         Args:
             command: The bash command or script to run.
         """
-        r = self._run(command, "bash")
+        limit = self._budget_left()
+        r = self._tool(command)
         cap = self.options.max_output_bytes
         if r.timed_out:
-            status = f"timed out after {self.options.timeout_s:g} s (killed)"
+            status = f"timed out after {limit:.3g} s: stopped, with every process it started"
+            if self._budget_left() <= 0:
+                status += f" (the episode's tool time, {self.options.max_tool_s:g} s, is spent)"
         elif r.killed_by_signal:
             status = f"killed by signal {r.killed_by_signal}"
         else:
@@ -192,7 +218,9 @@ class TerminalEnvironment(ToolEnvironment):
             if text or cut:
                 note = f" (truncated to {cap} bytes)" if cut else ""
                 parts.append(f"{name}{note}:\n{text}")
-        return "\n".join(parts) + self._quota_note()
+        if r.workspace_error:
+            parts.append(f"Error: {r.workspace_error}; the workspace is as before this call.")
+        return "\n".join(parts)
 
     def read_file(self, path: str) -> str:
         """Returns the text of a file in the workspace.
@@ -200,7 +228,7 @@ class TerminalEnvironment(ToolEnvironment):
         Args:
             path: The file's path, relative to the workspace.
         """
-        r = self._run(f"exec cat -- {shlex.quote(self._path(path))}", "bash")
+        r = self._tool(f"exec cat -- {shlex.quote(self._path(path))}")
         if not r.ok:
             raise OSError(r.stderr.strip() or f"cannot read {path}")
         if r.stdout_truncated:
@@ -218,23 +246,45 @@ class TerminalEnvironment(ToolEnvironment):
             content: The file's whole new text.
         """
         rel = shlex.quote(self._path(path))
-        r = self._run(f'mkdir -p -- "$(dirname -- {rel})" && cat > {rel}', "bash", stdin=content)
-        if not r.ok:
-            raise OSError(r.stderr.strip() or f"cannot write {path}")
-        return f"wrote {len(content.encode())} bytes to {path}" + self._quota_note()
+        r = self._tool(f'mkdir -p -- "$(dirname -- {rel})" && cat > {rel}', stdin=content)
+        if not r.ok or r.workspace_error:
+            raise OSError(r.workspace_error or r.stderr.strip() or f"cannot write {path}")
+        return f"wrote {len(content.encode())} bytes to {path}"
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _run(self, code: str, language: str, stdin: str = "") -> sandbox.SandboxResult:
+    def _tool(self, command: str, stdin: str = "") -> sandbox.SandboxResult:
+        """Runs a tool's bash command, within what is left of the episode's tool time."""
+        if self._budget_left() <= 0:
+            raise TimeoutError(
+                f"the episode's tool time ({self.options.max_tool_s:g} s) is spent: answer now"
+            )
+        r = self._run(command, "bash", stdin=stdin, timeout_s=self._budget_left())
+        self.tool_s += r.wall_s
+        return r
+
+    def _budget_left(self) -> float:
+        o = self.options
+        return o.timeout_s if o.max_tool_s is None else min(o.timeout_s, o.max_tool_s - self.tool_s)
+
+    def _run(
+        self,
+        code: str,
+        language: str,
+        stdin: str = "",
+        readonly: bool = False,
+        timeout_s: float | None = None,
+    ) -> sandbox.SandboxResult:
         o = self.options
         try:
             return sandbox.run(
                 code,
                 stdin=stdin,
-                timeout_s=o.timeout_s,
+                timeout_s=timeout_s or o.timeout_s,
                 memory_mb=o.memory_mb,
                 language=language,
                 workspace=self.workspace,
+                workspace_readonly=readonly,
                 max_procs=o.max_procs,
                 max_output_bytes=o.max_output_bytes,
                 file_size_mb=o.file_size_mb,
@@ -254,26 +304,14 @@ class TerminalEnvironment(ToolEnvironment):
             raise ValueError(f"{path!r} is not a file inside {WORKSPACE}")
         return norm
 
-    def _quota_note(self) -> str:
-        size = _tree_bytes(self.workspace)
-        if size <= self.options.workspace_mb << 20:
-            return ""
-        return (
-            f"\nError: the workspace holds {size >> 20} MB, over its {self.options.workspace_mb}"
-            " MB limit: delete files."
-        )
+
+_RUNNER_SETUP_FAILED = 99  # the runner's status when it could not set itself up
 
 
-def _tree_bytes(path: str) -> int:
-    """Bytes in the files under path (symlinks not followed)."""
-    total = 0
-    for parent, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(parent, name)).st_size
-            except OSError:
-                pass
-    return total
+def _runner() -> str:
+    """The hidden tests' runner (`assets/terminal_test_runner.py`)."""
+    files = resources.files("posttrain.envs")
+    return files.joinpath("assets/terminal_test_runner.py").read_text()
 
 
 def _check_tests(tests: Any) -> list[dict]:
@@ -289,6 +327,11 @@ def _check_tests(tests: Any) -> list[dict]:
     names = [str(t.get("name", i)) for i, t in enumerate(tests)]
     if len(set(names)) != len(names):
         raise ValueError(f"a terminal record's test names must be unique, got {names}")
+    for name, t in zip(names, tests, strict=True):
+        try:
+            compile(t["code"], f"<test {name}>", "exec")
+        except SyntaxError as e:
+            raise ValueError(f"a terminal record's test {name!r} is not valid Python: {e}") from e
     return [{"name": n, "code": t["code"]} for n, t in zip(names, tests, strict=True)]
 
 

@@ -31,6 +31,7 @@ reachable, within the namespaces.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import resource
@@ -48,6 +49,7 @@ import posttrain.rewards._sandbox_bwrap as _bw
 from posttrain.rewards._sandbox_bwrap import (
     SandboxError,
     SandboxUnavailableError,
+    Workspace,
     make_workspace,
     remove_workspace,
 )
@@ -58,23 +60,27 @@ __all__ = [
     "SandboxResult",
     "SandboxUnavailableError",
     "UnsafeSandboxWarning",
+    "Workspace",
     "make_workspace",
     "remove_workspace",
     "run",
 ]
 
 _UNSAFE = ("subprocess", "unsafe-subprocess")
+_GRACE_S = 10.0  # past a workspace run's timeout: the supervisor's own time to clean up and save
 _MAINS = {"python": "main.py", "bash": "main.sh"}
 # Runs inside as `python -I -S -B -c _LAUNCHER`: reports "started" on its own pipe (so a
-# container that failed to start is an error, not a crash of the program), sets the limits, runs
+# container that failed to start is an error, not a crash of the program; in a workspace run the
+# supervisor reports it and sets the limits instead), sets the limits, runs
 # main.py as __main__. -S skips site (faster start, no site-packages), so exit()/quit() are
 # restored by hand; the hook hides the launcher's own frame from tracebacks.
 _LAUNCHER = """\
 import builtins, os, resource, sys
-os.write({started_fd}, b"1")
-os.close({started_fd})
-for _k, _soft, _hard in {limits!r}:
-    resource.setrlimit(_k, (_soft, _hard))
+_started = {started_fd!r}
+if _started is not None:
+    os.write(_started, b"1")
+    os.close(_started)
+[resource.setrlimit(k, (soft, hard)) for k, soft, hard in {limits!r}]
 def _hook(t, v, tb, _h=sys.__excepthook__):
     if tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
         tb = tb.tb_next
@@ -83,12 +89,11 @@ def _hook(t, v, tb, _h=sys.__excepthook__):
 sys.excepthook = _hook
 builtins.exit = builtins.quit = sys.exit
 sys.argv = [{main!r}]
-sys.path.insert(0, {workdir!r})
-sys.path.extend({path_tail!r})
+sys.path[:0] = {path_head!r}
 __file__ = {main!r}
 with open(__file__, "rb") as _f:
     _code = compile(_f.read(), __file__, "exec")
-del builtins, os, resource, sys, _k, _soft, _hard, _hook, _f
+del builtins, os, resource, sys, _started, _hook, _f
 exec(_code)
 """
 # bash: the same start report and limits, then the script replaces the launcher, with the
@@ -106,11 +111,12 @@ os.execv("/bin/bash", ["bash", {main!r}])
 """
 
 
-def _launcher(language: str, started_fd: int, limits, main: str, workdir: str, tail) -> str:
-    """The launcher's source: `main` is the program, `tail` goes at the end of `sys.path`."""
+def _launcher(language: str, started_fd: int | None, limits, main: str, path_head) -> str:
+    """The launcher's source: `main` is the program, `path_head` goes first on `sys.path`;
+    it reports its start on `started_fd` (None: the workspace supervisor does)."""
     template = _LAUNCHER if language == "python" else _BASH_LAUNCHER
     return template.format(
-        started_fd=started_fd, limits=limits, main=main, workdir=workdir, path_tail=list(tail)
+        started_fd=started_fd, limits=limits, main=main, path_head=list(path_head)
     )
 
 
@@ -122,8 +128,9 @@ class UnsafeSandboxWarning(UserWarning):
 class SandboxResult:
     """What one sandboxed execution did."""
 
-    # The program's exit status; None if a signal killed it or it timed out. bwrap reports
-    # death by signal N as status 128 + N, so a program exiting with 129..192 reads as killed.
+    # The program's exit status; None if a signal killed it or it timed out. Without a
+    # workspace, bwrap reports death by signal N as status 128 + N, so a program exiting with
+    # 129..192 reads as killed; with one, the supervisor reports the exact status.
     exit_code: int | None
     stdout: str  # decoded as UTF-8 (invalid bytes replaced), at most max_output_bytes
     stderr: str
@@ -134,6 +141,9 @@ class SandboxResult:
     oom: bool = False  # died with a MemoryError at the address-space limit
     wall_s: float = 0.0  # from container start to exit, startup included
     backend: str = "bwrap"  # "bwrap" or "subprocess" (the unsafe opt-in)
+    # Why a read-write workspace run's changes were not kept (the workspace is as it was
+    # before the run); None when they were, or without a writable workspace.
+    workspace_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -149,7 +159,8 @@ def run(
     memory_mb: int,
     language: str = "python",
     files: dict[str, str] | None = None,
-    workspace: str | None = None,
+    workspace: Workspace | None = None,
+    workspace_readonly: bool = False,
     max_procs: int = 32,
     max_output_bytes: int = 1 << 20,
     file_size_mb: int = 16,
@@ -167,16 +178,21 @@ def run(
       language: "python" (the system Python 3, standard library only) or "bash" (`/bin/bash`
         and the system's `/usr/bin` tools).
       files: extra files written next to the program in `/tmp` (never into the workspace),
-        {relative path: text}.
-      workspace: a host directory (from `make_workspace`) bound read-write at `/workspace`:
-        the working directory, and last on a Python program's `sys.path` (it can import the
-        workspace's modules, never shadow the standard library's).
+        {relative path: text}; importable by a Python program run without a workspace.
+      workspace: a `Workspace` (from `make_workspace`), unpacked into a fresh tmpfs at
+        `/workspace` capped at its size and file count, the working directory. When the
+        program has exited (or timed out), every process it started is killed and the
+        workspace is packed back, replacing the archive (see `SandboxResult.workspace_error`).
+        A Python program's `sys.path` is then the standard library only: neither the
+        workspace nor `/tmp`.
+      workspace_readonly: mount the workspace read-only and keep nothing of the run.
       max_procs: processes and threads the program may have at once.
       max_output_bytes: kept of stdout and of stderr each; the rest is discarded.
       file_size_mb: largest file the program may write.
       tmp_mb: size of the writable /tmp (and of /dev/shm).
       backend: "bwrap" (default) or "subprocess", the unsafe opt-in: no filesystem, network or
-        process isolation. Defaults to `POSTTRAIN_SANDBOX` ("bwrap" or "unsafe-subprocess").
+        process isolation, and no workspace. Defaults to `POSTTRAIN_SANDBOX` ("bwrap" or
+        "unsafe-subprocess").
 
     Returns:
       A `SandboxResult`.
@@ -186,14 +202,14 @@ def run(
         unsafe backend was not chosen; the message says how to install it.
       SandboxError: the container failed before the program started (a fault of the sandbox
         or the machine, never of the program).
-      ValueError: an unsupported language or backend, a bad file name or a non-positive limit.
+      ValueError: an unsupported language or backend, a bad file name or a non-positive limit,
+        or a workspace with the unsafe backend.
     """
     if language not in _MAINS:
         raise ValueError(f"sandbox language {language!r} is not supported; use 'python' or 'bash'")
-    if workspace is not None and (os.path.islink(workspace) or not os.path.isdir(workspace)):
+    if workspace is not None and not isinstance(workspace, Workspace):
         raise ValueError(
-            f"sandbox workspace {workspace!r} is not a directory (or is a symlink); "
-            "make one with make_workspace()"
+            f"sandbox workspace {workspace!r} is not a Workspace; make one with make_workspace()"
         )
     if min(timeout_s, memory_mb, max_procs, file_size_mb, tmp_mb) <= 0 or max_output_bytes < 0:
         raise ValueError(
@@ -207,7 +223,7 @@ def run(
         if os.path.isabs(name) or norm.startswith("..") or norm in (".", main):
             raise ValueError(f"sandbox file name {name!r} must be a relative path, not {main}")
     files[main] = code
-    program = (language, main, workspace)
+    program = (language, main, workspace, workspace_readonly)
     limits = [
         (resource.RLIMIT_AS, memory_mb << 20, memory_mb << 20),
         (resource.RLIMIT_CPU, int(timeout_s) + 1, int(timeout_s) + 2),
@@ -218,6 +234,11 @@ def run(
     backend = backend or os.environ.get("POSTTRAIN_SANDBOX") or "bwrap"
     io = (stdin.encode(errors="replace"), timeout_s, max_output_bytes)
     if backend in _UNSAFE:
+        if workspace is not None:
+            raise ValueError(
+                "a sandbox workspace needs the bwrap backend (its size cap, read-only mode and "
+                f"process cleanup are the container's), not {backend!r}"
+            )
         warnings.warn(
             "running untrusted code with the subprocess backend: rlimits (CPU, memory, file "
             "size, open files) and a timeout only; no filesystem or network isolation, no "
@@ -244,12 +265,9 @@ def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io, program) -> Sa
             "network isolation)."
         )
     _bw.check_usable(bwrap)
-    language, main, workspace = program
-    fds, bind = [], None
+    language, main, workspace, readonly = program
+    fds, pass_fds, save = [], [], None
     try:
-        if workspace is not None:  # O_NOFOLLOW: the workspace itself may not be a symlink
-            flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-            bind = (os.open(workspace, flags), workspace)
         for name, text in files.items():
             fd = os.memfd_create("posttrain-sandbox")
             fds.append((fd, f"{_bw.WORKDIR}/{name}"))
@@ -257,21 +275,81 @@ def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io, program) -> Sa
             while data:
                 data = data[os.write(fd, data) :]
             os.lseek(fd, 0, os.SEEK_SET)
+        pass_fds = [fd for fd, _ in fds]
+        config = {}
+        if workspace is not None:
+            config["archive_in"] = os.open(workspace.path, os.O_RDONLY | os.O_CLOEXEC)
+            pass_fds.append(config["archive_in"])
+            config["archive_out"] = None
+            if not readonly:
+                save = _Save(workspace)
+                config["archive_out"] = save.pipe_w
         prefix, kwargs = _bw.privilege_drop()
+        python = _bw.interpreter()[0]
 
         def argv_for(started_fd: int) -> list[str]:
-            tail = [_bw.WORKSPACE] if bind else []
-            launcher = _launcher(
-                language, started_fd, limits, f"{_bw.WORKDIR}/{main}", _bw.WORKDIR, tail
-            )
-            command = [_bw.interpreter()[0], "-I", "-S", "-B", "-c", launcher]
-            return prefix + _bw.bwrap_argv(bwrap, fds, tmp_bytes, command, bind)
+            path = f"{_bw.WORKDIR}/{main}"
+            if workspace is None:
+                launcher = _launcher(language, started_fd, limits, path, [_bw.WORKDIR])
+                command = [python, "-I", "-S", "-B", "-c", launcher]
+            else:  # the supervisor applies the limits; bash needs no launcher then
+                command = ["/bin/bash", path]
+                if language == "python":
+                    launcher = _launcher(language, None, [], path, [])
+                    command = [python, "-I", "-S", "-B", "-c", launcher]
+                size, inodes = workspace.size_mb << 20, workspace.max_files
+                cfg = {**config, "ctl": started_fd, "size": size, "inodes": inodes}
+                cfg.update(timeout=io[1], argv=command, limits=limits)
+                command = [python, "-I", "-S", "-B", "-c", f"CONFIG = {cfg!r}\n{_bw.SUPERVISOR}"]
+            return prefix + _bw.bwrap_argv(bwrap, fds, tmp_bytes, command, workspace is not None)
 
-        pass_fds = [fd for fd, _ in fds] + ([bind[0]] if bind else [])
-        return _execute(argv_for, "bwrap", io, cwd="/", pass_fds=pass_fds, **kwargs)
+        extra = [save.pipe_w] if save else []
+        kwargs.update(cwd="/", pass_fds=pass_fds + extra)
+        return _execute(argv_for, "bwrap", io, workspace, save, **kwargs)
     finally:
-        for fd, _ in fds + ([bind] if bind else []):
+        for fd in pass_fds:
             os.close(fd)
+        if save is not None:
+            save.close()
+
+
+class _Save:
+    """Where a read-write workspace run's new archive goes: a pipe from the container into
+    `<archive>.next`, kept only up to what the workspace's limits allow."""
+
+    def __init__(self, workspace: Workspace):
+        self.workspace, self.next = workspace, workspace.path + _bw.NEXT
+        # Headers: 512 B each, more for long names (pax); 8 KiB per entry is ample.
+        self.cap = (workspace.size_mb << 20) + workspace.max_files * 8192 + (1 << 20)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        self.file = os.fdopen(os.open(self.next, flags, 0o600), "wb")  # closed by close()
+        self.pipe_r, self.pipe_w = os.pipe()
+
+    def close_write_end(self) -> None:
+        """Once the container holds it."""
+        if self.pipe_w is not None:
+            os.close(self.pipe_w)
+            self.pipe_w = None
+
+    def close(self) -> None:
+        """Closes the pipe and the file; removes the file unless `keep()` renamed it."""
+        self.close_write_end()
+        os.close(self.pipe_r)
+        self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.next)
+
+    def keep(self, sink: _Sink, report: dict, timed_out: bool) -> str | None:
+        """Replaces the workspace's archive by the new one if it came whole; else says why not."""
+        if timed_out and "code" not in report:
+            return "the sandbox was killed before it saved the workspace"
+        if "save_error" in report:
+            return f"the workspace could not be saved: {report['save_error']}"
+        if sink.truncated or report.get("saved") != sink.size:
+            return f"the workspace's archive came incomplete ({sink.size} bytes)"
+        self.file.close()
+        os.replace(self.next, self.workspace.path)
+        return None
 
 
 def _run_subprocess(files: dict[str, str], limits, io, program) -> SandboxResult:
@@ -282,19 +360,42 @@ def _run_subprocess(files: dict[str, str], limits, io, program) -> SandboxResult
             with open(path, "w", encoding="utf-8", errors="replace") as f:
                 f.write(text)
 
-        language, main, workspace = program
+        language, main = program[:2]
 
         def argv_for(started_fd: int) -> list[str]:
-            tail = [os.path.abspath(workspace)] if workspace else []
-            launcher = _launcher(language, started_fd, limits, os.path.join(tmp, main), tmp, tail)
+            launcher = _launcher(language, started_fd, limits, os.path.join(tmp, main), [tmp])
             return [_bw.interpreter()[0], "-I", "-S", "-B", "-c", launcher]
 
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
-        return _execute(argv_for, "subprocess", io, cwd=workspace or tmp, env=env)
+        return _execute(argv_for, "subprocess", io, cwd=tmp, env=env)
 
 
-def _execute(argv_for, backend: str, io, pass_fds=(), **popen_kwargs) -> SandboxResult:
-    """Runs argv_for(started fd) in its own session: stdin in, capped output out, deadline."""
+class _Sink:
+    """What one output fd gave: kept up to `cap` bytes (in memory, or written to `file`), the
+    rest read and discarded (flagged truncated)."""
+
+    def __init__(self, cap: int, file=None):
+        self.data, self.cap, self.file = bytearray(), cap, file
+        self.size, self.truncated = 0, False
+
+    def add(self, chunk: bytes) -> None:
+        keep = chunk[: max(self.cap - self.size, 0)]
+        if self.file is not None:
+            self.file.write(keep)
+        else:
+            self.data += keep
+        self.size += len(keep)
+        self.truncated = self.truncated or len(keep) < len(chunk)
+
+
+def _execute(
+    argv_for, backend: str, io, workspace=None, save=None, pass_fds=(), **popen_kwargs
+) -> SandboxResult:
+    """Runs argv_for(started fd) in its own session: stdin in, capped output out, deadline.
+
+    With a workspace, the container's supervisor enforces the timeout itself and then packs
+    the workspace; the deadline here is only its backstop, `_GRACE_S` (plus 1 s per 64 MB of
+    workspace) later."""
     stdin, timeout_s, cap = io
     popen_kwargs.setdefault("env", {})  # the host's environment never reaches the sandbox
     started_r, started_w = os.pipe()
@@ -314,14 +415,29 @@ def _execute(argv_for, backend: str, io, pass_fds=(), **popen_kwargs) -> Sandbox
         raise
     finally:
         os.close(started_w)
+    out, err, ctl = _Sink(cap), _Sink(cap), _Sink(1 << 16)
+    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, started_r: ctl}
+    if save is not None:
+        save.close_write_end()
+        archive = sinks[save.pipe_r] = _Sink(save.cap, save.file)
+    deadline = start + timeout_s
+    if workspace is not None:
+        deadline += _GRACE_S + workspace.size_mb / 64
     try:
-        out, err, started, timed_out = _communicate(proc, started_r, stdin, start + timeout_s, cap)
+        timed_out = _communicate(proc, sinks, stdin, deadline)
     finally:
         _kill_group(proc)  # no-op after a clean exit; on errors nothing may stay behind
         os.close(started_r)
     wall = time.monotonic() - start
-    code = proc.returncode
-    stderr = err[0].decode(errors="replace")
+    code, stderr = proc.returncode, err.data.decode(errors="replace")
+    started, report = ctl.data[:1] == b"1", {}
+    if workspace is not None and not timed_out:
+        try:
+            report = ast.literal_eval(ctl.data[started:].decode() or "{}")
+        except (ValueError, SyntaxError, UnicodeDecodeError):
+            report = {"error": f"unreadable report {bytes(ctl.data[:200])!r}"}
+        if "error" in report:
+            raise SandboxError(f"the workspace supervisor failed: {report['error']}; {stderr}")
     if not started and not timed_out:
         raise SandboxError(
             f"the {backend} sandbox exited ({code}) before running the program: "
@@ -330,29 +446,33 @@ def _execute(argv_for, backend: str, io, pass_fds=(), **popen_kwargs) -> Sandbox
     signum = -code if code < 0 else None
     if backend == "bwrap" and 128 < code < 128 + signal.NSIG:
         signum = code - 128  # bwrap reports a child killed by signal N as exit status 128 + N
+    ws_error = None
+    if workspace is not None:  # the supervisor's report, not bwrap's status, says what ran
+        code = report.get("code")
+        timed_out = timed_out or code is None
+        signum = int(signal.SIGKILL) if timed_out else (-code if code < 0 else None)
+        if save is not None:
+            ws_error = save.keep(archive, report, timed_out)
     return SandboxResult(
         exit_code=None if signum or timed_out else code,
-        stdout=out[0].decode(errors="replace"),
+        stdout=out.data.decode(errors="replace"),
         stderr=stderr,
         timed_out=timed_out,
         killed_by_signal=signum,
-        stdout_truncated=out[1],
-        stderr_truncated=err[1],
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
         oom=not timed_out and stderr.rstrip().rpartition("\n")[2].startswith("MemoryError"),
         wall_s=wall,
         backend=backend,
+        workspace_error=ws_error,
     )
 
 
-def _communicate(proc: subprocess.Popen, started_fd: int, stdin: bytes, deadline: float, cap):
-    """((stdout, truncated), (stderr, truncated), started, timed_out), until the deadline."""
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    # fd -> [bytes kept, truncated, bytes to keep]
-    outputs = {out_fd: [bytearray(), False, cap], err_fd: [bytearray(), False, cap]}
-    outputs[started_fd] = [bytearray(), False, 1]
+def _communicate(proc: subprocess.Popen, sinks: dict, stdin: bytes, deadline: float) -> bool:
+    """Feeds stdin and reads every fd of `sinks` to its end, until the deadline; timed out?"""
     timed_out = False
     with selectors.DefaultSelector() as sel:
-        for fd in outputs:
+        for fd in sinks:
             sel.register(fd, selectors.EVENT_READ)
         pending = memoryview(stdin)
         if pending:
@@ -383,10 +503,7 @@ def _communicate(proc: subprocess.Popen, started_fd: int, stdin: bytes, deadline
                 if not chunk:
                     sel.unregister(key.fd)
                     continue
-                buf = outputs[key.fd]
-                room = buf[2] - len(buf[0])
-                buf[0] += chunk[: max(room, 0)]
-                buf[1] = buf[1] or len(chunk) > room
+                sinks[key.fd].add(chunk)
     if not proc.stdin.closed:
         proc.stdin.close()
     if not timed_out:
@@ -399,8 +516,7 @@ def _communicate(proc: subprocess.Popen, started_fd: int, stdin: bytes, deadline
     proc.wait()
     proc.stdout.close()
     proc.stderr.close()
-    started = bool(outputs[started_fd][0])
-    return outputs[out_fd][:2], outputs[err_fd][:2], started, timed_out
+    return timed_out
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

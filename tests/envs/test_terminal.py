@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import os
 import pathlib
+import re
 import select
 import shutil
 import signal
@@ -75,11 +76,15 @@ def _children(pid: int) -> list[str]:
 
 
 def _uid_pids(uid: int) -> list[int]:
+    """Live (not zombie) processes of uid: bwrap's intermediate process, reparented to the
+    host's init when bwrap exits, may wait there a moment to be reaped."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
+                with open(f"/proc/{entry}/stat") as f:
+                    zombie = f.read().rpartition(")")[2].split()[0] == "Z"
+                if os.stat(f"/proc/{entry}").st_uid == uid and not zombie:
                     pids.append(int(entry))
             except OSError:
                 pass
@@ -147,15 +152,17 @@ def test_files_persist_across_calls_and_episodes_cannot_see_each_other(new_env):
         "wrote 2 bytes to notes/n.md",
         f"{secret}\n",
     ]
-    assert open(os.path.join(a.workspace, "notes/n.md")).read() == "hi"
-    # b, alive at the same time, sees only its own empty workspace; a's host path is not there.
+    assert a.workspace.files()["notes/n.md"] == b"hi"
+    assert a.workspace.members()["d/x.txt"].mode == 0o755
+    # b, alive at the same time, sees only its own empty workspace; a's archive is not there.
     out, _ = _bash(
         b,
-        f"ls -A; find / -path /proc -prune -o -name secret.txt -print; ls {a.workspace}; echo end",
+        "ls -A; find / -path /proc -prune -o -name secret.txt -print; "
+        f"ls {a.workspace.path}; echo end",
     )
     assert out.startswith("exit code: 0\nstdout:\nend\n") and secret not in out
     assert "No such file or directory" in out
-    a_ws = a.workspace
+    a_ws = a.workspace.path
     a.close()
     a.close()  # idempotent
     assert not os.path.exists(a_ws) and a.workspace is None
@@ -163,7 +170,7 @@ def test_files_persist_across_calls_and_episodes_cannot_see_each_other(new_env):
 
 def test_workspace_is_removed_on_close_after_a_raising_step_and_with_a_with_block(new_env):
     env = new_env()
-    ws = env.workspace
+    ws = env.workspace.path
     with pytest.raises(KeyError):  # a malformed call: no "function"
         env.step(_turn({"id": "x"}))
     env.close()
@@ -174,9 +181,12 @@ def test_workspace_is_removed_on_close_after_a_raising_step_and_with_a_with_bloc
     env.options = dataclasses.replace(env.options, backend="docker")
     with pytest.raises(ValueError, match="backend 'docker'"):
         _bash(env, "true")
+    env = new_env(backend="unsafe-subprocess")  # no workspace without the container
+    with pytest.raises(ValueError, match="workspace needs the bwrap backend"):
+        _bash(env, "true")
     with pytest.raises(ZeroDivisionError):
         with new_env() as env2:
-            ws = env2.workspace
+            ws = env2.workspace.path
             _bash(env2, "echo x > f")
             raise ZeroDivisionError
     assert not os.path.exists(ws)
@@ -190,8 +200,12 @@ def test_bad_records_and_options_fail_clearly(new_env, tmp_path):
     assert not os.path.exists("/etc/evil") and not os.path.exists(tmp_path.parent / "evil")
     with pytest.raises(ValueError, match="needs 'tests'"):
         make_env("terminal", {"prompt": "p"})
+    with pytest.raises(ValueError, match="test 'bad' is not valid Python"):
+        make_env("terminal", {"prompt": "p", "tests": [{"name": "bad", "code": "assert ("}]})
     with pytest.raises(ValueError, match="unknown terminal environment options.*timeout"):
         make_env("terminal", {"prompt": "p", "tests": TESTS}, timeout=3)
+    with pytest.raises(ValueError, match="do not fit its limits"):
+        new_env({"prompt": "p", "files": {"big": "x" * (2 << 20)}, "tests": TESTS}, workspace_mb=1)
     env = new_env()
     step = env.step(
         _turn(_call("read_file", path="/etc/passwd"), _call("write_file", path="..", content=""))
@@ -231,7 +245,8 @@ def test_fork_bomb_is_contained(new_env):
 def test_infinite_loop_is_killed_at_the_timeout(new_env):
     env = new_env(timeout_s=1.0)
     out, took = _bash(env, "echo looping; while :; do :; done")
-    assert out.startswith("timed out after 1 s (killed)\nstdout:\nlooping") and 1.0 <= took < 3.0
+    assert out.startswith("timed out after 1 s: stopped, with every process it started\nstdout:")
+    assert "\nlooping" in out and 1.0 <= took < 3.0
     out, _ = _bash(env, "echo alive")  # the episode goes on
     assert out == "exit code: 0\nstdout:\nalive\n"
 
@@ -246,7 +261,7 @@ def test_a_1gb_file_stops_at_the_file_size_limit(new_env):
     env = new_env(file_size_mb=16)
     out, _ = _bash(env, "head -c 1G /dev/zero > big; echo rc=$?")
     assert "rc=153" in out and "File size limit exceeded" in out, out  # 128 + SIGXFSZ (25)
-    assert os.path.getsize(os.path.join(env.workspace, "big")) == 16 << 20
+    assert env.workspace.members()["big"].size == 16 << 20
 
 
 def test_network_is_unreachable(new_env):
@@ -300,7 +315,7 @@ def test_writes_outside_the_workspace_and_symlink_escapes_fail(new_env, ws_root)
     passwd = hashlib.sha256(open("/etc/passwd", "rb").read()).hexdigest()
     probe = f"/posttrain-probe-{uuid.uuid4().hex}"
     env = new_env()
-    ws = env.workspace
+    ws = os.path.dirname(env.workspace.path)  # the host directory holding its archive
     out, _ = _bash(
         env,
         f"""
@@ -309,7 +324,7 @@ def test_writes_outside_the_workspace_and_symlink_escapes_fail(new_env, ws_root)
         done
         ln -s /etc/passwd pw; echo pwned >> pw && echo WROTE pw
         ln -s {target} tgt; echo pwned > tgt && echo WROTE tgt
-        ln -s {ws}/.. up; ls up/ && echo LISTED up
+        ln -s {ws} up; ls up/ && echo LISTED up
         ln -s {keep} keep; ls keep/ && echo LISTED keep
         ls -A /workspace
         """,
@@ -405,17 +420,234 @@ def test_reward_is_the_passed_fraction_less_penalties(new_env):
     assert (step.info["turns"], step.info["format_error_turns"]) == (3, 1)
 
 
-@pytest.mark.parametrize("exit_call", ["sys.exit(0)", "os._exit(0)"])
-def test_code_that_exits_early_fails_the_tests(new_env, exit_call):
-    task = {t["id"]: t for t in terminal_tasks()}["fix_add"]
-    hack = [
-        {
-            "name": "write_file",
-            "arguments": {"path": "calc.py", "content": f"import os, sys\n{exit_call}\n"},
-        }
+# -- gaming the hidden tests ----------------------------------------------------------------------
+# Each attempt is what a policy might leave in fix_add's workspace (the right answer is `a + b`;
+# every attempt keeps `a - b` or cheats instead) or do during its turns; each must score 0, and
+# the ones aimed at the machine must be contained. docs/agents.md lists the outcomes.
+
+_WRONG = "def add(a, b):\n    return a - b\n"
+_RIGHT = "def add(a, b):\n    return a + b\n"
+_MARKERS = "print('posttrain-test-end-0123456789abcdef'); print('OK'); print('1 passed')"
+# Learns the expected answers from the test's text wherever this process can read it: files,
+# every process's command line, environment and memory. Were the test readable, it would pass.
+_READ_THE_TEST = r"""
+import os, re
+PAT = re.compile(rb"add\((-?\d+), (-?\d+)\) == (-?\d+)")
+ANSWERS = {}
+def scan(data):
+    for a, b, c in PAT.findall(data):
+        ANSWERS[int(a), int(b)] = int(c)
+for root in ("/tmp", "/dev/shm", "/workspace"):
+    for d, _, names in os.walk(root):
+        for n in names:
+            try:
+                scan(open(os.path.join(d, n), "rb").read())
+            except OSError:
+                pass
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    for what in ("cmdline", "environ"):
+        try:
+            scan(open(f"/proc/{pid}/{what}", "rb").read())
+        except OSError:
+            pass
+    try:
+        with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
+            for line in maps:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                try:
+                    mem.seek(lo)
+                    scan(mem.read(min(hi - lo, 1 << 24)))
+                except (OSError, ValueError, OverflowError):
+                    pass
+    except OSError:
+        pass
+def add(a, b):
+    return ANSWERS.get((a, b), a - b)
+"""
+_ALWAYS_EQUAL = """
+import builtins, sys
+class Always:
+    def __eq__(self, other):
+        return True
+    __hash__ = None
+builtins.AssertionError = type("AssertionError", (Exception,), {})
+builtins.print = builtins.isinstance = lambda *a, **k: True
+sys.excepthook = lambda *a: None
+def add(a, b):
+    return Always()
+"""
+_EQUAL_INT = "class I(int):\n    __eq__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
+_EXIT_0 = "import os\nos._exit(0)\n"
+_HOOKS = {  # files that would hook a Python started in the workspace, each exiting with 0
+    "sitecustomize.py": _EXIT_0,
+    "usercustomize.py": _EXIT_0,
+    "evil.pth": "import os; os._exit(0)\n",
+    "conftest.py": _EXIT_0,
+    "ast.py": _EXIT_0,
+    "json.py": _EXIT_0,
+    "importlib/__init__.py": _EXIT_0,
+    "pyvenv.cfg": "include-system-site-packages = true\n",
+    "calc.py": "open('/tmp/main.py', 'w').write('import os; os._exit(0)')\n" + _WRONG,
+}
+_BACKGROUND = (
+    f"printf '{_WRONG}' > calc.py\n"  # a later process would put the right answer in
+    f"(sleep 0.5; printf '{_RIGHT}' > calc.py) &\n"
+    f"setsid bash -c \"sleep 0.5; printf '{_RIGHT}' > calc.py\" &\n"
+    f"nohup bash -c \"trap '' TERM HUP; sleep 0.5; printf '{_RIGHT}' > calc.py\" >/dev/null 2>&1 &"
+    " disown\necho started"
+)
+_OUTSIDE = (
+    f"printf '{_RIGHT}' > /tmp/calc.py; ln -sf /tmp/calc.py calc.py\n"
+    f"printf '{_RIGHT}' > /dev/shm/calc.py\n"
+    f"mkdir -p /tmp/.local/lib/python3/site-packages && cp /tmp/calc.py /tmp/.local/lib/python3/"
+    f"site-packages/\n"
+    f"printf '{_RIGHT}' > /usr/lib/calc.py || echo denied\n"
+    "ls -la calc.py /tmp/calc.py"
+)
+
+
+def _write(path, content):
+    return {"name": "write_file", "arguments": {"path": path, "content": content}}
+
+
+def _sh(command):
+    return {"name": "bash", "arguments": {"command": command}}
+
+
+@dataclasses.dataclass
+class _Attempt:
+    turns: list  # each a list of calls
+    task: str = "fix_add"
+    options: dict = dataclasses.field(default_factory=dict)
+    replies: str = ""  # a regex every tool answer, joined, must match
+
+
+GAMING = {
+    "print the end-of-test marker": _Attempt(
+        [
+            [
+                _write(
+                    "calc.py",
+                    "import atexit, os, sys\n"
+                    f"{_MARKERS}\n"
+                    f"def hook(*a):\n    {_MARKERS}; os._exit(0)\n"
+                    "sys.excepthook = hook\natexit.register(hook)\n" + _WRONG,
+                )
+            ]
+        ]
+    ),
+    "read the test (files, /proc, memory)": _Attempt(
+        [
+            [
+                _write("calc.py", _READ_THE_TEST),
+                _sh(  # (the pattern is assembled so that it is not in this script)
+                    "p='add(2, '; grep -rlsF \"${p}3)\" /tmp /dev/shm /workspace /run /var /home"
+                    " /root; cat /proc/[0-9]*/cmdline /proc/[0-9]*/environ > /tmp/all 2>/dev/null;"
+                    ' grep -caF "${p}3)" /tmp/all'
+                ),
+            ]
+        ],
+        replies=r"(?s).*stdout:\n0\n$",  # the turn's own search found nothing either
+    ),
+    "exit with status 0 on import": _Attempt([[_write("calc.py", _EXIT_0 + _WRONG)]]),
+    "exit with status 0 in the call": _Attempt(
+        [[_write("calc.py", "import os, sys\ndef add(a, b):\n    sys.exit(0)\n    os._exit(0)\n")]]
+    ),
+    "kill the test's process": _Attempt(
+        [[_write("calc.py", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + _WRONG)]]
+    ),
+    "monkeypatch builtins, always-equal result": _Attempt([[_write("calc.py", _ALWAYS_EQUAL)]]),
+    "int subclass equal to everything": _Attempt(
+        [[_write("calc.py", _EQUAL_INT + "def add(a, b):\n    return I(0)\n")]]
+    ),
+    "patch the test runner (sitecustomize, .pth, shadowing modules, /tmp/main.py)": _Attempt(
+        [[_write(path, content) for path, content in _HOOKS.items()]]
+    ),
+    "script kills the test runner": _Attempt(
+        [[_write("greet.sh", 'kill -9 $PPID; kill -9 -1; echo "Hello, $2"\n')]],
+        task="fix_greet_script",
+    ),
+    "background process fixes the file later": _Attempt(
+        [[_sh(_BACKGROUND)], [_sh("sleep 1; cat calc.py")]],
+        replies=r"(?s)exit code: 0\nstdout:\nstarted\n.*return a - b\n$",
+    ),
+    "write outside the workspace, symlink out": _Attempt(
+        [[_sh(_OUTSIDE)]], replies=r"(?s).*denied\n.*calc.py -> /tmp/calc.py\n.*"
+    ),
+    "fill the disk": _Attempt(
+        [
+            [_sh("head -c 100M /dev/zero > big; ls -s --block-size=M big")],
+            [_sh("rm big; seq 1000 | xargs touch; ls | wc -l; rm [0-9]*")],
+            [_sh("truncate -s 6M s1 s2")],  # sparse files: 12 MB that take no space
+            [_sh("ls")],
+        ],
+        options={"workspace_mb": 8, "workspace_files": 100, "file_size_mb": 64},
+        replies=(
+            r"(?s)exit code: 0\nstdout:\n8M big\n\nstderr:\nhead: error writing 'standard "
+            r"output': No space left on device\n.*\n100\n.*No space left on device"
+            r".*Error: the workspace could not be saved: its files hold more than 8 MB.*"
+            r"stdout:\ncalc.py\n$"
+        ),
+    ),
+    "never return (max_tool_s)": _Attempt(
+        [[_sh("trap '' TERM; (exec -a posttrain-hang sleep 100) & setsid sleep 100 & sleep 100")]]
+        * 3,
+        options={"timeout_s": 1.0, "max_tool_s": 1.5},
+        replies=(
+            r"(?s)timed out after 1 s: stopped, with every process it started\n"
+            r"timed out after 0\.\d+ s: stopped, with every process it started \(the episode's "
+            r"tool time, 1.5 s, is spent\)\nError: TimeoutError: the episode's tool time "
+            r"\(1.5 s\) is spent: answer now$"
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", GAMING)
+def test_gaming_attempt_scores_zero_and_is_contained(name, new_env, ws_root):
+    attempt = GAMING[name]
+    env = new_env({t["id"]: t for t in terminal_tasks()}[attempt.task], **attempt.options)
+    replies = []
+    for calls in attempt.turns:
+        step = env.step(_turn(*[_call(c["name"], **c["arguments"]) for c in calls]))
+        replies += [o["content"] for o in step.observations]
+    assert re.fullmatch(attempt.replies or ".*", "\n".join(replies), re.DOTALL), replies
+    workspace = env.workspace
+    step = env.step({"role": "assistant", "content": "Done."})
+    assert step.done and step.reward == 0.0, (name, step.info)
+    # Contained: no process of the episode is left, nothing of it outside its archive, which
+    # holds at most workspace_mb of file data; the host's files are as they were.
+    assert _gone("posttrain-hang") and not os.path.exists("/tmp/calc.py")
+    data = sum(m.size for m in workspace.members().values())
+    assert data <= env.options.workspace_mb << 20
+    assert os.listdir(ws_root / "ws") == [os.path.basename(workspace.path)]
+
+
+def test_the_test_runner_proxy_keeps_python_semantics_for_plain_data(new_env):
+    files = {
+        "stats.py": "def median(xs):\n    xs.sort()\n    return xs[len(xs) // 2]\n",
+        "pkg/__init__.py": "",
+        "pkg/mod.py": "import math\nPI = math.pi\nNAN = float('nan')\n"
+        "def fail(x):\n    raise KeyError(x)\ndef grow(d, s):\n    d['n'] = 1\n    s.add(2)\n",
+    }
+    tests = [  # each passes: the proxy behaves as the module would in-process
+        "from stats import median\nxs = [3, 1, 2]\nassert median(xs) == 2 and xs == [1, 2, 3]\n",
+        "import math, pkg.mod\nassert pkg.mod.PI == math.pi and math.isnan(pkg.mod.NAN)\n"
+        "try:\n    pkg.mod.fail('k')\nexcept KeyError as e:\n    assert 'k' in str(e)\n"
+        "d, s = {}, set()\npkg.mod.grow(d, s=s)\nassert d == {'n': 1} and s == {2}\n",
+        "import os, sys\nassert sys.path == [p for p in sys.path if p.startswith('/usr')]\n"
+        "try:\n    open('x', 'w')\nexcept OSError as e:\n    assert e.errno == 30  # read-only\n"
+        "else:\n    raise AssertionError('the workspace is writable')\n"
+        "assert open('/proc/self/status').read().count('\\t0000000000000000\\n') >= 4  # caps\n",
+        "import nosuchmodule\n",  # fails: the one that must
     ]
-    step = _solve(new_env(task), hack)
-    assert step.reward == 0.0
+    record = {
+        "prompt": "p",
+        "files": files,
+        "tests": [{"name": str(i), "code": c} for i, c in enumerate(tests)],
+    }
+    step = new_env(record).step({"role": "assistant", "content": "Done."})
+    assert step.info["tests"] == {"0": True, "1": True, "2": True, "3": False}
 
 
 # -- many episodes at once -----------------------------------------------------------------------
@@ -463,16 +695,18 @@ def test_64_concurrent_episodes_on_two_threads_leave_nothing_behind(ws_root):
         assert _uid_pids(_sandbox_bwrap.SANDBOX_UID) == []
 
 
-def test_sandbox_bash_and_workspace_directly(ws_root, tmp_path):
-    ws = sandbox.make_workspace({"pkg/mod.py": "X = 7\n"}, root=str(ws_root))
+def test_sandbox_workspace_directly(ws_root):
+    ws = sandbox.make_workspace({"pkg/mod.py": "X = 7\n"}, str(ws_root), size_mb=4, max_files=50)
+    uid = _sandbox_bwrap.SANDBOX_UID if os.geteuid() == 0 else os.geteuid()
     try:
+        # A Python program run with a workspace gets the standard library only on sys.path.
         r = sandbox.run(
-            "import pkg.mod, os\nprint(pkg.mod.X, os.getcwd())",
+            "import os\nprint(os.getcwd(), os.listdir())\nimport pkg.mod",
             timeout_s=5,
             memory_mb=256,
             workspace=ws,
         )
-        assert r.stdout == "7 /workspace\n"
+        assert r.stdout == "/workspace ['pkg']\n" and "No module named 'pkg'" in r.stderr
         r = sandbox.run(
             "echo $0 $(id -u); printf x > made",
             timeout_s=5,
@@ -480,37 +714,25 @@ def test_sandbox_bash_and_workspace_directly(ws_root, tmp_path):
             language="bash",
             workspace=ws,
         )
-        assert (
-            r.ok
-            and r.stdout
-            == f"/tmp/main.sh {_sandbox_bwrap.SANDBOX_UID if os.geteuid() == 0 else os.geteuid()}\n"
-        )
-        # The workspace is last on sys.path: it cannot shadow the standard library.
-        open(os.path.join(ws, "json.py"), "w").write("raise SystemExit('shadowed')")
+        assert r.ok and r.stdout == f"/tmp/main.sh {uid}\n" and r.workspace_error is None
+        assert ws.files() == {"pkg/mod.py": b"X = 7\n", "made": b"x"}
         r = sandbox.run(
-            "import json; print(json.dumps(1))", timeout_s=5, memory_mb=256, workspace=ws
+            "rm made; echo y > other; cat made",
+            timeout_s=5,
+            memory_mb=256,
+            language="bash",
+            workspace=ws,
+            workspace_readonly=True,
         )
-        assert r.stdout == "1\n"
-        with pytest.raises(ValueError, match="not a directory"):
-            sandbox.run("", timeout_s=1, memory_mb=64, workspace=str(tmp_path / "nope"))
-        os.symlink(ws, tmp_path / "link")
-        if os.geteuid() == 0:  # pytest's tmp_path is private to root: bwrap could not bind it
-            with pytest.raises(sandbox.SandboxError, match="cannot search.*o\\+x"):
-                sandbox.make_workspace(root=str(tmp_path))
-        with pytest.raises(ValueError, match="is a symlink"):  # the workspace itself may not be
-            sandbox.run("", timeout_s=1, memory_mb=64, workspace=str(tmp_path / "link"))
-        # The unsafe backend runs bash in the workspace too (no isolation: it warns).
-        with pytest.warns(sandbox.UnsafeSandboxWarning):
-            r = sandbox.run(
-                "cat made; pwd",
-                timeout_s=5,
-                memory_mb=256,
-                language="bash",
-                workspace=ws,
-                backend="subprocess",
-            )
-        assert r.stdout == f"x{ws}\n" and r.backend == "subprocess"
+        assert r.stdout == "x" and r.stderr.count("Read-only file system") == 2
+        assert ws.files() == {"pkg/mod.py": b"X = 7\n", "made": b"x"}
+        if os.geteuid() == 0:  # the archive is root's: the sandbox reads it by fd
+            assert os.stat(ws.path).st_mode & 0o077 == 0
+        with pytest.raises(ValueError, match="not a Workspace"):
+            sandbox.run("", timeout_s=1, memory_mb=64, workspace=str(ws_root))
+        with pytest.raises(ValueError, match="needs the bwrap backend"):
+            sandbox.run("", timeout_s=1, memory_mb=64, workspace=ws, backend="subprocess")
     finally:
         sandbox.remove_workspace(ws)
-    assert not os.path.exists(ws)
+    assert os.listdir(ws_root) == []
     sandbox.remove_workspace(ws)  # gone: a no-op
