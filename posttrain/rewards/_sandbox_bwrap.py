@@ -3,8 +3,9 @@
 What the program sees: `/usr` (and the `/bin`, `/lib*` links into it) read-only, `/etc/ld.so.cache`
 and `/etc/localtime` only, a fresh procfs for its own PID namespace, a minimal `/dev`, two
 size-capped tmpfs mounts, `/tmp` (its working directory, holding `main.py` and the caller's files)
-and `/dev/shm`, and, when the caller gives one, a workspace: a host directory bound read-write at
-`/workspace` (then the working directory); everything else, `/` included, is read-only. The
+and `/dev/shm`, and, when the caller gives a `Workspace`, a third one at `/workspace` (then the
+working directory) that `SUPERVISOR` mounts and fills from the workspace's archive, which it
+reads from a file descriptor; everything else, `/` included, is read-only. The
 project checkout, `/root`, `/home`, the host's `/tmp` and the host's environment variables are
 absent. Every namespace is new (`--unshare-all`: user, PID, network, IPC, UTS, cgroup), so the
 network is a loopback of its own, and nested user namespaces are refused (`--disable-userns`,
@@ -375,13 +376,18 @@ def pack(fd):
                 if info is None:  # a socket: nothing to keep
                     continue
                 count += 1
-                total += info.size if info.isreg() else 0
+                # What it takes in the next run's tmpfs: whole pages, sparse files written out,
+                # long symlink targets a page each.
+                if info.isreg():
+                    total += -(-info.size // 4096) * 4096
+                elif info.issym() and len(info.linkname.encode()) >= 128:
+                    total += 4096
                 if count > CONFIG["inodes"]:
                     raise SaveError(f"it holds more than {CONFIG['inodes']} files")
                 if total > CONFIG["size"]:
                     raise SaveError(
-                        f"its files hold more than {CONFIG['size'] >> 20} MB (sparse files "
-                        "count at their full size)"
+                        f"its files hold more than {CONFIG['size'] >> 20} MB (in 4 KiB pages; "
+                        "sparse files count at their full size)"
                     )
                 if info.isreg():
                     if not info.mode & 0o400:

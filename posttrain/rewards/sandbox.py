@@ -2,8 +2,7 @@
 
 Each `run` starts one container (see `_sandbox_bwrap` for what it can see) holding one tiny
 launcher that sets the rlimits and then executes `/tmp/main.py` as `__main__` (or `exec`s
-`/bin/bash /tmp/main.sh`). A `workspace` (a host directory made by `make_workspace`) is bound
-read-write at `/workspace`, the working directory, so an episode's files persist across runs:
+`/bin/bash /tmp/main.sh`):
 
 - CPU time (`RLIMIT_CPU`, a backstop to the wall-clock timeout), address space
   (`RLIMIT_AS` = `memory_mb`, per process), processes and threads (`RLIMIT_NPROC`, counted per
@@ -15,9 +14,17 @@ read-write at `/workspace`, the working directory, so an episode's files persist
   reports the exit a moment, milliseconds, before the kernel has killed the rest).
 - stdout and stderr are read concurrently, each kept up to `max_output_bytes` and then
   drained and discarded (flagged truncated), so a program printing 100 MB costs no memory.
-- The workspace (never itself a symlink) is bound read-write; inside, symlinks
-  resolve in the container's view, so one to `/etc/passwd` or to the workspace's host path
-  reaches nothing of the host. Its total size is not capped (each file is, by `file_size_mb`).
+
+A `Workspace` (`make_workspace`) persists `/workspace` across runs (an episode's files) with
+nothing of the host bound in: it lives on the host as a tar archive, and in a run the
+container's PID 1 is a trusted supervisor (`_sandbox_bwrap.SUPERVISOR`) that mounts a fresh
+tmpfs capped at the workspace's size and inode count (a write past either fails with ENOSPC
+inside), unpacks the archive into it, runs the program, enforces the timeout itself, kills
+every process the program started once it exits, and only then packs the tmpfs into a new
+archive (at most the workspace's size of file data), which replaces the old one when it came
+whole. `workspace_readonly` mounts it read-only and keeps nothing. The program cannot touch the
+supervisor: it is the namespace's init (no signal from inside reaches it) and undumpable (no
+ptrace, no /proc/1/fd).
 
 Where bwrap is missing or unusable, `run` raises `SandboxUnavailableError` saying how to install
 it, unless the caller opts into `backend="subprocess"` (or `POSTTRAIN_SANDBOX=unsafe-subprocess`):

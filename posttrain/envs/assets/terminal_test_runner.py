@@ -199,10 +199,14 @@ class _RemoteModule(types.ModuleType):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         kind, value = _WS.ask("get", self.__name__, name)
-        if kind == "module":
-            return importlib.import_module(value)
         if kind == "function":
             return _RemoteFunction(self.__name__, name)
+        if kind == "module":  # only the workspace's own, through _Finder; never a standard one
+            if _in_workspace(str(value)):
+                module = importlib.import_module(value)
+                if isinstance(module, _RemoteModule):
+                    return module
+            raise TypeError(f"{self.__name__}.{name} is the module {value!r}: not plain data")
         return plain(value)
 
 
@@ -219,12 +223,17 @@ class _Finder(importlib.abc.MetaPathFinder):
     """Last on `sys.meta_path`: the standard library always wins."""
 
     def find_spec(self, fullname, path=None, target=None):
-        top = fullname.partition(".")[0]
-        if top.isidentifier() and any(
-            os.path.exists(f"{WORKSPACE}/{top}{ext}") for ext in (".py", "")
-        ):
+        if _in_workspace(fullname):
             return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
         return None
+
+
+def _in_workspace(module: str) -> bool:
+    """Whether a module's top-level package is a file or directory of the workspace."""
+    top = module.partition(".")[0]
+    return top.isidentifier() and any(
+        os.path.exists(f"{WORKSPACE}/{top}{ext}") for ext in (".py", "")
+    )
 
 
 def main() -> None:
