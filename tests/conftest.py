@@ -108,6 +108,7 @@ ONE_WORKER = [
     ("tests/rl/test_router_replay.py",), ("tests/rl/test_loss.py",),
     ("tests/rl/test_multihost.py",),  # trained_tiny (test_grpo's user starts later)
     ("tests/envs/test_calculator.py", "tests/envs/test_endpoint.py"),  # calculator_sft
+    ("tests/envs/test_agent_presets.py",), ("tests/sampling/test_serve_load.py",),
 ]  # fmt: skip
 _GROUP_OF = {module: group[0] for group in ONE_WORKER for module in group}
 # - The modules with the longest tests start first, so that no worker is left alone at the end
