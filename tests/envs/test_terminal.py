@@ -639,6 +639,15 @@ def test_gaming_attempt_scores_zero_and_is_contained(name, new_env, ws_root):
     assert os.listdir(ws_root / "ws") == [os.path.basename(workspace.path)]
 
 
+_UNITTEST = """import unittest
+from stats import median
+class T(unittest.TestCase):
+    def test_one(self):
+        self.assertEqual(median([5]), {})
+unittest.main()
+"""
+
+
 def test_the_test_runner_proxy_keeps_python_semantics_for_plain_data(new_env):
     files = {
         "stats.py": "def median(xs):\n    xs.sort()\n    return xs[len(xs) // 2]\n",
@@ -655,7 +664,9 @@ def test_the_test_runner_proxy_keeps_python_semantics_for_plain_data(new_env):
         "try:\n    open('x', 'w')\nexcept OSError as e:\n    assert e.errno == 30  # read-only\n"
         "else:\n    raise AssertionError('the workspace is writable')\n"
         "assert open('/proc/self/status').read().count('\\t0000000000000000\\n') >= 4  # caps\n",
-        "import nosuchmodule\n",  # fails: the one that must
+        "import nosuchmodule\n",  # fails, as must the next (unittest.main exits 1)
+        _UNITTEST.format(4),
+        _UNITTEST.format(5),
     ]
     record = {
         "prompt": "p",
@@ -663,7 +674,14 @@ def test_the_test_runner_proxy_keeps_python_semantics_for_plain_data(new_env):
         "tests": [{"name": str(i), "code": c} for i, c in enumerate(tests)],
     }
     step = new_env(record).step({"role": "assistant", "content": "Done."})
-    assert step.info["tests"] == {"0": True, "1": True, "2": True, "3": False}
+    assert step.info["tests"] == {
+        "0": True,
+        "1": True,
+        "2": True,
+        "3": False,
+        "4": False,
+        "5": True,
+    }
 
 
 # -- many episodes at once -----------------------------------------------------------------------

@@ -247,7 +247,11 @@ def main() -> None:
     os.close(null)
     sys.meta_path.append(_Finder())
     test = compile(source, "<hidden test>", "exec")
-    exec(test, {"__name__": "__main__", "__builtins__": builtins})
+    # A module of its own as __main__: what looks there (unittest.main) finds the test's names.
+    module = types.ModuleType("__main__")
+    module.__builtins__ = builtins
+    sys.modules["__main__"] = module
+    exec(test, module.__dict__)
 
 
 main()
