@@ -88,6 +88,8 @@ def get_config(preset: str = "calculator"):
     c = load_config_file(os.path.join(_HERE, "grpo.py") + ":qwen3_8b_v5p")
     values = {
         "model.hf_path": "",  # set: a Qwen2.5-7B-Instruct directory (local or gs://)
+        "model.preset": "",  # no random 8B when model.hf_path is left unset
+        "model.compute_dtype": "bfloat16",  # (an HF directory alone computes in float32)
         "rollout.max_prompt_len": 1024,
         "rollout.max_new_tokens": 4096,
         "env.max_turns": 8,

@@ -120,6 +120,16 @@ CASES = [
         "--config.optimizer.learning_rate=fast",
     ),
     (
+        "no-model",  # a config for a real model whose model.hf_path is left unset: no random init
+        [
+            "train",
+            f"--config={REPO}/configs/agent.py:terminal_qwen25_7b",
+            "--workdir={run}",
+            f"--config.tokenizer={ASSETS_DIR}/tokenizer",
+        ],
+        "no model to start from: set model.hf_path",
+    ),  # fmt: skip
+    (
         "nan-learning-rate",
         ["train", SFT, "--workdir={run}", "--config.optimizer.learning_rate=nan"],
         "config.optimizer.learning_rate: nan is not a finite number",

@@ -44,7 +44,9 @@ class ModelSpec:
     At most one of `hf_path` and `checkpoint` is set; with neither, `preset` is initialised.
     """
 
-    preset: str = "tiny"  # posttrain.models preset name, used when neither path is set
+    # posttrain.models preset name, used when neither path is set; "" refuses to start without
+    # one of them (a config for a real model, never a random one).
+    preset: str = "tiny"
     hf_path: str = ""  # HF model directory: its config.json and weights
     checkpoint: str = ""  # an earlier run's workdir (e.g. SFT): its latest checkpoint's params
     attention: str = ""  # override ModelConfig.attention ("" keeps the model's)
@@ -74,6 +76,11 @@ class ModelSpec:
     freeze: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if not (self.preset or self.hf_path or self.checkpoint or self.nnx):
+            raise ConfigError(
+                "no model to start from: set model.hf_path (an HF model directory), "
+                "model.checkpoint (a run's workdir) or model.preset (random init)"
+            )
         if self.hf_path and self.checkpoint:
             raise ConfigError(
                 f"model.hf_path={self.hf_path!r} and model.checkpoint={self.checkpoint!r} are both "
