@@ -87,16 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     return errors.EXIT_USER
 
 
-class _Stderr(logging.StreamHandler):
-    """Writes to whatever `sys.stderr` is at the time (a test may have replaced it)."""
+class _Stderr(logging.Handler):
+    """Writes each record to whatever `sys.stderr` is at the time (a test may have replaced
+    it)."""
 
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _):
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 -- logging's own policy for a failed write
+            self.handleError(record)
 
 
 def _show_progress_notes() -> None:
