@@ -26,8 +26,9 @@ What the policy cannot get around (`tests/envs/test_terminal.py` tries each way)
 reward = passed / total - format_penalty * (turns with calls that failed to parse)
          - turn_penalty * max(0, turns - free_turns)
 
-A test is a Python script of asserts, run with `/workspace` as its working directory and the
-standard library only; `import <module of the workspace>` works as the proxy above says; it
+A test is a Python script of asserts, run with `/workspace` as its working directory, the
+standard library and the system's site-packages; its own `import` statements that name a module
+of the workspace (no standard or installed module's name) work as the proxy above says; it
 writes in `/tmp`, never the workspace; it may run the workspace's scripts with `subprocess`.
 It passes when it runs to its end (or calls `sys.exit(0)`, as `unittest.main()` does on
 success).

@@ -512,6 +512,9 @@ _HOOKS = {  # files that would hook a Python started in the workspace, each exit
     "ast.py": _EXIT_0,
     "json.py": _EXIT_0,
     "importlib/__init__.py": _EXIT_0,
+    "_bz2.py": _EXIT_0,  # optional standard modules a Python build may lack
+    "_lzma.py": _EXIT_0,
+    "readline.py": _EXIT_0,
     "pyvenv.cfg": "include-system-site-packages = true\n",
     "calc.py": "open('/tmp/main.py', 'w').write('import os; os._exit(0)')\n" + _WRONG,
 }

@@ -1,13 +1,15 @@
 """Runs one hidden test of the terminal environment: `/tmp/main.py` in a sandbox whose workspace
 is mounted read-only, the test's code on stdin. Trusted: nothing of the workspace runs here.
 
-- Its `sys.path` is the standard library only (`python -I -S`, neither `/tmp` nor the
-  workspace): no `sitecustomize`, `.pth`, `conftest.py` or module named like a standard one that
-  the model leaves in the workspace is ever imported by this process.
+- Its `sys.path` is the standard library and the system's site-packages, all read-only
+  (`python -I`: neither `/tmp`, nor the user's site, nor the workspace): no `sitecustomize`,
+  `.pth`, `conftest.py` or module named like a standard one that the model leaves in the
+  workspace is ever imported by this process.
 - It makes itself undumpable before it reads the test, so the processes the test starts (the
   model's scripts, same uid) can neither read its memory, where the test's code is, nor open its
   file descriptors; it reads the test from stdin and then points stdin at /dev/null.
-- `import calc` (a module of the workspace) gives a proxy: the module runs in a separate Python
+- `import calc` in the test's own code, `calc` a module of the workspace (not a standard module
+  name, nor one installed on the system), gives a proxy: the module runs in a separate Python
   process (`python3` in the workspace, as the model's own `python3` would run it), and only
   plain data crosses back, what `ast.literal_eval` reads from its repr (None, bool, int, float,
   complex, str, bytes, and tuples, lists, dicts and sets of them): a function returning anything
@@ -26,6 +28,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import os
+import site
 import subprocess
 import sys
 import types
@@ -228,12 +231,29 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+_TEST_IMPORTS: set[str] = set()  # the top-level names the test's own import statements name
+
+
 def _in_workspace(module: str) -> bool:
-    """Whether a module's top-level package is a file or directory of the workspace."""
+    """Whether a module is the workspace's for this test: named by the test's own imports, not
+    a standard module's name (even one this Python lacks), a file or directory there."""
     top = module.partition(".")[0]
-    return top.isidentifier() and any(
-        os.path.exists(f"{WORKSPACE}/{top}{ext}") for ext in (".py", "")
+    return (
+        top in _TEST_IMPORTS
+        and top not in sys.stdlib_module_names
+        and any(os.path.exists(f"{WORKSPACE}/{top}{ext}") for ext in (".py", ""))
     )
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    """Top-level names of the absolute imports in `tree`."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.partition(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
 
 
 def main() -> None:
@@ -245,8 +265,11 @@ def main() -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    site.main()  # the system's site-packages only: -I keeps the user's site (in /tmp) out
+    tree = ast.parse(source, "<hidden test>")
+    _TEST_IMPORTS.update(_imports(tree))
     sys.meta_path.append(_Finder())
-    test = compile(source, "<hidden test>", "exec")
+    test = compile(tree, "<hidden test>", "exec")
     # A module of its own as __main__: what looks there (unittest.main) finds the test's names.
     module = types.ModuleType("__main__")
     module.__builtins__ = builtins
