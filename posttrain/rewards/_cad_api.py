@@ -10,10 +10,10 @@ A script builds solids from primitives, transforms and booleans and ends with `c
 
 Nothing here computes geometry: each call records a node of a construction tree, and `show`
 prints the tree as one JSON line (a flat list of nodes, children first). The script runs in the
-code sandbox (standard library only); the host checks the tree (node count, finite sizes) and
-builds it with the geometry kernel (`posttrain.rewards._cad`), so untrusted code never touches
-the kernel. This file is copied into
-the sandbox as `cad.py`.
+code sandbox (standard library only); the host checks the tree against caps (operations,
+counting each use of a shared sub-part; facets; finite sizes) and has the geometry kernel build
+it in a child process under the script's own limits (`posttrain.rewards._cad`), so untrusted
+code never touches the kernel. This file is copied into the sandbox as `cad.py`.
 
 Units are millimetres; angles degrees. Primitives sit on the XY plane at the origin:
 `box(x, y, z)` spans [0, x] x [0, y] x [0, z]; `cylinder(height, radius)` and

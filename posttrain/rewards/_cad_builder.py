@@ -182,7 +182,8 @@ def serve(ctrl_fd: int) -> None:
     """The helper's loop: for each socket the caller passes, fork a child that builds on it;
     when a child dies without answering, say how on its socket."""
     import manifold3d  # noqa: F401  (imported once here, not in every child)
-    import scipy.spatial  # noqa: F401
+    import scipy.sparse.csgraph  # noqa: F401  (_cad_holes)
+    import scipy.spatial  # noqa: F401  (_cad_geometry)
 
     ctrl = socket.socket(fileno=ctrl_fd)
     wake_r, wake_w = os.pipe()

@@ -59,3 +59,19 @@ def test_with_render_dir_each_part_built_comes_with_its_render(tmp_path):
     plain = make_env("cad", task)
     plain.reset()
     assert "images" not in plain.step(_turn(a=task["reference"])).observations[0]
+
+
+def test_a_refused_part_and_crossing_bores_are_answered_in_words():
+    """A part doubled 16 times is refused with its size before any geometry; two crossing
+    bores are reported as 2 through-holes (the genus would say 3)."""
+    env = make_env("cad", make_cad_task(0, 1))
+    env.reset()
+    doubled = ("import cad\ns = cad.box(1, 1, 1)\nfor i in range(16):\n"
+               "    s = s + s.translate(2 * (i + 1), 0, 0)\ncad.show(s)\n")  # fmt: skip
+    crossing = ("import cad\nbore = cad.cylinder(24, 3)\nb = cad.box(20, 20, 20)\n"
+                "b = b - bore.rotate(0, 90, 0).translate(-2, 10, 10)\n"
+                "cad.show(b - bore.rotate(-90, 0, 0).translate(10, -2, 10))\n")  # fmt: skip
+    step = env.step(_turn(a=doubled, b=crossing))
+    refused, built = step.observations
+    assert "no part" in refused["content"] and "65,536 primitives" in refused["content"]
+    assert "2 through-hole(s)" in built["content"] and step.info["tool_errors"] == 1
