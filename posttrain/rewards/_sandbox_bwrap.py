@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import io
 import os
 import shutil
@@ -247,13 +248,13 @@ def make_workspace(
 
 
 def remove_workspace(workspace: Workspace) -> None:
-    """Deletes a workspace's archive (and a half-written next one); a no-op if gone."""
-    for path in (workspace.path, workspace.path + NEXT):
+    """Deletes a workspace's archive (and half-written next ones); a no-op if gone."""
+    for path in [workspace.path, *glob.glob(glob.escape(workspace.path + NEXT) + "*")]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
 
-NEXT = ".next"  # suffix of the archive a run writes, renamed over the workspace's once complete
+NEXT = ".next-"  # prefix (after the archive's name) of the new archives runs write
 PAX = tarfile.PAX_FORMAT
 
 

@@ -322,14 +322,15 @@ def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io, program) -> Sa
 
 class _Save:
     """Where a read-write workspace run's new archive goes: a pipe from the container into
-    `<archive>.next`, kept only up to what the workspace's limits allow."""
+    `<archive>.next-XXXX`, kept only up to what the workspace's limits allow."""
 
     def __init__(self, workspace: Workspace):
-        self.workspace, self.next = workspace, workspace.path + _bw.NEXT
+        directory, name = os.path.split(workspace.path)
+        fd, self.next = tempfile.mkstemp(prefix=name + _bw.NEXT, dir=directory)  # never a link
+        self.workspace = workspace
         # Headers: 512 B each, more for long names (pax); 8 KiB per entry is ample.
         self.cap = (workspace.size_mb << 20) + workspace.max_files * 8192 + (1 << 20)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        self.file = os.fdopen(os.open(self.next, flags, 0o600), "wb")  # closed by close()
+        self.file = os.fdopen(fd, "wb")  # closed by close()
         self.pipe_r, self.pipe_w = os.pipe()
 
     def close_write_end(self) -> None:
