@@ -19,6 +19,9 @@ The child sends back the measurements (`_cad_geometry.measure`), the IoU with a 
 was given, and the part's mesh, as JSON and raw arrays (never pickle: the child ran the kernel
 on untrusted input). The helper exits when the caller closes its end or dies; with it in the
 caller's process group, a reward worker killed at its deadline takes it and its children along.
+The child bounds resources, it is no security boundary: it runs the kernel with the caller's
+privileges, on a tree that is JSON checked against the caps (the script itself never leaves the
+sandbox).
 """
 
 from __future__ import annotations
@@ -112,7 +115,10 @@ def build_limited(
         return Built(None, None, None, header["error"])
     verts = np.frombuffer(arrays[0], np.float64).reshape(-1, 3)
     tris = np.frombuffer(arrays[1], np.uint64).reshape(-1, 3)
-    solid = m3d.Manifold(m3d.Mesh64(vert_properties=verts.copy(), tri_verts=tris.copy()))
+    try:
+        solid = m3d.Manifold(m3d.Mesh64(vert_properties=verts.copy(), tri_verts=tris.copy()))
+    except Exception as e:  # (the kernel made this mesh; it never fails to take it back)
+        return Built(None, None, None, f"building the part failed: its mesh came back bad ({e})")
     m = header["measurements"]
     measurements = Measurements(**{k: tuple(v) if isinstance(v, list) else v for k, v in m.items()})
     return Built(solid, measurements, header["iou"], "")
@@ -255,6 +261,8 @@ def _child(sock: socket.socket) -> None:
         vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
     stacks = STACK_PER_CPU_MB * len(os.sched_getaffinity(0))
     limit = (vm_kb << 10) + ((request["memory_mb"] + stacks) << 20)
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    limit = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     arrays: list[bytes] = []
