@@ -37,6 +37,7 @@ success).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import posixpath
 import shlex
@@ -309,6 +310,7 @@ class TerminalEnvironment(ToolEnvironment):
 _RUNNER_SETUP_FAILED = 99  # the runner's status when it could not set itself up
 
 
+@functools.cache
 def _runner() -> str:
     """The hidden tests' runner (`assets/terminal_test_runner.py`)."""
     files = resources.files("posttrain.envs")
