@@ -443,6 +443,8 @@ def _execute(
         try:
             report = ast.literal_eval(ctl.data[started:].decode() or "{}")
         except (ValueError, SyntaxError, UnicodeDecodeError):
+            report = None
+        if not isinstance(report, dict):
             report = {"error": f"unreadable report {bytes(ctl.data[:200])!r}"}
         if "error" in report:
             raise SandboxError(f"the workspace supervisor failed: {report['error']}; {stderr}")
