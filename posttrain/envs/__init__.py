@@ -12,6 +12,7 @@ from posttrain.envs._base import (
     prompt_messages,
     register_env,
     rewards_itself,
+    takes_tool_budget,
     tool_message,
 )
 from posttrain.envs._builtin import FaultInjection, calculate
@@ -43,5 +44,6 @@ __all__ = [
     "prompt_messages",
     "register_env",
     "rewards_itself",
+    "takes_tool_budget",
     "tool_message",
 ]

@@ -185,23 +185,34 @@ def _call_id() -> str:
 EnvFactory = Callable[..., Environment]
 _ENVS: dict[str, EnvFactory] = {}
 _SELF_REWARDING: set[str] = set()
+_TOOL_TIMED: set[str] = set()
 
 
-def register_env(name: str, factory: EnvFactory, *, rewards: bool = False) -> None:
+def register_env(
+    name: str, factory: EnvFactory, *, rewards: bool = False, tool_budget: bool = False
+) -> None:
     """Makes `factory(record, **options) -> Environment` selectable as `env.name=name`.
 
     `rewards=True`: its episodes end with their own reward (e.g. hidden tests), so its records
     need no reward domain; otherwise the record's domain scores the final answer.
+    `tool_budget=True`: the factory takes `max_tool_s`, the episode's tool seconds, and stops
+    its own calls when they are spent (RL runs pass `env.max_tool_s`).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"an environment name is a non-empty string, got {name!r}")
     _ENVS[name] = factory
     (_SELF_REWARDING.add if rewards else _SELF_REWARDING.discard)(name)
+    (_TOOL_TIMED.add if tool_budget else _TOOL_TIMED.discard)(name)
 
 
 def rewards_itself(name: str) -> bool:
     """Whether environment `name` gives its episodes' rewards (no reward domain needed)."""
     return name in _SELF_REWARDING
+
+
+def takes_tool_budget(name: str) -> bool:
+    """Whether environment `name` takes the episode's `max_tool_s` and stops calls past it."""
+    return name in _TOOL_TIMED
 
 
 def env_names() -> list[str]:

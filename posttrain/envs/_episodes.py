@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
@@ -43,6 +44,9 @@ from posttrain.sampling import Engine, Request
 _log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "turns", "tool_time", "error")
+# Seconds an environment call may run past the episode's tool time before the episode stops
+# waiting for it (an environment that stops its own calls returns well within).
+_GRACE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +158,7 @@ def run_episodes(
     live = [[_Live(env) for env in group] for group in groups]
     out: list[list[Episode | None]] = [[None] * len(g) for g in groups]
     waiting: dict[Future, tuple[str, int, int]] = {}  # env calls: (kind, group, index)
+    deadlines: dict[Future, float] = {}  # env calls: when the episode stops waiting
     running: dict[int, tuple[Request, int, list[int]]] = {}  # request id -> (request, g, [j])
     taken: dict[int, set[int]] = {}  # request id -> episodes whose turn was collected
     opened = [0] * len(groups)
@@ -164,11 +169,36 @@ def run_episodes(
         item = live[g][j]
         ep = item.episode
         ep.finish_reason, ep.reward = reason, reward if reason != "error" else 0.0
-        waiting[pool.submit(item.env.close)] = ("close", g, j)
+        call("close", g, j, item.env.close)
         out[g][j] = ep
         left -= 1
         if on_episode is not None:
             on_episode(ep)
+
+    def call(kind: str, g: int, j: int, fn, *args) -> None:
+        """Runs an environment call on the pool, waited for until the episode's tool time
+        left (plus a grace of `_GRACE_S`, or the tool time if less): a tool that never returns
+        cannot hold the rollout."""
+        left_s = budget.max_tool_s - (live[g][j].episode.tool_s if kind == "step" else 0.0)
+        left_s += min(_GRACE_S, budget.max_tool_s)
+        future = pool.submit(fn, *args)
+        waiting[future], deadlines[future] = (kind, g, j), time.monotonic() + left_s
+
+    def overdue(future: Future) -> None:
+        """Stops waiting for a call past its deadline (its thread is left to it)."""
+        kind, g, j = waiting.pop(future)
+        del deadlines[future]
+        if kind == "reset":
+            raise RuntimeError(
+                f"an environment's reset ran past env.max_tool_s ({budget.max_tool_s:g} s) and a "
+                "grace: check the environment"
+            )
+        _log.warning("an environment %s ran past the episode's tool time (%g s); it is left "
+                     "running%s", kind, budget.max_tool_s,
+                     "" if kind == "close" else " and the episode ends as tool_time")  # fmt: skip
+        if kind == "step":
+            live[g][j].episode.tool_s = budget.max_tool_s
+            finish(g, j, "tool_time")
 
     def submit_turn(g: int, js: list[int], key) -> None:
         ep = live[g][js[0]].episode
@@ -203,7 +233,7 @@ def run_episodes(
             return
         # (A turn cut by turn_tokens still goes to the environment; its observation closes it.)
         step_message = {**message, "tool_call_errors": list(parsed.errors)}
-        waiting[pool.submit(item.env.step, step_message)] = ("step", g, j)
+        call("step", g, j, item.env.step, step_message)
 
     def on_step(g: int, j: int, step: Step) -> None:
         item = live[g][j]
@@ -266,11 +296,12 @@ def run_episodes(
 
     for g, group in enumerate(live):
         for j, item in enumerate(group):
-            waiting[pool.submit(item.env.reset)] = ("reset", g, j)
+            call("reset", g, j, item.env.reset)
     try:
         while left or waiting:
             for future in [f for f in waiting if f.done()]:
                 kind, g, j = waiting.pop(future)
+                del deadlines[future]
                 try:
                     result = future.result()
                 except Exception as e:
@@ -298,9 +329,13 @@ def run_episodes(
                     if len(taken[rid]) == len(js):
                         del running[rid], taken[rid]
             elif waiting:
-                wait(list(waiting), return_when=FIRST_COMPLETED)
+                soonest = min(deadlines.values()) - time.monotonic()
+                wait(list(waiting), timeout=max(soonest, 0.0), return_when=FIRST_COMPLETED)
             elif left:
                 raise RuntimeError(f"{left} episodes neither run nor wait (a bug)")
+            now = time.monotonic()
+            for future in [f for f, t in deadlines.items() if t < now and not f.done()]:
+                overdue(future)
     finally:
         if own_pool:
             pool.close()

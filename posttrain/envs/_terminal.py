@@ -354,4 +354,4 @@ def make_terminal_env(record: Mapping[str, Any], **options: Any) -> TerminalEnvi
     return TerminalEnvironment(record, TerminalOptions(**options))
 
 
-register_env("terminal", make_terminal_env, rewards=True)
+register_env("terminal", make_terminal_env, rewards=True, tool_budget=True)

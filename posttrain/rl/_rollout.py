@@ -30,6 +30,7 @@ from posttrain.envs import (
     make_env,
     rewards_itself,
     run_episodes,
+    takes_tool_budget,
 )
 from posttrain.lora import param_bytes
 from posttrain.models import Transformer
@@ -356,12 +357,16 @@ class Rollouts:
 
 
 def make_episode_env(e: EnvConfig, record, seed: int):
-    """A new environment of `e` for one episode of `record` (with faults, if configured)."""
+    """A new environment of `e` for one episode of `record` (with faults, if configured); an
+    environment that stops its own calls gets the episode's tool seconds (`e.max_tool_s`)."""
+    options = dict(e.options)
+    if takes_tool_budget(e.name):
+        options.setdefault("max_tool_s", e.max_tool_s)
     if e.fault_rate > 0:
         return make_env(
-            "fault_injection", record, inner=e.name, rate=e.fault_rate, seed=seed, **e.options
+            "fault_injection", record, inner=e.name, rate=e.fault_rate, seed=seed, **options
         )
-    return make_env(e.name, record, **e.options)
+    return make_env(e.name, record, **options)
 
 
 def _mesh_of(params):

@@ -10,6 +10,7 @@ calculator_sft writes runs/agent/sft, which calculator and calculator_faults sta
 7B presets are also traced at full size with Qwen2.5-7B-Instruct's config.json (no weights).
 """
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -241,3 +242,14 @@ def test_full_size_7b_preset(preset, tmp_path, capsys):
     assert jax.tree.structure(state) == jax.tree.structure(low.state)
     domain = "math" if preset.startswith("python") else "terminal"
     assert metrics["loss"].shape == () and f"kl/{domain}" in metrics
+
+
+def test_the_terminal_preset_stops_its_tools_at_the_episodes_tool_time():
+    """env.max_tool_s reaches the terminal environment (it stops its own calls when the
+    episode's tool seconds are spent); an option the user set wins."""
+    values = override(load_config_file(f"{AGENT}:terminal_qwen25_7b"), {"model.hf_path": "x"})
+    config = build(RLConfig, {k: v for k, v in values.items() if k != "method"})
+    record = {"prompt": "p", "tests": [{"name": "t", "code": "assert True"}]}
+    assert make_episode_env(config.env, record, 0).options.max_tool_s == config.env.max_tool_s
+    own = dataclasses.replace(config.env, options={"max_tool_s": 3.0})
+    assert make_episode_env(own, record, 0).options.max_tool_s == 3.0

@@ -2,6 +2,7 @@
 sampler drew; observation tokens carry no loss), budgets, tool errors and their metrics."""
 
 import os
+import threading
 
 import jax
 import numpy as np
@@ -73,6 +74,38 @@ def test_four_turn_episode_is_scored_as_sampled(model, tokenizer):
             assert f"<|im_start|>user\ngo on {turn}<|im_end|>\n<|im_start|>assistant\n" in text
         assert sum(ep.mask) == sum(1 for lp in ep.logprobs if lp != 0.0)
     assert_trained_as_sampled(model, flat, max_len=256, pad_id=tokenizer.pad_id or 0)
+
+
+class Stuck(Chatty):
+    """A tool that never returns (until the test lets it go)."""
+
+    release = threading.Event()
+
+    def step(self, message):
+        self.release.wait()
+        return super().step(message)
+
+
+def test_a_tool_that_never_returns_ends_its_episode_not_the_rollout(model, tokenizer):
+    """The episode stops waiting once its tool time (and as much again as grace, at most 10 s)
+    is spent: it ends as tool_time; the other episodes of the rollout run to their end."""
+    engine = Engine(model, EngineConfig(slots=4, chunk=4), max_len=256)
+    record = {"prompt": "What is 12 * 34?"}
+    budget = Budget(max_turns=3, max_tokens=200, turn_tokens=8, max_tool_s=0.5)
+    keys = jax.random.split(jax.random.key(0), 1)
+    result = []
+    rollout = threading.Thread(target=lambda: result.append(run_episodes(
+        engine, tokenizer, [[Stuck(record), Chatty(record)]], keys=keys, budget=budget,
+        pool=ElasticPool(0, 2),
+    )))  # fmt: skip
+    rollout.start()
+    rollout.join(timeout=120)  # (a hang fails here instead of holding the suite)
+    Stuck.release.set()
+    assert result, "the rollout waited on a tool that never returns"
+    [[stuck, chatty]] = result[0]
+    assert (stuck.finish_reason, stuck.tool_s, stuck.turns) == ("tool_time", 0.5, 1)
+    assert (chatty.finish_reason, chatty.turns) == ("turns", 3)
+    assert engine.idle and engine.blocks_in_use == 0
 
 
 def test_episode_tokens_equal_the_rendered_conversation(tokenizer):
