@@ -17,7 +17,7 @@ launcher that sets the rlimits and then executes `/tmp/main.py` as `__main__` (o
 
 A `Workspace` (`make_workspace`) persists `/workspace` across runs (an episode's files) with
 nothing of the host bound in: it lives on the host as a tar archive, and in a run the
-container's PID 1 is a trusted supervisor (`_sandbox_bwrap.SUPERVISOR`) that mounts a fresh
+container's PID 1 is a trusted supervisor (`_sandbox_workspace.SUPERVISOR`) that mounts a fresh
 tmpfs capped at the workspace's size and inode count (a write past either fails with ENOSPC
 inside), unpacks the archive into it, runs the program, enforces the timeout itself, kills
 every process the program started once it exits, and only then packs the tmpfs into a new
@@ -38,25 +38,20 @@ reachable, within the namespaces.
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import os
 import resource
-import selectors
-import signal
-import subprocess
 import tempfile
-import time
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import posttrain.rewards._sandbox_bwrap as _bw
-from posttrain.rewards._sandbox_bwrap import (
-    SandboxError,
-    SandboxUnavailableError,
+from posttrain.rewards._sandbox_bwrap import SandboxError, SandboxUnavailableError
+from posttrain.rewards._sandbox_process import SandboxResult, _execute, _launcher
+from posttrain.rewards._sandbox_workspace import (
+    SUPERVISOR,
     Workspace,
+    _Save,
     make_workspace,
     remove_workspace,
 )
@@ -74,88 +69,11 @@ __all__ = [
 ]
 
 _UNSAFE = ("subprocess", "unsafe-subprocess")
-_GRACE_S = 10.0  # past a workspace run's timeout: the supervisor's own time to clean up and save
 _MAINS = {"python": "main.py", "bash": "main.sh"}
-# Runs inside as `python -I -S -B -c _LAUNCHER`: reports "started" on its own pipe (so a
-# container that failed to start is an error, not a crash of the program; in a workspace run the
-# supervisor reports it and sets the limits instead), sets the limits, runs
-# main.py as __main__. -S skips site (faster start, no site-packages), so exit()/quit() are
-# restored by hand; the hook hides the launcher's own frame from tracebacks.
-_LAUNCHER = """\
-import builtins, os, resource, sys
-_started = {started_fd!r}
-if _started is not None:
-    os.write(_started, b"1")
-    os.close(_started)
-[resource.setrlimit(k, (soft, hard)) for k, soft, hard in {limits!r}]
-def _hook(t, v, tb, _h=sys.__excepthook__):
-    if tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
-        tb = tb.tb_next
-        v = v.with_traceback(tb)
-    _h(t, v, tb)
-sys.excepthook = _hook
-builtins.exit = builtins.quit = sys.exit
-sys.argv = [{main!r}]
-sys.path[:0] = {path_head!r}
-__file__ = {main!r}
-with open(__file__, "rb") as _f:
-    _code = compile(_f.read(), __file__, "exec")
-del builtins, os, resource, sys, _started, _hook, _f
-exec(_code)
-"""
-# bash: the same start report and limits, then the script replaces the launcher, with the
-# SIGPIPE and SIGXFSZ that Python ignores back to their defaults (`yes | head` ends, a write
-# past the file size limit kills the writer).
-_BASH_LAUNCHER = """\
-import os, resource, signal
-os.write({started_fd}, b"1")
-os.close({started_fd})
-for _k, _soft, _hard in {limits!r}:
-    resource.setrlimit(_k, (_soft, _hard))
-for _s in (signal.SIGPIPE, signal.SIGXFSZ):
-    signal.signal(_s, signal.SIG_DFL)
-os.execv("/bin/bash", ["bash", {main!r}])
-"""
-
-
-def _launcher(language: str, started_fd: int | None, limits, main: str, path_head) -> str:
-    """The launcher's source: `main` is the program, `path_head` goes first on `sys.path`;
-    it reports its start on `started_fd` (None: the workspace supervisor does)."""
-    template = _LAUNCHER if language == "python" else _BASH_LAUNCHER
-    return template.format(
-        started_fd=started_fd, limits=limits, main=main, path_head=list(path_head)
-    )
 
 
 class UnsafeSandboxWarning(UserWarning):
     """Untrusted code runs under the subprocess backend: rlimits and a timeout only."""
-
-
-@dataclass(frozen=True)
-class SandboxResult:
-    """What one sandboxed execution did."""
-
-    # The program's exit status; None if a signal killed it or it timed out. Without a
-    # workspace, bwrap reports death by signal N as status 128 + N, so a program exiting with
-    # 129..192 reads as killed; with one, the supervisor reports the exact status.
-    exit_code: int | None
-    stdout: str  # decoded as UTF-8 (invalid bytes replaced), at most max_output_bytes
-    stderr: str
-    timed_out: bool  # killed at the wall-clock timeout
-    killed_by_signal: int | None = None  # SIGKILL (9) at a timeout, SIGXCPU (24) at the CPU limit
-    stdout_truncated: bool = False  # output past max_output_bytes was read and discarded
-    stderr_truncated: bool = False
-    oom: bool = False  # died with a MemoryError at the address-space limit
-    wall_s: float = 0.0  # from container start to exit, startup included
-    backend: str = "bwrap"  # "bwrap" or "subprocess" (the unsafe opt-in)
-    # Why a read-write workspace run's changes were not kept (the workspace is as it was
-    # before the run); None when they were, or without a writable workspace.
-    workspace_error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        """Exited with status 0 within the timeout."""
-        return self.exit_code == 0 and not self.timed_out
 
 
 def run(
@@ -307,7 +225,7 @@ def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io, program) -> Sa
                 size, inodes = workspace.size_mb << 20, workspace.max_files
                 cfg = {**config, "ctl": started_fd, "size": size, "inodes": inodes}
                 cfg.update(timeout=io[1], argv=command, limits=limits)
-                command = [python, "-I", "-S", "-B", "-c", f"CONFIG = {cfg!r}\n{_bw.SUPERVISOR}"]
+                command = [python, "-I", "-S", "-B", "-c", f"CONFIG = {cfg!r}\n{SUPERVISOR}"]
             return prefix + _bw.bwrap_argv(bwrap, fds, tmp_bytes, command, workspace is not None)
 
         extra = [save.pipe_w] if save else []
@@ -318,46 +236,6 @@ def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io, program) -> Sa
             os.close(fd)
         if save is not None:
             save.close()
-
-
-class _Save:
-    """Where a read-write workspace run's new archive goes: a pipe from the container into
-    `<archive>.next-XXXX`, kept only up to what the workspace's limits allow."""
-
-    def __init__(self, workspace: Workspace):
-        directory, name = os.path.split(workspace.path)
-        fd, self.next = tempfile.mkstemp(prefix=name + _bw.NEXT, dir=directory)  # never a link
-        self.workspace = workspace
-        # Headers: 512 B each, more for long names (pax); 8 KiB per entry is ample.
-        self.cap = (workspace.size_mb << 20) + workspace.max_files * 8192 + (1 << 20)
-        self.file = os.fdopen(fd, "wb")  # closed by close()
-        self.pipe_r, self.pipe_w = os.pipe()
-
-    def close_write_end(self) -> None:
-        """Once the container holds it."""
-        if self.pipe_w is not None:
-            os.close(self.pipe_w)
-            self.pipe_w = None
-
-    def close(self) -> None:
-        """Closes the pipe and the file; removes the file unless `keep()` renamed it."""
-        self.close_write_end()
-        os.close(self.pipe_r)
-        self.file.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.next)
-
-    def keep(self, sink: _Sink, report: dict, timed_out: bool) -> str | None:
-        """Replaces the workspace's archive by the new one if it came whole; else says why not."""
-        if timed_out and "code" not in report:
-            return "the sandbox was killed before it saved the workspace"
-        if "save_error" in report:
-            return f"the workspace could not be saved: {report['save_error']}"
-        if sink.truncated or report.get("saved") != sink.size:
-            return f"the workspace's archive came incomplete ({sink.size} bytes)"
-        self.file.close()
-        os.replace(self.next, self.workspace.path)
-        return None
 
 
 def _run_subprocess(files: dict[str, str], limits, io, program) -> SandboxResult:
@@ -376,163 +254,6 @@ def _run_subprocess(files: dict[str, str], limits, io, program) -> SandboxResult
 
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
         return _execute(argv_for, "subprocess", io, cwd=tmp, env=env)
-
-
-class _Sink:
-    """What one output fd gave: kept up to `cap` bytes (in memory, or written to `file`), the
-    rest read and discarded (flagged truncated)."""
-
-    def __init__(self, cap: int, file=None):
-        self.data, self.cap, self.file = bytearray(), cap, file
-        self.size, self.truncated = 0, False
-
-    def add(self, chunk: bytes) -> None:
-        keep = chunk[: max(self.cap - self.size, 0)]
-        if self.file is not None:
-            self.file.write(keep)
-        else:
-            self.data += keep
-        self.size += len(keep)
-        self.truncated = self.truncated or len(keep) < len(chunk)
-
-
-def _execute(
-    argv_for, backend: str, io, workspace=None, save=None, pass_fds=(), **popen_kwargs
-) -> SandboxResult:
-    """Runs argv_for(started fd) in its own session: stdin in, capped output out, deadline.
-
-    With a workspace, the container's supervisor enforces the timeout itself and then packs
-    the workspace; the deadline here is only its backstop, `_GRACE_S` (plus 1 s per 64 MB of
-    workspace) later."""
-    stdin, timeout_s, cap = io
-    popen_kwargs.setdefault("env", {})  # the host's environment never reaches the sandbox
-    started_r, started_w = os.pipe()
-    try:
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            argv_for(started_w),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            pass_fds=(*pass_fds, started_w),
-            **popen_kwargs,
-        )
-    except BaseException:
-        os.close(started_r)
-        raise
-    finally:
-        os.close(started_w)
-    out, err, ctl = _Sink(cap), _Sink(cap), _Sink(1 << 16)
-    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, started_r: ctl}
-    if save is not None:
-        save.close_write_end()
-        archive = sinks[save.pipe_r] = _Sink(save.cap, save.file)
-    deadline = start + timeout_s
-    if workspace is not None:
-        deadline += _GRACE_S + workspace.size_mb / 64
-    try:
-        timed_out = _communicate(proc, sinks, stdin, deadline)
-    finally:
-        _kill_group(proc)  # no-op after a clean exit; on errors nothing may stay behind
-        os.close(started_r)
-    wall = time.monotonic() - start
-    code, stderr = proc.returncode, err.data.decode(errors="replace")
-    started, report = ctl.data[:1] == b"1", {}
-    if workspace is not None and not timed_out:
-        try:
-            report = ast.literal_eval(ctl.data[started:].decode() or "{}")
-        except (ValueError, SyntaxError, UnicodeDecodeError):
-            report = None
-        if not isinstance(report, dict):
-            report = {"error": f"unreadable report {bytes(ctl.data[:200])!r}"}
-        if "error" in report:
-            raise SandboxError(f"the workspace supervisor failed: {report['error']}; {stderr}")
-    if not started and not timed_out:
-        raise SandboxError(
-            f"the {backend} sandbox exited ({code}) before running the program: "
-            f"{stderr.strip()[-1000:]}"
-        )
-    signum = -code if code < 0 else None
-    if backend == "bwrap" and 128 < code < 128 + signal.NSIG:
-        signum = code - 128  # bwrap reports a child killed by signal N as exit status 128 + N
-    ws_error = None
-    if workspace is not None:  # the supervisor's report, not bwrap's status, says what ran
-        code = report.get("code")
-        timed_out = timed_out or code is None
-        signum = int(signal.SIGKILL) if timed_out else (-code if code < 0 else None)
-        if save is not None:
-            ws_error = save.keep(archive, report, timed_out)
-    return SandboxResult(
-        exit_code=None if signum or timed_out else code,
-        stdout=out.data.decode(errors="replace"),
-        stderr=stderr,
-        timed_out=timed_out,
-        killed_by_signal=signum,
-        stdout_truncated=out.truncated,
-        stderr_truncated=err.truncated,
-        oom=not timed_out and stderr.rstrip().rpartition("\n")[2].startswith("MemoryError"),
-        wall_s=wall,
-        backend=backend,
-        workspace_error=ws_error,
-    )
-
-
-def _communicate(proc: subprocess.Popen, sinks: dict, stdin: bytes, deadline: float) -> bool:
-    """Feeds stdin and reads every fd of `sinks` to its end, until the deadline; timed out?"""
-    timed_out = False
-    with selectors.DefaultSelector() as sel:
-        for fd in sinks:
-            sel.register(fd, selectors.EVENT_READ)
-        pending = memoryview(stdin)
-        if pending:
-            os.set_blocking(proc.stdin.fileno(), False)
-            sel.register(proc.stdin, selectors.EVENT_WRITE)
-        else:
-            proc.stdin.close()
-        while len(sel.get_map()) > 0:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if timed_out:  # still open 1 s after the kill: give up on the rest
-                    break
-                timed_out = True
-                _kill_group(proc)
-                deadline = time.monotonic() + 1.0
-                continue
-            for key, _ in sel.select(remaining):
-                if key.fileobj is proc.stdin:
-                    try:
-                        pending = pending[os.write(key.fd, pending[: 1 << 16]) :]
-                    except (BrokenPipeError, BlockingIOError) as e:
-                        pending = pending[:0] if isinstance(e, BrokenPipeError) else pending
-                    if not pending:
-                        sel.unregister(proc.stdin)
-                        proc.stdin.close()
-                    continue
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    sel.unregister(key.fd)
-                    continue
-                sinks[key.fd].add(chunk)
-    if not proc.stdin.closed:
-        proc.stdin.close()
-    if not timed_out:
-        try:  # the output is closed; main.py may still be running (it closed its stdout)
-            proc.wait(max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-    if timed_out:
-        _kill_group(proc)
-    proc.wait()
-    proc.stdout.close()
-    proc.stderr.close()
-    return timed_out
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 class SandboxPool:
