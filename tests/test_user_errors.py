@@ -182,6 +182,30 @@ CASES = [
         "num_generations",
     ),
     ("env-name", ["train", GRPO, "--workdir={run}", "--config.env.name=calculater"], "calculater"),
+    (
+        "env-options-unknown",  # refused before the model loads, not at the first rollout
+        [
+            "train",
+            GRPO,
+            "--workdir={root}/env_run",
+            "--config.model.checkpoint=",
+            "--config.env.name=calculator",
+            '--config.env.options={{"nope": 1}}',
+        ],
+        "env.options={{'nope': 1}}: calculator_env() got an unexpected keyword argument 'nope'",
+    ),  # fmt: skip
+    (
+        "env-options-value",  # (was: every tool call an error, silently)
+        [
+            "train",
+            GRPO,
+            "--workdir={root}/env_run",
+            "--config.model.checkpoint=",
+            "--config.env.name=python_tool",
+            '--config.env.options={{"timeout_s": -1}}',
+        ],
+        "python_tool needs timeout_s > 0",
+    ),  # fmt: skip
     # paths: tokenizer, model directories, data files
     (
         "tokenizer-dir",

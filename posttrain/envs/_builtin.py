@@ -87,6 +87,11 @@ def python_env(
     ),
 ) -> ToolEnvironment:
     """An episode with a sandboxed Python interpreter; the record's domain scores the answer."""
+    if min(timeout_s, memory_mb) <= 0 or max_output_chars < 0:
+        raise ValueError(
+            f"python_tool needs timeout_s > 0, memory_mb > 0 and max_output_chars >= 0, got "
+            f"{timeout_s}, {memory_mb}, {max_output_chars}"
+        )
 
     def python(code: str) -> str:
         """Runs a Python program in a sandbox and returns its exit code and output.

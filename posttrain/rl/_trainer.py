@@ -45,7 +45,7 @@ from posttrain.rl._offline_rl import offline_rl
 from posttrain.rl._partial import PartialProducer
 from posttrain.rl._prompts import AdaptiveDomains, PromptData
 from posttrain.rl._replay import check_router_replay
-from posttrain.rl._rollout import RolloutProducer, Rollouts
+from posttrain.rl._rollout import RolloutProducer, Rollouts, make_episode_env
 from posttrain.rl._sampler_weights import SamplerWeights
 from posttrain.rl._scorer import Scorer
 from posttrain.rl._source import RolloutSource
@@ -202,6 +202,11 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     scored = set(domains) | set(eval_prompts.domains if eval_prompts else ())
     if not (c.env.name and rewards_itself(c.env.name)):  # (else its episodes carry rewards)
         registry.check(scored)
+    if c.env.name:  # its options (and a record it refuses): one line now, not at step 1
+        try:
+            make_episode_env(c.env, prompts.prompts[0]["record"], c.train.seed).close()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"env.name={c.env.name!r} env.options={c.env.options}: {e}") from None
     if jax.process_count() > 1 and any(t.is_model for d in domains for t in registry.terms(d)):
         raise ConfigError(
             "rm: reward models score in one process for now (each process would score its "
