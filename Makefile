@@ -17,7 +17,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 --durations=40
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -n 2 -m slow --durations=15
+	POSTTRAIN_TEST_COMPILE=optimized $(PY) -m pytest -n 2 -m slow --durations=15
 
 # The default suite with XLA:CPU held to 128-bit vectors: reductions sum in another order, as on
 # another CPU (tests/README.md). Not part of CI: it doubles the suite's time. XLA:CPU cannot
