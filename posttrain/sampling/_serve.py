@@ -237,8 +237,9 @@ def create_app(backend, config: ServeConfig):
         except _ClientGone:
             return Response(status_code=_GONE)
         finally:
-            if not started:  # (failed or gone: `pieces` is closed and its admission released)
+            if not started:  # failed or gone: `pieces` closed, its admission given back (once)
                 await pieces.aclose()
+                release()  # (aclose of a generator that never ran skips its `finally`)
 
         async def all_pieces():
             yield first
