@@ -9,6 +9,7 @@ import time
 import jax
 
 from posttrain import paths
+from posttrain.errors import UserError
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
 PEAK_FLOPS = {
@@ -69,7 +70,12 @@ class MetricsWriter:
 
         if self._remote:
             self._tb_local = tempfile.TemporaryDirectory(prefix="posttrain-tensorboard-")
-        self._tb = SummaryWriter(self._tb_local.name if self._remote else self._tb_dir)
+        # A queue that never fills: tensorboardX's writer thread dies on a write error (a full
+        # disk), and a full queue would then block the loop forever; `_check_tensorboard` stops
+        # the run instead.
+        self._tb = SummaryWriter(
+            self._tb_local.name if self._remote else self._tb_dir, max_queue=1 << 20
+        )
 
     def write(self, step: int, metrics: dict, split: str = "train") -> None:
         if not self.enabled:
@@ -83,8 +89,20 @@ class MetricsWriter:
         else:
             with self.path.open("a") as f:
                 f.write(line)
+        self._check_tensorboard()
         for name, value in values.items():
             self._tb.add_scalar(f"{split}/{name}", value, int(step))
+
+    def _check_tensorboard(self) -> None:
+        """Raises if tensorboardX's writer thread has died (its error is printed above)."""
+        writer = self._tb._get_file_writer().event_writer
+        worker = getattr(writer, "_worker", None)
+        if worker is not None and not worker.is_alive():
+            raise UserError(
+                f"TensorBoard events could not be written to {self._tb_dir} (the writer's error "
+                "is above: a full or read-only disk?); free space and rerun to resume from the "
+                "last checkpoint"
+            )
 
     def flush(self) -> None:
         """Makes every line written so far readable at `self.path` (a no-op on local disk)."""

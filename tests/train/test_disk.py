@@ -62,3 +62,29 @@ def test_a_read_only_workdir_is_one_line(tmp_path, capsys):
             f"posttrain train: Read-only file system: {readonly}/run",
             "(--debug shows the traceback)",
         ], err
+
+
+def test_a_dead_tensorboard_writer_stops_the_run_instead_of_blocking_it(tmp_path):
+    """tensorboardX's writer thread dies on a write error (here: ENOSPC on its first event);
+    with its default 10-event queue the loop then blocked forever in `add_scalar` (seen in a
+    clean-clone run of the full-disk test). Now the next write says so in one line."""
+    import errno
+    import time
+
+    import pytest
+
+    from posttrain.errors import UserError
+    from posttrain.train._metrics import MetricsWriter
+
+    metrics = MetricsWriter(str(tmp_path))
+    events = metrics._tb._get_file_writer().event_writer._ev_writer
+
+    def full(event):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    events.write_event = full
+    with pytest.raises(UserError, match="TensorBoard events could not be written"):
+        for step in range(200):  # 20 scalars a step: far past the old queue's 10
+            metrics.write(step, {f"m{i}": i for i in range(20)})
+            time.sleep(0.01)
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") >= 1
