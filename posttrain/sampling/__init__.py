@@ -1,16 +1,22 @@
 """Sampling: the paged generation engine (RL rollouts, `serve`), the static sampler (the
 reference; eval and `generate`), speculative decoding and the OpenAI-compatible server."""
 
+from posttrain.sampling._backend import _Backend as ServeBackend  # (envs.EpisodeServer's base)
+from posttrain.sampling._completion import Completion, check_settings
 from posttrain.sampling._continuous import (
     generate_continuous,
     generate_speculative,
     request_completions,
 )
 from posttrain.sampling._engine import Engine, EngineConfig, EngineStats, Request
-from posttrain.sampling._generate import Completion, check_settings, generate
+from posttrain.sampling._generate import generate
 from posttrain.sampling._run import default_out, run_generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
-from posttrain.sampling._serve import ServeConfig, serve
+from posttrain.sampling._serve import ServeConfig, api_app, serve
+from posttrain.sampling._serve_request import _APIError as APIError
+from posttrain.sampling._serve_request import _get as request_field
+from posttrain.sampling._serve_request import _settings as request_settings
+from posttrain.sampling._serve_request import _tools as request_tools
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup
 
 __all__ = [
@@ -33,4 +39,10 @@ __all__ = [
     "sample_tokens",
     "serve",
     "ServeConfig",
+    "APIError",
+    "ServeBackend",
+    "api_app",
+    "request_field",
+    "request_settings",
+    "request_tools",
 ]

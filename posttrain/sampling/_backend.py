@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from posttrain.models import Transformer
+from posttrain.sampling._completion import Completion, _finish
 from posttrain.sampling._engine import Engine, EngineConfig, Request
-from posttrain.sampling._generate import Completion, _finish
 from posttrain.sampling._speculative import MTP, PromptLookup
 
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.models import Transformer
+from posttrain.sampling._completion import Completion, _check, _finish, _keys, _prepare
 from posttrain.sampling._engine import Engine, EngineConfig, Request
-from posttrain.sampling._generate import Completion, _check, _finish, _keys, _prepare
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup, check_drafter
 
 

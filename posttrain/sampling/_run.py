@@ -8,8 +8,9 @@ import os
 import sys
 
 from posttrain import paths
+from posttrain.sampling._completion import check_settings
 from posttrain.sampling._continuous import generate_continuous
-from posttrain.sampling._generate import check_settings, generate
+from posttrain.sampling._generate import generate
 from posttrain.sampling._stream import stream
 
 

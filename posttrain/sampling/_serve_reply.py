@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from posttrain.data import parse_tool_calls
 from posttrain.sampling._backend import Piece, _first, _partial
-from posttrain.sampling._generate import Completion
+from posttrain.sampling._completion import Completion
 
 _OPEN = "<tool_call>"
 

@@ -7,7 +7,7 @@ import secrets
 import jinja2
 
 from posttrain.sampling._backend import ServeConfig, Settings
-from posttrain.sampling._generate import _encode, check_settings
+from posttrain.sampling._completion import _encode, check_settings
 
 
 class _APIError(Exception):

@@ -1,36 +1,21 @@
 """Token-by-token generation for one prompt, yielding text as it is produced (the CLI's path).
 
-The same model code, cache and sampler as `generate`; the host loop costs a device round trip
-per token, which is what an interactive terminal wants and what batch rollouts avoid.
+The paged engine with one row and one decode step per call: the same decoder, cache and keys
+as `generate` (so a seeded stream is `generate`'s sample for that prompt), with a device round
+trip per token, which is what an interactive terminal wants and what batch rollouts avoid.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
-from posttrain.models import Transformer, init_cache
-from posttrain.sampling._sample import sample_tokens
-
-
-@functools.partial(jax.jit, static_argnames=("max_len",))
-def _prefill(model: Transformer, tokens_1P, *, max_len: int):
-    cache = init_cache(model.config, 1, max_len)
-    P = tokens_1P.shape[1]
-    logits, cache = model(
-        tokens_1P, jnp.arange(P, dtype=jnp.int32)[None], jnp.ones((1, P), jnp.int32), cache
-    )
-    return logits[:, -1], cache
-
-
-@jax.jit
-def _step(model: Transformer, cache, logits_1V, rng, position, temperature, top_k, top_p):
-    token = sample_tokens(rng, logits_1V, temperature=temperature, top_k=top_k, top_p=top_p)
-    logits, cache = model(token[:, None], position[None, None], jnp.ones((1, 1), jnp.int32), cache)
-    return token[0], logits[:, 0], cache
+from posttrain.models import Transformer
+from posttrain.sampling._completion import check_settings
+from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._static import generate_static
 
 
 def stream(
@@ -44,35 +29,39 @@ def stream(
     top_p: float = 1.0,
     seed: int = 0,
 ) -> Iterator[str]:
-    """Yields the decoded continuation of `prompt_ids` piece by piece until EOS or the limit."""
+    """Yields the decoded continuation of `prompt_ids` piece by piece until EOS or the limit
+    (a Flax NNX module, which the engine cannot cache, gives its whole text as one piece)."""
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    check_settings(max_new_tokens=max_new_tokens, n=1, **settings)
     limit = model.config.max_seq_len
     if len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(
             f"the prompt has {len(prompt_ids)} tokens; with max_new_tokens="
             f"{max_new_tokens} that exceeds the model's context ({limit})"
         )
-    logits, cache = _prefill(
-        model, jnp.asarray([list(prompt_ids)], jnp.int32), max_len=len(prompt_ids) + max_new_tokens
+    if model.config.nnx is not None:
+        [[done]] = generate_static(
+            model, tokenizer, [list(prompt_ids)], max_new_tokens=max_new_tokens, n=1, seed=seed,
+            seeds=None, stop=(), eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id or 0,
+            length_bucket=64, images=None, **settings,
+        )  # fmt: skip
+        yield done.text
+        return
+    engine = Engine(
+        model,
+        EngineConfig(slots=1, chunk=1),
+        max_len=len(prompt_ids) + max_new_tokens,
+        eos_ids=tokenizer.eos_ids,
     )
-    rng = jax.random.key(seed)
-    generated: list[int] = []
-    shown = ""
-    for i in range(max_new_tokens):
-        token, logits, cache = _step(
-            model,
-            cache,
-            logits,
-            jax.random.fold_in(rng, i),
-            jnp.int32(len(prompt_ids) + i),
-            jnp.float32(temperature),
-            jnp.int32(top_k),
-            jnp.float32(top_p),
-        )
-        token = int(token)
-        if token in tokenizer.eos_ids:
-            break
-        generated.append(token)
-        text = tokenizer.decode(generated)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+    # Prompt 0 of `generate(..., seed=seed)` draws from fold_in(key(seed), 0).
+    key = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0))
+    request = engine.submit(Request(list(prompt_ids), max_new_tokens, np.asarray(key), **settings))
+    shown = text = ""
+    while not engine.idle:
+        engine.step()
+        text = tokenizer.decode(request.tokens[0])
+        if text != shown and not text.endswith("\ufffd"):  # wait for a character's last byte
             yield text[len(shown) :]
             shown = text
+    if text != shown:  # the sample ended inside a character: no more bytes are coming
+        yield text[len(shown) :]

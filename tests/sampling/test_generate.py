@@ -8,7 +8,7 @@ import scipy.stats
 
 from posttrain.models import KVCache, ModelConfig, Transformer, forward, from_hf
 from posttrain.sampling import Completion, filter_logits, generate
-from posttrain.sampling._generate import _generate_padded
+from posttrain.sampling._paged import decode, prefill
 from posttrain.testing import save_tiny_hf_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [100, 101, 102, 103, 104]]
@@ -236,10 +236,10 @@ def test_bad_inputs_raise(kwargs, message, tiny):
 def test_new_params_do_not_recompile(tiny):
     model = tiny
     first = generate(model, None, PROMPTS, max_new_tokens=6, temperature=1.0)
-    size = _generate_padded._cache_size()
+    size = decode._cache_size() + prefill._cache_size()
     fresh = Transformer(jax.tree.map(lambda p: p * 1.5, model.params), TINY)
     second = generate(fresh, None, PROMPTS, max_new_tokens=6, temperature=0.5, top_k=4, top_p=0.9)
-    assert _generate_padded._cache_size() == size
+    assert decode._cache_size() + prefill._cache_size() == size
     assert first != second
 
 
