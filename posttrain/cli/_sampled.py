@@ -48,9 +48,9 @@ def load(fv):
     if fv.reward and not fv.domain:
         raise UserError("--reward scores --domain's records: give --domain=NAME too")
     from posttrain import paths
+    from posttrain.curate import SampleConfig
     from posttrain.data import load_tokenizer
-    from posttrain.rl._config import RewardsConfig
-    from posttrain.rl._pairs import SampleConfig
+    from posttrain.rl import RewardsConfig
     from posttrain.train import load_model_and_tokenizer
 
     for pattern in fv.prompts:

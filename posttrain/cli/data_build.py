@@ -1,5 +1,5 @@
 """`posttrain data build`: records as a versioned, content-addressed dataset that training reads
-by its directory (posttrain/data/_build.py)."""
+by its directory (posttrain/curate/_build.py)."""
 
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ def main(argv: list[str]) -> int:
 
     if not paths.is_remote(fv.out) and os.path.lexists(fv.out) and not os.path.isdir(fv.out):
         raise UserError(f"--out={fv.out} is a file; give the folder builds go in (<out>/<id>/)")
-    from posttrain.data._build import build
+    from posttrain.curate import build_dataset
 
-    result = build(
+    result = build_dataset(
         fv.input, fv.out, shard_records=fv.shard_records, params=_params(fv.params, fv.param)
     )
     _print(result)

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
         raise UserError("--input=PATTERN (one or more) and --out=FILE are required")
     check_workers(fv.workers)
     check_flags(fv, inputs=("input", "overrides"), outputs=("out", "rejects", "stats"))
-    from posttrain.data._clean import CleanConfig, clean
+    from posttrain.curate import CleanConfig, clean
 
     try:
         options = {"normalize": None if fv.normalize.lower() == "none" else fv.normalize.upper()}

@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     from rich.table import Table
 
     from posttrain import paths
-    from posttrain.data._decontam import DecontamConfig, decontaminate
+    from posttrain.curate import DecontamConfig, decontaminate
 
     try:
         config = DecontamConfig(ngram=fv.ngram, min_count=fv.min_count)

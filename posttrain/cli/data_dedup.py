@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     from rich.table import Table
 
     from posttrain import paths
-    from posttrain.data._dedup import DedupConfig, dedup
+    from posttrain.curate import DedupConfig, dedup
 
     try:
         config = DedupConfig(

@@ -1,4 +1,4 @@
-"""`posttrain data diff A B`: what changed between two builds (posttrain/data/_build.py)."""
+"""`posttrain data diff A B`: what changed between two builds (posttrain/curate/_build.py)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def main(argv: list[str]) -> int:
             f"give two build directories, A and B (got {len(builds)}: {builds}); write flags "
             "as --limit=N"
         )
-    from posttrain.data._build import diff
+    from posttrain.curate import diff_builds
 
-    _print(diff(*builds, limit=max(fv.limit, 0)))
+    _print(diff_builds(*builds, limit=max(fv.limit, 0)))
     return 0
 
 

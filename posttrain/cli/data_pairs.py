@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
 
     fv = parse(argv, define, HELP)
     model, tokenizer, sources, config = load(fv)
-    from posttrain.rl._pairs import make_pairs
+    from posttrain.curate import make_pairs
 
     stats = make_pairs(
         model, tokenizer, sources, fv.out, config, min_margin=fv.min_margin,

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     from rich.table import Table
 
     from posttrain import paths
-    from posttrain.data._stratify import bucket_names, read_pass_rates, stratify_records
+    from posttrain.curate import bucket_names, read_pass_rates, stratify_records
 
     try:
         edges = [float(e) for e in fv.edges] or None
@@ -93,8 +93,8 @@ def main(argv: list[str]) -> int:
 
 def _sampled(fv) -> dict[int, float]:
     """Each record's pass rate under --model (k samples, scored by its reward domain)."""
-    from posttrain.rl._config import RewardsConfig
-    from posttrain.rl._pairs import SampleConfig, pass_rates
+    from posttrain.curate import SampleConfig, pass_rates
+    from posttrain.rl import RewardsConfig
     from posttrain.train import load_model_and_tokenizer
 
     try:

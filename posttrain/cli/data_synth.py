@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
 
     fv = parse(argv, define, HELP)
     model, tokenizer, sources, config = load(fv)
-    from posttrain.rl._pairs import synthesize
+    from posttrain.curate import synthesize
 
     stats = synthesize(
         model, tokenizer, sources, fv.out, config, threshold=fv.threshold,

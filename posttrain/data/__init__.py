@@ -1,15 +1,26 @@
 """Data: tokenizers, chat templates, SFT sources, formats, mixtures, packing, curricula;
-preference pairs; tool schemas and tool-call parsing; the data tools (`posttrain data`)."""
+preference pairs; tool schemas and tool-call parsing; reading data builds. The offline data
+tools (`posttrain data`) are `posttrain.curate`."""
 
-from posttrain.data._build import build as build_dataset
-from posttrain.data._build import diff as diff_builds
-from posttrain.data._build import verify as verify_build
-from posttrain.data._clean import CleanConfig, clean
+from posttrain.data._build_check import DIGEST as BUILD_DIGEST
+from posttrain.data._build_check import FORMAT as BUILD_FORMAT
+from posttrain.data._build_check import HASHES as BUILD_HASHES
+from posttrain.data._build_check import MANIFEST as BUILD_MANIFEST
+from posttrain.data._build_check import build_id, record_bytes, sha256_file
+from posttrain.data._build_check import read_manifest as read_build_manifest
+from posttrain.data._build_check import verify as verify_build
+from posttrain.data._chat_template import REASONING_FIELDS
 from posttrain.data._curriculum import Phase
-from posttrain.data._decontam import DecontamConfig, decontaminate
-from posttrain.data._dedup import DedupConfig, dedup
+from posttrain.data._formats import RecordError, decode, detect_format, encode_prompt
 from posttrain.data._images import ImageError, image_array, load_image, preprocess_images
-from posttrain.data._io import RecordWriter, read_records
+from posttrain.data._io import (
+    RecordWriter,
+    clear_stale,
+    default_mode,
+    kind_of,
+    read_records,
+    staging_name,
+)
 from posttrain.data._long_context import KINDS as LONG_CONTEXT_KINDS
 from posttrain.data._long_context import long_context_records, read_paragraphs
 from posttrain.data._pipeline import DataConfig, SFTData, make_pipeline
@@ -19,8 +30,7 @@ from posttrain.data._preference_data import (
     make_preference_pipeline,
     preference_batches,
 )
-from posttrain.data._sources import SourceConfig
-from posttrain.data._stratify import stratify, stratify_records
+from posttrain.data._sources import Records, SourceConfig
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
 from posttrain.data._tools import (
     TOOL_FORMATS,
@@ -32,9 +42,13 @@ from posttrain.data._tools import (
 )
 
 __all__ = [
-    "CleanConfig",
-    "DecontamConfig",
-    "DedupConfig",
+    "BUILD_DIGEST",
+    "BUILD_FORMAT",
+    "BUILD_HASHES",
+    "BUILD_MANIFEST",
+    "REASONING_FIELDS",
+    "RecordError",
+    "Records",
     "LONG_CONTEXT_KINDS",
     "TOOL_FORMATS",
     "DataConfig",
@@ -46,14 +60,16 @@ __all__ = [
     "PreferenceData",
     "SFTData",
     "SourceConfig",
+    "build_id",
+    "clear_stale",
+    "decode",
+    "default_mode",
+    "detect_format",
+    "encode_prompt",
     "Tokenizer",
-    "build_dataset",
-    "clean",
-    "decontaminate",
-    "dedup",
-    "diff_builds",
     "encode_pair",
     "image_array",
+    "kind_of",
     "load_image",
     "long_context_records",
     "load_tokenizer",
@@ -63,10 +79,12 @@ __all__ = [
     "preference_batches",
     "preprocess_images",
     "read_paragraphs",
+    "read_build_manifest",
     "read_records",
+    "record_bytes",
     "register_tool_format",
-    "stratify",
-    "stratify_records",
+    "sha256_file",
+    "staging_name",
     "tool_format_for",
     "tool_schema",
     "verify_build",

@@ -1,5 +1,5 @@
 """Prompt difficulty from sampled rewards: pass rates, pass@k and filtering (bucketing by
-difficulty: `posttrain.data.stratify`).
+difficulty: `posttrain.curate.stratify`).
 
 Scores come grouped by prompt: a mapping {prompt key: [score of each of k samples]} or a list of
 such lists (keyed by position). A sample passes when its score is at least `threshold`.

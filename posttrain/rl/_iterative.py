@@ -16,9 +16,9 @@ import logging
 
 from posttrain import paths
 from posttrain.config import ConfigError
+from posttrain.curate import SampleConfig, make_pairs
 from posttrain.data import SourceConfig, load_tokenizer
 from posttrain.rl._offline_rl import _finished_step
-from posttrain.rl._pairs import SampleConfig, make_pairs
 from posttrain.train._dpo import DPOConfig, run_dpo
 from posttrain.train._params import ModelSpec, load_model_and_tokenizer
 

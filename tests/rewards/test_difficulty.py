@@ -5,7 +5,7 @@ from math import comb
 
 import pytest
 
-from posttrain.data import stratify
+from posttrain.curate import stratify
 from posttrain.rewards import filter_by_pass_rate, pass_at_k, pass_rate
 
 

@@ -1,4 +1,4 @@
-"""Versioned builds (posttrain/data/_build.py): the same inputs give the same id and bytes, a
+"""Versioned builds (posttrain/curate/_build.py): the same inputs give the same id and bytes, a
 changed record changes the id and `diff` names it, a changed file is refused naming it, a build
 already there is reused, and a build reads (and trains) as its raw sources do."""
 
@@ -17,9 +17,10 @@ import pytest
 
 from posttrain.cli.data_build import main as build_main
 from posttrain.cli.data_diff import main as diff_main
-from posttrain.data import DataConfig, SourceConfig, _build, make_pipeline
-from posttrain.data._build import _unmatched, build, diff, verify
-from posttrain.data._sources import Records
+from posttrain.curate import _build
+from posttrain.curate._build import _unmatched, build, diff
+from posttrain.data import DataConfig, Records, SourceConfig, make_pipeline
+from posttrain.data import verify_build as verify
 from posttrain.errors import UserError
 from tests.data.conftest import write_records
 

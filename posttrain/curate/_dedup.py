@@ -32,16 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.data._chunks import decoded, default_workers, map_chunks
-from posttrain.data._io import RecordWriter
-from posttrain.data._shingles import (
+from posttrain.curate._chunks import decoded, default_workers, map_chunks
+from posttrain.curate._shingles import (
     ngram_hashes,
     normalize,
     position_constants,
     record_text,
     word_hashes,
 )
-from posttrain.data._sources import Records
+from posttrain.data import Records, RecordWriter
 
 _BLOCK = 1024  # shingles per MinHash block: a 1 MiB uint64 temporary at num_perm=128 (in cache)
 _TOP = 10  # largest clusters named in the report

@@ -16,8 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from posttrain.data._formats import RecordError, decode
-from posttrain.data._sources import Records
+from posttrain.data import RecordError, Records, decode
 
 CHUNK = 2048  # records per task: big enough to vectorise, small enough to balance the workers
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from posttrain.cli.data_clean import main
-from posttrain.data._clean import CleanConfig, clean, clean_record, language
+from posttrain.curate._clean import CleanConfig, clean, clean_record, language
 from posttrain.errors import UserError
 
 

@@ -22,10 +22,9 @@ from typing import Any
 import numpy as np
 
 from posttrain import paths
-from posttrain.data._chunks import decoded, default_workers, map_chunks
-from posttrain.data._io import RecordWriter, read_records
-from posttrain.data._shingles import all_strings, ngram_hashes, word_hashes, words_only
-from posttrain.data._sources import Records
+from posttrain.curate._chunks import decoded, default_workers, map_chunks
+from posttrain.curate._shingles import all_strings, ngram_hashes, word_hashes, words_only
+from posttrain.data import Records, RecordWriter, read_records
 
 _LISTED = 5  # eval items named per dropped record in the report
 

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from posttrain.data import _chunks
-from posttrain.data._dedup import DedupConfig, dedup, lsh_params, minhash_signatures
-from posttrain.data._shingles import normalize
+from posttrain.curate import _chunks
+from posttrain.curate._dedup import DedupConfig, dedup, lsh_params, minhash_signatures
+from posttrain.curate._shingles import normalize
 from tests.data.conftest import write_records
 
 VOCAB = [f"w{i}" for i in range(3000)]

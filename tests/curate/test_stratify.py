@@ -6,7 +6,8 @@ import json
 import pytest
 
 from posttrain.cli.data_stratify import main
-from posttrain.data import read_records, stratify_records
+from posttrain.curate import stratify_records
+from posttrain.data import read_records
 from posttrain.errors import UserError
 from tests.data.conftest import write_records
 

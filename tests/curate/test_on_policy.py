@@ -10,14 +10,20 @@ import sys
 
 import pytest
 
+from posttrain.curate._on_policy import (
+    SampleConfig,
+    make_pairs,
+    pass_rates,
+    scored_groups,
+    synthesize,
+)
 from posttrain.data import load_tokenizer
 from posttrain.demo import ASSETS_DIR
 from posttrain.models import ModelConfig, Transformer
-from posttrain.rl._config import RewardsConfig
-from posttrain.rl._pairs import SampleConfig, make_pairs, pass_rates, scored_groups, synthesize
+from posttrain.rl import RewardsConfig
 from tests.train.conftest import REPO
 
-REWARD = "tests.rl.test_pairs:characters"
+REWARD = "tests.curate.test_on_policy:characters"
 
 
 def characters(record, completion):
@@ -150,7 +156,7 @@ def test_synth_keeps_passing_distinct_samples_best_first(policy, prompts, tmp_pa
 
 
 def test_pass_rates_key_each_record_by_its_position_for_stratify(policy, prompts, tmp_path):
-    from posttrain.data._stratify import stratify_records
+    from posttrain.curate import stratify_records
 
     model, tokenizer = policy
     config = _config(rewards=RewardsConfig(domains={"len": [REWARD]}, workers=1,

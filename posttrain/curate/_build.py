@@ -1,5 +1,6 @@
 """Versioned datasets: `build` writes sources as an immutable, content-addressed directory of
-ArrayRecord shards with a manifest; `verify` checks one; `diff` says what changed between two.
+ArrayRecord shards with a manifest; `diff` says what changed between two. Reading and checking
+a build is the input pipeline's (`posttrain.data.verify_build`, `posttrain.data.Records`).
 
 A build directory, `<out_dir>/<build id>/`, holds
 
@@ -17,7 +18,7 @@ params give the same directory, byte for byte. A build is never rewritten: build
 files with the same bytes finds the build they made (by its manifest) and verifies it, writing
 nothing; other files holding the same records are written to a staging folder and find the
 directory of their id, which is verified. Training reads a build directory as a data source
-(`Records` in `_sources.py` calls `open_build`): its shards, verified first, and the id goes in
+(`posttrain.data.Records` opens it): its shards, verified first, and the id goes in
 the run's manifest.
 """
 
@@ -38,25 +39,23 @@ from typing import Any
 import numpy as np
 
 from posttrain import paths
-from posttrain.data._build_check import (
-    DIGEST,
-    FORMAT,
-    HASHES,
-    MANIFEST,
-    build_id,
-    read_manifest,
-    record_bytes,
-    sha256_file,
-    verify,
-)
-from posttrain.data._io import (
+from posttrain.data import (
+    BUILD_DIGEST,
+    BUILD_FORMAT,
+    BUILD_HASHES,
+    BUILD_MANIFEST,
+    Records,
     RecordWriter,
+    build_id,
     clear_stale,
     default_mode,
+    read_build_manifest,
     read_records,
+    record_bytes,
+    sha256_file,
     staging_name,
+    verify_build,
 )
-from posttrain.data._sources import Records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +120,7 @@ def build(
     readers = [Records(pattern) for pattern in sources]  # scanned once, read by both passes
     described = [_describe(p, r) for p, r in zip(sources, readers, strict=True)]
     if found := _built_before(out_dir, described, params, shard_records):
-        manifest = verify(found)
+        manifest = verify_build(found)
         return BuildResult(manifest["id"], found, True, manifest)
     if local:
         clear_stale(out_dir, ".build-")  # what a killed build left
@@ -142,12 +141,12 @@ def _built_before(out_dir, described, params, shard_records) -> str | None:
     """The directory of a build in `out_dir` made from files with the same bytes, in the same
     order, with the same params and shard size: what building again would write."""
     inputs = _inputs(described, params, shard_records)
-    for path in paths.glob(paths.join(out_dir, "*", MANIFEST)):
+    for path in paths.glob(paths.join(out_dir, "*", BUILD_MANIFEST)):
         try:
             m = json.loads(paths.path(path).read_text())
             same = _inputs(m["sources"], m["params"], m["shard_records"]) == inputs
-            if same and m["format"] == FORMAT:
-                return path[: -len(MANIFEST) - 1]
+            if same and m["format"] == BUILD_FORMAT:
+                return path[: -len(BUILD_MANIFEST) - 1]
         except (ValueError, KeyError, TypeError):
             continue  # not a build's manifest; a build of its id is verified when published
     return None
@@ -161,7 +160,7 @@ def _write(readers, described, staging, shard_records, params, progress) -> dict
     records = itertools.chain.from_iterable(read_records(r) for r in readers)
     shards = []
     with (
-        open(os.path.join(staging, HASHES), "wb") as hashes,
+        open(os.path.join(staging, BUILD_HASHES), "wb") as hashes,
         tqdm(total=total, desc="build", unit=" records", disable=None if progress else True) as bar,
     ):
         for index in itertools.count():
@@ -177,12 +176,12 @@ def _write(readers, described, staging, shard_records, params, progress) -> dict
                     except (TypeError, ValueError) as e:
                         raise ValueError(f"{where}: a value is not JSON ({e})") from None
                     writer.write(record)
-                    hashes.write(hashlib.sha256(data).digest()[:DIGEST])
+                    hashes.write(hashlib.sha256(data).digest()[:BUILD_DIGEST])
                     bar.update()
             path = Path(staging, name)
             shards.append({"file": name, "sha256": sha256_file(path), "records": writer.count})
     return {
-        "format": FORMAT,
+        "format": BUILD_FORMAT,
         "id": build_id(params, shards),
         "params": params,
         "shard_records": shard_records,
@@ -190,9 +189,9 @@ def _write(readers, described, staging, shard_records, params, progress) -> dict
         "sources": described,
         "shards": shards,
         "record_hashes": {
-            "file": HASHES,
-            "sha256": sha256_file(Path(staging, HASHES)),
-            "digest": f"sha256 of each record's canonical JSON, first {DIGEST} bytes",
+            "file": BUILD_HASHES,
+            "sha256": sha256_file(Path(staging, BUILD_HASHES)),
+            "digest": f"sha256 of each record's canonical JSON, first {BUILD_DIGEST} bytes",
         },
     }
 
@@ -216,24 +215,26 @@ def _describe(pattern: str, records: Records) -> dict[str, Any]:
 def _publish(staging: str, out_dir: str, manifest: dict[str, Any]) -> BuildResult:
     """Moves the staged build to `<out_dir>/<id>`, or verifies the one already there."""
     final = paths.join(out_dir, manifest["id"])
-    done = paths.path(paths.join(final, MANIFEST)).exists()
+    done = paths.path(paths.join(final, BUILD_MANIFEST)).exists()
     if done:
-        existing = verify(final)
+        existing = verify_build(final)
         if existing["id"] != manifest["id"]:
             raise ValueError(
-                f"{final}/{MANIFEST}: names build {existing['id']}, not the directory's "
+                f"{final}/{BUILD_MANIFEST}: names build {existing['id']}, not the directory's "
                 f"{manifest['id']}; remove {final} and build again"
             )
         return BuildResult(manifest["id"], final, True, existing)
     text = json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    Path(staging, MANIFEST).write_text(text)
+    Path(staging, BUILD_MANIFEST).write_text(text)
     if not paths.is_remote(final):
         if os.path.exists(final):
-            raise ValueError(f"{final} exists but holds no {MANIFEST}; remove it and build again")
+            raise ValueError(
+                f"{final} exists but holds no {BUILD_MANIFEST}; remove it and build again"
+            )
         os.chmod(staging, default_mode(folder=True))  # (mkdtemp's folder is private)
         os.replace(staging, final)
     else:  # an earlier upload cut short left no manifest: the same files go up again
-        for name in sorted(os.listdir(staging), key=lambda n: n == MANIFEST):  # manifest last
+        for name in sorted(os.listdir(staging), key=lambda n: n == BUILD_MANIFEST):  # manifest last
             paths.upload(os.path.join(staging, name), paths.join(final, name))
     return BuildResult(manifest["id"], final, False, manifest)
 
@@ -243,7 +244,7 @@ class RecordChange:
     """A record one build holds and the other does not.
 
     Attributes:
-      hash: hex of its sha256's first `DIGEST` bytes, as `record_hashes.bin` holds it.
+      hash: hex of its sha256's first `BUILD_DIGEST` bytes, as `record_hashes.bin` holds it.
       index: its index in its build (shard order).
       location: "shard-00001.arrayrecord record 5".
       preview: the start of its text, on one line.
@@ -291,7 +292,7 @@ def diff(a: str, b: str, *, limit: int = 20) -> BuildDiff:
     preview of the first `limit` of each). Reads both manifests and hashes files (16 bytes per
     record, checked against their manifests) and only the shards holding the previewed records.
     """
-    ma, mb = read_manifest(a), read_manifest(b)
+    ma, mb = read_build_manifest(a), read_build_manifest(b)
     ha, hb = _hashes(a, ma), _hashes(b, mb)
     removed, added = _unmatched(ha, hb)
     files_a, files_b = _files(ma), _files(mb)
@@ -346,10 +347,10 @@ def _flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _hashes(build_dir: str, manifest: dict[str, Any]) -> np.ndarray:
     """The build's record hashes as a [records, 2] uint64 array, checked against the manifest."""
-    data = paths.path(paths.join(build_dir, HASHES)).read_bytes()
+    data = paths.path(paths.join(build_dir, BUILD_HASHES)).read_bytes()
     if hashlib.sha256(data).hexdigest() != manifest["record_hashes"]["sha256"]:
-        raise ValueError(f"{build_dir}: {HASHES} no longer matches {MANIFEST}")
-    return np.frombuffer(data, dtype=">u8").reshape(-1, DIGEST // 8)
+        raise ValueError(f"{build_dir}: {BUILD_HASHES} no longer matches {BUILD_MANIFEST}")
+    return np.frombuffer(data, dtype=">u8").reshape(-1, BUILD_DIGEST // 8)
 
 
 def _unmatched(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,11 +23,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain.config import ConfigError
-from posttrain.data._formats import RecordError, encode_prompt
-from posttrain.data._io import RecordWriter, read_records
-from posttrain.data._sources import Records
+from posttrain.data import RecordError, Records, RecordWriter, encode_prompt, read_records
 from posttrain.rewards import RewardPool
-from posttrain.rl._config import RewardsConfig
+from posttrain.rl import RewardsConfig
 from posttrain.sampling import Completion, Engine, EngineConfig, generate_continuous
 
 # Fields a written record sets itself (an input record's own are replaced).

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from posttrain.data._decontam import DecontamConfig, decontaminate
+from posttrain.curate._decontam import DecontamConfig, decontaminate
 from tests.data.conftest import write_records
 
 
@@ -93,7 +93,7 @@ def test_shorter_ngrams_and_text_eval_sets(data, tmp_path):
 
 @pytest.mark.slow  # two spawned workers import posttrain.data (jax): ~3-8 s
 def test_two_workers_write_the_same_output(data, tmp_path, monkeypatch):
-    from posttrain.data import _chunks
+    from posttrain.curate import _chunks
 
     train_path, eval_path, _ = data
     monkeypatch.setattr(_chunks, "CHUNK", 7)

@@ -14,7 +14,7 @@ format are skipped (a `{"text"}` record has no turns or roles).
                           or without an assistant turn
   bad_role, system_not_first, bad_tool_call, orphan_tool_message, roles_not_alternating
                           the chat structure is wrong (with validate_chat; the rules and their
-                          order are in posttrain/data/_chat_structure.py)
+                          order are in posttrain/curate/_chat_structure.py)
   too_few_turns, too_many_turns   user + assistant turns outside [min_turns, max_turns]
   too_short, too_long     characters of all the record's text outside [min_chars, max_chars]
   language                py3langid's language of the user + assistant text is not one of
@@ -45,12 +45,16 @@ from typing import Any, NamedTuple
 
 from tqdm.auto import tqdm
 
-from posttrain.data._chat_structure import REASONS as CHAT_REASONS
-from posttrain.data._chat_structure import chat_problem
-from posttrain.data._chat_template import REASONING_FIELDS
-from posttrain.data._formats import RecordError, detect_format
-from posttrain.data._io import RecordWriter, kind_of
-from posttrain.data._sources import Records
+from posttrain.curate._chat_structure import REASONS as CHAT_REASONS
+from posttrain.curate._chat_structure import chat_problem
+from posttrain.data import (
+    REASONING_FIELDS,
+    RecordError,
+    Records,
+    RecordWriter,
+    detect_format,
+    kind_of,
+)
 
 REASONS = (
     *("invalid_json", "unknown_format", "malformed", "empty"),

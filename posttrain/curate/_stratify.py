@@ -15,8 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain import paths
-from posttrain.data._io import RecordWriter, kind_of, read_records
-from posttrain.data._sources import Records
+from posttrain.data import Records, RecordWriter, kind_of, read_records
 
 
 def stratify(

@@ -1,0 +1,33 @@
+"""Curate: the offline data tools behind `posttrain data`: clean, dedup, decontaminate, build
+(verify, diff), stratify, on-policy pairs and rejection-sampled synth, and the CAD task files."""
+
+from posttrain.curate._build import BuildDiff, BuildResult, RecordChange
+from posttrain.curate._build import build as build_dataset
+from posttrain.curate._build import diff as diff_builds
+from posttrain.curate._clean import CleanConfig, clean
+from posttrain.curate._decontam import DecontamConfig, decontaminate
+from posttrain.curate._dedup import DedupConfig, dedup
+from posttrain.curate._on_policy import SampleConfig, make_pairs, pass_rates, synthesize
+from posttrain.curate._stratify import bucket_names, read_pass_rates, stratify, stratify_records
+
+__all__ = [
+    "BuildDiff",
+    "BuildResult",
+    "CleanConfig",
+    "DecontamConfig",
+    "DedupConfig",
+    "RecordChange",
+    "SampleConfig",
+    "bucket_names",
+    "build_dataset",
+    "clean",
+    "decontaminate",
+    "dedup",
+    "diff_builds",
+    "make_pairs",
+    "pass_rates",
+    "read_pass_rates",
+    "stratify",
+    "stratify_records",
+    "synthesize",
+]
