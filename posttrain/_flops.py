@@ -28,11 +28,11 @@ def _expected_ratio(m, length: int, expert_buffer: float, lm_head: bool = True) 
 def _expert_buffer(m, mesh) -> float:
     """Rows the routed experts process over the balanced M*K (expert parallelism pads its
     all-to-all buffers: `ep_capacity_factor`, or the worst case `min(K, E/ep) * ep / K`)."""
-    from posttrain.models._moe import _mesh_axes
+    from posttrain.models import expert_parallelism
 
     if m.moe is None or m.moe.dispatch != "dropless":
         return 1.0
-    ep = math.prod(dict(mesh.shape)[a] for a in _mesh_axes(("experts",), None, mesh, 0))
+    ep = expert_parallelism(mesh)
     if ep == 1:
         return 1.0
     if m.moe.ep_capacity_factor is not None:

@@ -210,7 +210,8 @@ def test_what_counts_as_an_import(tmp_path, source, expected):
 LOSSES = {
     "train/_sft.py": ("sft_loss",),
     "train/_dpo.py": ("dpo_loss", "reference_logps", "_logps"),
-    "train/_rm.py": ("reward_model_loss", "reward_scores"),
+    "train/_rm.py": ("reward_model_loss",),
+    "rewards/_reward_model.py": ("reward_scores",),
     "rl/_loss.py": ("rl_loss", "sequence_log_probs"),
 }
 _LORA = re.compile(r"lora|adapter|quantiz", re.IGNORECASE)

@@ -34,12 +34,12 @@ def main(argv: list[str]) -> int:
     if fv.workdir:
         check_folder("workdir", fv.workdir)
     if fv.task == "calculator":
-        from posttrain.demo._calculator import run_calculator_demo
+        from posttrain.demo import run_calculator_demo
 
         run_calculator_demo(fv.workdir or "runs/agent")
         return 0
     if fv.task == "cad":
-        from posttrain.demo._cad import run_cad_demo
+        from posttrain.demo import run_cad_demo
 
         run_cad_demo(fv.workdir or "runs/cad")
         return 0

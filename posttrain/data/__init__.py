@@ -2,6 +2,7 @@
 preference pairs; tool schemas and tool-call parsing; reading data builds. The offline data
 tools (`posttrain data`) are `posttrain.curate`."""
 
+from posttrain.data._accounting import source_names
 from posttrain.data._build_check import DIGEST as BUILD_DIGEST
 from posttrain.data._build_check import FORMAT as BUILD_FORMAT
 from posttrain.data._build_check import HASHES as BUILD_HASHES
@@ -11,7 +12,27 @@ from posttrain.data._build_check import read_manifest as read_build_manifest
 from posttrain.data._build_check import verify as verify_build
 from posttrain.data._chat_template import REASONING_FIELDS
 from posttrain.data._curriculum import Phase
-from posttrain.data._formats import RecordError, decode, detect_format, encode_prompt
+from posttrain.data._formats import (
+    TEXT_KEYS,
+    RecordError,
+    decode,
+    detect_format,
+    encode_prompt,
+    encode_record,
+    to_example,
+)
+from posttrain.data._image_chat import (
+    ImageRecordError,
+    ImageSpec,
+    flatten_record,
+    has_images,
+    image_root,
+    load_pixels,
+    pixel_rows,
+    prompt_image_spec,
+    prompt_pixels,
+    prompt_slots,
+)
 from posttrain.data._images import ImageError, image_array, load_image, preprocess_images
 from posttrain.data._io import (
     RecordWriter,
@@ -23,14 +44,21 @@ from posttrain.data._io import (
 )
 from posttrain.data._long_context import KINDS as LONG_CONTEXT_KINDS
 from posttrain.data._long_context import long_context_records, read_paragraphs
-from posttrain.data._pipeline import DataConfig, SFTData, make_pipeline
+from posttrain.data._pipeline import (
+    DataConfig,
+    SFTData,
+    config_identity,
+    index_mixture,
+    make_pipeline,
+    process_share,
+)
 from posttrain.data._preference import PairError, encode_pair
 from posttrain.data._preference_data import (
     PreferenceData,
     make_preference_pipeline,
     preference_batches,
 )
-from posttrain.data._sources import Records, SourceConfig
+from posttrain.data._sources import Records, SourceConfig, canonical_identity
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
 from posttrain.data._tools import (
     TOOL_FORMATS,
@@ -40,6 +68,7 @@ from posttrain.data._tools import (
     tool_format_for,
     tool_schema,
 )
+from posttrain.data._turns import Turns
 
 __all__ = [
     "BUILD_DIGEST",
@@ -88,4 +117,23 @@ __all__ = [
     "tool_format_for",
     "tool_schema",
     "verify_build",
+    "ImageRecordError",
+    "ImageSpec",
+    "TEXT_KEYS",
+    "Turns",
+    "canonical_identity",
+    "config_identity",
+    "encode_record",
+    "flatten_record",
+    "has_images",
+    "image_root",
+    "index_mixture",
+    "load_pixels",
+    "pixel_rows",
+    "process_share",
+    "prompt_image_spec",
+    "prompt_pixels",
+    "prompt_slots",
+    "source_names",
+    "to_example",
 ]

@@ -38,6 +38,12 @@ from posttrain.models import VisionConfig
 _RUNTIME_FIELDS = ("read_threads", "read_buffer")
 
 
+def config_identity(config) -> dict:
+    """A data config's fields that decide which batches come out (its state's identity): all
+    but the read threads and buffer."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """How to turn SFT sources into batches.
@@ -329,7 +335,7 @@ class SFTData:
         self.source_names = tuple(source_names([s.path for s in config.sources]))
         self.rows = config.batch_size // process_count
         self._manifest, self._exhausted = None, False
-        fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
+        fields = config_identity(config)
         self._identity = canonical_identity(
             {
                 "config": fields,

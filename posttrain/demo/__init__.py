@@ -23,6 +23,7 @@ __all__ = [
     "preference_pairs",
     "problem_key",
     "run_cad_demo",
+    "run_calculator_demo",
     "run_demo",
 ]
 
@@ -34,6 +35,10 @@ def __getattr__(name):
         from posttrain.demo import _run
 
         return getattr(_run, name)
+    if name == "run_calculator_demo":
+        from posttrain.demo import _calculator
+
+        return _calculator.run_calculator_demo
     if name in ("build_cad_assets", "run_cad_demo"):
         from posttrain.demo import _cad
 

@@ -21,34 +21,10 @@ import random
 import shutil
 from pathlib import Path
 
+from posttrain.curate import TOOL_CHAT_TEMPLATE as CALCULATOR_TEMPLATE
 from posttrain.data import tool_schema
 from posttrain.demo._assets import ASSETS_DIR
-from posttrain.envs import calculate
-from posttrain.envs._builtin import CALCULATOR_SYSTEM
-
-# ChatML with tools (a "Tool:" line per tool in the system turn), assistant tool calls as
-# <tool_call>{"name": ..., "arguments": ...}</tool_call> (the "hermes" format) and tool
-# results as their own turns.
-CALCULATOR_TEMPLATE = (
-    "{%- set ns = namespace(first=0) %}"
-    "{%- if messages[0]['role'] == 'system' %}{%- set ns.first = 1 %}{%- endif %}"
-    "{%- if tools or ns.first %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if ns.first %}{{- messages[0]['content'] }}{%- endif %}"
-    "{%- for tool in tools or [] %}"
-    "{{- '\\nTool: ' + tool['function']['name'] + ' - ' + tool['function']['description'] }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages[ns.first:] %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
-    "{%- for call in message['tool_calls'] or [] %}"
-    "{{- '<tool_call>' + (call['function'] | tojson) + '</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+from posttrain.envs import CALCULATOR_SYSTEM, calculate
 
 _QUESTION = "What is {a} * {b}?"
 

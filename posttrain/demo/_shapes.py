@@ -19,9 +19,13 @@ import PIL.Image
 import PIL.ImageDraw
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from posttrain.data import load_tokenizer
-from posttrain.data._formats import encode_prompt
-from posttrain.data._image_chat import flatten_record, load_pixels, prompt_image_spec
+from posttrain.data import (
+    encode_prompt,
+    flatten_record,
+    load_pixels,
+    load_tokenizer,
+    prompt_image_spec,
+)
 from posttrain.sampling import generate
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220)}

@@ -15,8 +15,9 @@ from posttrain.envs._base import (
     takes_tool_budget,
     tool_message,
 )
-from posttrain.envs._builtin import FaultInjection, calculate
-from posttrain.envs._cad import cad_env
+from posttrain.envs._builtin import CALCULATOR_SYSTEM, FaultInjection, calculate
+from posttrain.envs._cad import CAD_SYSTEM, cad_env
+from posttrain.envs._cad import describe as describe_measurements
 from posttrain.envs._endpoint import EpisodeServer
 from posttrain.envs._episodes import Budget, Episode, episode_metrics, run_episodes
 from posttrain.envs._pool import ElasticPool
@@ -46,4 +47,7 @@ __all__ = [
     "rewards_itself",
     "takes_tool_budget",
     "tool_message",
+    "CAD_SYSTEM",
+    "describe_measurements",
+    "CALCULATOR_SYSTEM",
 ]

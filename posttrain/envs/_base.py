@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from posttrain.data._tools import tool_schema
+from posttrain.data import tool_schema
 
 
 class Step(NamedTuple):

@@ -22,9 +22,7 @@ from typing import Any
 
 from posttrain import paths
 from posttrain.envs._base import Step, Tool, ToolEnvironment, register_env
-from posttrain.rewards._cad import run_script
-from posttrain.rewards._cad_geometry import Measurements
-from posttrain.rewards._cad_render import render_views
+from posttrain.rewards import Measurements, render_views, run_script
 
 CAD_SYSTEM = (
     "You design parts with CAD scripts (import cad: box, cylinder, cone, sphere, extrude, "

@@ -29,20 +29,26 @@ import uuid
 import jinja2
 import numpy as np
 
-from posttrain.data._tools import ParsedTurn, parse_tool_calls, tool_format_for
-from posttrain.data._turns import Turns
+from posttrain.data import ParsedTurn, Turns, parse_tool_calls, tool_format_for
 from posttrain.envs._episodes import Episode
 from posttrain.models import Transformer
-from posttrain.sampling._backend import ServeConfig, _Backend
-from posttrain.sampling._engine import Engine, EngineConfig
-from posttrain.sampling._generate import Completion
-from posttrain.sampling._serve import api_app
-from posttrain.sampling._serve_request import _APIError, _get, _settings, _tools
+from posttrain.sampling import (
+    APIError,
+    Completion,
+    Engine,
+    EngineConfig,
+    ServeBackend,
+    ServeConfig,
+    api_app,
+    request_field,
+    request_settings,
+    request_tools,
+)
 
 MODEL_NAME = "posttrain-episodes"  # the model the answers name (requests may name any)
 
 
-class _EngineThread(_Backend):
+class _EngineThread(ServeBackend):
     """`posttrain serve`'s engine thread, over an engine of `max_len` tokens per sequence."""
 
     def __init__(self, model: Transformer, tokenizer, config: ServeConfig, max_len: int):
@@ -206,10 +212,10 @@ class EpisodeServer:
         with self._lock:
             live = self._episodes.get(episode_id)
             if live is None:
-                raise _APIError(f"no open episode {episode_id!r} on this server (closed, or "
+                raise APIError(f"no open episode {episode_id!r} on this server (closed, or "
                                 "never opened)", status=404, kind="not_found_error")  # fmt: skip
             if live.busy:
-                raise _APIError(f"episode {episode_id!r} has a request in progress; an episode's "
+                raise APIError(f"episode {episode_id!r} has a request in progress; an episode's "
                                 "turns are sequential: send the next request after its reply",
                                 status=409, kind="conflict_error")  # fmt: skip
             live.busy = True
@@ -223,32 +229,32 @@ class EpisodeServer:
         """What the request adds to the episode; 400 when it does not extend its conversation."""
         sent = body.get("messages")
         if not isinstance(sent, list) or not sent:
-            raise _APIError("'messages' must be a non-empty list of messages", param="messages")
+            raise APIError("'messages' must be a non-empty list of messages", param="messages")
         messages = [_message(m, i) for i, m in enumerate(sent)]
-        tools = _tools(body)
+        tools = request_tools(body)
         canonical = json.dumps(tools, sort_keys=True)
         try:
             if live.turns is None:
                 turns = Turns(self.tokenizer, tools)
                 return _Turn(messages, turns.prompt(messages), turns, canonical)
             if canonical != live.tools:
-                raise _APIError("the request's tools differ from the episode's first request's "
+                raise APIError("the request's tools differ from the episode's first request's "
                                 "(its prompt has them); send the same tools on every turn",
                                 param="tools")  # fmt: skip
             recorded = live.episode.messages
             for i, (old, new) in enumerate(zip(recorded, messages, strict=False)):
                 if old != new:
                     why = f"message {i} is {json.dumps(new):.120} instead of {json.dumps(old):.120}"
-                    raise _APIError(_rewritten(why), param="messages")
+                    raise APIError(_rewritten(why), param="messages")
             if len(messages) <= len(recorded):
-                raise _APIError(_rewritten(
+                raise APIError(_rewritten(
                     f"it has {len(messages)} messages and adds none after the {len(recorded)} "
                     "recorded"), param="messages")  # fmt: skip
             added = messages[len(recorded) :]
             ids = live.turns.observation(recorded, added, ended=live.ended)
             return _Turn(added, ids, live.turns, live.tools)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise _APIError(f"cannot render the messages with the chat template: {e}") from None
+            raise APIError(f"cannot render the messages with the chat template: {e}") from None
 
     def _record(self, live: _Live, turn: _Turn, completion: Completion) -> dict:
         """Appends the turn and the model's reply to the episode; returns the reply message."""
@@ -302,14 +308,14 @@ def _message(m, i: int) -> dict:
     """Message `i` as the template renders it and the episode records it: text content ("" for
     none), tool calls with ids and arguments as objects; other fields dropped."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise _APIError(f"message {i} must be an object with a 'role'", param="messages")
+        raise APIError(f"message {i} must be an object with a 'role'", param="messages")
     content = m.get("content")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise _APIError(f"message {i}: only text content parts are supported", param="messages")
+            raise APIError(f"message {i}: only text content parts are supported", param="messages")
         content = "".join(p.get("text", "") for p in content)
     if content is not None and not isinstance(content, str):
-        raise _APIError(f"message {i}'s content must be text", param="messages")
+        raise APIError(f"message {i}'s content must be text", param="messages")
     out = {"role": m["role"], "content": content or ""}
     if m.get("tool_calls"):
         out["tool_calls"] = [_call(c, i) for c in m["tool_calls"]]
@@ -323,14 +329,14 @@ def _call(call, i: int) -> dict:
     """A tool call of message `i`, its arguments as an object (OpenAI sends a JSON string)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise _APIError(f"message {i} has a tool call without a function name", param="messages")
+        raise APIError(f"message {i} has a tool call without a function name", param="messages")
     arguments = function.get("arguments") or {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             message = f"message {i}: tool call arguments {arguments[:60]!r} are not JSON"
-            raise _APIError(message, param="messages") from None
+            raise APIError(message, param="messages") from None
     out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     return {"id": call["id"], **out} if call.get("id") is not None else out
 
@@ -367,20 +373,21 @@ def _app(server: EpisodeServer):
         try:
             body = await request.json()
         except ValueError:
-            raise _APIError("the request body is not JSON") from None
+            raise APIError("the request body is not JSON") from None
         if not isinstance(body, dict):
-            raise _APIError("the request body must be a JSON object")
+            raise APIError("the request body must be a JSON object")
         live = server._claim(episode_id)
         try:
-            if _get(body, "stream", bool, False):
-                raise _APIError("episodes are answered whole: send stream=false", param="stream")
-            if _get(body, "n", int, 1) != 1:
-                raise _APIError("an episode is one conversation: n must be 1", param="n")
+            if request_field(body, "stream", bool, False):
+                raise APIError("episodes are answered whole: send stream=false", param="stream")
+            if request_field(body, "n", int, 1) != 1:
+                raise APIError("an episode is one conversation: n must be 1", param="n")
             turn = server._check(live, body)
             episode = live.episode
             prompt = [*episode.prompt_ids, *episode.token_ids, *turn.ids]  # [] [] on turn 1
             seed = server._seed(live) if body.get("seed") is None else body["seed"]
-            settings = _settings({**body, "seed": seed}, [prompt], server.max_len, server._config)
+            seeded = {**body, "seed": seed}
+            settings = request_settings(seeded, [prompt], server.max_len, server._config)
             [[completion]] = await backend.complete([prompt], settings)
             message = server._record(live, turn, completion)
             return _reply(message, completion, len(prompt))

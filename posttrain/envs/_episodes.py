@@ -35,8 +35,7 @@ import jax
 import numpy as np
 
 from posttrain.config import ConfigError
-from posttrain.data._tools import parse_tool_calls, tool_format_for
-from posttrain.data._turns import Turns
+from posttrain.data import Turns, parse_tool_calls, tool_format_for
 from posttrain.envs._base import Environment, Step
 from posttrain.envs._pool import ElasticPool
 from posttrain.sampling import Engine, Request

@@ -16,9 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain import paths
-from posttrain.data import DataConfig, SFTData, make_pipeline
-from posttrain.data._formats import RecordError, encode_prompt
-from posttrain.data._sources import Records
+from posttrain.data import DataConfig, RecordError, Records, SFTData, encode_prompt, make_pipeline
 from posttrain.eval._config import BEHAVIOURS, EvalConfig, GeneralTask, SafetyTask, TargetTask
 from posttrain.eval._exact_match import greedy_exact_match
 from posttrain.eval._preference import preference_wins
@@ -265,8 +263,7 @@ def write_cad_renders(domains, texts, scores, path: str, *, limit: int) -> str |
     """A grid of the parts that the completions of the first `limit` `cad` records build
     (`render_grid`, each captioned with the record's index and reward; "no part" where the
     script built none), written to `path` (local or gs://); None when no record is a cad one."""
-    from posttrain.rewards._cad import completion_part
-    from posttrain.rewards._cad_render import render_grid
+    from posttrain.rewards import completion_part, render_grid
 
     chosen = [i for i, domain in enumerate(domains) if domain == "cad"][:limit]
     if not chosen:

@@ -17,6 +17,15 @@ from posttrain.lora._adapters import (
     wrap,
 )
 from posttrain.lora._config import DEFAULT_TARGETS, LoRAConfig
+from posttrain.lora._load import (
+    load_checkpoint_model,
+    load_lora_params,
+    load_model_and_tokenizer,
+    merge_jit,
+    quantize_base,
+    saved_base,
+    start_params_single,
+)
 from posttrain.lora._peft import save_peft
 from posttrain.lora._policy import Policy
 from posttrain.lora._quant import (
@@ -39,6 +48,7 @@ __all__ = [
     "dequantize_tree",
     "param_bytes",
     "quantize_params",
+    "quantize_base",
     "quantized_shapes",
     "quantized_shardings",
     "LoRAConfig",
@@ -47,10 +57,16 @@ __all__ = [
     "adapter_shardings",
     "adapter_specs",
     "init_adapters",
+    "load_checkpoint_model",
+    "load_lora_params",
+    "load_model_and_tokenizer",
     "lora_transform",
     "merge",
+    "merge_jit",
     "merge_weight",
     "save_peft",
+    "saved_base",
+    "start_params_single",
     "target_paths",
     "wrap",
 ]

@@ -18,9 +18,7 @@ from safetensors.numpy import save_file
 from posttrain import paths
 from posttrain.lora._adapters import _get, delta
 from posttrain.lora._config import LoRAConfig
-from posttrain.models import ModelConfig
-from posttrain.models._hf_config import export_layout
-from posttrain.models._hf_table import weight_table
+from posttrain.models import ModelConfig, export_layout, weight_table
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

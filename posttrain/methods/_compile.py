@@ -9,9 +9,9 @@ from tqdm.auto import tqdm
 from posttrain import aot
 from posttrain.config import override
 from posttrain.methods._record import config_domains, method_config
+from posttrain.models import with_shardings
 from posttrain.parallel import axis_rules, make_mesh
-from posttrain.train._params import with_shardings
-from posttrain.train._run import check_batching, make_step
+from posttrain.train import check_batching, make_step
 
 
 def lowering(config, devices, domains=None) -> aot.Lowering:

@@ -20,22 +20,34 @@ import jax.numpy as jnp
 
 from posttrain.aot import bytes_per_device
 from posttrain.config import ConfigError, build, to_plain
-from posttrain.data._image_chat import prompt_slots
+from posttrain.data import prompt_slots
 from posttrain.eval import suite_evaluator
 from posttrain.lora import quantized_shapes
-from posttrain.models import param_shapes, param_shardings
+from posttrain.methods._iterative_dpo import IterativeDPOConfig, run_iterative_dpo
+from posttrain.models import param_shapes, param_shardings, with_shardings
 from posttrain.parallel import named_sharding
-from posttrain.rl import RLConfig, run_rl
-from posttrain.rl._iterative import IterativeDPOConfig, run_iterative_dpo
-from posttrain.rl._replay import route_shape
-from posttrain.rl._trainer import rl_plan, split_devices
-from posttrain.train._dpo import DPOConfig, dpo_plan, run_dpo
-from posttrain.train._lock import run_lock
-from posttrain.train._lora import base_shardings
-from posttrain.train._params import with_shardings
-from posttrain.train._rm import RewardModelConfig, _trunk, rm_plan, run_reward_model
-from posttrain.train._run import StepPlan
-from posttrain.train._sft import SFTConfig, run_sft, sft_plan
+from posttrain.rewards import without_lm_head as _trunk
+from posttrain.rl import (
+    RLConfig,
+    rl_plan,
+    route_shape,
+    run_rl,
+    split_devices,
+)
+from posttrain.train import (
+    DPOConfig,
+    RewardModelConfig,
+    SFTConfig,
+    StepPlan,
+    base_shardings,
+    dpo_plan,
+    rm_plan,
+    run_dpo,
+    run_lock,
+    run_reward_model,
+    run_sft,
+    sft_plan,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -232,6 +232,11 @@ def _mesh_axes(logical, shape, mesh, dim: int) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def expert_parallelism(mesh) -> int:
+    """How many shards the routed experts are split over on `mesh` (1: none)."""
+    return math.prod(dict(mesh.shape)[a] for a in _mesh_axes(("experts",), None, mesh, 0))
+
+
 def _dropless_sharded(x_MD, experts_MK, weights_MK, experts, config, mesh):
     """The dropless experts under `jax.shard_map`, expert-parallel when the experts are sharded."""
     M = x_MD.shape[0]

@@ -14,6 +14,8 @@ a deadline, so a hung or crashing verifier costs one zero reward, not a step.
 
 from posttrain.rewards import sandbox
 from posttrain.rewards._arithmetic import arithmetic_reward, extract_integer, integer_correct
+from posttrain.rewards._cad_geometry import measure as measure_solid
+from posttrain.rewards._cad_kernel import build as build_solid
 from posttrain.rewards._code import code_reward, code_reward_all_pass, extract_code
 from posttrain.rewards._difficulty import filter_by_pass_rate, pass_at_k, pass_rate
 from posttrain.rewards._extraction import extraction_reward, field_f1
@@ -29,10 +31,8 @@ from posttrain.rewards._judge import (
     JudgeConfig,
     JudgeReward,
     parse_judge_ref,
-    set_judge_loader,
 )
 from posttrain.rewards._math import extract_answer, math_equal, math_reward
-from posttrain.rewards._model import set_model_loader
 from posttrain.rewards._pool import RewardPool, RewardResult, summarize
 from posttrain.rewards._registry import (
     RewardFn,
@@ -45,15 +45,21 @@ __all__ = [
     "DEFAULT_RUBRIC",
     "JudgeConfig",
     "JudgeReward",
+    "Measurements",
     "RewardFn",
+    "RewardModel",
     "RewardPool",
     "RewardRegistry",
     "RewardResult",
     "RewardTerm",
     "arithmetic_reward",
+    "build_solid",
+    "cad_reward",
+    "cad_sft_record",
     "check_format",
     "code_reward",
     "code_reward_all_pass",
+    "completion_part",
     "default_registry",
     "extract_answer",
     "extraction_reward",
@@ -64,16 +70,43 @@ __all__ = [
     "format_reward",
     "grounded_qa_reward",
     "integer_correct",
+    "make_cad_task",
+    "load_reward_model",
     "math_equal",
     "math_reward",
+    "measure_solid",
     "overlong_penalty",
     "pass_at_k",
     "parse_judge_ref",
     "pass_rate",
+    "render_grid",
+    "render_views",
+    "reward_params",
+    "reward_scores",
+    "reward_shapes",
+    "run_script",
     "sandbox",
-    "set_judge_loader",
-    "set_model_loader",
     "summarize",
     "token_f1",
     "tool_call_reward",
+    "without_lm_head",
 ]
+
+# Loaded only when asked for, so the verifiers stay light to import (reward workers): a trained
+# reward model runs on jax; the CAD kernel, renderer and geometry bring their own dependencies.
+_LAZY = {
+    **dict.fromkeys(("RewardModel", "load_reward_model", "reward_params", "reward_scores",
+                     "reward_shapes", "without_lm_head"), "_reward_model"),
+    **dict.fromkeys(("cad_reward", "completion_part", "run_script"), "_cad"),
+    **dict.fromkeys(("cad_sft_record", "make_cad_task"), "_cad_tasks"),
+    "Measurements": "_cad_geometry",
+    **dict.fromkeys(("render_grid", "render_views"), "_cad_render"),
+}  # fmt: skip
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"posttrain.rewards.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -353,24 +353,10 @@ def _reference_text(record: Mapping) -> str:
     return ref if isinstance(ref, str) else json.dumps(ref)
 
 
-# `path -> (Transformer, Tokenizer)` of a judge model directory.
-_loader: Callable[[str], tuple] | None = None
-
-
-def set_judge_loader(load: Callable[[str], tuple]) -> None:
-    """Installs how a "judge:<path>" directory becomes `(model, tokenizer)` (`posttrain.train`
-    installs its `load_model_and_tokenizer`, which reads HF directories and workdirs)."""
-    global _loader
-    _loader = load
-    _load.cache_clear()
-
-
 @functools.cache
 def _load(path: str) -> tuple:
-    """The judge `(model, tokenizer)` at `path`, loaded once per process."""
-    if _loader is None:
-        raise ValueError(
-            f"cannot load the judge model {path!r}: no judge loader is installed; "
-            "`import posttrain.train` (it installs one) before scoring 'judge:' rewards"
-        )
-    return _loader(path)
+    """The judge `(model, tokenizer)` at `path` (an HF directory or a training workdir), loaded
+    once per process."""
+    from posttrain.lora import load_model_and_tokenizer  # imports jax: on first use
+
+    return load_model_and_tokenizer(path)

@@ -1,9 +1,8 @@
 """A trained reward model as a reward function: the `"rm:<path>[#<head>]"` registry terms.
 
 A `ModelReward` holds only the model's directory and an optional head name, so it pickles
-cheaply; the model itself is loaded on first use, once per process, by the loader that
-`set_model_loader` installs: `posttrain.train` installs `load_reward_model` when it is imported
-(it reads checkpoints, a layer above rewards, so rewards cannot import it). `RewardPool` keeps
+cheaply; the model itself is loaded on first use, once per process, by `load_reward_model`
+(`_reward_model.py`, imported then: it brings jax). `RewardPool` keeps
 these terms out of its worker processes (each would load the model onto the accelerator) and
 scores them in the trainer's process, one batched call per reference.
 """
@@ -11,7 +10,7 @@ scores them in the trainer's process, one batched call per reference.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,27 +144,12 @@ def check_model_ref(ref: str) -> str:
     return PREFIX + path + ("" if head is None else f"#{head}")
 
 
-# `path -> model` with `.heads` (names) and `.score(prompts, completions, heads) -> [N]`.
-_loader: Callable[[str], object] | None = None
-
-
-def set_model_loader(load: Callable[[str], object]) -> None:
-    """Installs how an "rm:<path>" directory becomes a scoring model (`posttrain.train` installs
-    its `load_reward_model` when imported)."""
-    global _loader
-    _loader = load
-    _load.cache_clear()
-
-
 @functools.cache
 def _load(path: str):
-    """The reward model at `path`, loaded once per process."""
-    if _loader is None:
-        raise ValueError(
-            f"cannot load the reward model {path!r}: no reward-model loader is installed; "
-            "`import posttrain.train` (it installs one) before scoring 'rm:' rewards"
-        )
-    return _loader(path)
+    """The reward model at `path` (`load_reward_model`), loaded once per process."""
+    from posttrain.rewards._reward_model import load_reward_model  # imports jax: on first use
+
+    return load_reward_model(path)
 
 
 def _prompt(record: Mapping) -> str | list:

@@ -12,9 +12,10 @@ from posttrain.rl._config import (
 )
 from posttrain.rl._loss import PolicyLossConfig, rl_loss, sequence_log_probs
 from posttrain.rl._prompts import PromptData
+from posttrain.rl._replay import route_shape
 from posttrain.rl._rollout import rollout_batch, split_rows
 from posttrain.rl._source import RolloutSource
-from posttrain.rl._trainer import run_rl
+from posttrain.rl._trainer import rl_plan, run_rl, split_devices
 
 __all__ = [
     "AlgorithmConfig",
@@ -31,4 +32,7 @@ __all__ = [
     "run_rl",
     "sequence_log_probs",
     "split_rows",
+    "rl_plan",
+    "route_shape",
+    "split_devices",
 ]

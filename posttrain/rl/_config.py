@@ -10,17 +10,14 @@ from posttrain.lora import LoRAConfig
 from posttrain.losses import (
     ADVANTAGE_MODES,
 )
-from posttrain.models import KV_DTYPES
+from posttrain.models import KV_DTYPES, ModelSpec
 from posttrain.parallel import MeshConfig
 from posttrain.rewards import (
     RewardRegistry,
     default_registry,
 )
 from posttrain.rl._loss import PolicyLossConfig
-from posttrain.train._checkpoint import CheckpointConfig
-from posttrain.train._loop import LoopConfig
-from posttrain.train._optimizer import OptimizerConfig
-from posttrain.train._params import ModelSpec
+from posttrain.train import CheckpointConfig, LoopConfig, OptimizerConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.config import ConfigError
-from posttrain.models import ModelConfig, hidden_states
-from posttrain.train._params import ModelSpec, checkpoint_json, restore_params
-from posttrain.train._params import with_shardings as _with_shardings
-from posttrain.train._rm import reward_params, reward_shapes, reward_trainable
-from posttrain.train._run import Trainable
+from posttrain.models import ModelConfig, ModelSpec, checkpoint_json, hidden_states, restore_params
+from posttrain.models import with_shardings as _with_shardings
+from posttrain.rewards import reward_params, reward_shapes
+from posttrain.train import Trainable, reward_trainable
 
 
 def token_values(params: dict, model_config: ModelConfig, batch: dict) -> jax.Array:

@@ -33,7 +33,7 @@ from posttrain.losses import (
 )
 from posttrain.models import ModelConfig, hidden_states
 from posttrain.rl._replay import REPLAY_MODES, replay_kwargs, router_mismatch
-from posttrain.train._step import add_moe_aux
+from posttrain.train import add_moe_aux
 
 
 @dataclasses.dataclass(frozen=True)

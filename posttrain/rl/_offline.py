@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from posttrain import paths
 from posttrain.data import DataConfig, SourceConfig
+from posttrain.models import ModelSpec
 from posttrain.parallel import axis_rules
 from posttrain.rewards import (
     RewardPool,
@@ -17,8 +18,7 @@ from posttrain.rewards import (
 )
 from posttrain.rl._config import RLConfig
 from posttrain.rl._rollout import Rollouts
-from posttrain.train._params import ModelSpec, to_json
-from posttrain.train._run import model_trainable
+from posttrain.train import model_trainable, to_json
 
 log = logging.getLogger(__name__)
 _CHUNK = 64  # prompts per sampling call
@@ -85,7 +85,7 @@ def rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, m
     """The offline stage: RFT data from the starting policy, an SFT run on it in
     `<workdir>/rft`, and the RL config continuing from that run's checkpoint. A finished stage
     (its checkpoint exists) is reused, so a resumed run does not repeat it."""
-    from posttrain.train._sft import SFTConfig, run_sft
+    from posttrain.train import SFTConfig, run_sft
 
     rft_dir = paths.join(workdir, "rft")
     data_path = paths.join(rft_dir, "data.jsonl")

@@ -28,19 +28,31 @@ import numpy as np
 
 from posttrain import paths
 from posttrain.config import ConfigError
-from posttrain.data import Tokenizer
-from posttrain.data._formats import RecordError, decode, encode_record, to_example
-from posttrain.data._pipeline import canonical_identity, index_mixture
-from posttrain.data._sources import Records
+from posttrain.data import (
+    RecordError,
+    Records,
+    Tokenizer,
+    canonical_identity,
+    decode,
+    encode_record,
+    index_mixture,
+    to_example,
+)
 from posttrain.lora import Policy
 from posttrain.losses import aggregate, awr_loss, token_stats, truncated_is_loss
-from posttrain.models import ModelConfig, hidden_states
+from posttrain.models import ModelConfig, ModelSpec, finished_step, hidden_states
 from posttrain.parallel import axis_rules
 from posttrain.rl._config import OfflineConfig, RLConfig
-from posttrain.train._lora import base_inputs, lora_json, policy_trainable
-from posttrain.train._params import ModelSpec, to_json
-from posttrain.train._run import StepPlan, setup, train
-from posttrain.train._step import add_moe_aux
+from posttrain.train import (
+    StepPlan,
+    add_moe_aux,
+    base_inputs,
+    lora_json,
+    policy_trainable,
+    setup,
+    to_json,
+    train,
+)
 
 log = logging.getLogger(__name__)
 _KEPT_ERRORS = 10
@@ -338,14 +350,6 @@ def _mean(name: str, values, units) -> dict[str, jax.Array]:
     return {f"{name}_sum": jnp.sum(values * units), f"{name}_count": jnp.sum(units)}
 
 
-def _finished_step(stage_dir: str) -> int:
-    """The newest checkpoint's step in `stage_dir` (0: none)."""
-    checkpoints = paths.path(stage_dir) / "checkpoints"
-    if not checkpoints.is_dir():
-        return 0
-    return max([int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()], default=0)
-
-
 def offline_rl(c: RLConfig, workdir: str) -> tuple[RLConfig, dict]:
     """Runs (or resumes, or reuses when finished) the offline stage in `<workdir>/offline`.
 
@@ -356,7 +360,7 @@ def offline_rl(c: RLConfig, workdir: str) -> tuple[RLConfig, dict]:
     o = c.offline
     stage_dir = paths.join(workdir, "offline")
     continued = dataclasses.replace(c, model=ModelSpec(checkpoint=stage_dir, **c.model.overrides()))
-    if _finished_step(stage_dir) >= o.steps:
+    if finished_step(stage_dir) >= o.steps:
         log.info("offline RL stage already finished in %s: reusing it", stage_dir)
         return continued, {"stopped": "completed", "final_step": o.steps}
     stage = dataclasses.replace(

@@ -17,23 +17,25 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.data import DataConfig, Tokenizer
-from posttrain.data._accounting import source_names
-from posttrain.data._formats import TEXT_KEYS, RecordError, decode, encode_prompt
-from posttrain.data._image_chat import (
+from posttrain.data import (
+    TEXT_KEYS,
+    DataConfig,
     ImageRecordError,
     ImageSpec,
+    RecordError,
+    Records,
+    Tokenizer,
+    canonical_identity,
+    config_identity,
+    decode,
+    encode_prompt,
     flatten_record,
     has_images,
     image_root,
-)
-from posttrain.data._pipeline import (
-    _RUNTIME_FIELDS,
-    canonical_identity,
     index_mixture,
     process_share,
+    source_names,
 )
-from posttrain.data._sources import Records
 
 _log = logging.getLogger(__name__)
 _KEPT_ERRORS = 10
@@ -148,7 +150,7 @@ class PromptData:
             p["domain_id"] = self.domains.index(p["domain"])
             per_domain[p["domain"]] += 1
         self.stats = {**counts, "domains": per_domain, "errors": errors}
-        fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
+        fields = config_identity(config)
         self._identity = {
             "config": fields,
             "max_prompt_len": max_prompt_len,

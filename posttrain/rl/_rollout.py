@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from posttrain.data._image_chat import ImageSpec, pixel_rows, prompt_image_spec, prompt_pixels
+from posttrain.data import ImageSpec, pixel_rows, prompt_image_spec, prompt_pixels
 from posttrain.envs import (
     Budget,
     ElasticPool,

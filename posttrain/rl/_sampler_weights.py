@@ -15,7 +15,7 @@ from posttrain.models import param_shardings
 from posttrain.parallel import process_meshes, to_process_local
 from posttrain.rl._config import RLConfig
 from posttrain.rl._scorer import policy_params
-from posttrain.train._lora import base_shardings
+from posttrain.train import base_shardings
 
 
 @dataclasses.dataclass(frozen=True)

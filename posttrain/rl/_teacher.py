@@ -15,11 +15,11 @@ import numpy as np
 
 from posttrain import paths
 from posttrain.config import ConfigError
-from posttrain.models import ModelConfig
+from posttrain.models import ModelConfig, ModelSpec
 from posttrain.parallel import shard_batch
 from posttrain.rl._loss import sequence_log_probs
 from posttrain.rl._shares import host_array
-from posttrain.train._params import ModelSpec, start_params
+from posttrain.train import start_params
 
 _SEQUENCE = ("tokens", "targets", "positions", "segment_ids")
 

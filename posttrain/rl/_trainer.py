@@ -30,7 +30,7 @@ import numpy as np
 
 from posttrain import paths
 from posttrain.config import ConfigError
-from posttrain.data._image_chat import prompt_image_spec
+from posttrain.data import prompt_image_spec
 from posttrain.envs import rewards_itself
 from posttrain.lora import Policy
 from posttrain.models import ModelConfig
@@ -50,9 +50,17 @@ from posttrain.rl._sampler_weights import SamplerWeights
 from posttrain.rl._scorer import Scorer
 from posttrain.rl._source import RolloutSource
 from posttrain.rl._teacher import Teacher, split_teacher_devices, teacher_model
-from posttrain.train._lora import base_inputs, lora_json, policy_trainable
-from posttrain.train._run import StepPlan, Trainable, setup, to_json, train
-from posttrain.train._step import BatchPasses
+from posttrain.train import (
+    BatchPasses,
+    StepPlan,
+    Trainable,
+    base_inputs,
+    lora_json,
+    policy_trainable,
+    setup,
+    to_json,
+    train,
+)
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as policies
 
 from posttrain import paths
 from posttrain.errors import UserError
+from posttrain.models import checkpoint_items
 
 log = logging.getLogger(__name__)
 
@@ -246,12 +246,7 @@ class Checkpointer:
 
     def read_json(self, step: int) -> dict:
         """The JSON items (config, manifest, ...) saved with `step`, read without orbax args."""
-        out = {}
-        for item in (self.directory / str(step)).iterdir():
-            path = item / "metadata"
-            if item.name not in ("state", "data") and path.is_file():
-                out[item.name] = json.loads(path.read_text())
-        return out
+        return checkpoint_items(self.directory, step)
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -52,13 +52,13 @@ from posttrain.losses import (
     sequence_logps,
     token_stats,
 )
-from posttrain.models import ModelConfig, hidden_states
+from posttrain.models import ModelConfig, ModelSpec, checkpoint_json, hidden_states
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
 from posttrain.train._lora import base_inputs, lora_json, policy_trainable
 from posttrain.train._optimizer import OptimizerConfig
-from posttrain.train._params import ModelSpec, checkpoint_json, to_json
+from posttrain.train._params import to_json
 from posttrain.train._preference import PreferenceEvaluator, attach_reference, preference_data
 from posttrain.train._run import StepPlan, setup, train
 from posttrain.train._step import add_moe_aux

@@ -2,7 +2,7 @@
 
 A LoRA checkpoint holds only the adapters (and their optimizer state); its JSON item `lora`
 (`lora_json`) points at the base (`ModelSpec` and the init seed), which
-`posttrain.train._params.load_lora_params` rebuilds.
+`posttrain.lora.load_lora_params` rebuilds.
 """
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ from posttrain.lora import (
     adapter_shapes,
     adapter_shardings,
     init_adapters,
+    load_lora_params,
     param_bytes,
+    quantize_base,
     quantized_shardings,
     save_peft,
 )
-from posttrain.models import ModelConfig, param_shardings
-from posttrain.models._hf import staged_export
-from posttrain.train._params import (
+from posttrain.models import (
+    ModelConfig,
     ModelSpec,
     checkpoint_json,
-    load_lora_params,
-    quantize_base,
-    start_params,
-    to_json,
+    param_shardings,
+    staged_export,
 )
+from posttrain.train._params import start_params, to_json
 from posttrain.train._run import Trainable, model_trainable
 
 log = logging.getLogger(__name__)

@@ -23,20 +23,21 @@ from jax.experimental import multihost_utils
 from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.data import load_tokenizer
-from posttrain.models import ModelConfig, param_shapes, param_shardings, param_specs
-from posttrain.models._moe import update_routing_bias
+from posttrain.models import (
+    ModelConfig,
+    ModelSpec,
+    param_shapes,
+    param_shardings,
+    param_specs,
+    update_routing_bias,
+    with_shardings,
+)
 from posttrain.parallel import axis_rules, crossing, make_mesh, shard_batch
 from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._lock import claim, run_lock
 from posttrain.train._loop import train_loop
 from posttrain.train._optimizer import learning_rate_schedule, make_optimizer
-from posttrain.train._params import (
-    ModelSpec,
-    check_same_model,
-    start_params,
-    to_json,
-    with_shardings,
-)
+from posttrain.train._params import check_same_model, start_params, to_json
 from posttrain.train._state import create_state, state_shardings
 from posttrain.train._step import (
     EXPERT_COUNTS,

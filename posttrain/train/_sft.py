@@ -12,15 +12,15 @@ import jax
 from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
-from posttrain.lora import LoRAConfig, Policy
+from posttrain.lora import LoRAConfig, Policy, merge_jit
 from posttrain.losses import cross_entropy_from_stats, token_stats
-from posttrain.models import ModelConfig, Transformer, hidden_states
+from posttrain.models import ModelConfig, ModelSpec, Transformer, hidden_states
 from posttrain.parallel import MeshConfig, axis_rules
 from posttrain.train._checkpoint import CheckpointConfig
 from posttrain.train._loop import LoopConfig
 from posttrain.train._lora import base_inputs, lora_json, policy_trainable
 from posttrain.train._optimizer import OptimizerConfig
-from posttrain.train._params import ModelSpec, merge_jit, to_json
+from posttrain.train._params import to_json
 from posttrain.train._run import StepPlan, setup, summed, train
 from posttrain.train._step import add_moe_aux
 

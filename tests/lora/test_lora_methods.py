@@ -18,16 +18,24 @@ from posttrain.lora import (
     init_adapters,
     param_bytes,
     quantize_params,
+    saved_base,
     target_paths,
     wrap,
 )
 from posttrain.methods import run_from_config
-from posttrain.models import forward, from_hf, get_preset, init_params, param_shapes
+from posttrain.models import (
+    checkpoint_json,
+    forward,
+    from_hf,
+    get_preset,
+    init_params,
+    param_shapes,
+)
+from posttrain.rewards import reward_scores
+from posttrain.rewards import without_lm_head as _trunk
 from posttrain.rl._loss import PolicyLossConfig, rl_loss, sequence_log_probs
 from posttrain.testing import hf_logits, save_tiny_hf_model
 from posttrain.train import load_checkpoint_model, load_lora_params, load_reward_model, read_metrics
-from posttrain.train._params import checkpoint_json, saved_base
-from posttrain.train._rm import _trunk, reward_scores
 from tests.rl.toy import REPO, toy_config
 from tests.train.conftest import small_config
 from tests.train.test_dpo_driver import _config as dpo_config

@@ -15,7 +15,7 @@ from posttrain.config import build, load_config_file, to_plain
 from posttrain.data import load_tokenizer, make_pipeline
 from posttrain.lora import adapter_kwargs, adapter_shapes
 from posttrain.methods import run_from_config
-from posttrain.models import forward, init_params
+from posttrain.models import checkpoint_json, forward, init_params
 from posttrain.parallel import make_mesh
 from posttrain.testing import hf_logits
 from posttrain.train import (
@@ -25,7 +25,6 @@ from posttrain.train import (
     read_metrics,
     sft_loss,
 )
-from posttrain.train._params import checkpoint_json
 from posttrain.train._run import summed
 from tests.train.conftest import REPO, small_config
 

@@ -15,11 +15,10 @@ from jax.sharding import PartitionSpec as P
 from posttrain.config import ConfigError, load_config_file, override
 from posttrain.demo import ASSETS_DIR
 from posttrain.methods import method_config
-from posttrain.models import Transformer, get_preset, init_params
+from posttrain.models import ModelSpec, Transformer, get_preset, init_params
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
 from posttrain.sampling import Engine, generate
 from posttrain.testing import nnx_decoder
-from posttrain.train._params import ModelSpec
 from tests.tolerance import assert_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

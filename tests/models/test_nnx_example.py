@@ -12,8 +12,8 @@ import pytest
 from posttrain.config import ConfigError, load_config_file, override
 from posttrain.demo import ASSETS_DIR, make_dataset
 from posttrain.methods import run_from_config
+from posttrain.models import checkpoint_json
 from posttrain.train import load_checkpoint_model, read_metrics
-from posttrain.train._params import checkpoint_json
 from tests.rl.toy import toy_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

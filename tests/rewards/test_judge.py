@@ -7,7 +7,6 @@ import os
 import pytest
 
 import posttrain.sampling
-import posttrain.train  # noqa: F401  (installs the judge loader)
 from posttrain.rewards import (
     DEFAULT_RUBRIC,
     JudgeConfig,

@@ -9,10 +9,10 @@ import pytest
 
 from posttrain.config import build, load_config_file
 from posttrain.models import num_params, param_shapes
+from posttrain.rewards import reward_shapes
 from posttrain.rl import RLConfig, rl_loss
 from posttrain.rl._loss import CriticLoss
 from posttrain.train import create_state, make_optimizer, train_step
-from posttrain.train._rm import reward_shapes
 
 from .toy import REPO
 

@@ -13,9 +13,9 @@ from posttrain.data import load_tokenizer, preference_batches
 from posttrain.demo import ASSETS_DIR, make_dataset
 from posttrain.methods import run_from_config
 from posttrain.models import get_preset
-from posttrain.rewards import RewardPool, RewardRegistry
+from posttrain.rewards import RewardPool, RewardRegistry, reward_scores
 from posttrain.train import ModelSpec, load_reward_model, read_metrics, reward_model_loss
-from posttrain.train._rm import reward_scores, reward_trainable
+from posttrain.train._rm import reward_trainable
 
 from .conftest import REPO
 

@@ -18,9 +18,9 @@ from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.curate import SampleConfig, make_pairs
 from posttrain.data import SourceConfig, load_tokenizer
-from posttrain.rl._offline_rl import _finished_step
-from posttrain.train._dpo import DPOConfig, run_dpo
-from posttrain.train._params import ModelSpec, load_model_and_tokenizer
+from posttrain.lora import load_model_and_tokenizer
+from posttrain.models import ModelSpec, finished_step
+from posttrain.train import DPOConfig, run_dpo
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def run_iterative_dpo(c: IterativeDPOConfig, workdir: str, *, on_metrics=None) -
             data=dataclasses.replace(c.data, sources=(SourceConfig(pairs_path, domain=domain),)),
             train=dataclasses.replace(c.train, seed=c.train.seed + r),
         )
-        if _finished_step(round_dir) >= c.train.steps:
+        if finished_step(round_dir) >= c.train.steps:
             log.info("round %d already finished in %s: reusing it", r, round_dir)
             summary = {"stopped": "completed", "final_step": c.train.steps}
         else:
