@@ -1,5 +1,6 @@
-"""Sampling: the paged generation engine (RL rollouts, `serve`), the static sampler (the
-reference; eval and `generate`), speculative decoding and the OpenAI-compatible server."""
+"""Sampling: one decoder, the paged generation engine (`generate`, `stream`, eval, RL rollouts,
+`serve`), speculative decoding and the OpenAI-compatible server; the padded static loop only
+decodes modules without a KV cache (Flax NNX) and is the reference the engine is tested against."""
 
 from posttrain.sampling._backend import _Backend as ServeBackend  # (envs.EpisodeServer's base)
 from posttrain.sampling._completion import Completion, check_settings
@@ -18,6 +19,7 @@ from posttrain.sampling._serve_request import _get as request_field
 from posttrain.sampling._serve_request import _settings as request_settings
 from posttrain.sampling._serve_request import _tools as request_tools
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup
+from posttrain.sampling._static import generate_static
 
 __all__ = [
     "check_settings",
@@ -31,6 +33,7 @@ __all__ = [
     "generate",
     "generate_continuous",
     "generate_speculative",
+    "generate_static",
     "PromptLookup",
     "Request",
     "request_completions",

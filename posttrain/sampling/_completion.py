@@ -128,8 +128,10 @@ def _finish(tokenizer, ids, logprobs, hit_eos, stop) -> Completion:
 
 
 def _keys(seed: int, seeds: Sequence[int] | None, prompts: int):
+    """Prompt i's key `[prompts]`: `key(seeds[i])`, or `fold_in(key(seed), i)` (every decoding
+    path keys a prompt this way, so they draw the same samples)."""
     if seeds is None:
-        return jax.random.key(seed)
+        return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.arange(prompts))
     if len(seeds) != prompts:
         raise ValueError(f"{len(seeds)} seeds for {prompts} prompts")
     return jax.vmap(jax.random.key)(jnp.asarray(np.asarray(seeds, np.uint32)))

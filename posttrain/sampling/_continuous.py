@@ -9,7 +9,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from posttrain.models import Transformer
@@ -122,8 +121,6 @@ def generate_continuous(
         engine.model = model
         engine.set_eos(eos_ids)
     keys = _keys(seed, seeds, len(ids))
-    if seeds is None:
-        keys = jax.vmap(jax.random.fold_in, (None, 0))(keys, jnp.arange(len(ids)))
     # Each request's key as host data: submitting a prompt costs no device call.
     keys = np.asarray(jax.random.key_data(keys))
     if images is not None and len(images) != len(ids):

@@ -449,7 +449,7 @@ class Engine:
     def _images(self, requests: list[Request], groups: int) -> np.ndarray | None:
         """A VLM's prefill images `[groups, I, H, W, C]` (I: the most any prompt has, rounded up
         to a power of two to bound compilations; zeros past a prompt's own); None for a text
-        model."""
+        model or prompts without images (as `generate_static` does)."""
         vision = self.model.config.vision
         if vision is None:
             if any(r.images is not None and len(r.images) for r in requests):
@@ -457,6 +457,8 @@ class Engine:
             return None
         if self.drafter is not None and any(r.images is not None for r in requests):
             raise ValueError("speculative decoding does not take images yet; drop the drafter")
+        if all(r.images is None for r in requests):  # text only: image tokens stay tokens
+            return None
         most = max([1, *(len(r.images) for r in requests if r.images is not None)])
         side = vision.image_size
         out = np.zeros((groups, 1 << (most - 1).bit_length(), side, side, vision.channels),

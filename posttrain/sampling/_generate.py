@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from posttrain.models import Transformer
-from posttrain.sampling._completion import Completion, _check, _prepare
+from posttrain.sampling._completion import Completion, _check
 from posttrain.sampling._continuous import generate_continuous
 from posttrain.sampling._static import generate_static
 
@@ -73,7 +73,7 @@ def generate(
       ValueError: empty prompts, a prompt longer than `model.config.max_seq_len -
         max_new_tokens`, n < 1, top_p outside (0, 1], or other out-of-range settings.
     """
-    _check(
+    _check(  # (before `len(prompts)` below)
         prompts,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -82,17 +82,14 @@ def generate(
         n=n,
         length_bucket=length_bucket,
     )
-    settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, n=n, seed=seed, seeds=seeds)
-    if model.config.nnx is None:
-        return generate_continuous(
-            model, tokenizer, prompts, max_new_tokens=max_new_tokens, stop=stop, eos_ids=eos_ids,
-            slots=min(len(prompts) * n, MOST_ROWS), length_bucket=length_bucket, images=images,
-            **settings,
+    if model.config.nnx is not None:  # no KV cache to page: the padded loop re-runs it
+        return generate_static(
+            model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, n=n, seed=seed, seeds=seeds, stop=stop, eos_ids=eos_ids,
+            length_bucket=length_bucket, images=images,
         )  # fmt: skip
-    ids, stop, eos_ids, pad_id = _prepare(
-        model, tokenizer, prompts, [max_new_tokens] * len(prompts), stop, eos_ids
-    )
-    return generate_static(
-        model, tokenizer, ids, max_new_tokens=max_new_tokens, stop=stop, eos_ids=eos_ids,
-        pad_id=pad_id, length_bucket=length_bucket, images=images, **settings,
+    return generate_continuous(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_p=top_p, top_k=top_k, n=n, seed=seed, seeds=seeds, stop=stop, eos_ids=eos_ids,
+        slots=min(len(prompts) * n, MOST_ROWS), length_bucket=length_bucket, images=images,
     )  # fmt: skip

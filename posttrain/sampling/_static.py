@@ -11,13 +11,14 @@ model with a KV cache decodes on the paged engine instead (`posttrain.sampling._
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from posttrain.models import Transformer, hidden_states, init_cache, lm_logits
-from posttrain.sampling._completion import _finish, _keys
+from posttrain.sampling._completion import Completion, _check, _finish, _keys, _prepare
 from posttrain.sampling._sample import sample_tokens
 
 
@@ -38,7 +39,7 @@ def _generate_padded(
 ):
     """Prefill left-padded prompts (with a VLM's images), repeat each row n times, decode; returns
     (tokens `[B*n, max_new_tokens]`, logprobs, number generated `[B*n]`, hit EOS `[B*n]`).
-    `rng` is one key for the batch or a key per prompt `[B]` (see `generate`'s `seeds`)."""
+    `rng` is a key per prompt `[B]`."""
     config, params = model.config, model.params
     B, P = tokens_BP.shape
     pad_B1 = (P - lengths_B)[:, None]
@@ -56,16 +57,14 @@ def _generate_padded(
     cache = cache.repeat(n)
     logits_BV = jnp.repeat(logits_BV, n, axis=0)
     lengths_B = jnp.repeat(lengths_B, n, axis=0)
-    if rng.ndim:  # sample j of prompt i draws from fold_in(key_i, j), whatever else is batched
-        rng = jax.vmap(jax.random.fold_in)(jnp.repeat(rng, n), jnp.tile(jnp.arange(n), B))
+    # Sample j of prompt i draws from fold_in(key_i, j), whatever else is batched.
+    rng = jax.vmap(jax.random.fold_in)(jnp.repeat(rng, n), jnp.tile(jnp.arange(n), B))
     B *= n
 
-    def draw(key, logits_BV):
+    def draw(key_B, logits_BV):
         kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        if key.ndim == 0:
-            return sample_tokens(key, logits_BV, **kwargs)
         one = lambda k, l_V: sample_tokens(k, l_V[None], **kwargs)[0]  # noqa: E731
-        return jax.vmap(one)(key, logits_BV)
+        return jax.vmap(one)(key_B, logits_BV)
 
     def cond(state):
         step, _, _, _, _, _, done_B = state
@@ -73,8 +72,7 @@ def _generate_padded(
 
     def body(state):
         step, cache, logits_BV, tokens_BN, logprobs_BN, num_B, done_B = state
-        fold = jax.vmap(jax.random.fold_in, (0, None)) if rng.ndim else jax.random.fold_in
-        token_B = draw(fold(rng, step), logits_BV)
+        token_B = draw(jax.vmap(jax.random.fold_in, (0, None))(rng, step), logits_BV)
         logprob_B = jnp.take_along_axis(
             jax.nn.log_softmax(logits_BV, axis=-1), token_B[:, None], axis=-1
         )[:, 0]
@@ -121,24 +119,38 @@ def _images(config, images, rows: int):
 
 
 def generate_static(
-    model,
+    model: Transformer,
     tokenizer,
-    ids,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
-    max_new_tokens,
-    temperature,
-    top_p,
-    top_k,
-    n,
-    seed,
-    seeds,
-    stop,
-    eos_ids,
-    pad_id,
-    length_bucket,
-    images,
-):
-    """`generate` for a module without a KV-cache interface (checked, encoded prompts)."""
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    n: int = 1,
+    seed: int = 0,
+    seeds: Sequence[int] | None = None,
+    stop: str | Sequence[str] | None = None,
+    eos_ids: Sequence[int] | None = None,
+    length_bucket: int = 64,
+    images: Sequence[Sequence[np.ndarray]] | None = None,
+) -> list[list[Completion]]:
+    """`generate` on the padded loop: the decoder of a module without a KV-cache interface
+    (a Flax NNX module), and the reference the engine is tested against (any model). Same
+    arguments, checks and results as `generate`, and the engine's draws: prompt i's samples are
+    keyed by `seeds[i]` or `fold_in(key(seed), i)` on both."""
+    _check(
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        n=n,
+        length_bucket=length_bucket,
+    )
+    ids, stop, eos_ids, pad_id = _prepare(
+        model, tokenizer, prompts, [max_new_tokens] * len(prompts), stop, eos_ids
+    )
     P = -(-max(len(p) for p in ids) // length_bucket) * length_bucket
     tokens_BP = np.full((len(ids), P), pad_id, np.int32)
     for row, p in zip(tokens_BP, ids, strict=True):

@@ -41,9 +41,8 @@ def stream(
         )
     if model.config.nnx is not None:
         [[done]] = generate_static(
-            model, tokenizer, [list(prompt_ids)], max_new_tokens=max_new_tokens, n=1, seed=seed,
-            seeds=None, stop=(), eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id or 0,
-            length_bucket=64, images=None, **settings,
+            model, tokenizer, [list(prompt_ids)], max_new_tokens=max_new_tokens, seed=seed,
+            **settings,
         )  # fmt: skip
         yield done.text
         return

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.models import HFFormatError, from_hf, to_hf
 from posttrain.parallel import MeshConfig, make_mesh
-from posttrain.sampling import generate, generate_continuous
+from posttrain.sampling import generate, generate_continuous, generate_static
 from posttrain.testing import HF_VLMS, IMAGE_TOKEN, hf_vlm_logits, save_tiny_hf_vlm
 
 
@@ -341,7 +341,7 @@ def test_engine_samples_a_group_from_one_prefill_with_images(vlm_dir):
     kwargs = dict(max_new_tokens=6, n=3, temperature=1.0, seeds=[5, 6], images=images)
     stats = {}
     paged = generate_continuous(model, None, prompts, block_size=4, stats=stats, **kwargs)
-    static = generate(model, None, prompts, **kwargs)
+    static = generate_static(model, None, prompts, **kwargs)
     assert [[c.token_ids for c in row] for row in paged] == [
         [c.token_ids for c in row] for row in static
     ]

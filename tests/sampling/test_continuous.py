@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from posttrain.models import Transformer
-from posttrain.sampling import generate, generate_continuous
+from posttrain.sampling import generate_continuous, generate_static
 
 from .test_generate import TINY, CharTokenizer
 
@@ -22,11 +22,13 @@ def windowed():  # sliding windows on two layers: decoding runs past them
 def test_greedy_matches_generate(windowed):
     model = windowed
     budgets = [12, 5, 20, 1, 16, 7, 20, 3, 10]
-    static = generate(model, None, PROMPTS, max_new_tokens=20, length_bucket=16)
+    static = generate_static(model, None, PROMPTS, max_new_tokens=20, length_bucket=16)
     # An id the model emits early for some prompts (not as their first token for all).
     firsts = [row[0].token_ids[2] for row in static]
     eos = max(set(firsts), key=firsts.count)
-    static = generate(model, None, PROMPTS, max_new_tokens=20, length_bucket=16, eos_ids=[eos])
+    static = generate_static(
+        model, None, PROMPTS, max_new_tokens=20, length_bucket=16, eos_ids=[eos]
+    )
     ours = generate_continuous(
         model,
         None,
@@ -50,12 +52,12 @@ def test_greedy_matches_generate(windowed):
 def test_stop_strings_match_generate():
     model = Transformer.init(TINY.replace(vocab_size=27), 0)
     tok = CharTokenizer()
-    (free,) = generate(model, tok, ["abc"], max_new_tokens=12, eos_ids=())
+    (free,) = generate_static(model, tok, ["abc"], max_new_tokens=12, eos_ids=())
     stop = free[0].text[3:5]
     kwargs = dict(max_new_tokens=12, stop=[stop], eos_ids=())
     prompts = ["abc", "hello", "abc"]
     a = generate_continuous(model, tok, prompts, slots=2, **kwargs)
-    b = generate(model, tok, prompts, **kwargs)
+    b = generate_static(model, tok, prompts, **kwargs)
     # Two programs (slots vs one batch) sum in different orders: log-probs agree to float32
     # rounding, not bitwise (they differed by 1 ulp of 3.1 with XLA:CPU held to 128-bit vectors).
     fields = lambda out: [[(c.text, c.token_ids, c.finish_reason) for c in row] for row in out]  # noqa: E731

@@ -9,7 +9,12 @@ import pytest
 
 from posttrain import models
 from posttrain.models import PagedKVCache, Transformer, forward, from_hf, get_preset
-from posttrain.sampling import DraftModel, PromptLookup, generate, generate_continuous
+from posttrain.sampling import (
+    DraftModel,
+    PromptLookup,
+    generate_continuous,
+    generate_static,
+)
 from posttrain.sampling._engine import Engine, EngineConfig, Request
 from posttrain.testing import save_tiny_hf_model
 
@@ -58,7 +63,7 @@ def test_sampled_draws_equal_the_static_sampler(windowed):
     (whose distribution tests/sampling/test_generate.py checks against the exact softmax)."""
     seeds = [11 * i + 5 for i in range(len(PROMPTS))]
     kwargs = dict(max_new_tokens=9, temperature=1.0, top_p=0.9, n=3, seeds=seeds)
-    static = generate(windowed, None, PROMPTS, **kwargs)
+    static = generate_static(windowed, None, PROMPTS, **kwargs)
     for sharing in (True, False):  # without sharing, also without unstacked layers
         config = EngineConfig(slots=4, block_size=4, prefix_sharing=sharing, unstack_layers=sharing)
         engine = Engine(windowed, config, max_len=64)
@@ -159,7 +164,7 @@ def test_layered_int8_with_a_window_past_the_length_equals_the_plain_cache(windo
     ours = generate_continuous(
         windowed, None, PROMPTS, max_new_tokens=10, n=2, engine=Engine(windowed, config, max_len=32)
     )
-    static = generate(windowed, None, PROMPTS, max_new_tokens=10)
+    static = generate_static(windowed, None, PROMPTS, max_new_tokens=10)
     assert [[c.token_ids for c in r] for r in ours] == [[r[0].token_ids] * 2 for r in static]
 
 

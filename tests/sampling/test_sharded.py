@@ -7,18 +7,18 @@ import pytest
 
 from posttrain.models import Transformer, get_preset
 from posttrain.parallel import MeshConfig, make_mesh
-from posttrain.sampling import Engine, EngineConfig, generate, generate_continuous
+from posttrain.sampling import Engine, EngineConfig, generate_continuous, generate_static
 
 
 def test_sharded_generation_matches_single_device(devices):
     config = get_preset("tiny", attention="xla")
     prompts = [list(np.random.RandomState(i).randint(1, 512, 5 + 3 * i)) for i in range(8)]
-    reference = generate(Transformer.init(config, rng=0), None, prompts, max_new_tokens=10)
+    reference = generate_static(Transformer.init(config, rng=0), None, prompts, max_new_tokens=10)
     mesh = make_mesh(MeshConfig.from_dict({"data": 2, "fsdp": 2, "tensor": 2}))
     with jax.set_mesh(mesh):
         model = Transformer.init(config, rng=0, mesh=mesh)
         assert model.params["layers"]["attn"]["q"].addressable_shards[0].data.shape[2] == 4
-        static = generate(model, None, prompts, max_new_tokens=10)
+        static = generate_static(model, None, prompts, max_new_tokens=10)
         engine = Engine(model, EngineConfig(slots=4, block_size=8), max_len=64)
         # The pool [layers, blocks, block, kv heads, head dim]: 4 kv heads split in 2.
         assert engine._rows.k.sharding.spec[3] == "tensor"

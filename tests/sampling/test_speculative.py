@@ -24,8 +24,8 @@ from posttrain.sampling import (
     EngineConfig,
     PromptLookup,
     Request,
-    generate,
     generate_speculative,
+    generate_static,
 )
 from posttrain.sampling._speculative import _lookup
 
@@ -142,10 +142,10 @@ def test_greedy_matches_generate(build):
     write across block ends), 3 rows serve 8 samples (rows refill between chunks)."""
     model, drafters = build()
     settings = dict(max_new_tokens=NEW, length_bucket=8, n=2)
-    plain = generate(model, None, PROMPTS, **settings)
+    plain = generate_static(model, None, PROMPTS, **settings)
     # An id some rows emit mid-way: EOS then ends rows at different rounds.
     eos = plain[0][0].token_ids[5]
-    plain = generate(model, None, PROMPTS, eos_ids=[eos], **settings)
+    plain = generate_static(model, None, PROMPTS, eos_ids=[eos], **settings)
     reasons = {row[0].finish_reason for row in plain}
 
     acceptance = []
