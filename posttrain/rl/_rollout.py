@@ -41,7 +41,13 @@ from posttrain.rl._config import EnvConfig, RLConfig
 from posttrain.rl._domains import component_means, tally_components
 from posttrain.rl._sampler_weights import SamplerSide
 from posttrain.rl._shares import gather_groups, prompt_share
-from posttrain.sampling import Completion, Engine, EngineConfig, generate, generate_continuous
+from posttrain.sampling import (
+    Completion,
+    Engine,
+    EngineConfig,
+    generate_continuous,
+    generate_static,
+)
 
 
 def rollout_batch(
@@ -222,7 +228,7 @@ class Rollouts:
         if self.images is not None:
             kwargs["images"] = [prompt_pixels(p, self.images) for p in prompts]
         if r.sampler == "static":
-            completions = generate(model, self.tokenizer, prompt_ids, **kwargs)
+            completions = generate_static(model, self.tokenizer, prompt_ids, **kwargs)
         else:
             self.engine_for(model)
             before = dataclasses.replace(self.engine.stats)
