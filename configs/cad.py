@@ -11,7 +11,7 @@ Presets:
         (validity, IoU with the target, dimensions, holes, one body, stability); eval on 64
         held-out tasks, greedy.
 Both read runs/cad/assets (written by `posttrain demo --task=cad`, or
-posttrain.demo.build_cad_assets). Every field of configs/sft.py / configs/grpo.py applies.
+posttrain.curate.build_cad_assets). Every field of configs/sft.py / configs/grpo.py applies.
 """
 
 import os

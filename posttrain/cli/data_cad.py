@@ -39,9 +39,9 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--levels takes 1, 2 and 3, got {fv.levels}")
     import os
 
-    from posttrain.demo._cad import ASSET_FILES, build_cad_assets
+    from posttrain.curate import CAD_ASSET_FILES, build_cad_assets
 
-    files = {f"--out={fv.out} ({f})": os.path.join(fv.out, f) for f in ASSET_FILES}
+    files = {f"--out={fv.out} ({f})": os.path.join(fv.out, f) for f in CAD_ASSET_FILES}
     check_flags(fv, inputs=(), outputs=(), more=files)
 
     try:

@@ -1,9 +1,13 @@
 """Curate: the offline data tools behind `posttrain data`: clean, dedup, decontaminate, build
-(verify, diff), stratify, on-policy pairs and rejection-sampled synth, and the CAD task files."""
+and diff, stratify, on-policy pairs and rejection-sampled synth, the CAD task files, and small
+BPE tokenizers for models trained from scratch."""
 
+from posttrain.curate._bpe import CHATML_TEMPLATE, TOOL_CHAT_TEMPLATE, train_tokenizer
 from posttrain.curate._build import BuildDiff, BuildResult, RecordChange
 from posttrain.curate._build import build as build_dataset
 from posttrain.curate._build import diff as diff_builds
+from posttrain.curate._cad_tasks import ASSET_FILES as CAD_ASSET_FILES
+from posttrain.curate._cad_tasks import build_cad_assets
 from posttrain.curate._clean import CleanConfig, clean
 from posttrain.curate._decontam import DecontamConfig, decontaminate
 from posttrain.curate._dedup import DedupConfig, dedup
@@ -11,6 +15,9 @@ from posttrain.curate._on_policy import SampleConfig, make_pairs, pass_rates, sy
 from posttrain.curate._stratify import bucket_names, read_pass_rates, stratify, stratify_records
 
 __all__ = [
+    "CAD_ASSET_FILES",
+    "CHATML_TEMPLATE",
+    "TOOL_CHAT_TEMPLATE",
     "BuildDiff",
     "BuildResult",
     "CleanConfig",
@@ -19,6 +26,7 @@ __all__ = [
     "RecordChange",
     "SampleConfig",
     "bucket_names",
+    "build_cad_assets",
     "build_dataset",
     "clean",
     "decontaminate",
@@ -30,4 +38,5 @@ __all__ = [
     "stratify",
     "stratify_records",
     "synthesize",
+    "train_tokenizer",
 ]

@@ -10,22 +10,11 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
 from posttrain.demo._task import make_dataset
 
 ASSETS_DIR = Path(__file__).parent / "assets"
-VOCAB_SIZE = 512  # the `tiny` model preset's vocab_size
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# Qwen's ChatML without the default system turn, which would only lengthen every sequence.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 # Plain English beside the task's text, so the merges also cover ordinary words; it must offer
-# enough distinct pairs for the trainer to reach VOCAB_SIZE.
+# enough distinct pairs for the trainer to reach its vocabulary size.
 _ENGLISH = """\
 You are a helpful assistant. Answer the question with a single number and nothing else.
 The user asks a question and the assistant answers it briefly and precisely.
@@ -56,41 +45,23 @@ def build_tokenizer(
 ) -> str:
     """Trains the demo tokenizer and writes it as a Hugging Face tokenizer directory.
 
-    Byte-level BPE with exactly `VOCAB_SIZE` entries: the special tokens <|endoftext|> (pad),
-    <|im_start|> and <|im_end|> (EOS), the 256 bytes, and merges learnt on the task's questions
-    and answers plus some English. Digits are always single tokens, so "936" is 9, 3, 6.
+    `posttrain.curate.train_tokenizer`: byte-level BPE with exactly 512 entries (the special
+    tokens, the 256 bytes, merges learnt on the task's questions and answers plus some
+    English), digits always single tokens, so "936" is 9, 3, 6.
 
     Args:
       out_dir: the directory to write tokenizer.json and tokenizer_config.json into.
       texts: what the merges are learnt on (default: the arithmetic task and the English).
-      chat_template: the chat template to ship (default: `_config()`'s ChatML).
+      chat_template: the chat template to ship (default: ChatML, `CHATML_TEMPLATE`).
 
     Returns:
       The directory, for `posttrain.data.load_tokenizer` or `AutoTokenizer.from_pretrained`.
     """
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(False)]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    # Untrimmed offsets keep each token's span exact, which assistant masks are computed from.
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_training_text() if texts is None else texts, trainer)
-    if (size := tokenizer.get_vocab_size(with_added_tokens=True)) != VOCAB_SIZE:
-        raise RuntimeError(f"the tokenizer has {size} tokens, not {VOCAB_SIZE}; add _ENGLISH text")
+    from posttrain.curate import CHATML_TEMPLATE, train_tokenizer  # (curate brings JAX along)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = _config() if chat_template is None else {**_config(), "chat_template": chat_template}
-    _write_text(out / "tokenizer_config.json", json.dumps(config, indent=2, sort_keys=True))
-    return str(out)
+    template = CHATML_TEMPLATE if chat_template is None else chat_template
+    texts = _training_text() if texts is None else texts
+    return train_tokenizer(out_dir, texts, chat_template=template)
 
 
 def build_assets(
@@ -132,33 +103,6 @@ def _training_text() -> list[str]:
     chats = make_dataset(2_000, _PROBLEMS_SEED)
     turns = (text for chat in chats for m in chat["messages"] for text in (m["role"], m["content"]))
     return [*_ENGLISH.splitlines(), "system", *turns]
-
-
-def _config() -> dict:
-    """tokenizer_config.json: Qwen's special-token roles and the chat template."""
-    added = {
-        str(i): {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for i, token in enumerate(SPECIAL_TOKENS)
-    }
-    return {
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "model_max_length": 512,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    }
 
 
 def _write_text(path: Path, text: str) -> None:
