@@ -11,6 +11,7 @@ from posttrain.sampling._continuous import (
 )
 from posttrain.sampling._engine import Engine, EngineConfig, EngineStats, Request
 from posttrain.sampling._generate import generate
+from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._run import default_out, run_generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
 from posttrain.sampling._serve import ServeConfig, api_app, serve
@@ -40,6 +41,7 @@ __all__ = [
     "run_generate",
     "default_out",
     "sample_tokens",
+    "SamplingParams",
     "serve",
     "ServeConfig",
     "APIError",

@@ -24,6 +24,7 @@ import numpy as np
 from posttrain.models import Transformer
 from posttrain.sampling._completion import Completion, _finish
 from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._speculative import MTP, PromptLookup
 
 
@@ -111,9 +112,7 @@ class Settings:
     """One request's sampling settings, checked (see `check_settings`)."""
 
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
+    sampling: SamplingParams
     n: int
     seed: int  # prompt i's samples draw from seed + i (mod 2**32), as `generate(seeds=...)`
     stop: tuple[str, ...]
@@ -324,8 +323,7 @@ class _Backend:
         s = track.settings
         track.request = Request(
             prompt=track.prompt, max_new_tokens=s.max_tokens,
-            key=jax.random.key(np.uint32(track.seed)), n=s.n, temperature=s.temperature,
-            top_k=s.top_k, top_p=s.top_p,
+            key=jax.random.key(np.uint32(track.seed)), n=s.n, sampling=s.sampling,
         )  # fmt: skip
         track.sent = [0] * s.n
         try:

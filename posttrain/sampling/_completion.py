@@ -5,12 +5,13 @@ sample at its first stop string."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from posttrain.sampling._params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +58,7 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_p: float, top
     """Raises a ValueError naming the first sampling setting out of range."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not (temperature >= 0 and math.isfinite(temperature)):  # (NaN compares False)
-        raise ValueError(
-            f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
-        )
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 keeps every token), got {top_k}")
+    SamplingParams(temperature, top_p, top_k)
     if n < 1:
         raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
 

@@ -14,6 +14,7 @@ import numpy as np
 from posttrain.models import Transformer
 from posttrain.sampling._completion import Completion, _check, _finish, _keys, _prepare
 from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup, check_drafter
 
 
@@ -103,6 +104,7 @@ def generate_continuous(
         n=n,
         length_bucket=length_bucket,
     )
+    sampling = SamplingParams(temperature, top_p, top_k)
     ids, stop, eos_ids, _ = _prepare(model, tokenizer, prompts, budgets, stop, eos_ids)
     if engine is None:
         config = EngineConfig(
@@ -132,9 +134,7 @@ def generate_continuous(
                 max_new_tokens=budget,
                 key=keys[i],
                 n=n,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
+                sampling=sampling,
                 images=None if images is None else _prompt_images(images[i]),
             )
         )

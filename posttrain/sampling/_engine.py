@@ -295,7 +295,7 @@ class Engine:
                 rounds=steps,
                 blocks=blocks,
                 block_size=bs,
-                greedy=all(req.temperature == 0 for req, _, _ in live),
+                greedy=all(req.sampling.greedy for req, _, _ in live),
                 unstack=self.config.unstack_layers,
             )
             proposed, accepted, rounds = (int(x) for x in jax.device_get(counts))
@@ -435,9 +435,9 @@ class Engine:
             np.asarray([s[1].max_new_tokens for s in padded], np.int32),
             _key_data([s[1].key for s in padded]),
             np.asarray([s[2] for s in padded], np.int32),
-            np.asarray([s[1].temperature for s in padded], np.float32),
-            np.asarray([s[1].top_k for s in padded], np.int32),
-            np.asarray([s[1].top_p for s in padded], np.float32),
+            np.asarray([s[1].sampling.temperature for s in padded], np.float32),
+            np.asarray([s[1].sampling.top_k for s in padded], np.int32),
+            np.asarray([s[1].sampling.top_p for s in padded], np.float32),
             images,
             block_size=bs,
         )

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from posttrain.sampling._params import SamplingParams
+
 
 @dataclasses.dataclass
 class Request:
@@ -21,9 +23,7 @@ class Request:
     max_new_tokens: int
     key: jax.Array | np.ndarray  # a PRNG key, or its data (`jax.random.key_data`) on the host
     n: int = 1
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    sampling: SamplingParams = SamplingParams()
     tokens: list[list[int]] = dataclasses.field(default_factory=list)
     logprobs: list[list[float]] = dataclasses.field(default_factory=list)
     done: list[bool] = dataclasses.field(default_factory=list)

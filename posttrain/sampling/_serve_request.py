@@ -8,6 +8,7 @@ import jinja2
 
 from posttrain.sampling._backend import ServeConfig, Settings
 from posttrain.sampling._completion import _encode, check_settings
+from posttrain.sampling._params import SamplingParams
 
 
 class _APIError(Exception):
@@ -72,22 +73,22 @@ def _settings(body: dict, prompts: list[list[int]], limit: int, config: ServeCon
             ),
             param="messages" if "messages" in body else "prompt",
         )
+    temperature = float(_get(body, "temperature", float, 1.0))
+    top_p, top_k = float(_get(body, "top_p", float, 1.0)), _get(body, "top_k", int, 0)
+    n = _get(body, "n", int, 1)
+    try:
+        check_settings(
+            max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n
+        )
+    except ValueError as e:
+        raise _APIError(str(e)) from None
     settings = Settings(
         max_tokens=max_tokens,
-        temperature=float(_get(body, "temperature", float, 1.0)),
-        top_p=float(_get(body, "top_p", float, 1.0)),
-        top_k=_get(body, "top_k", int, 0),
-        n=_get(body, "n", int, 1),
+        sampling=SamplingParams(temperature, top_p, top_k),
+        n=n,
         seed=_get(body, "seed", int, secrets.randbelow(2**31)) % 2**32,
         stop=tuple(stop),
     )
-    try:
-        check_settings(
-            max_new_tokens=max_tokens, temperature=settings.temperature, top_p=settings.top_p,
-            top_k=settings.top_k, n=settings.n,
-        )  # fmt: skip
-    except ValueError as e:
-        raise _APIError(str(e)) from None
     if _get(body, "stream", bool, False) and (settings.n > 1 or len(prompts) > 1):
         raise _APIError("a streamed request takes one prompt and n=1", param="stream")
     return settings

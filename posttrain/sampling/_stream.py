@@ -15,6 +15,7 @@ import numpy as np
 from posttrain.models import Transformer
 from posttrain.sampling._completion import check_settings
 from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._static import generate_static
 
 
@@ -54,7 +55,11 @@ def stream(
     )
     # Prompt 0 of `generate(..., seed=seed)` draws from fold_in(key(seed), 0).
     key = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0))
-    request = engine.submit(Request(list(prompt_ids), max_new_tokens, np.asarray(key), **settings))
+    request = engine.submit(
+        Request(
+            list(prompt_ids), max_new_tokens, np.asarray(key), sampling=SamplingParams(**settings)
+        )
+    )
     shown = text = ""
     while not engine.idle:
         engine.step()

@@ -24,6 +24,7 @@ from posttrain.sampling import (
     EngineConfig,
     PromptLookup,
     Request,
+    SamplingParams,
     generate_speculative,
     generate_static,
 )
@@ -198,7 +199,7 @@ def test_mtp_cache_holds_the_models_hidden_states_of_each_sample():
     engine = Engine(model, config, max_len=32, drafter=MTP(module, k=2))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     request = engine.submit(
-        Request(prompt, max_new_tokens=12, key=jax.random.key(0), n=2, temperature=1.0)
+        Request(prompt, 12, jax.random.key(0), n=2, sampling=SamplingParams(temperature=1.0))
     )
     engine.run()
     assert request.tokens[0][0] != request.tokens[1][0]  # the samples differ from the start
