@@ -139,6 +139,56 @@ def test_posttrain_imports_only_down_and_without_circles():
     assert violations(ROOT) == []
 
 
+def private_imports(root: pathlib.Path) -> list[str]:
+    """`path:line imports name` of every import of another package's private module: a module
+    `posttrain.X._y` (one leading underscore, not a dunder) imported from outside package
+    `posttrain.X`, at any depth of the importing module's code. Package `__init__`s are the
+    public API; what they do not export is private."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    found = set()
+    for name, path in files.items():
+        for target, line in imported_names(path, name):
+            while target and target not in files:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            parts = target.split(".")
+            private = len(parts) >= 3 and parts[2].startswith("_") and not parts[2].startswith("__")
+            if private and name.split(".")[:2] != parts[:2]:
+                found.add((str(path.relative_to(root.parent)), line, target))
+    return [f"{path}:{line} imports {target}" for path, line, target in sorted(found)]
+
+
+def test_no_package_imports_another_packages_private_module():
+    assert private_imports(ROOT) == []
+
+
+def test_a_synthetic_tree_with_private_imports_fails(tmp_path):
+    """The check itself: absolute, relative, `from package import _module` and in-function
+    imports of another package's private module are each reported; a package's own private
+    modules, public names and dunder modules are not."""
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "__main__.py": "from posttrain.cli import main\n",
+            "cli/__init__.py": "from posttrain.cli._main import main\n",
+            "cli/_main.py": "def main():\n    from posttrain.train._run import run\n",
+            "train/__init__.py": "from posttrain.train._run import run\n",
+            "train/_run.py": "from ..data._formats import f\nfrom posttrain.data import load\n",
+            "rl/_loss.py": "from posttrain.data import _formats\nimport posttrain.train._run\n",
+            "rl/__init__.py": "from posttrain.rl._loss import loss\nfrom posttrain import __main__",
+            "data/__init__.py": "from posttrain.data._formats import encode\n\ndef load(): ...\n",
+            "data/_formats.py": "from . import _io\n",
+            "data/_io.py": "",
+        },
+    )
+    assert private_imports(root) == [
+        "posttrain/cli/_main.py:2 imports posttrain.train._run",
+        "posttrain/rl/_loss.py:1 imports posttrain.data._formats",
+        "posttrain/rl/_loss.py:2 imports posttrain.train._run",
+        "posttrain/train/_run.py:1 imports posttrain.data._formats",
+    ]
+
+
 def _tree(tmp_path, files: dict[str, str]) -> pathlib.Path:
     root = tmp_path / "posttrain"
     for name, text in files.items():
