@@ -38,7 +38,7 @@ from posttrain.config import ConfigError
 from posttrain.data import Turns, parse_tool_calls, tool_format_for
 from posttrain.envs._base import Environment, Step
 from posttrain.envs._pool import ElasticPool
-from posttrain.sampling import Engine, Request
+from posttrain.sampling import Engine, Request, SamplingParams
 
 _log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def run_episodes(
     own_pool = pool is None
     pool = pool or ElasticPool(1, 8)
     engine.set_eos(tokenizer.eos_ids)
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    sampling = SamplingParams(temperature, top_p, top_k)
     live = [[_Live(env) for env in group] for group in groups]
     out: list[list[Episode | None]] = [[None] * len(g) for g in groups]
     waiting: dict[Future, tuple[str, int, int]] = {}  # env calls: (kind, group, index)
@@ -208,7 +208,7 @@ def run_episodes(
             for j in js:
                 finish(g, j, "length")
             return
-        req = Request(prompt=prompt, max_new_tokens=room, key=key, n=len(js), **sampling)
+        req = Request(prompt=prompt, max_new_tokens=room, key=key, n=len(js), sampling=sampling)
         running[id(engine.submit(req))] = (req, g, js)
         taken[id(req)] = set()
 
