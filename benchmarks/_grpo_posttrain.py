@@ -45,7 +45,7 @@ def config_for(spec: dict, folder: str):
         "rollout.num_generations": spec["group_size"],
         "rollout.max_new_tokens": spec["max_new_tokens"],
         "rollout.max_prompt_len": spec["max_prompt_tokens"],
-        "rollout.temperature": spec["temperature"],
+        "rollout.sampling.temperature": spec["temperature"],
         "rewards.domains": {"digits": ["_grpo_posttrain:digit_reward"]},
         "rewards.workers": 1,
         "optimizer.learning_rate": spec["learning_rate"],

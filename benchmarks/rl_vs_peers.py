@@ -92,7 +92,8 @@ def prepare(folder: str, args) -> str:
 # posttrain's levers, each row adding one to the row before (`--levers`): the settings that
 # undo the later ones, then the defaults, then decoupled rollouts on a second CPU device.
 LEVERS = {
-    "posttrain, before the levers": ({"rollout.top_k": 512, "algorithm.fuse_old_logps": False}, 1),
+    "posttrain, before the levers": (
+        {"rollout.sampling.top_k": 512, "algorithm.fuse_old_logps": False}, 1),
     "+ sampling without a vocabulary sort": ({"algorithm.fuse_old_logps": False}, 1),
     "+ old log-probs from the update's forward (defaults)": ({}, 1),
     "+ decoupled rollouts (2 CPU devices, staleness 1)": (

@@ -76,7 +76,7 @@ def get_config(preset: str = "calculator"):
                 "env.max_turns": 3,
                 "env.turn_tokens": 96,
                 "env.fault_rate": 0.3 if preset == "calculator_faults" else 0.0,
-                "rollout.temperature": 1.0,
+                "rollout.sampling.temperature": 1.0,
                 "optimizer.learning_rate": 2e-4,
                 "optimizer.warmup_steps": 5,
                 "train.steps": 16,

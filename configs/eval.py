@@ -59,8 +59,10 @@ def _target(**fields) -> ml_collections.ConfigDict:
     t.max_new_tokens = 256  # generation budget per completion
     t.num_samples = 0  # samples per prompt for pass@k (0: no pass@k)
     t.pass_k = []  # the ks reported ([]: num_samples)
-    t.temperature = 1.0  # of the pass@k samples
-    t.top_p = 1.0  # of the pass@k samples
+    t.sampling = ml_collections.ConfigDict()  # how the pass@k samples are drawn
+    t.sampling.temperature = 1.0  # > 0: pass@k needs samples, not the greedy answer
+    t.sampling.top_p = 1.0  # nucleus mass kept, in (0, 1]
+    t.sampling.top_k = 0  # keep the k likeliest tokens; 0 keeps all
     t.seed = 0  # of the pass@k samples (batch i uses seed + i)
     t.max_len = 512  # preference: tokens of prompt + response (longer pairs are truncated)
     t.batch_size = 64  # prompts (pairs) per generate call (forward pass)
@@ -139,8 +141,10 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
         c.target.arithmetic.max_new_tokens = 8  # answers are at most 3 digits and a sign
         c.target.arithmetic.num_samples = 4  # samples per problem for pass@k
         c.target.arithmetic.pass_k = [1, 4]  # the ks reported
-        c.target.arithmetic.temperature = 1.0  # of the pass@k samples
-        c.target.arithmetic.top_p = 1.0  # of the pass@k samples
+        c.target.arithmetic.sampling = ml_collections.ConfigDict()  # of the pass@k samples
+        c.target.arithmetic.sampling.temperature = 1.0  # > 0: samples, not the greedy answer
+        c.target.arithmetic.sampling.top_p = 1.0  # nucleus mass kept, in (0, 1]
+        c.target.arithmetic.sampling.top_k = 0  # keep the k likeliest tokens; 0 keeps all
         c.target.arithmetic.seed = 0  # of the pass@k samples
         c.target.arithmetic.max_len = 512  # (preference tasks only)
         c.target.arithmetic.batch_size = 64  # as `make demo` (greedy_exact_match's batches)
@@ -179,8 +183,7 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
             max_new_tokens=1024,
             num_samples=8,
             pass_k=[1, 8],
-            temperature=0.8,
-            top_p=0.95,
+            sampling=dict(temperature=0.8, top_p=0.95, top_k=0),
             batch_size=32,
             max_examples=500,
         )

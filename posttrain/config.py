@@ -104,6 +104,25 @@ def _convert(tp, value, where: str):
     raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
+def _section_keys(field: dataclasses.Field) -> set[str]:
+    """The keys of a field whose default is a section (a dataclass), else none."""
+    default = field.default
+    return (
+        {f.name for f in dataclasses.fields(default)}
+        if dataclasses.is_dataclass(default)
+        else set()
+    )
+
+
+def _over_default(field: dataclasses.Field, value):
+    """A section given in part keeps its field's default for the rest: `rollout.sampling` with
+    only `top_p` set keeps the rollout's temperature 1.0, not `SamplingParams`' own 0.0."""
+    default = field.default
+    if not (dataclasses.is_dataclass(default) and isinstance(value, Mapping)):
+        return value
+    return {**dataclasses.asdict(default), **value}
+
+
 def build(cls, config, where: str = "config"):
     """Builds the frozen dataclass `cls` from a ConfigDict / dict, recursively.
 
@@ -117,9 +136,15 @@ def build(cls, config, where: str = "config"):
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"{where} has unknown key(s) {unknown}; known keys: {sorted(fields)}")
+        moved = [
+            f"{where}.{f}.{k}" for k in unknown for f in fields if k in _section_keys(fields[f])
+        ]
+        hint = f" (did you mean {', '.join(moved)}?)" if moved else ""
+        raise ConfigError(
+            f"{where} has unknown key(s) {unknown}{hint}; known keys: {sorted(fields)}"
+        )
     kwargs = {
-        name: _convert(hints[name], values[name], f"{where}.{name}")
+        name: _convert(hints[name], _over_default(fields[name], values[name]), f"{where}.{name}")
         for name in fields
         if name in values
     }

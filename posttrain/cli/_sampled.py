@@ -41,12 +41,24 @@ def define_sampling(flags, fv, *, samples: int) -> None:
     define_overwrite(flags, fv)
 
 
+def sampling_flags(fv):
+    """--temperature (with --top_p and --top_k where defined) as a `SamplingParams`; a value
+    out of range is one line (exit 2)."""
+    from posttrain.sampling import SamplingParams
+
+    try:
+        return SamplingParams(fv.temperature, getattr(fv, "top_p", 1.0), getattr(fv, "top_k", 0))
+    except ValueError as e:
+        raise UserError(f"--temperature, --top_p, --top_k: {e}") from None
+
+
 def load(fv):
     """(model, tokenizer, sources [(path, domain)], SampleConfig) of the parsed flags."""
     if not fv.model or not fv.prompts or not fv.out:
         raise UserError("--model=CHECKPOINT, --prompts=FILE and --out=FILE are required")
     if fv.reward and not fv.domain:
         raise UserError("--reward scores --domain's records: give --domain=NAME too")
+    sampling = sampling_flags(fv)  # (before the model loads)
     from posttrain import paths
     from posttrain.curate import SampleConfig
     from posttrain.data import load_tokenizer
@@ -61,9 +73,7 @@ def load(fv):
         samples=fv.samples,
         max_new_tokens=fv.max_new_tokens,
         max_prompt_len=fv.max_prompt_len,
-        temperature=fv.temperature,
-        top_p=fv.top_p,
-        top_k=fv.top_k,
+        sampling=sampling,
         seed=fv.seed,
         offset=fv.offset,
         limit=fv.limit,

@@ -93,16 +93,18 @@ def main(argv: list[str]) -> int:
 
 def _sampled(fv) -> dict[int, float]:
     """Each record's pass rate under --model (k samples, scored by its reward domain)."""
+    from posttrain.cli._sampled import sampling_flags
     from posttrain.curate import SampleConfig, pass_rates
     from posttrain.rl import RewardsConfig
     from posttrain.train import load_model_and_tokenizer
 
+    sampling = sampling_flags(fv)  # (before the model loads)
     try:
         model, tokenizer = load_model_and_tokenizer(fv.model)
     except FileNotFoundError as e:
         raise UserError(f"--model={fv.model}: {e}") from None
     config = SampleConfig(
-        samples=fv.samples, max_new_tokens=fv.max_new_tokens, temperature=fv.temperature,
+        samples=fv.samples, max_new_tokens=fv.max_new_tokens, sampling=sampling,
         rewards=RewardsConfig(pass_threshold=fv.pass_threshold),
     )  # fmt: skip
     rates, _ = pass_rates(model, tokenizer, [(fv.input, fv.domain)], config)

@@ -16,7 +16,6 @@ output does not depend on the chunk size, and the same inputs give the same file
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -26,7 +25,13 @@ from posttrain.config import ConfigError
 from posttrain.data import RecordError, Records, RecordWriter, encode_prompt, read_records
 from posttrain.rewards import RewardPool
 from posttrain.rl import RewardsConfig
-from posttrain.sampling import Completion, Engine, EngineConfig, generate_continuous
+from posttrain.sampling import (
+    Completion,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    generate_continuous,
+)
 
 # Fields a written record sets itself (an input record's own are replaced).
 _OUTPUT_FIELDS = ("chosen", "rejected", "completion", "messages")
@@ -38,7 +43,7 @@ class SampleConfig:
 
     Attributes:
       samples: completions per prompt.
-      max_new_tokens, temperature, top_p, top_k: the sampling settings.
+      max_new_tokens, sampling: the completion budget and how each token is drawn.
       max_prompt_len: longer prompts are left out (counted as overlong); at most the model's
         max_seq_len - max_new_tokens.
       seed: prompt i's samples draw from seed `seed * 1_000_003 + i` (i counts usable
@@ -53,9 +58,7 @@ class SampleConfig:
     samples: int = 4
     max_new_tokens: int = 128
     max_prompt_len: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    sampling: SamplingParams = SamplingParams(temperature=1.0)
     seed: int = 0
     offset: int = 0
     limit: int = 0
@@ -67,9 +70,6 @@ class SampleConfig:
             raise ConfigError("samples, max_new_tokens and max_prompt_len must be >= 1")
         if self.chunk < 1 or self.offset < 0 or self.limit < 0:
             raise ConfigError("chunk must be >= 1, offset and limit >= 0")
-        finite = math.isfinite(self.temperature)
-        if not (finite and self.temperature >= 0) or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ConfigError("temperature must be finite and >= 0, top_p in (0, 1], top_k >= 0")
 
 
 def _prompts(sources, tokenizer, c: SampleConfig, counts: dict, registry) -> Iterator[dict]:
@@ -149,9 +149,9 @@ def scored_groups(
                     [p["prompt_ids"] for p in batch],
                     engine=engine,
                     max_new_tokens=c.max_new_tokens,
-                    temperature=c.temperature,
-                    top_p=c.top_p,
-                    top_k=c.top_k,
+                    temperature=c.sampling.temperature,
+                    top_p=c.sampling.top_p,
+                    top_k=c.sampling.top_k,
                     n=c.samples,
                     seeds=[(c.seed * 1_000_003 + p["index"]) % 2**32 for p in batch],
                 )

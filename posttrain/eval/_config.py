@@ -18,6 +18,7 @@ from posttrain import paths
 from posttrain.config import ConfigError, build, load_config_file, to_plain
 from posttrain.data import LONG_CONTEXT_KINDS, SourceConfig
 from posttrain.rewards import parse_judge_ref
+from posttrain.sampling import SamplingParams
 
 CATEGORIES = ("general", "target", "safety", "long_context")
 KINDS = ("generate", "preference")
@@ -61,8 +62,7 @@ class TargetTask:
     max_new_tokens: int = 256  # generation budget per completion
     num_samples: int = 0  # n sampled completions per prompt for pass@k (0: no pass@k)
     pass_k: tuple[int, ...] = ()  # the k of each pass@k reported (default: num_samples)
-    temperature: float = 1.0  # sampling temperature of the pass@k samples
-    top_p: float = 1.0  # nucleus mass of the pass@k samples
+    sampling: SamplingParams = SamplingParams(temperature=1.0)  # of the pass@k samples
     seed: int = 0  # sampling seed of the pass@k samples
     max_len: int = 512  # preference: tokens of prompt + response (longer pairs are truncated)
     batch_size: int = 64  # prompts (or pairs) per batch
@@ -85,7 +85,7 @@ class TargetTask:
                 f"{where}: pass_k={list(self.pass_k)} needs 1 <= k <= num_samples "
                 f"({self.num_samples}); raise num_samples"
             )
-        if self.num_samples and not self.temperature > 0:
+        if self.num_samples and self.sampling.greedy:
             raise ConfigError(f"{where}: pass@k samples need temperature > 0")
         _check_sizes(where, self)
 

@@ -28,7 +28,7 @@ from posttrain.rewards import (
     default_registry,
     pass_at_k,
 )
-from posttrain.sampling import generate
+from posttrain.sampling import SamplingParams, generate
 from posttrain.train import sft_loss
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,10 @@ def _report_skips(where: str, stats: dict) -> None:
         log.warning("%s: records left out: %s", where, left_out)
 
 
-def _completions(model, tokenizer, prompt_ids, task, bar, *, n=1, temperature=0.0, top_p=1.0,
+GREEDY = SamplingParams()
+
+
+def _completions(model, tokenizer, prompt_ids, task, bar, *, n=1, sampling=GREEDY,
                  seed=0) -> list[list[str]]:  # fmt: skip
     """Per prompt, its n completions' text, generated `task.batch_size` prompts at a time."""
     out = []
@@ -172,7 +175,8 @@ def _completions(model, tokenizer, prompt_ids, task, bar, *, n=1, temperature=0.
         chunk = prompt_ids[start : start + task.batch_size]
         results = generate(
             model, tokenizer, chunk, max_new_tokens=task.max_new_tokens,
-            temperature=temperature, top_p=top_p, n=n, seed=seed + i,
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, n=n,
+            seed=seed + i,
         )  # fmt: skip
         out += [[c.text for c in samples] for samples in results]
         bar.update(len(chunk))
@@ -244,7 +248,7 @@ def target_metrics(
             scorer.check(domains)
             samples = _completions(
                 model, tokenizer, prompt_ids, task, bar, n=task.num_samples,
-                temperature=task.temperature, top_p=task.top_p, seed=task.seed,
+                sampling=task.sampling, seed=task.seed,
             )  # fmt: skip
             n = task.num_samples
             flat = scorer(

@@ -94,7 +94,7 @@ def run_iterative_dpo(c: IterativeDPOConfig, workdir: str, *, on_metrics=None) -
             raise ConfigError(
                 f"round {r} found no pair in {stats['prompts']} prompts: every prompt's samples "
                 f"scored alike ({stats['no_signal']}) or none ended ({stats['no_finished']}); "
-                "raise pairs.samples or pairs.temperature, or use harder prompts"
+                "raise pairs.samples or pairs.sampling.temperature, or use harder prompts"
             )
         domain = c.data.sources[0].domain
         round_config = dataclasses.replace(

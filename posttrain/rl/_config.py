@@ -17,6 +17,7 @@ from posttrain.rewards import (
     default_registry,
 )
 from posttrain.rl._loss import PolicyLossConfig
+from posttrain.sampling import SamplingParams
 from posttrain.train import CheckpointConfig, LoopConfig, OptimizerConfig
 
 
@@ -25,9 +26,7 @@ class RolloutConfig:
     num_generations: int = 8  # completions per prompt (the group size G)
     max_prompt_len: int = 512  # longer prompts are left out (counted)
     max_new_tokens: int = 512  # completion budget; cut completions count as truncated
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    sampling: SamplingParams = SamplingParams(temperature=1.0)  # how each token is drawn
     dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, draw prompts to refill
     max_refills: int = 4  # extra prompt batches one step may draw to refill
     overlong_buffer: int = 0  # DAPO soft over-length penalty ramp in tokens (0: off)

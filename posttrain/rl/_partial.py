@@ -29,7 +29,7 @@ import numpy as np
 from posttrain.models import Transformer
 from posttrain.rl._domains import component_means
 from posttrain.rl._rollout import RolloutProducer
-from posttrain.sampling import Request, SamplingParams, request_completions
+from posttrain.sampling import Request, request_completions
 
 
 @dataclasses.dataclass
@@ -123,7 +123,7 @@ class PartialProducer(RolloutProducer):
                 max_new_tokens=r.max_new_tokens,
                 key=jax.random.key(int(seed)),
                 n=r.num_generations,
-                sampling=SamplingParams(r.temperature, r.top_p, r.top_k),
+                sampling=r.sampling,
             )
             self.engine.submit(request)
             self.in_flight.append(_Group(prompt, request, version))

@@ -215,9 +215,9 @@ class Rollouts:
         model = Transformer(params, self.model_config)
         kwargs = dict(
             max_new_tokens=r.max_new_tokens,
-            temperature=0.0 if greedy else r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
+            temperature=0.0 if greedy else r.sampling.temperature,
+            top_p=r.sampling.top_p,
+            top_k=r.sampling.top_k,
             n=1 if greedy else r.num_generations,
             seed=seed,
             seeds=seeds,
@@ -313,8 +313,8 @@ class Rollouts:
             groups,
             keys=keys,
             temperature=kwargs["temperature"],
-            top_p=r.top_p,
-            top_k=r.top_k,
+            top_p=r.sampling.top_p,
+            top_k=r.sampling.top_k,
             budget=budget,
             pool=self.env_pool,
             tool_format=e.tool_format,

@@ -172,6 +172,8 @@ class Engine:
         drafter: PromptLookup | DraftModel | MTP | None = None,
     ):
         require_kv_cache(model.config, "the paged engine")
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(model.params)):
+            model = jax.device_put(model)  # host weights (NumPy): onto the default device
         self.model, self.config = model, config
         self.drafter = drafter
         self.version = 0  # of the weights (RL's partial rollouts swap them mid-request)

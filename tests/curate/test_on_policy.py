@@ -21,6 +21,7 @@ from posttrain.data import load_tokenizer
 from posttrain.demo import ASSETS_DIR
 from posttrain.models import ModelConfig, Transformer
 from posttrain.rl import RewardsConfig
+from posttrain.sampling import SamplingParams
 from tests.train.conftest import REPO
 
 REWARD = "tests.curate.test_on_policy:characters"
@@ -52,8 +53,9 @@ def prompts(tmp_path_factory):
 
 
 def _config(**kw):
-    values = dict(samples=4, max_new_tokens=6, max_prompt_len=24, temperature=1.0, seed=3,
-                  chunk=3, rewards=RewardsConfig(domains={"len": [REWARD]}, workers=1))  # fmt: skip
+    values = dict(samples=4, max_new_tokens=6, max_prompt_len=24, seed=3, chunk=3,
+                  sampling=SamplingParams(1.0),
+                  rewards=RewardsConfig(domains={"len": [REWARD]}, workers=1))  # fmt: skip
     return SampleConfig(**{**values, **kw})
 
 

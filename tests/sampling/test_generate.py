@@ -233,6 +233,15 @@ def test_bad_inputs_raise(kwargs, message, tiny):
         generate(model, None, args.pop("prompts"), **args)
 
 
+def test_host_weights_decode_as_device_weights(tiny):
+    """NumPy weights (a checkpoint read to the host) decode to what the same weights on the
+    device give."""
+    host = Transformer(jax.tree.map(np.asarray, tiny.params), TINY)
+    assert isinstance(jax.tree.leaves(host.params)[0], np.ndarray)
+    prompts, kwargs = [[5, 6, 7], [3, 4, 5, 6, 7, 8]], dict(max_new_tokens=5, temperature=1.0, n=2)
+    assert generate(host, None, prompts, **kwargs) == generate(tiny, None, prompts, **kwargs)
+
+
 def test_new_params_do_not_recompile(tiny):
     model = tiny
     first = generate(model, None, PROMPTS, max_new_tokens=6, temperature=1.0)
