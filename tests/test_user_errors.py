@@ -529,6 +529,23 @@ CASES = [
         "--mtp drafts tokens: drop --speculative=0",
     ),
     ("serve-preset", ["serve", "--model={run}", "--preset=fastest"], "unknown serve preset"),
+    ("serve-slots", ["serve", "--model={run}", "--slots=-1"], "--slots must be >= 0"),
+    (
+        "serve-layered-kv-speculative",
+        ["serve", "--model={run}", "--preset=latency", "--kv-dtype=int8_layered"],
+        "--kv-dtype=int8_layered keeps recent tokens in a ring",
+    ),
+    (
+        "generate-layered-kv-speculative",
+        ["generate", "--model={run}", "--prompt=hi", "--kv-dtype=int8_layered", "--speculative=2"],
+        "use --kv-dtype=int8 or --speculative=0",
+    ),
+    (
+        "generate-mtp-without-drafts",
+        ["generate", "--model={run}", "--prompt=hi", "--mtp", "--speculative=0"],
+        "--mtp drafts tokens: drop --speculative=0",
+    ),
+    ("generate-kv-dtype", ["generate", "--model={run}", "--prompt=hi", "--kv-dtype=fp4"], "fp4"),
     ("serve-max-body", ["serve", "--model={run}", "--max-body-mb=0"], "--max-body-mb must be"),
     (
         "clean-out-suffix",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+from posttrain.cli._engine_flags import check_engine, define_engine, mtp_module
 from posttrain.cli._flags import define_mesh, mesh, parse
 from posttrain.cli._outputs import check_flags, define_overwrite
 from posttrain.errors import UserError
@@ -17,6 +18,8 @@ HELP = (
         "--mesh=fsdp=4,tensor=2",
         "posttrain generate --model=HF_DIR --prompts-file=prompts.jsonl --out=out.jsonl --n=4 "
         "--temperature=1.0",
+        "posttrain generate --model=HF_DIR --prompts-file=prompts.jsonl --slots=64 "
+        "--kv-dtype=int8 --speculative=4",
     ],
 )
 
@@ -38,6 +41,11 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_integer("top_k", 0, "keep the k most likely tokens (0: all)", flag_values=fv)
         flags.DEFINE_integer("n", 1, "samples per prompt (batch mode)", flag_values=fv)
         flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
+        define_engine(
+            flags, fv, slots_help="sequences decoded together in batch mode (0: 32)",
+            speculative_help="draft tokens per speculative round (prompt lookup, or the "
+            "model's MTP layer with --mtp); 0 (the default) for plain decoding",
+        )  # fmt: skip
         define_mesh(fv)
 
     fv = parse(argv, define, HELP)
@@ -53,6 +61,7 @@ def main(argv: list[str]) -> int:
         max_new_tokens=fv.max_new_tokens, temperature=fv.temperature, top_p=fv.top_p,
         top_k=fv.top_k, n=fv.n,
     )  # fmt: skip
+    speculative = check_engine(fv, default_speculative=0)
     if fv.prompts_file and not paths.path(fv.prompts_file).is_file():
         raise UserError(f"--prompts-file={fv.prompts_file}: no such file")
     if fv.prompts_file:
@@ -62,12 +71,18 @@ def main(argv: list[str]) -> int:
     devices = mesh(fv.mesh)
     with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():
         model, tokenizer = load_model_and_tokenizer(fv.model, mesh=devices)
-        _generate(fv, model, tokenizer)
+        if model.config.nnx is not None and (speculative or fv.kv_dtype != "auto"):
+            raise UserError(
+                f"{fv.model} is a Flax NNX module, decoded without a KV cache: drop "
+                "--kv-dtype, --speculative and --mtp"
+            )
+        module = mtp_module(fv.model, devices) if fv.mtp else None
+        _generate(fv, model, tokenizer, speculative, module)
     return 0
 
 
-def _generate(fv, model, tokenizer) -> None:
-    from posttrain.sampling import run_generate
+def _generate(fv, model, tokenizer, speculative: int, mtp) -> None:
+    from posttrain.sampling import EngineConfig, run_generate
 
     run_generate(
         model,
@@ -82,4 +97,7 @@ def _generate(fv, model, tokenizer) -> None:
         top_k=fv.top_k,
         n=fv.n,
         seed=fv.seed,
+        engine=EngineConfig(slots=fv.slots or 32, num_blocks=fv.num_blocks, kv_dtype=fv.kv_dtype),
+        speculative=speculative,
+        mtp=mtp,
     )

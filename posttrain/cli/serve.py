@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 
+from posttrain.cli._engine_flags import check_engine, define_engine, mtp_module
 from posttrain.cli._flags import define_mesh, mesh, parse
 from posttrain.errors import UserError
 
@@ -32,23 +33,10 @@ def main(argv: list[str]) -> int:
             "sooner)",
             flag_values=fv,
         )  # fmt: skip
-        flags.DEFINE_integer(
-            "num_blocks", 0,
-            "KV pool size in blocks of 16 tokens (0: room for every sequence at the model's "
-            "full context; set it for long-context models)",
-            flag_values=fv,
-        )  # fmt: skip
-        flags.DEFINE_integer(
-            "speculative", -1,
-            "draft tokens per speculative round, 0 for plain decoding (default: the preset's: "
-            "0 for throughput, 4 for latency; 1 with --mtp)",
-            flag_values=fv,
-        )  # fmt: skip
-        flags.DEFINE_boolean(
-            "mtp", False,
-            "draft with the checkpoint's multi-token-prediction layer (DeepSeek-V3 and its "
-            "kind) instead of prompt lookup; a workdir's comes from its base model (model.hf_path)",
-            flag_values=fv,
+        define_engine(
+            flags, fv, slots_help="sequences decoded together (0: the preset's, 64 or 8)",
+            speculative_help="draft tokens per speculative round, 0 for plain decoding "
+            "(default: the preset's: 0 for throughput, 4 for latency; 1 with --mtp)",
         )  # fmt: skip
         flags.DEFINE_string(
             "served_model_name", None, "the model id clients name (default: --model)",
@@ -89,10 +77,14 @@ def main(argv: list[str]) -> int:
     for name in ("max_sequences", "max_queue_tokens", "drain_s"):
         if fv[name].value < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {fv[name].value}")
-    if fv.num_blocks < 0:
-        raise UserError(f"--num-blocks must be >= 0 (0: sized to fit), got {fv.num_blocks}")
-    if fv.speculative < -1:
-        raise UserError(f"--speculative must be >= 0 (0: plain decoding), got {fv.speculative}")
+    from posttrain.sampling import SERVE_PRESETS
+
+    if fv.preset not in SERVE_PRESETS:
+        raise UserError(
+            f"unknown serve preset {fv.preset!r}; choose one of {sorted(SERVE_PRESETS)}"
+        )
+    preset = SERVE_PRESETS[fv.preset]
+    speculative = check_engine(fv, default_speculative=preset.get("speculative", 0))
     _check_address(fv.host, fv.port)
     api_key = fv.api_key if fv.api_key is not None else os.environ.get("POSTTRAIN_API_KEY", "")
     if not api_key and not _loopback(fv.host):
@@ -106,7 +98,6 @@ def main(argv: list[str]) -> int:
     from posttrain.sampling import ServeConfig, serve
     from posttrain.train import load_model_and_tokenizer
 
-    speculative = fv.speculative if fv.speculative >= 0 else 1 if fv.mtp else None
     config = ServeConfig.from_preset(  # before the model loads
         fv.preset,
         model_name=fv.served_model_name or fv.model,
@@ -117,14 +108,14 @@ def main(argv: list[str]) -> int:
         api_key=api_key,
         drain_s=fv.drain_s,
         num_blocks=fv.num_blocks,
-        **({"speculative": speculative} if speculative is not None else {}),
+        kv_dtype=fv.kv_dtype,
+        speculative=speculative,
+        **({"slots": fv.slots} if fv.slots else {}),
     )
-    if fv.mtp and not config.speculative:
-        raise UserError("--mtp drafts tokens: drop --speculative=0 or set it >= 1")
     devices = mesh(fv.mesh)
     with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():
         model, tokenizer = load_model_and_tokenizer(fv.model, mesh=devices)
-        module = _mtp_module(fv.model, devices) if fv.mtp else None
+        module = mtp_module(fv.model, devices) if fv.mtp else None
     serve(model, tokenizer, config, host=fv.host, port=fv.port, mesh=devices, mtp=module)
     return 0
 
@@ -156,22 +147,3 @@ def _loopback(host: str) -> bool:
     except OSError:
         return False
     return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
-
-
-def _mtp_module(path: str, devices):
-    """The MTP module of an HF directory, or of the base model a training workdir started from."""
-    import json
-
-    from posttrain import paths
-    from posttrain.models import mtp_from_hf
-
-    if (paths.path(path) / "checkpoints").is_dir():
-        config = json.loads((paths.path(path) / "config.json").read_text())
-        base = config.get("model", {}).get("hf_path")
-        if not base:
-            raise UserError(
-                f"--mtp: the workdir {path} was not started from an HF checkpoint (no "
-                f"model.hf_path in its config.json), so it has no multi-token-prediction layer"
-            )
-        path = base
-    return mtp_from_hf(path, mesh=devices)

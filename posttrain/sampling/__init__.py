@@ -2,6 +2,7 @@
 `serve`), speculative decoding and the OpenAI-compatible server; the padded static loop only
 decodes modules without a KV cache (Flax NNX) and is the reference the engine is tested against."""
 
+from posttrain.sampling._backend import PRESETS as SERVE_PRESETS
 from posttrain.sampling._backend import _Backend as ServeBackend  # (envs.EpisodeServer's base)
 from posttrain.sampling._completion import Completion, check_settings
 from posttrain.sampling._continuous import (
@@ -44,6 +45,7 @@ __all__ = [
     "SamplingParams",
     "serve",
     "ServeConfig",
+    "SERVE_PRESETS",
     "APIError",
     "ServeBackend",
     "api_app",

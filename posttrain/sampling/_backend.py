@@ -81,6 +81,7 @@ class ServeConfig:
     # KV pool blocks of 16 tokens; 0 gives every row room for a max_seq_len sequence
     # (slots x max_seq_len tokens: small for small models, set it for long-context ones).
     num_blocks: int = 0
+    kv_dtype: str = "auto"  # KV cache: "auto" (the compute dtype), "int8" or "int8_layered"
     # Prompt-lookup drafts per speculative round (0: plain decoding). Greedy answers are the
     # same either way; seeded samples are reproducible, but other draws than plain decoding's.
     speculative: int = 0
@@ -186,7 +187,7 @@ class _Backend:
     def _new_engine(self) -> Engine:
         c = self._config
         config = EngineConfig(slots=c.slots, chunk=c.chunk, prefill_bucket=c.prefill_bucket,
-                              num_blocks=c.num_blocks)  # fmt: skip
+                              num_blocks=c.num_blocks, kv_dtype=c.kv_dtype)  # fmt: skip
         drafter = None
         if c.speculative:
             k = c.speculative

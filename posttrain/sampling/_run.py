@@ -10,8 +10,12 @@ import sys
 from posttrain import paths
 from posttrain.sampling._completion import check_settings
 from posttrain.sampling._continuous import generate_continuous
+from posttrain.sampling._engine import EngineConfig
 from posttrain.sampling._generate import generate
+from posttrain.sampling._speculative import MTP, PromptLookup
 from posttrain.sampling._stream import stream
+
+FILE_ENGINE = EngineConfig(slots=32)  # a prompts file's rows decoded together
 
 
 def _render(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -41,9 +45,17 @@ def run_generate(
     top_k: int = 0,
     n: int = 1,
     seed: int = 0,
+    engine: EngineConfig = FILE_ENGINE,
+    speculative: int = 0,
+    mtp=None,
 ) -> None:
     """Streams one prompt's continuation to stdout, or writes a JSONL of completions for a
-    file of prompts (one JSON string or {"prompt": ...} object per line)."""
+    file of prompts (one JSON string or {"prompt": ...} object per line), on the engine with
+    `engine`'s rows and KV cache, drafting `speculative` tokens a round (prompt lookup, or the
+    model's `mtp` module) when > 0."""
+    drafter = None
+    if speculative:
+        drafter = PromptLookup(k=speculative) if mtp is None else MTP(mtp, k=speculative)
     settings = dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k
     )
@@ -52,8 +64,9 @@ def run_generate(
         if prompt is None:
             raise ValueError("give --prompt=TEXT or --prompts-file=FILE")
         for piece in stream(
-            model, tokenizer, _render(tokenizer, prompt, chat), seed=seed, **settings
-        ):
+            model, tokenizer, _render(tokenizer, prompt, chat), seed=seed,
+            kv_dtype=engine.kv_dtype, drafter=drafter, **settings,
+        ):  # fmt: skip
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -73,10 +86,15 @@ def run_generate(
             )
         texts += [text] if line.strip() else []
     ids = [_render(tokenizer, t, chat) for t in texts]
+    stats: dict = {}
     if model.config.nnx is not None:  # (your own module: the static sampler decodes it)
         results = generate(model, tokenizer, ids, n=n, seed=seed, **settings)
     else:  # the paged engine: prompts of any mix of lengths, n samples share their prefill
-        results = generate_continuous(model, tokenizer, ids, n=n, seed=seed, slots=32, **settings)
+        results = generate_continuous(
+            model, tokenizer, ids, n=n, seed=seed, slots=engine.slots,
+            num_blocks=engine.num_blocks, kv_dtype=engine.kv_dtype, drafter=drafter, stats=stats,
+            **settings,
+        )  # fmt: skip
     out = out or default_out(prompts_file)
     records = [
         {
@@ -89,4 +107,10 @@ def run_generate(
         for c in samples
     ]
     paths.write_text(out, "".join(json.dumps(r) + "\n" for r in records))
-    print(f"wrote {sum(len(s) for s in results)} completions to {out}")
+    drafts = (
+        f"; speculative decoding: {stats['accepted']} of {stats['proposed']} drafted tokens "
+        f"accepted, {stats['generated_tokens']} tokens in {stats['rounds']} forwards"
+        if drafter is not None
+        else ""
+    )
+    print(f"wrote {sum(len(s) for s in results)} completions to {out}{drafts}")

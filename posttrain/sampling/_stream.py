@@ -16,6 +16,7 @@ from posttrain.models import Transformer
 from posttrain.sampling._completion import check_settings
 from posttrain.sampling._engine import Engine, EngineConfig, Request
 from posttrain.sampling._params import SamplingParams
+from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup
 from posttrain.sampling._static import generate_static
 
 
@@ -29,9 +30,12 @@ def stream(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
+    kv_dtype: str = "auto",
+    drafter: PromptLookup | DraftModel | MTP | None = None,
 ) -> Iterator[str]:
     """Yields the decoded continuation of `prompt_ids` piece by piece until EOS or the limit
-    (a Flax NNX module, which the engine cannot cache, gives its whole text as one piece)."""
+    (a Flax NNX module, which the engine cannot cache, gives its whole text as one piece);
+    `kv_dtype` and `drafter` as for the engine (`EngineConfig`, `Engine`)."""
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     check_settings(max_new_tokens=max_new_tokens, n=1, **settings)
     limit = model.config.max_seq_len
@@ -49,9 +53,10 @@ def stream(
         return
     engine = Engine(
         model,
-        EngineConfig(slots=1, chunk=1),
+        EngineConfig(slots=1, chunk=1, kv_dtype=kv_dtype),
         max_len=len(prompt_ids) + max_new_tokens,
         eos_ids=tokenizer.eos_ids,
+        drafter=drafter,
     )
     # Prompt 0 of `generate(..., seed=seed)` draws from fold_in(key(seed), 0).
     key = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0))

@@ -78,3 +78,32 @@ def test_cli_generate_streams_and_writes_jsonl(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["What is 2 + 2?"] * 2 + ["What is 5 - 9?"] * 2
     assert all(r["finish_reason"] in ("stop", "length") and r["num_tokens"] <= 4 for r in rows)
+
+
+def test_cli_generate_takes_the_engines_options(tmp_path, capsys):
+    """--slots, --kv-dtype and --speculative reach the engine: speculative greedy answers are
+    the plain ones (prompt-lookup drafts only save forwards), streamed and in batch; an int8
+    KV cache answers every prompt too."""
+    model_dir = tmp_path / "model"
+    to_hf(MODEL, str(model_dir))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(ASSETS_DIR, "tokenizer", name), model_dir / name)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'"What is {i} + {i}?"\n' for i in range(5)))
+    base = ["generate", f"--model={model_dir}", "--chat", "--max-new-tokens=12"]
+    outs = {}
+    for name, extra in {"plain": [], "drafted": ["--speculative=3", "--slots=2"],
+                        "int8": ["--kv-dtype=int8"]}.items():  # fmt: skip
+        outs[name] = tmp_path / f"{name}.jsonl"
+        args = [*base, f"--prompts-file={prompts}", f"--out={outs[name]}", *extra]
+        assert cli.main(args) == 0
+        said = capsys.readouterr().out
+        assert ("drafted tokens accepted" in said) == (name == "drafted"), said
+    rows = {k: [json.loads(line) for line in v.read_text().splitlines()] for k, v in outs.items()}
+    assert rows["drafted"] == rows["plain"] and len(rows["plain"]) == 5
+    assert len(rows["int8"]) == 5
+    capsys.readouterr()
+    assert cli.main([*base, "--prompt=What is 1 + 1?", "--speculative=2"]) == 0
+    drafted = capsys.readouterr().out
+    assert cli.main([*base, "--prompt=What is 1 + 1?"]) == 0
+    assert drafted == capsys.readouterr().out
