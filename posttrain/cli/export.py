@@ -47,8 +47,9 @@ def main(argv: list[str]) -> int:
     fv = parse(argv, define, HELP)
     if not fv.workdir or not fv.out:
         raise UserError("--workdir=DIR and --out=HF_DIR are required")
+    from posttrain.lora import load_checkpoint_model
     from posttrain.models import check_export_destination, to_hf
-    from posttrain.train import export_peft, load_checkpoint_model
+    from posttrain.train import export_peft
 
     check_export_destination(fv.out, overwrite=fv.overwrite)  # before a large checkpoint loads
 

@@ -54,8 +54,8 @@ def main(argv: list[str]) -> int:
     import jax
 
     from posttrain import paths
+    from posttrain.lora import load_model_and_tokenizer
     from posttrain.sampling import check_settings, default_out
-    from posttrain.train import load_model_and_tokenizer
 
     check_settings(  # before the model loads
         max_new_tokens=fv.max_new_tokens, temperature=fv.temperature, top_p=fv.top_p,

@@ -95,8 +95,8 @@ def main(argv: list[str]) -> int:
         )  # fmt: skip
     import jax
 
+    from posttrain.lora import load_model_and_tokenizer
     from posttrain.sampling import ServeConfig, serve
-    from posttrain.train import load_model_and_tokenizer
 
     config = ServeConfig.from_preset(  # before the model loads
         fv.preset,

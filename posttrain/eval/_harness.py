@@ -148,8 +148,8 @@ def evaluate_checkpoints(
       a grid of its first completions' parts (`renders/<task>_step<N>.png`; `_model` for an
       HF directory).
     """
+    from posttrain.lora import load_checkpoint_model
     from posttrain.models import from_hf
-    from posttrain.train import load_checkpoint_model
 
     config = load_eval_config(config)
     steps = [steps] if isinstance(steps, int) else None if steps is None else list(steps)
