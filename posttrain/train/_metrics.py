@@ -76,6 +76,13 @@ class MetricsWriter:
         self._tb = SummaryWriter(
             self._tb_local.name if self._remote else self._tb_dir, max_queue=1 << 20
         )
+        # Its thread's write errors are kept for the next `write` to report in one line (a
+        # thread that died would print a traceback, and race the checkpoint's own error).
+        self._tb_error: OSError | None = None
+        event_writer = self._tb._get_file_writer().event_writer
+        worker = getattr(event_writer, "_worker", None)
+        if worker is not None:
+            worker._record_writer = _Kept(worker._record_writer, self._keep_tb_error)
 
     def write(self, step: int, metrics: dict, split: str = "train") -> None:
         if not self.enabled:
@@ -93,8 +100,17 @@ class MetricsWriter:
         for name, value in values.items():
             self._tb.add_scalar(f"{split}/{name}", value, int(step))
 
+    def _keep_tb_error(self, error: OSError) -> None:
+        self._tb_error = self._tb_error or error
+
     def _check_tensorboard(self) -> None:
-        """Raises if tensorboardX's writer thread has died (its error is printed above)."""
+        """Raises if tensorboardX's writer thread could not write, or has died."""
+        if self._tb_error is not None:
+            raise UserError(
+                f"TensorBoard events could not be written to {self._tb_dir}: "
+                f"{self._tb_error.strerror or self._tb_error}; free space (or fix the "
+                "destination) and rerun to resume from the last checkpoint"
+            )
         writer = self._tb._get_file_writer().event_writer
         worker = getattr(writer, "_worker", None)
         if worker is not None and not worker.is_alive():
@@ -127,3 +143,26 @@ def read_metrics(workdir: str, split: str = "train") -> list[dict]:
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if r.get("split") == split]
+
+
+class _Kept:
+    """An event file writer whose OSErrors (a full or read-only disk) go to `keep` instead of
+    ending tensorboardX's writer thread; the events they lose are dropped."""
+
+    def __init__(self, writer, keep):
+        self._writer, self._keep = writer, keep
+
+    def write_event(self, event) -> None:
+        try:
+            self._writer.write_event(event)
+        except OSError as e:
+            self._keep(e)
+
+    def flush(self) -> None:
+        try:
+            self._writer.flush()
+        except OSError as e:
+            self._keep(e)
+
+    def __getattr__(self, name):
+        return getattr(self._writer, name)
