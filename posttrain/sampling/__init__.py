@@ -10,7 +10,8 @@ from posttrain.sampling._continuous import (
     generate_speculative,
     request_completions,
 )
-from posttrain.sampling._engine import Engine, EngineConfig, EngineStats, Request
+from posttrain.sampling._engine import Engine, Request
+from posttrain.sampling._engine_config import EngineConfig, EngineStats
 from posttrain.sampling._generate import generate
 from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._run import default_out, run_generate

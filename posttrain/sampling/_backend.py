@@ -23,7 +23,8 @@ import numpy as np
 
 from posttrain.models import Transformer
 from posttrain.sampling._completion import Completion, _finish
-from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._engine import Engine, Request
+from posttrain.sampling._engine_config import EngineConfig
 from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._speculative import MTP, PromptLookup
 

@@ -13,7 +13,8 @@ import numpy as np
 
 from posttrain.models import Transformer
 from posttrain.sampling._completion import Completion, _check, _finish, _keys, _prepare
-from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._engine import Engine, Request
+from posttrain.sampling._engine_config import EngineConfig
 from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup, check_drafter
 

@@ -32,15 +32,15 @@ may need, and with a program spanning processes (or devices) in the queue the ru
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.models import KV_DTYPES, Transformer, require_kv_cache
+from posttrain.models import Transformer, require_kv_cache
 from posttrain.parallel import logical_to_spec
+from posttrain.sampling._engine_config import EngineConfig, EngineStats
 from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
 from posttrain.sampling._request import Request
 from posttrain.sampling._rounds import speculate
@@ -51,101 +51,6 @@ from posttrain.sampling._speculative import (
     draft_config,
     drafter_lookahead,
 )
-
-_ATTENTION = ("auto", "xla", "ragged")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """How the engine batches and caches.
-
-    Attributes:
-      slots: sequences decoded together (the decode batch).
-      block_size: tokens per KV block.
-      num_blocks: blocks in the pool (block 0 is scratch); 0 sizes it so every slot can hold
-        a sequence of the longest length the engine is asked for (never waits for blocks).
-      chunk: decode steps per device call; finished rows are refilled between calls.
-      prefill_bucket: prompt lengths are padded to a multiple of this for prefill (bounds
-        compilations).
-      kv_dtype: "auto" (the model's compute dtype), "int8" (per-token, per-head scales) or
-        "int8_layered" (int8, and each sequence's last `kv_recent` tokens in full precision).
-      kv_recent: the full-precision window of "int8_layered".
-      prefix_sharing: the n samples of a prompt share its prefill and its full blocks.
-      attention: how decode steps attend over the pool: "auto" (the TPU ragged paged-attention
-        kernel on TPU where it applies: model-dtype KV, no MLA, head dim a multiple of 128;
-        else "xla"), "xla" (gather the row's blocks, the reference), "ragged" (the kernel).
-      unstack_layers: decode calls copy the layers' weights and KV pool into per-layer arrays
-        once and loop over them, instead of a scan slicing (copying) each layer's weights and
-        cache at every step: 1.5x the tokens/s of a small model on CPU, at the cost of one
-        extra copy of the layer weights while a decode call runs (False on a device where
-        that copy does not fit).
-      record_routes: router replay: record each sample's routed experts at every position
-        (prompt and completion) of a MoE model, into `Request.routes` (no drafter).
-    """
-
-    slots: int = 8
-    block_size: int = 16
-    num_blocks: int = 0
-    chunk: int = 16
-    prefill_bucket: int = 16
-    kv_dtype: str = "auto"
-    kv_recent: int = 32
-    prefix_sharing: bool = True
-    attention: str = "auto"
-    unstack_layers: bool = True
-    record_routes: bool = False
-
-    def __post_init__(self):
-        for name in ("slots", "block_size", "chunk", "prefill_bucket", "kv_recent"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"engine {name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks < 0:
-            raise ValueError(
-                f"engine num_blocks must be >= 0 (0 = sized to fit), got {self.num_blocks}"
-            )
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"engine kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.attention not in _ATTENTION:
-            raise ValueError(
-                f"engine attention must be one of {_ATTENTION}, got {self.attention!r}"
-            )
-
-    def kernel(self, model_config, platform: str) -> str:
-        """The `PagedKVCache.kernel` decode steps use ("" for the XLA gather)."""
-        fits = (
-            self.kv_dtype == "auto"
-            and model_config.mla is None
-            and model_config.head_dim % 128 == 0
-            and not model_config.batch_invariant  # (which has its own attention)
-            and not model_config.attn_softcap  # (Gemma 2: the kernels here do not cap)
-        )
-        if self.attention == "auto":
-            return "ragged" if platform == "tpu" and fits else ""
-        if self.attention == "xla":
-            return ""
-        if not fits:
-            raise ValueError(
-                f"engine attention={self.attention!r} needs a model-dtype KV cache (kv_dtype="
-                f"'auto'), no MLA, no attention soft-capping and a head dim that is a multiple "
-                f"of 128; use 'xla'"
-            )
-        return self.attention
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counts since the engine was made: prompt tokens asked for vs prefilled (prefix sharing
-    prefills a group's prompt once), tokens generated, device calls, peak blocks in use."""
-
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_calls: int = 0
-    decode_calls: int = 0
-    peak_blocks: int = 0
-    rounds: int = 0  # speculative rounds (forwards of the model after prefills)
-    proposed: int = 0  # drafts proposed and accepted
-    accepted: int = 0
 
 
 class Engine:
@@ -165,7 +70,7 @@ class Engine:
     def __init__(
         self,
         model: Transformer,
-        config: EngineConfig = EngineConfig(),
+        config: EngineConfig = EngineConfig(),  # noqa: B008 (a frozen record)
         *,
         max_len: int | None = None,
         eos_ids: Sequence[int] = (),

@@ -10,7 +10,7 @@ import sys
 from posttrain import paths
 from posttrain.sampling._completion import check_settings
 from posttrain.sampling._continuous import generate_continuous
-from posttrain.sampling._engine import EngineConfig
+from posttrain.sampling._engine_config import EngineConfig
 from posttrain.sampling._generate import generate
 from posttrain.sampling._speculative import MTP, PromptLookup
 from posttrain.sampling._stream import stream

@@ -14,7 +14,8 @@ import numpy as np
 
 from posttrain.models import Transformer
 from posttrain.sampling._completion import check_settings
-from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._engine import Engine, Request
+from posttrain.sampling._engine_config import EngineConfig
 from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup
 from posttrain.sampling._static import generate_static
