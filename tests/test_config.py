@@ -1,8 +1,13 @@
 """Building config dataclasses from config sections: nested sections keep their field's
 defaults, a key that moved into a section is named, bad values name their section."""
 
+import ast
+import dataclasses
+import pathlib
+
 import pytest
 
+import posttrain
 from posttrain.config import ConfigError, build
 from posttrain.curate import SampleConfig
 from posttrain.eval import TargetTask
@@ -41,3 +46,47 @@ def test_pass_at_k_needs_sampled_answers():
     with pytest.raises(ConfigError, match="pass@k samples need temperature > 0"):
         build(TargetTask, {"name": "t", "path": "x.jsonl", "num_samples": 4,
                            "sampling": {"temperature": 0.0}}, "target.t")  # fmt: skip
+
+
+# A field that shares a name with a sampling setting but means something else.
+NOT_SAMPLING = {("posttrain/models/_config.py", "MoEConfig", "top_k"): "experts per token"}
+
+
+def _dataclass_fields(root):
+    """(path, class, field) of every annotated field of every `@dataclass` under `root`."""
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef) or not any(
+                "dataclass" in ast.unparse(d) for d in node.decorator_list
+            ):
+                continue
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    yield str(path.relative_to(root.parent)), node.name, item.target.id
+
+
+def test_every_sampling_setting_is_declared_once():
+    """temperature/top_p/top_k are fields of SamplingParams only: generate's engine requests,
+    serve, eval, RL rollouts and the data tools hold a SamplingParams instead of their own."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    declared = [
+        (path, cls, name)
+        for path, cls, name in _dataclass_fields(pathlib.Path(posttrain.__file__).parent)
+        if name in names and (path, cls, name) not in NOT_SAMPLING
+    ]
+    assert declared == [("posttrain/sampling/_params.py", "SamplingParams", n) for n in
+                        ("temperature", "top_p", "top_k")], declared  # fmt: skip
+
+
+def test_the_declaration_check_sees_a_second_record(tmp_path):
+    package = tmp_path / "posttrain"
+    package.mkdir()
+    (package / "a.py").write_text(
+        "import dataclasses\n@dataclasses.dataclass(frozen=True)\nclass Rollout:\n"
+        "    steps: int = 1\n    temperature: float = 1.0\n"
+    )
+    assert list(_dataclass_fields(package)) == [
+        ("posttrain/a.py", "Rollout", "steps"),
+        ("posttrain/a.py", "Rollout", "temperature"),
+    ]
