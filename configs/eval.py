@@ -119,6 +119,14 @@ def get_config(preset: str = "demo") -> ml_collections.ConfigDict:
     c.reward_workers = 0  # verifier processes with a deadline each; 0 scores in this process
     c.reward_timeout_s = 10.0  # per completion, with reward_workers > 0
     c.progress = True  # progress bars
+    c.engine = ml_collections.ConfigDict()  # the engine completions decode on
+    c.engine.slots = 64  # sequences decoded together
+    c.engine.chunk = 8  # decode steps per device call
+    c.engine.prefill_bucket = 64  # prompts padded to a multiple of this for prefill
+    c.engine.block_size = 16  # tokens per KV block
+    c.engine.num_blocks = 0  # KV pool blocks; 0: room for every row's longest sequence
+    c.engine.kv_dtype = "auto"  # auto (compute dtype) | int8 | int8_layered
+    c.engine.speculative = 0  # prompt-lookup draft tokens a round (0: plain; greedy unchanged)
 
     if preset == "demo":
         eval_jsonl = os.path.join(_DEMO, "eval.jsonl")

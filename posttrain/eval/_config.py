@@ -18,7 +18,7 @@ from posttrain import paths
 from posttrain.config import ConfigError, build, load_config_file, to_plain
 from posttrain.data import LONG_CONTEXT_KINDS, SourceConfig
 from posttrain.rewards import parse_judge_ref
-from posttrain.sampling import SamplingParams
+from posttrain.sampling import EngineConfig, SamplingParams
 
 CATEGORIES = ("general", "target", "safety", "long_context")
 KINDS = ("generate", "preference")
@@ -185,6 +185,9 @@ class EvalConfig:
     reward_workers: int = 0  # verifier processes (RewardPool); 0 scores in this process
     reward_timeout_s: float = 10.0  # per completion, with reward_workers > 0
     progress: bool = True  # progress bars
+    # The engine completions decode on (rows, KV cache dtype and size, prompt-lookup drafts):
+    # `posttrain generate` and `serve` take the same settings as flags.
+    engine: EngineConfig = EngineConfig(slots=64, chunk=8, prefill_bucket=64)
 
     def __post_init__(self):
         for category in CATEGORIES:

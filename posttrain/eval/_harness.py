@@ -66,11 +66,12 @@ def evaluate(
             elif category == "target":
                 render_to = render_path(task.name) if render_path else ""
                 out = target_metrics(model, tokenizer, task, scorer, progress=config.progress,
-                                     render_to=render_to)  # fmt: skip
+                                     render_to=render_to, engine=config.engine)  # fmt: skip
             elif category == "long_context":
                 out = long_context_metrics(model, tokenizer, task, progress=config.progress)
             else:
-                out = safety_metrics(model, tokenizer, task, scorer, progress=config.progress)
+                out = safety_metrics(model, tokenizer, task, scorer, progress=config.progress,
+                                     engine=config.engine)  # fmt: skip
             metrics.update({f"{category}/{task.name}/{k}": v for k, v in out.items()})
     finally:
         if own:

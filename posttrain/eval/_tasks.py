@@ -167,16 +167,17 @@ def _report_skips(where: str, stats: dict) -> None:
 GREEDY = SamplingParams()
 
 
-def _completions(model, tokenizer, prompt_ids, task, bar, *, n=1, sampling=GREEDY,
-                 seed=0) -> list[list[str]]:  # fmt: skip
-    """Per prompt, its n completions' text, generated `task.batch_size` prompts at a time."""
+def _completions(model, tokenizer, prompt_ids, task, bar, *, n=1, sampling=GREEDY, seed=0,
+                 engine=None) -> list[list[str]]:  # fmt: skip
+    """Per prompt, its n completions' text, generated `task.batch_size` prompts at a time on
+    the engine `engine` configures (None: a row per sample)."""
     out = []
     for i, start in enumerate(range(0, len(prompt_ids), task.batch_size)):
         chunk = prompt_ids[start : start + task.batch_size]
         results = generate(
             model, tokenizer, chunk, max_new_tokens=task.max_new_tokens,
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, n=n,
-            seed=seed + i,
+            seed=seed + i, engine=engine,
         )  # fmt: skip
         out += [[c.text for c in samples] for samples in results]
         bar.update(len(chunk))
@@ -194,7 +195,14 @@ def _prompts(records, tokenizer, where: str) -> list[list[int]]:
 
 
 def target_metrics(
-    model, tokenizer, task: TargetTask, scorer: Scorer, *, progress=True, render_to: str = ""
+    model,
+    tokenizer,
+    task: TargetTask,
+    scorer: Scorer,
+    *,
+    progress=True,
+    render_to: str = "",
+    engine=None,
 ) -> dict:
     """Accuracy (overall and per domain) and pass@k, or the preference share; with `render_to`
     (a PNG path, local or gs://) and `task.renders`, a grid of the parts that the first greedy
@@ -235,7 +243,8 @@ def target_metrics(
             bar.update(len(records))
         else:
             scorer.check(domains)
-            texts = [s[0] for s in _completions(model, tokenizer, prompt_ids, task, bar)]
+            texts = [s[0] for s in _completions(model, tokenizer, prompt_ids, task, bar,
+                                                engine=engine)]  # fmt: skip
             scores = scorer(records, texts, domains)
             hits = scores >= task.pass_threshold
             if render_to and task.renders:
@@ -248,7 +257,7 @@ def target_metrics(
             scorer.check(domains)
             samples = _completions(
                 model, tokenizer, prompt_ids, task, bar, n=task.num_samples,
-                sampling=task.sampling, seed=task.seed,
+                sampling=task.sampling, seed=task.seed, engine=engine,
             )  # fmt: skip
             n = task.num_samples
             flat = scorer(
@@ -288,7 +297,9 @@ def safety_judge(ref: str) -> JudgeReward:
     return JudgeReward.from_ref(ref, default_rubric=SAFETY_RUBRIC)
 
 
-def safety_metrics(model, tokenizer, task: SafetyTask, scorer: Scorer, *, progress=True) -> dict:
+def safety_metrics(
+    model, tokenizer, task: SafetyTask, scorer: Scorer, *, progress=True, engine=None
+) -> dict:
     """Refusal rate on should-refuse prompts, compliance rate on should-comply prompts (and,
     with a judge, the number of its answers without a grade, which count as compliance
     unless the reference sets failure_reward)."""
@@ -306,7 +317,7 @@ def safety_metrics(model, tokenizer, task: SafetyTask, scorer: Scorer, *, progre
         safety_judge(task.judge).check()
     with progress_bar(where, len(records), progress) as bar:
         texts = [s[0] for s in _completions(model, tokenizer, _prompts(records, tokenizer, where),
-                                            task, bar)]  # fmt: skip
+                                            task, bar, engine=engine)]  # fmt: skip
     metrics = {}
     if task.refusal_domain:
         domains = [task.refusal_domain] * len(records)

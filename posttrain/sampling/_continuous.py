@@ -43,6 +43,7 @@ def generate_continuous(
     record_routes: bool = False,
     drafter: PromptLookup | DraftModel | MTP | None = None,
     engine: Engine | None = None,
+    config: EngineConfig | None = None,
     stats: dict | None = None,
     images: Sequence[Sequence[np.ndarray]] | None = None,
 ) -> list[list[Completion]]:
@@ -74,6 +75,8 @@ def generate_continuous(
       engine: an `Engine` to run on (keeps its compilations and pool across calls, e.g. one
         per RL run); the engine arguments above are then ignored, except the model's weights,
         which are swapped in.
+      config: the engine's settings as one record (`EngineConfig`, e.g. an eval config's
+        `engine`), instead of the engine arguments above.
       stats: if given, filled with this call's `EngineStats` counts (prompt vs prefilled
         tokens, generated tokens, device calls, speculative rounds and drafts).
       images: a VLM's images per prompt, as for `generate`; a prompt's n samples share its
@@ -108,7 +111,7 @@ def generate_continuous(
     sampling = SamplingParams(temperature, top_p, top_k)
     ids, stop, eos_ids, _ = _prepare(model, tokenizer, prompts, budgets, stop, eos_ids)
     if engine is None:
-        config = EngineConfig(
+        config = config or EngineConfig(
             slots=slots,
             block_size=block_size,
             num_blocks=num_blocks,

@@ -77,6 +77,8 @@ class Engine:
         drafter: PromptLookup | DraftModel | MTP | None = None,
     ):
         require_kv_cache(model.config, "the paged engine")
+        if drafter is None and config.speculative:
+            drafter = PromptLookup(k=config.speculative)
         if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(model.params)):
             model = jax.device_put(model)  # host weights (NumPy): onto the default device
         self.model, self.config = model, config

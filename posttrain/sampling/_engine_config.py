@@ -36,6 +36,8 @@ class EngineConfig:
         that copy does not fit).
       record_routes: router replay: record each sample's routed experts at every position
         (prompt and completion) of a MoE model, into `Request.routes` (no drafter).
+      speculative: prompt-lookup draft tokens per speculative round when the engine is given
+        no drafter (0: plain decoding); greedy outputs are the plain ones.
     """
 
     slots: int = 8
@@ -49,11 +51,19 @@ class EngineConfig:
     attention: str = "auto"
     unstack_layers: bool = True
     record_routes: bool = False
+    speculative: int = 0
 
     def __post_init__(self):
         for name in ("slots", "block_size", "chunk", "prefill_bucket", "kv_recent"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine {name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative < 0:
+            raise ValueError(f"engine speculative must be >= 0 (0: plain), got {self.speculative}")
+        if self.speculative and self.kv_dtype == "int8_layered":
+            raise ValueError(
+                "engine kv_dtype='int8_layered' keeps recent tokens in a ring that speculative "
+                "drafts would overwrite: use kv_dtype='int8' or speculative=0"
+            )
         if self.num_blocks < 0:
             raise ValueError(
                 f"engine num_blocks must be >= 0 (0 = sized to fit), got {self.num_blocks}"

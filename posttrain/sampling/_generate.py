@@ -15,6 +15,7 @@ import numpy as np
 from posttrain.models import Transformer
 from posttrain.sampling._completion import Completion, _check
 from posttrain.sampling._continuous import generate_continuous
+from posttrain.sampling._engine_config import EngineConfig
 from posttrain.sampling._static import generate_static
 
 MOST_ROWS = 256  # rows `generate` decodes at once; the engine queues the rest
@@ -36,6 +37,7 @@ def generate(
     eos_ids: Sequence[int] | None = None,
     length_bucket: int = 64,
     images: Sequence[Sequence[np.ndarray]] | None = None,
+    engine: EngineConfig | None = None,
 ) -> list[list[Completion]]:
     """Samples `n` continuations of each prompt on the paged engine (`generate_continuous`),
     every sample of the call decoding at once (up to 256 rows; more wait for a free row).
@@ -64,6 +66,8 @@ def generate(
       images: a VLM's images per prompt, float pixels `[H, W, C]` each, resized and
         normalised (`posttrain.data.preprocess_images`); prompt i's image tokens take its
         images in order.
+      engine: the engine's settings (rows, KV cache, chunk, prefill bucket, prompt-lookup
+        drafts); default: a row per sample (up to 256), prompts padded to `length_bucket`.
 
     Returns:
       Per prompt, a list of its n `Completion`s (text, token_ids, logprobs, finish_reason). The
@@ -92,4 +96,5 @@ def generate(
         model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
         top_p=top_p, top_k=top_k, n=n, seed=seed, seeds=seeds, stop=stop, eos_ids=eos_ids,
         slots=min(len(prompts) * n, MOST_ROWS), length_bucket=length_bucket, images=images,
+        config=engine,
     )  # fmt: skip

@@ -208,6 +208,27 @@ def test_verifier_scoring(run):
     assert evaluate(model, run["tokenizer"], {**config, **always})["target/t/accuracy"] == 1.0
 
 
+def test_the_suites_engine_settings_reach_its_completions(run):
+    """`engine` (rows, int8 KV, prompt-lookup drafts) configures the decoding of a suite's
+    completions: speculative greedy answers are the plain ones, so the accuracy is too; an
+    engine setting out of range is one ConfigError naming it."""
+    model = load_checkpoint_model(run["workdir"], 8)
+    task = {"path": EVAL_JSONL, "max_new_tokens": 8, "max_examples": N}
+    plain = evaluate(model, run["tokenizer"], {"target": {"t": task}, "progress": False})
+    drafted = {"slots": 3, "chunk": 2, "speculative": 3}
+    config = {"target": {"t": task}, "progress": False, "engine": drafted}
+    assert evaluate(model, run["tokenizer"], config) == plain
+    config["engine"] = {"num_blocks": 1}  # (reaches the engine: a pool too small for a row)
+    with pytest.raises(ValueError, match="engine num_blocks=1 cannot hold one sequence"):
+        evaluate(model, run["tokenizer"], config)
+    for engine, message in [
+        ({"slots": 0}, "engine slots must be >= 1"),
+        ({"kv_dtype": "int8_layered", "speculative": 2}, "engine kv_dtype=.int8_layered. keeps"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"config\.engine: {message}"):
+            EvalConfig.from_config({"target": {"t": task}, "engine": engine})
+
+
 def test_report_has_one_row_per_checkpoint(run, report, capsys):
     out = os.path.join(run["workdir"], "eval")
     lines = _records(os.path.join(out, "metrics.jsonl"))
