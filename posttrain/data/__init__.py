@@ -12,6 +12,7 @@ from posttrain.data._build_check import read_manifest as read_build_manifest
 from posttrain.data._build_check import verify as verify_build
 from posttrain.data._chat_template import REASONING_FIELDS
 from posttrain.data._curriculum import Phase
+from posttrain.data._data_config import DataConfig, config_identity
 from posttrain.data._formats import (
     TEXT_KEYS,
     RecordError,
@@ -44,14 +45,8 @@ from posttrain.data._io import (
 )
 from posttrain.data._long_context import KINDS as LONG_CONTEXT_KINDS
 from posttrain.data._long_context import long_context_records, read_paragraphs
-from posttrain.data._pipeline import (
-    DataConfig,
-    SFTData,
-    config_identity,
-    index_mixture,
-    make_pipeline,
-    process_share,
-)
+from posttrain.data._mixing import index_mixture
+from posttrain.data._pipeline import SFTData, make_pipeline, process_share
 from posttrain.data._preference import PairError, encode_pair
 from posttrain.data._preference_data import (
     PreferenceData,

@@ -14,10 +14,7 @@ A Grain graph, so that its iterator state is a checkpointable dict and resume is
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,97 +24,15 @@ import numpy as np
 
 from posttrain.data._accounting import Tally, find_tally, log_source, source_names
 from posttrain.data._accounting import metrics as count_metrics
-from posttrain.data._curriculum import Phase, check_curriculum, curriculum_dataset
+from posttrain.data._curriculum import curriculum_dataset
+from posttrain.data._data_config import DataConfig, config_identity
 from posttrain.data._formats import ExampleEncoder
 from posttrain.data._image_chat import image_root, vision_spec
-from posttrain.data._sources import Records, SourceConfig, canonical_identity
+from posttrain.data._manifest import data_manifest
+from posttrain.data._mixing import _mean_tokens, _seed
+from posttrain.data._sources import Records, canonical_identity
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
 from posttrain.models import VisionConfig
-
-# Fields that do not change which batches come out (kept out of the state's identity check).
-_RUNTIME_FIELDS = ("read_threads", "read_buffer")
-
-
-def config_identity(config) -> dict:
-    """A data config's fields that decide which batches come out (its state's identity): all
-    but the read threads and buffer."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """How to turn SFT sources into batches.
-
-    Attributes:
-      sources: the sources of the mixture.
-      max_len: row length L of every batch array.
-      batch_size: rows per step over all processes; each process yields
-        batch_size // process_count of them.
-      seed: seeds the per-epoch shuffles; same config and seed give the same batches.
-      packing: first-fit pack several examples into each row; else one example per row.
-      shuffle: shuffle records, differently each epoch.
-      num_epochs: None repeats forever, mixing sources by weight (training); n reads every
-        record of every source n times, weights unused (evaluation), then stops.
-      on_error: "raise" on a malformed record (naming its file and line/row), or "skip" it and
-        count it in `stats["skipped"]`.
-      overlong: examples longer than max_len are cut to it ("truncate") or left out ("drop");
-        both counted in `stats`.
-      add_eos: append EOS to text and string completions (chat templates end turns themselves).
-      read_threads: threads decoding and tokenizing records ahead of packing (no effect on the
-        batches).
-      read_buffer: records decoded ahead of packing (no effect on the batches).
-      mix_by: what the sources' weights share out when repeating forever: "records" (a
-        weight-0.2 source gives 20% of the examples) or "tokens" (20% of the tokens in the
-        packed rows: each weight is divided by the source's mean tokens per example, measured
-        on up to 256 of its records), so long examples keep a set share of training.
-      curriculum: phases that replace the sources' weights (`_curriculum.Phase`: weights by
-        source name, lasting a number of steps or examples), e.g. easy buckets first; each
-        source's `data/<source>/used` count is then logged with every step.
-      max_images: for a vision-language model, the image slots of each packed row (batches
-        carry `images` `[rows, max_images, S, S, C]`); 0: as many as max_len holds
-        (max_len // tokens_per_image). An example with more is cut before the first image it
-        cannot hold, like overlong text.
-    """
-
-    sources: tuple[SourceConfig, ...]
-    max_len: int
-    batch_size: int
-    seed: int = 0
-    packing: bool = True
-    shuffle: bool = True
-    num_epochs: int | None = None
-    on_error: str = "raise"
-    overlong: str = "truncate"
-    add_eos: bool = True
-    read_threads: int = 4
-    read_buffer: int = 64
-    mix_by: str = "records"
-    curriculum: tuple[Phase, ...] = ()
-    max_images: int = 0
-
-    def __post_init__(self):
-        object.__setattr__(self, "sources", tuple(self.sources))
-        object.__setattr__(self, "curriculum", tuple(self.curriculum))
-        checks = [
-            (self.sources, "sources must name at least one SourceConfig"),
-            (all(isinstance(s, SourceConfig) for s in self.sources), "sources: SourceConfigs"),
-            (self.max_len >= 2, f"max_len must be at least 2, got {self.max_len}"),
-            (self.batch_size >= 1, f"batch_size must be positive, got {self.batch_size}"),
-            (0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
-            (self.num_epochs is None or self.num_epochs >= 1, "num_epochs: None or >= 1"),
-            (self.on_error in ("raise", "skip"), f"on_error={self.on_error!r}: raise or skip"),
-            (self.overlong in ("truncate", "drop"), f"overlong={self.overlong!r}: truncate|drop"),
-            (self.read_threads >= 0 and self.read_buffer >= 0, "read_threads/read_buffer >= 0"),
-            (self.mix_by in ("records", "tokens"), f"mix_by={self.mix_by!r}: records or tokens"),
-            (not (self.curriculum and self.mix_by == "tokens"), "curriculum mixes by records"),
-            (self.max_images >= 0, f"max_images must be >= 0, got {self.max_images}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"DataConfig: {message}")
-        if self.curriculum:
-            names = source_names([s.path for s in self.sources])
-            check_curriculum(self.curriculum, names, self.packing)
 
 
 def process_share(
@@ -214,89 +129,6 @@ def _fill_rows(batch: dict[str, np.ndarray], *, rows: int, pad: dict[str, Any]):
     return {
         k: np.concatenate([v, np.full((rows - n, *v.shape[1:]), pad.get(k, 0), v.dtype)])
         for k, v in batch.items()
-    }
-
-
-def _seed(seed: int, *salt: int) -> int:
-    return int(np.random.SeedSequence([seed, *salt]).generate_state(1)[0])
-
-
-def index_mixture(
-    members: list[list[int]],
-    weights: list[float],
-    *,
-    seed: int,
-    shuffle: bool,
-    num_epochs: int | None,
-    curriculum: tuple[Phase, ...] = (),
-    names: Sequence[str] = (),
-    rows: int = 1,
-) -> grain.IterDataset:
-    """A Grain stream of item indices from several sources (`members[i]`: source i's items).
-
-    num_epochs=None repeats every source forever, each reshuffled per epoch with its own seed,
-    mixed by `weights`, or picked by the `curriculum` phases (sources by `names`, phases in
-    steps of `rows` items); n concatenates the sources, shuffles and makes n passes. Its
-    iterator state is a small dict (the position), saved with checkpoints.
-    """
-    parts = [grain.MapDataset.source(m) for m in members]
-    if num_epochs is None:
-        if shuffle:
-            parts = [p.shuffle(seed=_seed(seed, i)) for i, p in enumerate(parts)]
-        parts = [p.repeat() for p in parts]
-        if curriculum:
-            ds = curriculum_dataset(parts, curriculum, names, rows=rows, process_count=1)
-        else:
-            ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
-    else:
-        ds = parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)
-        ds = (ds.shuffle(seed=_seed(seed)) if shuffle else ds).repeat(num_epochs)
-    return ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
-
-
-def _mean_tokens(encode, records, sample: int = 256) -> float:
-    """Mean tokens per example (as packed: truncated to max_len) of up to `sample` records
-    spread evenly over the source; records that become no example count as none."""
-    picks = np.linspace(0, len(records) - 1, min(sample, len(records))).astype(int)
-    lengths = [len(out["example"]["tokens"]) for out in (encode(records[int(i)]) for i in picks)
-               if "example" in out]  # fmt: skip
-    return float(np.mean(lengths)) if lengths else 1.0
-
-
-def _sha256_file(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-
-
-def data_manifest(
-    config: DataConfig, tokenizer: Tokenizer, records: list[Records], process_count: int
-) -> dict[str, Any]:
-    """The sources' files (sha256, record counts), the data config and the tokenizer's identity,
-    as JSON; hashing reads every data file once."""
-    root = Path(tokenizer.name_or_path)
-    template = tokenizer.chat_template
-    return {
-        "sources": [
-            {
-                "path": s.path,
-                "domain": s.domain,
-                "weight": s.weight,
-                "format": s.format,
-                "records": len(recs),
-                "files": recs.describe(),
-                **({"build": recs.build} if recs.build else {}),  # a `posttrain data build`
-            }
-            for s, recs in zip(config.sources, records, strict=True)
-        ],
-        "config": json.loads(
-            json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k != "sources"})
-        ),
-        "tokenizer": {
-            "path": tokenizer.name_or_path,
-            "sha256": _sha256_file(root / "tokenizer.json")
-            or hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest(),
-            "chat_template_sha256": template and hashlib.sha256(template.encode()).hexdigest(),
-        },
-        "process_count": process_count,
     }
 
 

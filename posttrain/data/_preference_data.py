@@ -17,15 +17,11 @@ from tqdm.auto import tqdm
 
 from posttrain.data._accounting import log_source, source_names, zero_counts
 from posttrain.data._accounting import metrics as count_metrics
+from posttrain.data._data_config import _RUNTIME_FIELDS, DataConfig
 from posttrain.data._image_chat import ImageSpec, image_root, vision_spec
-from posttrain.data._pipeline import (
-    _RUNTIME_FIELDS,
-    DataConfig,
-    canonical_identity,
-    data_manifest,
-    index_mixture,
-    process_share,
-)
+from posttrain.data._manifest import data_manifest
+from posttrain.data._mixing import index_mixture
+from posttrain.data._pipeline import process_share
 from posttrain.data._preference import (
     _KEPT_ERRORS,
     _REASONS,
@@ -35,7 +31,7 @@ from posttrain.data._preference import (
     collate,
     encode_pair,
 )
-from posttrain.data._sources import Records
+from posttrain.data._sources import Records, canonical_identity
 from posttrain.data._tokenizer import Tokenizer
 from posttrain.models import VisionConfig
 
