@@ -235,7 +235,7 @@ def invariant_layer(
     kv_segment_ids_BS=None,
     cache_update=None,
 ):
-    """One decoder block as `_transformer._layer` computes it (same params, cache and aux),
+    """One decoder block as `_block._layer` computes it (same params, cache and aux),
     with every per-token step in row tiles and attention in ordered key blocks; `window` is
     this layer's (0: full). Returns `(x, (cache, aux))`."""
     B, L, D = x_BLD.shape
