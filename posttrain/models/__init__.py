@@ -4,7 +4,9 @@ from posttrain.models._attention import attention, attention_mask
 from posttrain.models._cache import KV_DTYPES, KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig, NNXSpec, RopeScaling, VisionConfig
 from posttrain.models._hf import check_export_destination, from_hf, mtp_from_hf, to_hf
-from posttrain.models._hf_config import HFFormatError, export_layout, load_hf_config
+from posttrain.models._hf_config import load_hf_config
+from posttrain.models._hf_format import HFFormatError
+from posttrain.models._hf_layout import export_layout
 from posttrain.models._hf_table import weight_table
 from posttrain.models._invariant import token_logprobs
 from posttrain.models._moe import expert_parallelism, update_routing_bias

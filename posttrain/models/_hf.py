@@ -21,16 +21,10 @@ import numpy as np
 from posttrain import paths
 from posttrain.models._config import ModelConfig
 from posttrain.models._hf_carry import Carry, plan_carry
-from posttrain.models._hf_config import (
-    CheckpointLayout,
-    HFFormatError,
-    config_to_hf,
-    export_layout,
-    hf_model_type,
-    load_hf_config_and_layout,
-    read_json,
-)
+from posttrain.models._hf_config import config_to_hf, hf_model_type, load_hf_config_and_layout
 from posttrain.models._hf_export import Writer, hf_rows, plan
+from posttrain.models._hf_format import HFFormatError, read_json
+from posttrain.models._hf_layout import CheckpointLayout, export_layout
 from posttrain.models._hf_table import HFTensor, mtp_weight_table, weight_table
 from posttrain.models._hf_vlm import checkpoint_prefixes
 from posttrain.models._mtp import MTPModule, mtp_param_shardings, mtp_param_specs

@@ -23,13 +23,9 @@ import numpy as np
 from posttrain import paths
 from posttrain.errors import UserError
 from posttrain.models._config import ModelConfig
-from posttrain.models._hf_config import (
-    CheckpointLayout,
-    HFFormatError,
-    export_layout,
-    load_hf_config_and_layout,
-    read_json,
-)
+from posttrain.models._hf_config import load_hf_config_and_layout
+from posttrain.models._hf_format import HFFormatError, read_json
+from posttrain.models._hf_layout import CheckpointLayout, export_layout
 from posttrain.models._hf_vlm import checkpoint_prefixes, keep_source_encoder
 from posttrain.models._params import param_specs
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from posttrain.models._config import ModelConfig
-from posttrain.models._hf_config import CheckpointLayout
+from posttrain.models._hf_layout import CheckpointLayout
 
 Convert = Callable[[np.ndarray], np.ndarray]
 

@@ -12,7 +12,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from posttrain.models import from_hf, to_hf
 from posttrain.models._config import ModelConfig, RopeScaling
-from posttrain.models._hf_config import _rope_from_hf, config_from_hf, config_to_hf
+from posttrain.models._hf_config import config_from_hf, config_to_hf
+from posttrain.models._hf_rope import _rope_from_hf
 from posttrain.models._rope import inverse_frequencies, rope_angles, rope_attention_factor
 from posttrain.testing import hf_logits, save_tiny_hf_model
 
