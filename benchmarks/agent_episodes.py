@@ -35,13 +35,14 @@ from pathlib import Path
 import jax
 from _machine import cpu_model  # benchmarks/ is the script directory
 
-from posttrain.config import build, load_config_file, override
+from posttrain.config import load_config_file, override
 from posttrain.data import load_tokenizer
 from posttrain.demo._calculator import build_calculator_assets, make_problems
 from posttrain.envs import Budget, ElasticPool, make_env, run_episodes
+from posttrain.methods import method_config
 from posttrain.rewards import integer_correct
 from posttrain.sampling import Engine, EngineConfig
-from posttrain.train import SFTConfig, load_checkpoint_model, run_sft
+from posttrain.train import load_checkpoint_model
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET = Budget(max_turns=3, max_tokens=256, turn_tokens=96, max_tool_s=30.0)
@@ -106,7 +107,8 @@ def prepare(workdir: Path, n_eval: int) -> tuple[str, list[dict], str]:
     }
     config = override(config, values)
     start = time.perf_counter()
-    run_sft(build(SFTConfig, {k: v for k, v in config.items() if k != "method"}), str(run))
+    method, built = method_config(config)
+    method.run(built, str(run))
     (run / "done.json").write_text(
         json.dumps({"steps": SFT_STEPS, "seconds": time.perf_counter() - start})
     )

@@ -95,11 +95,10 @@ def run_cad_demo(
     from rich.console import Console
     from rich.table import Table
 
-    from posttrain.config import build, load_config_file, override
+    from posttrain.config import load_config_file, override
     from posttrain.data import load_tokenizer
+    from posttrain.methods import method_config
     from posttrain.models import Transformer
-    from posttrain.rl import RLConfig, run_rl
-    from posttrain.train import SFTConfig, run_sft
 
     console = Console()
     for stale in ("sft", "grpo"):  # a demo starts from scratch (a workdir would resume)
@@ -114,10 +113,10 @@ def run_cad_demo(
     sft_dir, rl_dir = os.path.join(workdir, "sft"), os.path.join(workdir, "grpo")
     values = {"tokenizer": assets["tokenizer"], "data.sources": [source(assets["sft"])]}
     sft_dict = override(load_config_file(f"{CONFIG}:sft"), {**values, **(sft_overrides or {})})
-    sft = build(SFTConfig, {k: v for k, v in sft_dict.items() if k != "method"})
+    sft_method, sft = method_config(sft_dict)  # (the methods' records: posttrain.methods)
     console.print(f"stage 1 · SFT from scratch: {sft.train.steps} steps on reference scripts")
     start = time.perf_counter()
-    summary = run_sft(sft, sft_dir)
+    summary = sft_method.run(sft, sft_dir)
     seconds = {"sft": time.perf_counter() - start}
     model = Transformer(jax.device_get(summary["state"].params), summary["model_config"])
     result = {"eval_tasks": len(held_out)}
@@ -131,13 +130,13 @@ def run_cad_demo(
         **(rl_overrides or {}),
     }
     rl_dict = override(load_config_file(f"{CONFIG}:grpo"), rl_values)
-    rl = build(RLConfig, {k: v for k, v in rl_dict.items() if k != "method"})
+    rl_method, rl = method_config(rl_dict)
     console.print(
         f"stage 2 · GRPO with the cad reward: {rl.train.steps} steps of {rl.data.batch_size} "
         f"tasks x {rl.rollout.num_generations} scripts"
     )
     start = time.perf_counter()
-    rl_summary = run_rl(rl, rl_dir)
+    rl_summary = rl_method.run(rl, rl_dir)
     seconds["rl"] = time.perf_counter() - start
     policy = Transformer(jax.device_get(rl_summary["state"].params), rl_summary["model_config"])
     result["rl"], after = cad_metrics(jax.device_put(policy), tokenizer, held_out)

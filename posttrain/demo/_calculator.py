@@ -153,11 +153,10 @@ def run_calculator_demo(
     from rich.console import Console
     from rich.table import Table
 
-    from posttrain.config import build, load_config_file, override
+    from posttrain.config import load_config_file, override
     from posttrain.data import load_tokenizer
+    from posttrain.methods import method_config
     from posttrain.models import Transformer
-    from posttrain.rl import RLConfig, run_rl
-    from posttrain.train import SFTConfig, run_sft
 
     console = Console()
     configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "agent.py")
@@ -175,10 +174,10 @@ def run_calculator_demo(
     sft_dict = override(
         load_config_file(f"{configs}:calculator_sft"), {**values, **(sft_overrides or {})}
     )
-    sft = build(SFTConfig, {k: v for k, v in sft_dict.items() if k != "method"})
+    sft_method, sft = method_config(sft_dict)  # (the methods' records: posttrain.methods)
     console.print(f"stage 1 · SFT from scratch: {sft.train.steps} steps on solved episodes")
     start = time.perf_counter()
-    summary = run_sft(sft, sft_dir)
+    summary = sft_method.run(sft, sft_dir)
     sft_seconds = time.perf_counter() - start
     model = Transformer(jax.device_get(summary["state"].params), summary["model_config"])
     before = _measure(jax.device_put(model), tokenizer, held_out)
@@ -191,13 +190,13 @@ def run_calculator_demo(
         **(rl_overrides or {}),
     }
     rl_dict = override(load_config_file(f"{configs}:calculator"), rl_values)
-    rl = build(RLConfig, {k: v for k, v in rl_dict.items() if k != "method"})
+    rl_method, rl = method_config(rl_dict)
     console.print(
         f"stage 2 · GRPO with the calculator: {rl.train.steps} steps of {rl.data.batch_size} "
         f"problems x {rl.rollout.num_generations} episodes"
     )
     start = time.perf_counter()
-    rl_summary = run_rl(rl, rl_dir)
+    rl_summary = rl_method.run(rl, rl_dir)
     rl_seconds = time.perf_counter() - start
     policy = Transformer(jax.device_get(rl_summary["state"].params), rl_summary["model_config"])
     after = _measure(jax.device_put(policy), tokenizer, held_out)

@@ -19,21 +19,15 @@ import time
 import jax
 import numpy as np
 
-from posttrain.config import build, load_config_file, override
+from posttrain.config import load_config_file, override
 from posttrain.data import load_tokenizer
 from posttrain.demo._task import DOMAIN
 from posttrain.eval import greedy_exact_match, prefers_chosen
+from posttrain.methods import method_config
 from posttrain.models import Transformer, num_params
 from posttrain.rewards import integer_correct
-from posttrain.rl import RLConfig, run_rl
 from posttrain.sampling import generate
-from posttrain.train import (
-    DPOConfig,
-    SFTConfig,
-    read_metrics,
-    run_dpo,
-    run_sft,
-)
+from posttrain.train import read_metrics
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_CONFIG = os.path.join(_REPO, "configs", "sft.py")
@@ -184,7 +178,7 @@ def run_demo(
 
     console = Console()
     config_dict = override(load_config_file(f"{SFT_CONFIG}:tiny"), overrides)
-    config = build(SFTConfig, {k: v for k, v in config_dict.items() if k != "method"})
+    sft, config = method_config(config_dict)  # (the methods' records: posttrain.methods)
     tokenizer = load_tokenizer(config.tokenizer)
     held_out = _records(config.eval_data[0].path)
 
@@ -207,7 +201,7 @@ def run_demo(
         if os.path.exists(stale):
             console.print(f"removing the previous demo run in {stale}")
             shutil.rmtree(stale)
-    summary = run_sft(config, sft_dir)
+    summary = sft.run(config, sft_dir)
     seconds = time.perf_counter() - start
     trained = Transformer(jax.device_get(summary["state"].params), summary["model_config"])
     after = float(greedy_exact_match(trained, tokenizer, held_out).mean())
@@ -230,7 +224,7 @@ def run_demo(
     dpo_dict.model.checkpoint = sft_dir
     dpo_dict.data.sources = [{**dpo_dict.data.sources[0], "path": files["train"]}]
     dpo_dict.eval_data = [{**dpo_dict.eval_data[0], "path": files["eval"]}]
-    dpo_config = build(DPOConfig, {k: v for k, v in dpo_dict.items() if k != "method"})
+    dpo, dpo_config = method_config(dpo_dict)
     eval_pairs = _records(files["eval"])
     console.print(
         f"stage 2 · DPO: {sum(1 for _ in open(files['train']))} pairs of the SFT model's right "
@@ -238,7 +232,7 @@ def run_demo(
         f"{dpo_config.train.steps} steps of {dpo_config.data.batch_size} pairs"
     )
     preference_before = prefers_chosen(trained, tokenizer, eval_pairs)
-    dpo_summary = run_dpo(dpo_config, dpo_dir)
+    dpo_summary = dpo.run(dpo_config, dpo_dir)
     dpo_seconds = time.perf_counter() - start
     aligned = Transformer(jax.device_get(dpo_summary["state"].params), dpo_summary["model_config"])
     accuracy_dpo = float(greedy_exact_match(aligned, tokenizer, held_out).mean())
@@ -248,13 +242,13 @@ def run_demo(
     start = time.perf_counter()
     rl_dict = override(load_config_file(f"{GRPO_CONFIG}:tiny"), rl_overrides)
     rl_dict.model.checkpoint = sft_dir
-    rl_config = build(RLConfig, {k: v for k, v in rl_dict.items() if k != "method"})
+    grpo, rl_config = method_config(rl_dict)
     console.print(
         f"stage 3 · GRPO from the SFT model: {rl_config.train.steps} steps of "
         f"{rl_config.data.batch_size} training problems x {rl_config.rollout.num_generations} "
         "samples, reward = the verifier"
     )
-    rl_summary = run_rl(rl_config, rl_dir)
+    rl_summary = grpo.run(rl_config, rl_dir)
     rl_seconds = time.perf_counter() - start
     policy = Transformer(jax.device_get(rl_summary["state"].params), rl_summary["model_config"])
     accuracy_rl = float(greedy_exact_match(policy, tokenizer, held_out).mean())

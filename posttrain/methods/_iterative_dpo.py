@@ -19,8 +19,8 @@ from posttrain.config import ConfigError
 from posttrain.curate import SampleConfig, make_pairs
 from posttrain.data import SourceConfig, load_tokenizer
 from posttrain.lora import load_model_and_tokenizer
+from posttrain.methods._dpo import DPO, DPOConfig, run_dpo
 from posttrain.models import ModelSpec, finished_step
-from posttrain.train import DPOConfig, run_dpo
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +120,9 @@ def _as_dpo(c: IterativeDPOConfig) -> DPOConfig:
     """The plain DPO config of a round (its checkpoints record a DPO run)."""
     fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(DPOConfig)}
     return DPOConfig(**fields)
+
+
+# Each round's step is DPO's: the same plan, frozen inputs and batch.
+ITERATIVE_DPO = dataclasses.replace(
+    DPO, name="iterative_dpo", config=IterativeDPOConfig, run=run_iterative_dpo
+)

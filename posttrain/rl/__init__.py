@@ -1,38 +1,64 @@
-"""Reinforcement learning with verifiable rewards: the GRPO family (GRPO, Dr.GRPO, DAPO, GSPO,
-RLOO) and PPO on the shared train loop: `RolloutSource` makes each step's batch from rollouts
-(`posttrain.sampling`) and rewards (`posttrain.rewards`), `run_rl` runs it with `train`."""
+"""Reinforcement learning's machinery: the RL config, rollout sources (single- and multi-turn,
+whole or partial, co-located or on their own devices), the scorer (old-policy, reference,
+critic and teacher log-probs), advantages and the policy loss wiring, the critic, the
+distillation teacher, staleness and the domain sampler. The RL methods (GRPO, PPO,
+distillation: `posttrain.methods`) compose them into a run on the shared train loop."""
 
 from posttrain.rl._config import (
     AlgorithmConfig,
     DistillConfig,
     KLConfig,
+    OfflineConfig,
     RewardsConfig,
     RLConfig,
     RolloutConfig,
 )
-from posttrain.rl._loss import PolicyLossConfig, rl_loss, sequence_log_probs
-from posttrain.rl._prompts import PromptData
-from posttrain.rl._replay import route_shape
-from posttrain.rl._rollout import rollout_batch, split_rows
+from posttrain.rl._critic import value_trainable
+from posttrain.rl._domains import component_means
+from posttrain.rl._loss import CriticLoss, PolicyLossConfig, rl_loss, sequence_log_probs
+from posttrain.rl._partial import PartialProducer
+from posttrain.rl._prompts import AdaptiveDomains, PromptData
+from posttrain.rl._replay import check_router_replay, route_shape
+from posttrain.rl._rollout import (
+    RolloutProducer,
+    Rollouts,
+    make_episode_env,
+    rollout_batch,
+    split_rows,
+)
+from posttrain.rl._sampler_weights import SamplerWeights
+from posttrain.rl._scorer import Scorer
 from posttrain.rl._source import RolloutSource
-from posttrain.rl._trainer import rl_plan, run_rl, split_devices
+from posttrain.rl._teacher import Teacher, split_teacher_devices, teacher_model
 
 __all__ = [
+    "AdaptiveDomains",
     "AlgorithmConfig",
+    "CriticLoss",
     "DistillConfig",
     "KLConfig",
+    "OfflineConfig",
+    "PartialProducer",
     "PolicyLossConfig",
     "PromptData",
     "RLConfig",
     "RewardsConfig",
-    "RolloutSource",
     "RolloutConfig",
+    "RolloutProducer",
+    "RolloutSource",
+    "Rollouts",
+    "SamplerWeights",
+    "Scorer",
+    "Teacher",
+    "check_router_replay",
+    "component_means",
+    "make_episode_env",
     "rl_loss",
     "rollout_batch",
-    "run_rl",
+    "route_shape",
     "sequence_log_probs",
     "split_rows",
-    "rl_plan",
-    "route_shape",
-    "split_devices",
+    "split_teacher_devices",
+    "teacher_model",
+    "value_trainable",
 ]

@@ -11,9 +11,9 @@ import pytest
 
 from posttrain.config import build, load_config_file, override
 from posttrain.demo._calculator import build_calculator_assets
+from posttrain.methods import SFTConfig, run_sft
 from posttrain.models import Transformer, get_preset, restore_params
 from posttrain.rl import rollout_batch, sequence_log_probs
-from posttrain.train import SFTConfig, run_sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_STEPS = 120  # enough to learn the call format (60 is not), not to copy every digit reliably

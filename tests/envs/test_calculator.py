@@ -13,7 +13,8 @@ from posttrain.config import build, load_config_file, override
 from posttrain.data import load_tokenizer
 from posttrain.demo._calculator import calculator_success
 from posttrain.envs import Budget, ElasticPool, episode_metrics, make_env, run_episodes
-from posttrain.rl import RLConfig, run_rl
+from posttrain.methods import run_rl
+from posttrain.rl import RLConfig
 from posttrain.sampling import Engine, EngineConfig
 
 from .conftest import REPO, load_policy

@@ -28,10 +28,10 @@ from posttrain.eval import (
     load_eval_config,
     prefers_chosen,
 )
-from posttrain.methods import run_from_config
+from posttrain.methods import SFTConfig, run_from_config, run_sft
 from posttrain.rewards import pass_at_k
 from posttrain.sampling import generate
-from posttrain.train import SFTConfig, load_checkpoint_model, read_metrics, run_sft
+from posttrain.train import load_checkpoint_model, read_metrics
 from tests.train.conftest import REPO, small_config
 
 EVAL_JSONL = str(ASSETS_DIR / "eval.jsonl")

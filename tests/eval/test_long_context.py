@@ -13,8 +13,9 @@ from posttrain.data import load_tokenizer, long_context_records
 from posttrain.demo import ASSETS_DIR
 from posttrain.eval import evaluate, load_eval_config, suite_evaluator
 from posttrain.eval._long_context import write_heatmaps
+from posttrain.methods import SFTConfig, run_sft
 from posttrain.models import Transformer, get_preset
-from posttrain.train import SFTConfig, load_checkpoint_model, run_sft
+from posttrain.train import load_checkpoint_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUITE = {

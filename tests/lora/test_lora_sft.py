@@ -14,12 +14,11 @@ from posttrain import cli
 from posttrain.config import build, load_config_file, to_plain
 from posttrain.data import load_tokenizer, make_pipeline
 from posttrain.lora import adapter_kwargs, adapter_shapes
-from posttrain.methods import run_from_config
+from posttrain.methods import SFTConfig, run_from_config
 from posttrain.models import checkpoint_json, forward, init_params
 from posttrain.parallel import make_mesh
 from posttrain.testing import hf_logits
 from posttrain.train import (
-    SFTConfig,
     load_checkpoint_model,
     load_lora_params,
     read_metrics,

@@ -20,8 +20,8 @@ from posttrain.models import (
 from posttrain.models._config import MLAConfig
 from posttrain.models._presets import PUBLISHED_ACTIVE_PARAMS
 from posttrain.parallel import MeshConfig, make_mesh, named_sharding, tree_shardings
+from posttrain.train import sft_loss
 from posttrain.train._run import decay_mask, routing_bias_update
-from posttrain.train._sft import sft_loss
 from posttrain.train._state import create_state
 from posttrain.train._step import train_step
 

@@ -13,11 +13,10 @@ from posttrain.data import load_tokenizer
 from posttrain.data._formats import encode_prompt
 from posttrain.demo import ASSETS_DIR
 from posttrain.losses import distill_advantages
-from posttrain.methods import method_config, run_from_config
+from posttrain.methods import method_config, run_from_config, split_devices
 from posttrain.models import Transformer, get_preset, init_params, to_hf
 from posttrain.rl import DistillConfig
 from posttrain.rl._teacher import teacher_model
-from posttrain.rl._trainer import split_devices
 from posttrain.sampling import generate
 from posttrain.train import load_checkpoint_model, read_metrics
 from tests.tolerance import assert_close

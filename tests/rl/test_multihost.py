@@ -142,7 +142,7 @@ def test_what_runs_in_one_process_only_is_refused_on_several(
     monkeypatch, tmp_path, overrides, named
 ):
     from posttrain.config import ConfigError
-    from posttrain.rl import run_rl
+    from posttrain.methods import run_rl
     from tests.rl.toy import toy_config
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)

@@ -15,10 +15,15 @@ from posttrain.data import load_tokenizer
 from posttrain.data._formats import RecordError
 from posttrain.demo import ASSETS_DIR
 from posttrain.losses import aggregate, awr_loss, truncated_is_loss
-from posttrain.methods import method_config, run_from_config
+from posttrain.methods import (
+    LoggedTrajectories,
+    logged_advantages,
+    method_config,
+    offline_rl,
+    run_from_config,
+)
 from posttrain.models import Transformer, init_params
 from posttrain.rl import sequence_log_probs
-from posttrain.rl._offline_rl import LoggedTrajectories, logged_advantages, offline_rl
 from posttrain.sampling import generate
 from posttrain.train import load_checkpoint_model, read_metrics
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from posttrain.config import ConfigError, build
-from posttrain.methods import run_from_config
+from posttrain.methods import SFTConfig, run_from_config
 from posttrain.models import get_preset, init_params
 from posttrain.parallel import MeshConfig, make_mesh
 from posttrain.train import (
@@ -17,7 +17,6 @@ from posttrain.train import (
     Checkpointer,
     LoopConfig,
     OptimizerConfig,
-    SFTConfig,
     TrainingDiverged,
     create_state,
     make_optimizer,

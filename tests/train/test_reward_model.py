@@ -14,8 +14,13 @@ from posttrain.demo import ASSETS_DIR, make_dataset
 from posttrain.methods import run_from_config
 from posttrain.models import get_preset
 from posttrain.rewards import RewardPool, RewardRegistry, reward_scores
-from posttrain.train import ModelSpec, load_reward_model, read_metrics, reward_model_loss
-from posttrain.train._rm import reward_trainable
+from posttrain.train import (
+    ModelSpec,
+    load_reward_model,
+    read_metrics,
+    reward_model_loss,
+    reward_trainable,
+)
 
 from .conftest import REPO
 

@@ -10,10 +10,9 @@ import pytest
 
 from posttrain import cli
 from posttrain.config import build, load_config_file
-from posttrain.methods import run_from_config
+from posttrain.methods import SFTConfig, run_from_config
 from posttrain.testing import hf_logits
 from posttrain.train import (
-    SFTConfig,
     create_state,
     load_checkpoint_model,
     make_optimizer,

@@ -1,4 +1,7 @@
-"""The RL run (GRPO family, PPO): its rollout source and policy loss on the shared train loop.
+"""The RL run (GRPO family; PPO and on-policy distillation are its records in `_ppo.py` and
+`_distill.py`): its step, frozen inputs, batch, what it keeps beside the step, the driver that
+composes `posttrain.rl`'s rollout source, scorer and policy loss on the shared train loop, and
+the `grpo` record.
 
 One RL step:
   1. draws `data.batch_size` prompts and samples `rollout.num_generations` completions of each
@@ -26,30 +29,42 @@ import logging
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from posttrain import paths
+from posttrain.aot import bytes_per_device
 from posttrain.config import ConfigError
-from posttrain.data import prompt_image_spec
+from posttrain.data import prompt_image_spec, prompt_slots
 from posttrain.envs import rewards_itself
 from posttrain.lora import Policy
-from posttrain.models import ModelConfig
+from posttrain.methods._method import SEQUENCE, Method, abstract, images, policy_frozen
+from posttrain.methods._offline_rl import offline_rl
+from posttrain.methods._rft import filter_by_difficulty, rejection_sampling
+from posttrain.models import ModelConfig, param_shapes, param_shardings
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
 from posttrain.rewards import RewardPool
-from posttrain.rl._config import RLConfig
-from posttrain.rl._critic import value_trainable
-from posttrain.rl._domains import component_means
-from posttrain.rl._loss import CriticLoss, rl_loss
-from posttrain.rl._offline import filter_by_difficulty, rejection_sampling
-from posttrain.rl._offline_rl import offline_rl
-from posttrain.rl._partial import PartialProducer
-from posttrain.rl._prompts import AdaptiveDomains, PromptData
-from posttrain.rl._replay import check_router_replay
-from posttrain.rl._rollout import RolloutProducer, Rollouts, make_episode_env
-from posttrain.rl._sampler_weights import SamplerWeights
-from posttrain.rl._scorer import Scorer
-from posttrain.rl._source import RolloutSource
-from posttrain.rl._teacher import Teacher, split_teacher_devices, teacher_model
+from posttrain.rl import (
+    AdaptiveDomains,
+    CriticLoss,
+    PartialProducer,
+    PromptData,
+    RLConfig,
+    RolloutProducer,
+    Rollouts,
+    RolloutSource,
+    SamplerWeights,
+    Scorer,
+    Teacher,
+    check_router_replay,
+    component_means,
+    make_episode_env,
+    rl_loss,
+    route_shape,
+    split_teacher_devices,
+    teacher_model,
+    value_trainable,
+)
 from posttrain.train import (
     BatchPasses,
     StepPlan,
@@ -329,3 +344,80 @@ def _evaluate(c: RLConfig, eval_prompts: PromptData, rollouts: Rollouts, params)
     out.update({f"eval_{k}": v for k, v in parts if k.startswith(("reward_parts/", "response"))})
     out["eval_loss"] = -out["eval_reward"]
     return out
+
+
+def rl_batch(c: RLConfig, mesh):
+    """One RL step's rollout batch (what `RolloutSource` yields) as abstract arrays: every row
+    of the step (its minibatches and epochs are updates inside the step)."""
+    rows = c.rows
+    length = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+    floats = ("loss_mask", "sampler_logps", "old_logps")
+    floats += ("ref_logps",) * c.kl.enabled + ("returns", "old_values") * c.ppo
+    per_row = {"rewards": jnp.float32, "truncated": jnp.float32, "kl_coefs": jnp.float32,
+               "lengths": jnp.float32, "domain_ids": jnp.int32}  # fmt: skip
+    shapes = {k: ((rows, length), jnp.int32) for k in SEQUENCE}
+    shapes |= {k: ((rows, length), jnp.float32) for k in floats}
+    shapes |= {k: ((rows,), t) for k, t in per_row.items()}
+    per_token = c.ppo or c.distill.enabled  # (GAE, or distillation's per-token advantages)
+    shapes["advantages"] = ((rows, length) if per_token else (rows,), jnp.float32)
+    if vision := c.model.model_config().vision:  # a VLM's prompt images (`prompt_image_spec`)
+        slots = prompt_slots(vision, c.rollout.max_prompt_len, c.data.max_images)
+        shapes |= images(c, rows, length, slots)
+    if routes := route_shape(c.loss.router_replay, c.model.model_config()):  # router replay
+        shapes["routed_experts"] = ((rows, length, *routes), jnp.int16)
+    return abstract(shapes, mesh), rows * length, length
+
+
+def rl_resident(c: RLConfig, model_config: ModelConfig, mesh) -> dict:
+    """GRPO/PPO's frozen reference (the LoRA base with adapters off costs nothing more), the
+    merged weights a LoRA policy samples with, and the rollout KV cache (co-located sampler)."""
+    out = {}
+    full = param_shardings(model_config, mesh)
+    if c.kl.enabled and c.lora is None:
+        out["reference"] = bytes_per_device(param_shapes(model_config), full)
+    if c.rollout.sampler_devices:
+        return out
+    if c.lora is not None:
+        out["sampler weights (merged)"] = bytes_per_device(param_shapes(model_config), full)
+    m = model_config
+    length = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+    sizes = dict(mesh.shape)
+    batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    heads, k_dim, v_dim = m.cache_dims()  # MLA: one latent per token
+    itemsize = jnp.dtype(m.compute_dtype).itemsize
+    cache = m.num_layers * c.rows * length * heads * (k_dim + v_dim) * itemsize
+    out["KV cache"] = cache / (min(batch_split, c.rows) * min(sizes["tensor"], heads))
+    return out
+
+
+def rl_method(name: str, check) -> Method:
+    """An RL record: the one driver, plan, batch and memory, with `check` refusing the configs
+    this method does not run (before its run starts)."""
+
+    def run(config: RLConfig, workdir: str, **kwargs) -> dict:
+        check(config)
+        return run_rl(config, workdir, **kwargs)
+
+    return Method(
+        name=name,
+        config=RLConfig,
+        run=run,
+        plan=lambda c, m, mesh, domains: rl_plan(c, m, mesh, domains)[0],
+        frozen=policy_frozen,
+        batch=rl_batch,
+        rows=lambda c: c.rows // c.algorithm.minibatches,
+        devices=lambda c, devices: split_devices(c, devices)[0],
+        resident=rl_resident,
+        check=check,
+    )
+
+
+def _check_grpo(c: RLConfig) -> None:
+    if c.ppo:
+        raise ConfigError(
+            "method=grpo takes group advantages, but algorithm.advantage=gae (a critic) is PPO: "
+            "set method=ppo (configs/ppo.py) or algorithm.advantage=grpo"
+        )
+
+
+GRPO = rl_method("grpo", _check_grpo)

@@ -1,4 +1,5 @@
-"""The SFT driver: config -> mesh, tokenizer, data, model, state -> the shared loop."""
+"""SFT: its config, its step (`posttrain.train.sft_loss`), frozen inputs, batch, the driver
+(config -> mesh, tokenizer, data, model, state -> the shared loop) and its `Method` record."""
 
 from __future__ import annotations
 
@@ -8,21 +9,30 @@ import logging
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig, make_pipeline
+from posttrain.eval import suite_evaluator
 from posttrain.lora import LoRAConfig, Policy, merge_jit
-from posttrain.losses import cross_entropy_from_stats, token_stats
-from posttrain.models import ModelConfig, ModelSpec, Transformer, hidden_states
+from posttrain.methods._method import SEQUENCE, Method, abstract, images, policy_frozen
+from posttrain.models import ModelConfig, ModelSpec, Transformer
 from posttrain.parallel import MeshConfig, axis_rules
-from posttrain.train._checkpoint import CheckpointConfig
-from posttrain.train._loop import LoopConfig
-from posttrain.train._lora import base_inputs, lora_json, policy_trainable
-from posttrain.train._optimizer import OptimizerConfig
-from posttrain.train._params import to_json
-from posttrain.train._run import StepPlan, setup, summed, train
-from posttrain.train._step import add_moe_aux
+from posttrain.train import (
+    CheckpointConfig,
+    LoopConfig,
+    OptimizerConfig,
+    StepPlan,
+    base_inputs,
+    lora_json,
+    policy_trainable,
+    setup,
+    sft_loss,
+    summed,
+    to_json,
+    train,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,31 +63,6 @@ class SFTConfig:
                 "eval_suite is set without eval_data, but checkpoint.keep_best ranks checkpoints "
                 "by the eval loss; set eval_data or checkpoint.keep_best=0"
             )
-
-
-def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None = None):
-    """`(params, batch, rng) -> sums` for the shared train step; `policy` runs the trained
-    model from `params` (default: they are the model's own)."""
-    policy = policy or Policy()
-
-    def loss_fn(params, batch, rng):
-        del rng
-        params, kwargs = policy.apply(params)
-        hidden, aux = hidden_states(
-            params,
-            batch["tokens"],
-            model_config,
-            batch["positions"],
-            batch["segment_ids"],
-            return_aux=True,
-            images_BIHWC=batch.get("images"),
-            **kwargs,
-        )
-        stats = token_stats(params, hidden, batch["targets"], model_config)
-        sums = cross_entropy_from_stats(stats, batch["loss_mask"], z_loss)
-        return add_moe_aux(sums, aux)
-
-    return loss_fn
 
 
 def sft_plan(config: SFTConfig, model_config: ModelConfig, mesh) -> StepPlan:
@@ -159,9 +144,8 @@ def run_sft(
     """Trains (or resumes) an SFT run in `workdir`; returns the loop summary.
 
     `suite`: `(model, tokenizer) -> metrics`, the `eval_suite` run at every eval step (built by
-    `posttrain.eval.suite_evaluator`, which `posttrain.methods` passes; eval sits beside
-    train and imports it, so train cannot build it). Everything that can be wrong with the
-    config or data is reported before anything compiles.
+    `posttrain.eval.suite_evaluator`, which the `sft` record's run passes). Everything that can
+    be wrong with the config or data is reported before anything compiles.
     """
     if config.eval_suite and suite is None:
         raise ConfigError(
@@ -216,3 +200,30 @@ def run_sft(
     if lora is not None:
         summary["base_params"] = inputs["base"]
     return summary
+
+
+def sft_batch(c: SFTConfig, mesh):
+    """One SFT step's global batch as abstract arrays (what `make_pipeline` yields: packed
+    rows of `data.max_len` tokens), its tokens and its length."""
+    rows, length = c.data.batch_size, c.data.max_len
+    shapes = {k: ((rows, length), jnp.int32) for k in (*SEQUENCE, "domain_ids")}
+    shapes["loss_mask"] = ((rows, length), jnp.float32)
+    shapes |= images(c, rows, length, c.data.max_images)
+    return abstract(shapes, mesh), rows * length, length
+
+
+def _run(config: SFTConfig, workdir: str, **kwargs) -> dict:
+    """SFT with its periodic eval suite, built here: eval sits beside train, not below it."""
+    suite = suite_evaluator(config.eval_suite) if config.eval_suite else None
+    return run_sft(config, workdir, suite=suite, **kwargs)
+
+
+SFT = Method(
+    name="sft",
+    config=SFTConfig,
+    run=_run,
+    plan=lambda c, m, mesh, domains: sft_plan(c, m, mesh),
+    frozen=policy_frozen,
+    batch=sft_batch,
+    rows=lambda c: c.data.batch_size,
+)

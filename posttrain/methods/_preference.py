@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from posttrain import paths
 from posttrain.data import make_preference_pipeline
-from posttrain.train._run import each_batch, local_rows, summed
+from posttrain.train import each_batch, local_rows, summed
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def attach_reference(data, ref_params_fn, score, mesh, path: str, identity: dict
     `identity` (the reference model), so a resumed run reads them back instead of recomputing;
     `ref_params_fn()` loads the reference weights (with LoRA: the frozen base), only when
     they are needed, and `score(weights, batch)` returns `ref_chosen_logps` and
-    `ref_rejected_logps` (`posttrain.train._dpo.reference_logps`).
+    `ref_rejected_logps` (`posttrain.train.reference_logps`).
 
     Returns:
       True if they were computed, False if read back from `path`.

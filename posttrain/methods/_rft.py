@@ -1,5 +1,6 @@
 """Offline stages before online RL, both from the starting policy's samples: difficulty
-filtering of the prompts and rejection-sampling fine-tuning (RFT)."""
+filtering of the prompts and rejection-sampling fine-tuning (RFT, an SFT run on the completions
+that passed), which the RL driver (`_grpo.py`) runs first."""
 
 import dataclasses
 import json
@@ -10,14 +11,14 @@ from tqdm.auto import tqdm
 
 from posttrain import paths
 from posttrain.data import DataConfig, SourceConfig
+from posttrain.methods._sft import SFTConfig, run_sft
 from posttrain.models import ModelSpec
 from posttrain.parallel import axis_rules
 from posttrain.rewards import (
     RewardPool,
     pass_rate,
 )
-from posttrain.rl._config import RLConfig
-from posttrain.rl._rollout import Rollouts
+from posttrain.rl import RLConfig, Rollouts
 from posttrain.train import model_trainable, to_json
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,6 @@ def rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, m
     """The offline stage: RFT data from the starting policy, an SFT run on it in
     `<workdir>/rft`, and the RL config continuing from that run's checkpoint. A finished stage
     (its checkpoint exists) is reused, so a resumed run does not repeat it."""
-    from posttrain.train import SFTConfig, run_sft
-
     rft_dir = paths.join(workdir, "rft")
     data_path = paths.join(rft_dir, "data.jsonl")
     checkpoints = paths.path(rft_dir) / "checkpoints"

@@ -42,7 +42,7 @@ from posttrain.lora import Policy
 from posttrain.losses import aggregate, awr_loss, token_stats, truncated_is_loss
 from posttrain.models import ModelConfig, ModelSpec, finished_step, hidden_states
 from posttrain.parallel import axis_rules
-from posttrain.rl._config import OfflineConfig, RLConfig
+from posttrain.rl import OfflineConfig, RLConfig
 from posttrain.train import (
     StepPlan,
     add_moe_aux,

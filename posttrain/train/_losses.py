@@ -1,10 +1,13 @@
-"""DPO and its variants as a `loss_fn(params, batch, rng) -> sums` for the shared train step.
+"""The losses the shared train step takes over a model's forward pass: SFT's cross-entropy and
+the DPO family's pairwise loss (with the reference log-probs it compares against). Methods build
+their steps from them; eval scores held-out data with the same functions.
 
-The batch is `preference_batches`' (chosen_* and rejected_* `[B, L]` arrays). Chosen and
-rejected run through the policy in one forward pass (stacked along the batch, `[2B, L]`), are
-scored with `token_log_probs` + `sequence_logps` (summed over response tokens) and compared by
-`preference_loss`. The normaliser `num_tokens` is the number of real pairs (rows whose chosen
-and rejected both have response tokens), so padding rows and micro-batches add up exactly.
+The DPO family. The batch is `preference_batches`' (chosen_* and rejected_* `[B, L]`
+arrays). Chosen and rejected run through the policy in one forward pass (stacked along the
+batch, `[2B, L]`), are scored with `token_log_probs` + `sequence_logps` (summed over response
+tokens) and compared by `preference_loss`. The normaliser `num_tokens` is the number of real
+pairs (rows whose chosen and rejected both have response tokens), so padding rows and
+micro-batches add up exactly.
 
 Reference log-probs come from one of:
   - "precomputed": `batch["ref_chosen_logps"]`, `batch["ref_rejected_logps"]` (`[B]`), filled
@@ -32,43 +35,54 @@ weights); the loss does not know which.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import logging
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from posttrain import paths
-from posttrain.config import ConfigError
-from posttrain.data import DataConfig, SourceConfig
-from posttrain.lora import LoRAConfig, Policy
+from posttrain.lora import Policy
 from posttrain.losses import (
     LENGTH_NORMALISED,
     LOSS_TYPES,
     REFERENCE_FREE,
+    cross_entropy_from_stats,
     preference_loss,
     sequence_logps,
     token_stats,
 )
-from posttrain.models import ModelConfig, ModelSpec, checkpoint_json, hidden_states
-from posttrain.parallel import MeshConfig, axis_rules
-from posttrain.train._checkpoint import CheckpointConfig
-from posttrain.train._loop import LoopConfig
-from posttrain.train._lora import base_inputs, lora_json, policy_trainable
-from posttrain.train._optimizer import OptimizerConfig
-from posttrain.train._params import to_json
-from posttrain.train._preference import PreferenceEvaluator, attach_reference, preference_data
-from posttrain.train._run import StepPlan, setup, train
+from posttrain.models import ModelConfig, hidden_states
 from posttrain.train._step import add_moe_aux
 
-log = logging.getLogger(__name__)
+
+def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None = None):
+    """`(params, batch, rng) -> sums` for the shared train step; `policy` runs the trained
+    model from `params` (default: they are the model's own)."""
+    policy = policy or Policy()
+
+    def loss_fn(params, batch, rng):
+        del rng
+        params, kwargs = policy.apply(params)
+        hidden, aux = hidden_states(
+            params,
+            batch["tokens"],
+            model_config,
+            batch["positions"],
+            batch["segment_ids"],
+            return_aux=True,
+            images_BIHWC=batch.get("images"),
+            **kwargs,
+        )
+        stats = token_stats(params, hidden, batch["targets"], model_config)
+        sums = cross_entropy_from_stats(stats, batch["loss_mask"], z_loss)
+        return add_moe_aux(sums, aux)
+
+    return loss_fn
+
 
 REFERENCES = ("on_the_fly", "precomputed", "none")
 
 
-def _stacked(batch: dict) -> dict:
+def stacked_pairs(batch: dict) -> dict:
     """chosen_* and rejected_* `[B, L]` -> `[2B, L]` (chosen rows first); a VLM's pair images
     `[B, I, H, W, C]` serve both sides."""
     names = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
@@ -81,7 +95,7 @@ def _stacked(batch: dict) -> dict:
 def _logps(params: dict, model_config: ModelConfig, batch: dict, **forward_kwargs):
     """Summed response log-probs `[2B]`, response lengths `[2B]` and the MoE aux outputs of
     the stacked pairs (`forward_kwargs`: LoRA's, see `posttrain.lora.wrap`)."""
-    x = _stacked(batch)
+    x = stacked_pairs(batch)
     hidden_2BLD, aux = hidden_states(
         params,
         x["tokens"],
@@ -253,182 +267,3 @@ def dpo_loss(
         return add_moe_aux(sums, aux)
 
     return loss_fn
-
-
-@dataclasses.dataclass(frozen=True)
-class PreferenceLossConfig:
-    """Which pairwise loss, and where its reference log-probs come from."""
-
-    # sigmoid (DPO) | ipo | hinge | robust | sppo_hard | nca_pair | simpo | orpo
-    type: str = "sigmoid"
-    beta: float = 0.1  # inverse temperature of the implicit reward
-    label_smoothing: float = 0.0  # cDPO / robust label noise
-    gamma: float = 0.0  # SimPO target reward margin
-    sft_weight: float = 0.0  # weight of the chosen responses' NLL (RPO); orpo has its own
-    # auto: "precomputed" for reference-based losses, "none" for simpo/orpo; or "on_the_fly"
-    reference: str = "auto"
-
-    def __post_init__(self):
-        if self.type not in LOSS_TYPES:
-            raise ConfigError(f"loss.type={self.type!r}: use one of {', '.join(LOSS_TYPES)}")
-        if self.reference not in ("auto", *REFERENCES):
-            raise ConfigError(
-                f"loss.reference={self.reference!r}: use auto, {', '.join(REFERENCES)}"
-            )
-        free = self.type in REFERENCE_FREE
-        if self.reference != "auto" and (self.reference == "none") != free:
-            want = "none (or auto)" if free else "precomputed, on_the_fly (or auto)"
-            raise ConfigError(f"loss.type={self.type!r} needs loss.reference={want}")
-        if self.beta <= 0:
-            raise ConfigError(f"loss.beta must be positive, got {self.beta}")
-
-    @property
-    def resolved_reference(self) -> str:
-        if self.reference != "auto":
-            return self.reference
-        return "none" if self.type in REFERENCE_FREE else "precomputed"
-
-
-@dataclasses.dataclass(frozen=True)
-class PreferenceRunConfig:
-    """What DPO and reward-model runs share (each adds its own `loss`)."""
-
-    model: ModelSpec = ModelSpec()  # where training starts (usually an SFT run's checkpoint)
-    tokenizer: str = ""  # tokenizer directory; default: model.hf_path
-    data: DataConfig = None  # preference sources; packing must be False (one pair per row)
-    eval_data: tuple[SourceConfig, ...] = ()  # held-out preference sources
-    optimizer: OptimizerConfig = OptimizerConfig()
-    train: LoopConfig = LoopConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    mesh: MeshConfig = MeshConfig()
-    # LoRA adapters on the frozen `model` (docs/lora.md); None: the full model is trained.
-    lora: LoRAConfig | None = None
-
-    def __post_init__(self):
-        if self.data is None:
-            raise ConfigError("data: set data.sources to at least one preference file")
-        if self.data.packing:
-            raise ConfigError("data.packing: preference pairs take one row each; set it False")
-        if self.data.curriculum:
-            raise ConfigError("data.curriculum: SFT runs only so far; set data.curriculum=[]")
-
-
-@dataclasses.dataclass(frozen=True)
-class DPOConfig(PreferenceRunConfig):
-    """A DPO-family run; the reference is a frozen copy of the policy's start (`model`)."""
-
-    loss: PreferenceLossConfig = PreferenceLossConfig()
-
-
-def dpo_plan(
-    config: DPOConfig, model_config: ModelConfig, mesh, domains: Sequence[str] = ()
-) -> StepPlan:
-    """A DPO-family step: the policy (or LoRA adapters) under `config.loss`, every option of
-    it. The loss's named inputs: {"reference": the on-the-fly reference}, or with LoRA
-    {"base": the frozen base}, whose adapters-off pass is the reference; else {} (precomputed,
-    or reference-free)."""
-    lc, lora = config.loss, config.lora
-    reference = lc.resolved_reference
-
-    def loss(frozen: dict):  # {"base": LoRA's frozen base} or {"reference": ...} or {}
-        return dpo_loss(
-            model_config,
-            loss_type=lc.type,
-            beta=lc.beta,
-            label_smoothing=lc.label_smoothing,
-            gamma=lc.gamma,
-            reference=reference,
-            ref_params=frozen.get("reference"),
-            sft_weight=lc.sft_weight,
-            domains=domains,
-            policy=Policy(lora, frozen.get("base")),
-        )
-
-    return StepPlan(policy_trainable(config, model_config, mesh), loss)
-
-
-def run_dpo(config: DPOConfig, workdir: str, *, on_metrics=None) -> dict:
-    """Trains (or resumes) a DPO-family run in `workdir`; returns the loop summary.
-
-    The reference is the policy's starting weights (`config.model`), reloaded on resume. Its
-    log-probs are computed once per dataset and stored under `workdir/reference/`
-    ("precomputed", the default: no second model in memory while training), or computed in
-    every step ("on_the_fly"), or not needed (simpo, orpo). With `config.lora` the policy is
-    the frozen base plus trained adapters, and the reference is that base with the adapters
-    off (one copy of the weights, quantised with QLoRA).
-    """
-    mesh, tokenizer, model_config = setup(config, workdir)
-    data, eval_data, manifest = preference_data(config, tokenizer, workdir, model_config.vision)
-    lora, seed = config.lora, config.train.seed
-    reference = config.loss.resolved_reference
-    on_the_fly = reference == "on_the_fly"
-
-    extras = {
-        "config": to_json(config),
-        "model_config": to_json(model_config),
-        "manifest": manifest,
-        "domains": list(data.domains),
-    }
-    inputs, input_sh = {}, {}
-    with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        plan = dpo_plan(config, model_config, mesh, data.domains)
-        loss, trainable = plan.loss, plan.trainable
-        if lora is None:
-            reference_weights = functools.cache(trainable.init)  # loaded only if needed
-            if on_the_fly:
-                inputs = {"reference": reference_weights()}
-                input_sh = {"reference": trainable.shardings}
-        else:  # the reference is the frozen base with the adapters off: no second copy
-            inputs, input_sh = base_inputs(lora, config.model, model_config, mesh, seed)
-            reference_weights = lambda: inputs["base"]  # noqa: E731
-            extras["lora"] = lora_json(lora, config.model, seed)
-        if reference == "precomputed":
-            identity = {"model": to_json(config.model), "seed": seed}
-            if lora is not None and lora.quantize:  # the reference is the quantised base
-                identity["quantize"] = [lora.quantize, lora.quant_block]
-            if config.model.checkpoint:  # that run may have saved newer params since
-                identity["step"] = checkpoint_json(config.model.checkpoint)["step"]
-            process = f"process_{jax.process_index()}"
-
-            def score(params, batch):  # (params: the reference, or LoRA's frozen base)
-                ref_model, kwargs = Policy(lora, params if lora else None).reference(params)
-                return reference_logps(ref_model, model_config, batch, **kwargs)
-
-            score = jax.jit(score)
-            for name, d in (("train", data), ("eval", eval_data)):
-                if d is not None:
-                    path = paths.join(workdir, "reference", f"{name}.{process}.npz")
-                    attach_reference(d, reference_weights, score, mesh, path, identity)
-            if lora is None:
-                reference_weights.cache_clear()  # the weights are no longer needed
-        evaluate = None
-        if eval_data is not None:
-            evaluate = PreferenceEvaluator(
-                eval_data,
-                loss,
-                mesh,
-                trainable.shardings,
-                config.train.eval_batches,
-                data.domains,
-                inputs,
-                input_sh,
-            )
-    summary = train(
-        config,
-        workdir,
-        mesh=mesh,
-        plan=plan,
-        data=data,
-        loss_inputs=inputs,
-        loss_input_shardings=input_sh,
-        evaluate=evaluate,
-        extras=extras,
-        # An on-the-fly reference adds one forward pass (a third of a training step's FLOPs).
-        flops_per_token=model_config.flops_per_token(config.data.max_len)
-        * (4 / 3 if on_the_fly else 1),
-        on_metrics=on_metrics,
-    )
-    summary.update(model_config=model_config, domains=data.domains)
-    if eval_data is not None:
-        summary["eval_data"] = dict(eval_data.stats)
-    return summary

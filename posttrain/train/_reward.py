@@ -10,26 +10,22 @@ serves several domains whose preferences may disagree.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain import paths
-from posttrain.config import ConfigError
 from posttrain.lora import LoRAConfig, Policy
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import ModelConfig, ModelSpec, param_shardings
-from posttrain.parallel import axis_rules, named_sharding
+from posttrain.parallel import named_sharding
 from posttrain.rewards import reward_scores, reward_shapes
 from posttrain.rewards import without_lm_head as _trunk
-from posttrain.train._dpo import PreferenceRunConfig, _stacked, domain_accuracy_sums
-from posttrain.train._lora import base_inputs, lora_json, lora_trainable
-from posttrain.train._params import start_params, to_json
-from posttrain.train._preference import PreferenceEvaluator, preference_data
-from posttrain.train._run import StepPlan, Trainable, decay_mask, setup, train
+from posttrain.train._lora import lora_trainable
+from posttrain.train._losses import domain_accuracy_sums, stacked_pairs
+from posttrain.train._params import start_params
+from posttrain.train._run import Trainable, decay_mask
 
 
 def reward_model_loss(
@@ -56,7 +52,7 @@ def reward_model_loss(
 
     def loss_fn(params, batch, rng):
         del rng
-        x = _stacked(batch)
+        x = stacked_pairs(batch)
         heads_2B = jnp.concatenate([batch["domain_ids"], batch["domain_ids"]])
         trunk, kwargs = policy.apply(params)
         rewards_2B = reward_scores(
@@ -89,25 +85,6 @@ def reward_model_loss(
         }
 
     return loss_fn
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardLossConfig:
-    center_coefficient: float = 0.0  # weight of (r_c + r_r)^2, keeping rewards centred on 0
-    use_margins: bool = True  # subtract the records' "margin" (graded preferences)
-
-    def __post_init__(self):
-        if not self.center_coefficient >= 0:
-            raise ConfigError(
-                f"loss.center_coefficient must be >= 0, got {self.center_coefficient}"
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardModelConfig(PreferenceRunConfig):
-    """A reward-model run: the trunk starts from `model`; each data domain gets a head."""
-
-    loss: RewardLossConfig = RewardLossConfig()
 
 
 def _head_init(model_config: ModelConfig, mesh, seed: int, heads: int):
@@ -147,85 +124,3 @@ def reward_trainable(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int
         decay_mask={"trunk": _trunk(decay_mask(model_config)), "head": True},
         init=init,
     )
-
-
-def rm_plan(
-    config: RewardModelConfig, model_config: ModelConfig, mesh, heads: Sequence[str]
-) -> StepPlan:
-    """A reward model's step: the trunk and one head per domain in `heads` (or LoRA adapters
-    and the heads; the loss's one input is then the frozen base's trunk) under the
-    Bradley-Terry loss with every option of `config.loss`."""
-    lora, seed = config.lora, config.train.seed
-    if lora is None:
-        trainable = reward_trainable(config.model, model_config, mesh, seed, len(heads))
-    else:
-        trainable = lora_reward_trainable(lora, model_config, mesh, seed, len(heads))
-
-    def loss(frozen: dict):  # {"base": LoRA's frozen base trunk} or {}
-        base = frozen.get("base")
-        return reward_model_loss(
-            model_config,
-            center_coefficient=config.loss.center_coefficient,
-            use_margins=config.loss.use_margins,
-            domains=heads,
-            policy=Policy(lora, base, key="adapters" if lora else "trunk"),
-        )
-
-    return StepPlan(trainable, loss)
-
-
-def run_reward_model(config: RewardModelConfig, workdir: str, *, on_metrics=None) -> dict:
-    """Trains (or resumes) a multi-domain reward model in `workdir`; returns the loop summary.
-
-    The heads are the training data's domains (a record's `domain`, else its source's), in
-    `data.domains` order; they are saved with every checkpoint, so `load_reward_model` (and
-    `rm:<workdir>` reward terms) know which head scores which domain.
-    """
-    mesh, tokenizer, model_config = setup(config, workdir)
-    data, eval_data, manifest = preference_data(config, tokenizer, workdir)
-    heads, lora, seed = data.domains, config.lora, config.train.seed
-
-    extras = {
-        "config": to_json(config),
-        "model_config": to_json(model_config),
-        "manifest": manifest,
-        "heads": list(heads),
-        "tokenizer": str(paths.path(config.tokenizer or config.model.hf_path)),
-    }
-    inputs, input_sh = {}, {}
-    with axis_rules(config.mesh.axis_rules), jax.set_mesh(mesh):
-        plan = rm_plan(config, model_config, mesh, heads)
-        loss, trainable = plan.loss, plan.trainable
-        if lora is not None:
-            base, base_sh = base_inputs(lora, config.model, model_config, mesh, seed)
-            inputs, input_sh = {"base": _trunk(base["base"])}, {"base": _trunk(base_sh["base"])}
-            del base  # (its lm_head is not needed)
-            extras["lora"] = lora_json(lora, config.model, seed, ("adapters",))
-        evaluate = None
-        if eval_data is not None:
-            evaluate = PreferenceEvaluator(
-                eval_data,
-                loss,
-                mesh,
-                trainable.shardings,
-                config.train.eval_batches,
-                heads,
-                inputs,
-                input_sh,
-            )
-    summary = train(
-        config,
-        workdir,
-        mesh=mesh,
-        plan=plan,
-        data=data,
-        loss_inputs=inputs,
-        loss_input_shardings=input_sh,
-        evaluate=evaluate,
-        extras=extras,
-        flops_per_token=model_config.flops_per_token(config.data.max_len, lm_head=False),
-        on_metrics=on_metrics,
-    )
-    summary["model_config"] = model_config
-    summary["heads"] = summary["domains"] = heads
-    return summary
