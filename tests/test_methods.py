@@ -2,7 +2,13 @@
 loss set away from the default, the step `posttrain.methods.lowering` builds (what
 `compile_plan` compiles for a TPU slice) and the step a one-step run jitted give the same loss,
 metrics and updated params on the same state, frozen inputs and batch, and the batch and
-frozen inputs the run fed have the shapes the compile assumes."""
+frozen inputs the run fed have the shapes the compile assumes. Also: only the methods package
+reaches a driver (everything else goes through the records), the RL records refuse each other's
+configs, and each record's abstract batch is its data source's batch."""
+
+import ast
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -144,3 +150,103 @@ def test_an_unknown_method_names_the_available_ones():
     config.method = "dpoo"
     with pytest.raises(ConfigError, match="available: sft, dpo, iterative_dpo, rm, grpo, ppo"):
         methods.method_config(config)
+
+
+# Drivers and stages: only their records (`posttrain.methods.get(name).run`, `run_from_config`)
+# are reached from outside `posttrain/methods/`.
+DRIVERS = {"run_sft", "run_dpo", "run_reward_model", "run_rl", "run_iterative_dpo", "offline_rl",
+           "rejection_sampling", "filter_by_difficulty"}  # fmt: skip
+POSTTRAIN = pathlib.Path(__file__).resolve().parents[1] / "posttrain"
+
+
+def driver_uses(source: str) -> list[str]:
+    """`name:line` of every driver `source` imports or names."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"{a.name}:{node.lineno}" for a in node.names if a.name in DRIVERS]
+        elif isinstance(node, ast.Attribute) and node.attr in DRIVERS:
+            found.append(f"{node.attr}:{node.lineno}")
+        elif isinstance(node, ast.Name) and node.id in DRIVERS:
+            found.append(f"{node.id}:{node.lineno}")
+    return found
+
+
+def notebook_code(path: pathlib.Path) -> str:
+    """A notebook's code cells as one module (shell and magic lines left out)."""
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    lines = [line.rstrip("\n") for c in cells for line in c["source"]]
+    return "\n".join(x for x in lines if not x.lstrip().startswith(("!", "%")))
+
+
+def test_only_the_methods_package_reaches_a_driver():
+    outside = [p for p in sorted(POSTTRAIN.rglob("*.py")) if "methods" not in p.parts]
+    found = [f"{p.relative_to(POSTTRAIN)}:{use}" for p in outside for use in driver_uses(
+        p.read_text())]  # fmt: skip
+    notebooks = sorted((POSTTRAIN.parent / "notebooks").glob("*.ipynb"))
+    assert notebooks
+    found += [f"{p.name}:{use}" for p in notebooks for use in driver_uses(notebook_code(p))]
+    assert found == []
+    # The check itself: a driver imported, or called off the package, is caught.
+    probe = "from posttrain.methods import run_sft\nimport posttrain.methods as m\nm.run_rl(c, w)\n"
+    assert driver_uses(probe) == ["run_sft:1", "run_rl:3"]
+    assert driver_uses("from posttrain.methods import get\nget('sft').run(c, w)\n") == []
+
+
+@pytest.mark.parametrize(
+    "method, file, match",
+    [
+        ("ppo", "grpo.py", "method=ppo trains a critic: set algorithm.advantage=gae"),
+        ("grpo", "ppo.py", "algorithm.advantage=gae .* is PPO: set method=ppo"),
+        ("distill", "grpo.py", "method=distill needs a teacher: set distill.teacher"),
+    ],
+)
+def test_rl_records_refuse_another_methods_config(method, file, match, tmp_path):
+    config = toy_config("tiny", file)
+    _, built = methods.method_config(config)  # (its own method takes it)
+    config.method = method
+    with pytest.raises(ConfigError, match=match):
+        methods.method_config(config)
+    with pytest.raises(ConfigError, match=match):  # the record's run, before anything starts
+        methods.get(method).run(built, str(tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
+def test_rl_records_take_their_own_configs():
+    for method, file, values in [("grpo", "grpo.py", {}), ("ppo", "ppo.py", {}),
+                                 ("distill", "grpo.py", {"distill__teacher": "teacher"}),
+                                 ("grpo", "grpo.py", {"distill__teacher": "teacher"})]:  # fmt: skip
+        config = toy_config("tiny", file, **values)
+        config.method = method
+        record, built = methods.method_config(config)
+        assert record.name == method and built.ppo == (method == "ppo")
+
+
+def _spec(tree) -> dict:
+    return {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in tree.items()}
+
+
+def test_sft_batch_spec_is_the_pipelines_batch():
+    """The abstract batch the compile lowers (`Method.batch`) is what SFT's data source
+    yields, name for name, shape for shape, dtype for dtype."""
+    from posttrain.data import make_pipeline
+    from posttrain.parallel import make_mesh
+
+    _, c = methods.method_config(small_config(data__batch_size=4, data__max_len=32))
+    abstract, tokens, length = methods.get("sft").batch(c, make_mesh(c.mesh, jax.devices()))
+    batch = next(iter(make_pipeline(c.data, c.tokenizer or c.model.hf_path)))
+    assert _spec(abstract) == _spec(batch)
+    assert (tokens, length) == (4 * 32, 32)
+
+
+@pytest.mark.parametrize("method", ["dpo", "rm"])
+def test_preference_batch_spec_is_the_pipelines_batch(method, pair_files):  # noqa: F811
+    from posttrain.data import make_preference_pipeline
+    from posttrain.parallel import make_mesh
+
+    values = {"loss.reference": "on_the_fly"} if method == "dpo" else {"file": "rm.py"}
+    config = dpo_config(pair_files, **values)
+    _, c = methods.method_config(config)
+    abstract, _, _ = methods.get(method).batch(c, make_mesh(c.mesh, jax.devices()))
+    batch = next(iter(make_preference_pipeline(c.data, c.tokenizer or c.model.hf_path)))
+    assert _spec(abstract) == _spec(batch)
