@@ -15,17 +15,14 @@ from posttrain.rl._config import (
 )
 from posttrain.rl._critic import value_trainable
 from posttrain.rl._domains import component_means
+from posttrain.rl._episodes_rollout import make_episode_env
 from posttrain.rl._loss import CriticLoss, PolicyLossConfig, rl_loss, sequence_log_probs
 from posttrain.rl._partial import PartialProducer
 from posttrain.rl._prompts import AdaptiveDomains, PromptData
 from posttrain.rl._replay import check_router_replay, route_shape
-from posttrain.rl._rollout import (
-    RolloutProducer,
-    Rollouts,
-    make_episode_env,
-    rollout_batch,
-    split_rows,
-)
+from posttrain.rl._rollout import Rollouts
+from posttrain.rl._rollout_batch import rollout_batch, split_rows
+from posttrain.rl._rollout_producer import RolloutProducer
 from posttrain.rl._sampler_weights import SamplerWeights
 from posttrain.rl._scorer import Scorer
 from posttrain.rl._source import RolloutSource

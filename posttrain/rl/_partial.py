@@ -28,7 +28,7 @@ import numpy as np
 
 from posttrain.models import Transformer
 from posttrain.rl._domains import component_means
-from posttrain.rl._rollout import RolloutProducer
+from posttrain.rl._rollout_producer import RolloutProducer
 from posttrain.sampling import Request, request_completions
 
 

@@ -1,140 +1,33 @@
-"""Rollouts: sampling and scoring prompt groups (`Rollouts`, `draw_groups`, the decoupled
-`RolloutProducer`) and turning them into fixed-shape training arrays (`rollout_batch`).
+"""Rollouts: sampling and scoring prompt groups with the current weights (`Rollouts`, on one
+process or several) and drawing a step's groups from them (`draw_groups`, dynamic sampling).
 
-Each prompt has `G` sampled completions (multi-turn: `G` episodes); its group occupies `G`
-consecutive rows. A row holds `prompt + completion` (right-padded to `max_len`), with the loss
-mask on the positions whose target is a completion token (the EOS that ended it included; an
-episode's observation tokens excluded) and the sampler's log-prob of each such target. Rows of
-groups that were dropped or never filled (dynamic sampling) are
-fillers: no tokens, no loss, domain id -1.
+The decoupled `RolloutProducer` is in `_rollout_producer.py`, multi-turn episodes in
+`_episodes_rollout.py`, the training arrays they become (`rollout_batch`) in `_rollout_batch.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import queue
-import threading
 import time
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
 
-from posttrain.data import ImageSpec, pixel_rows, prompt_image_spec, prompt_pixels
-from posttrain.envs import (
-    Budget,
-    ElasticPool,
-    episode_metrics,
-    make_env,
-    rewards_itself,
-    run_episodes,
-    takes_tool_budget,
-)
-from posttrain.lora import param_bytes
+from posttrain.data import prompt_image_spec, prompt_pixels
 from posttrain.models import Transformer
 from posttrain.rewards import (
     overlong_penalty,
 )
-from posttrain.rl._config import EnvConfig, RLConfig
+from posttrain.rl._config import RLConfig
 from posttrain.rl._domains import component_means, tally_components
-from posttrain.rl._sampler_weights import SamplerSide
+from posttrain.rl._episodes_rollout import sample_episodes
 from posttrain.rl._shares import gather_groups, prompt_share
 from posttrain.sampling import (
-    Completion,
     Engine,
     EngineConfig,
     generate_continuous,
     generate_static,
 )
-
-
-def rollout_batch(
-    prompts: Sequence[dict[str, Any]],
-    completions: Sequence[Sequence[Completion]],
-    rewards: np.ndarray,
-    *,
-    groups: int,
-    max_len: int,
-    pad_id: int = 0,
-    route_shape: tuple[int, int] | None = None,
-    images: ImageSpec | None = None,
-) -> dict[str, np.ndarray]:
-    """Arrays for `groups` groups of `G = len(completions[0])` rows (fillers past the data).
-
-    Args:
-      prompts: `PromptData` prompts (`prompt_ids`, `domain_id`), one per group.
-      completions: per prompt, its G completions.
-      rewards: `[len(prompts), G]` scalar rewards.
-      groups: groups in the batch (its rows = groups * G).
-      max_len: row length; prompt + completion must fit.
-      pad_id: the token id of padding.
-      route_shape: router replay: `(MoE layers, top-k)` of the completions' `routed_experts`,
-        laid out by position as `routed_experts` (int16 `[rows, max_len, *route_shape]`, -1
-        where nothing was sampled); None: no routing.
-      images: a VLM's: each row gets its prompt's images (`images` float32
-        `[rows, max_images, S, S, C]`, zeros in unused slots and on fillers).
-
-    Returns:
-      `tokens`, `targets`, `positions`, `segment_ids` (int32) and `loss_mask`,
-      `sampler_logps` (float32), each `[rows, max_len]`; `rewards`, `lengths` (completion
-      tokens), `truncated` (1.0 where the completion hit max_new_tokens) as float32 `[rows]`;
-      `domain_ids` (int32 `[rows]`, -1 on fillers).
-    """
-    if len(prompts) > groups:
-        raise ValueError(f"{len(prompts)} prompt groups do not fit a batch of {groups}")
-    G = len(completions[0]) if completions else 1
-    rows = groups * G
-    out = {k: np.zeros((rows, max_len), np.int32) for k in ("tokens", "targets", "positions")}
-    out["tokens"][:] = pad_id
-    out["segment_ids"] = np.zeros((rows, max_len), np.int32)
-    out["loss_mask"] = np.zeros((rows, max_len), np.float32)
-    out["sampler_logps"] = np.zeros((rows, max_len), np.float32)
-    for k in ("rewards", "lengths", "truncated"):
-        out[k] = np.zeros(rows, np.float32)
-    out["domain_ids"] = np.full(rows, -1, np.int32)
-    if route_shape is not None:
-        out["routed_experts"] = np.full((rows, max_len, *route_shape), -1, np.int16)
-    for g, (prompt, group) in enumerate(zip(prompts, completions, strict=True)):
-        if len(group) != G:
-            raise ValueError(f"prompt {g} has {len(group)} completions, expected {G}")
-        for j, c in enumerate(group):
-            r = g * G + j
-            # An episode (multi-turn) has its own prompt (rendered with its tools) and a mask
-            # that leaves the environment's tokens out of the loss.
-            p = getattr(c, "prompt_ids", None) or prompt["prompt_ids"]
-            ids = [*p, *c.token_ids]
-            n = len(ids)
-            if n > max_len:
-                raise ValueError(f"prompt + completion has {n} tokens, more than max_len={max_len}")
-            out["tokens"][r, :n] = ids
-            out["targets"][r, : n - 1] = ids[1:]
-            out["positions"][r, :n] = np.arange(n)
-            out["segment_ids"][r, :n] = 1
-            # Position t predicts token t + 1: the completion's tokens are targets from the
-            # prompt's last position on.
-            k = len(c.token_ids)
-            mask = getattr(c, "mask", None)
-            out["loss_mask"][r, len(p) - 1 : len(p) - 1 + k] = 1.0 if mask is None else mask
-            out["sampler_logps"][r, len(p) - 1 : len(p) - 1 + k] = c.logprobs
-            out["rewards"][r] = rewards[g][j]
-            out["lengths"][r] = k
-            out["truncated"][r] = float(c.truncated)
-            out["domain_ids"][r] = prompt["domain_id"]
-            if route_shape is not None:
-                if c.routed_experts is None or len(c.routed_experts) != n:
-                    raise ValueError(f"completion {j} of prompt {g} has no routing for each token")
-                out["routed_experts"][r, :n] = c.routed_experts
-    if images is not None:  # each row its prompt's images; fillers none
-        out["images"] = pixel_rows([prompt_pixels(p, images) for p in prompts for _ in range(G)],
-                                   images, rows)  # fmt: skip
-    return out
-
-
-def split_rows(batch: dict[str, np.ndarray], parts: int) -> list[dict[str, np.ndarray]]:
-    """`parts` mini-batches of the rows (every parts-th row, so each mixes many groups)."""
-    return [{k: v[i::parts] for k, v in batch.items()} for i in range(parts)]
 
 
 class Rollouts:
@@ -224,7 +117,7 @@ class Rollouts:
         )
         prompt_ids = [p["prompt_ids"] for p in prompts]
         if self.config.env.name:
-            return self._episodes(model, prompts, kwargs, timings)
+            return sample_episodes(self, model, prompts, kwargs, timings)
         if self.images is not None:
             kwargs["images"] = [prompt_pixels(p, self.images) for p in prompts]
         if r.sampler == "static":
@@ -283,96 +176,9 @@ class Rollouts:
         self.engine.model = model
         return self.engine
 
-    def _episodes(self, model, prompts, kwargs, timings):
-        """Multi-turn: G episodes of `config.env` per prompt on the engine; rewards from the
-        environment, or from the prompt's reward domain for the last turn's text."""
-        c, e, r = self.config, self.config.env, self.config.rollout
-        start = time.perf_counter()
-        if self.env_pool is None:
-            self.env_pool = ElasticPool(e.workers_min, e.workers_max)
-        seeds = kwargs["seeds"]
-        if seeds is None:
-            keys = jax.vmap(jax.random.fold_in, (None, 0))(
-                jax.random.key(kwargs["seed"]), np.arange(len(prompts))
-            )
-        else:
-            keys = jax.vmap(jax.random.key)(np.asarray(seeds, np.uint32))
-        G = kwargs["n"]
-        groups = [
-            [make_episode_env(e, p["record"], c.train.seed) for _ in range(G)] for p in prompts
-        ]
-        budget = Budget(
-            max_turns=e.max_turns,
-            max_tokens=r.max_new_tokens,
-            turn_tokens=e.turn_tokens or r.max_new_tokens,
-            max_tool_s=e.max_tool_s,
-        )
-        episodes = run_episodes(
-            self.engine_for(model),
-            self.tokenizer,
-            groups,
-            keys=keys,
-            temperature=kwargs["temperature"],
-            top_p=r.sampling.top_p,
-            top_k=r.sampling.top_k,
-            budget=budget,
-            pool=self.env_pool,
-            tool_format=e.tool_format,
-        )
-        ran = time.perf_counter()
-        flat = [(p, ep) for p, group in zip(prompts, episodes, strict=True) for ep in group]
-        rewards = np.zeros(len(flat), np.float32)
-        scored = []
-        own = rewards_itself(e.name)  # its records need no reward domain: never the pool
-        for i, (_, ep) in enumerate(flat):
-            if ep.truncated and e.truncated_reward is not None:
-                rewards[i] = e.truncated_reward
-            elif ep.reward is not None:
-                rewards[i] = ep.reward
-            elif own and ep.truncated:
-                rewards[i] = 0.0  # cut by a budget before the environment scored it
-            elif own:
-                raise ValueError(
-                    f"environment {e.name!r} is registered with rewards=True but ended an "
-                    "episode without a reward (Step.reward=None); return the episode's reward "
-                    "when done, or register it without rewards=True to score by domain"
-                )
-            else:
-                scored.append(i)
-        if scored:
-            results = self.pool.score(
-                [flat[i][1].record for i in scored],
-                [flat[i][1].text for i in scored],
-                [flat[i][0]["domain"] for i in scored],
-            )
-            rewards[scored] = [res.score for res in results]
-            if timings is not None:
-                tally_components(timings, results)
-        # Per-turn rewards an environment reports add to its episode's (advantages are per
-        # episode: every token of a group's episode shares its advantage).
-        rewards += np.asarray([sum(ep.turn_rewards) for _, ep in flat], np.float32)
-        if timings is not None:
-            timings["generate_s"] = timings.get("generate_s", 0.0) + ran - start
-            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - ran
-            timings.update(episode_metrics([ep for _, ep in flat]))
-        return episodes, rewards.reshape(len(prompts), G)
-
     def close(self) -> None:
         if self.env_pool is not None:
             self.env_pool.close()
-
-
-def make_episode_env(e: EnvConfig, record, seed: int):
-    """A new environment of `e` for one episode of `record` (with faults, if configured); an
-    environment that stops its own calls gets the episode's tool seconds (`e.max_tool_s`)."""
-    options = dict(e.options)
-    if takes_tool_budget(e.name):
-        options.setdefault("max_tool_s", e.max_tool_s)
-    if e.fault_rate > 0:
-        return make_env(
-            "fault_injection", record, inner=e.name, rate=e.fault_rate, seed=seed, **options
-        )
-    return make_env(e.name, record, **options)
 
 
 def _mesh_of(params):
@@ -410,84 +216,3 @@ def draw_groups(c: RLConfig, prompts, rollouts: Rollouts, params, step: int):
     all_rewards = np.asarray(rewards, np.float32).reshape(len(kept), -1)
     counts = {"prompts_drawn": drawn, "groups_dropped": dropped, **component_means(timings)}
     return kept, completions, all_rewards, counts
-
-
-class RolloutProducer:
-    """Decoupled rollouts: a thread samples and scores batches on the sampler's devices with the
-    newest weights it was sent, at most `rollout.max_staleness` steps ahead of the trainer.
-
-    Batch i (for RL step i) needs weights of version >= i - 1 - max_staleness (version v: the
-    weights after v RL steps); with 0 it waits for the step before, which is on-policy.
-    """
-
-    def __init__(self, c: RLConfig, prompts, rollouts: Rollouts, side: SamplerSide, start: int):
-        self.c, self.prompts, self.rollouts, self.side = c, prompts, rollouts, side
-        self.sync_bytes = 0  # bytes sent to the sampler per published version
-        self.ready: queue.Queue = queue.Queue()
-        self.cond = threading.Condition()
-        self.weights, self.version, self.stopped = None, -1, False
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(start + 1,), daemon=True)
-        self.started = False
-
-    def publish(self, params, version: int) -> None:
-        """Sends what the sampler needs of the trained params (after `version` RL steps) to
-        its devices, resharding them onto its mesh."""
-        sent = self.side.published(params)
-        self.sync_bytes = param_bytes(sent)
-        weights = jax.device_put(sent, self.side.shardings)
-        with self.cond:
-            self.weights, self.version = weights, version
-            self.cond.notify_all()
-
-    def get(self, step: int):
-        """The rollouts for `step`: (prompts, completions, rewards, counts, prompt state)."""
-        item = self.ready.get()
-        if item is None:
-            raise RuntimeError("the rollout thread failed") from self.error
-        i, version, kept, completions, rewards, counts, state = item
-        staleness = step - 1 - version
-        if i != step or staleness > self.c.rollout.max_staleness:
-            raise RuntimeError(f"rollout {i} (weights v{version}) for step {step}: out of bounds")
-        counts = {
-            **counts,
-            "rollout_version": float(version),
-            "staleness": float(staleness),
-            "sync_bytes": float(self.sync_bytes),
-        }
-        return kept, completions, rewards, counts, state
-
-    def _run(self, first: int) -> None:
-        prepared, prepared_version = None, None
-        try:
-            for i in itertools.count(first):
-                with self.cond:
-                    self.cond.wait_for(
-                        lambda: self.stopped or self.version >= i - 1 - self.c.rollout.max_staleness  # noqa: B023
-                    )
-                    if self.stopped:
-                        return
-                    weights, version = self.weights, self.version
-                if version != prepared_version:
-                    prepared, prepared_version = self.side.prepare(weights), version
-                kept, completions, rewards, counts = draw_groups(
-                    self.c, self.prompts, self.rollouts, prepared, i
-                )
-                state = self.prompts.get_state()
-                self.ready.put((i, version, kept, completions, rewards, counts, state))
-        except BaseException as e:  # reported to the trainer by get()
-            self.error = e
-            self.ready.put(None)
-
-    def start(self, params, version: int) -> None:
-        self.publish(params, version)
-        if not self.started:
-            self.started = True
-            self.thread.start()
-
-    def close(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
-        if self.started:
-            self.thread.join(timeout=300)

@@ -27,12 +27,9 @@ from posttrain.rl._config import RLConfig
 from posttrain.rl._domains import StabilityMonitor, normalise_by_domain, update_scales
 from posttrain.rl._prompts import PromptData
 from posttrain.rl._replay import route_shape
-from posttrain.rl._rollout import (
-    RolloutProducer,
-    Rollouts,
-    draw_groups,
-    rollout_batch,
-)
+from posttrain.rl._rollout import Rollouts, draw_groups
+from posttrain.rl._rollout_batch import rollout_batch
+from posttrain.rl._rollout_producer import RolloutProducer
 from posttrain.rl._sampler_weights import SamplerWeights
 from posttrain.rl._scorer import Scorer
 

@@ -27,7 +27,7 @@ from posttrain.envs import make_env
 from posttrain.envs._builtin import FaultInjection
 from posttrain.models import num_params
 from posttrain.rl import RLConfig
-from posttrain.rl._rollout import make_episode_env
+from posttrain.rl._episodes_rollout import make_episode_env
 from posttrain.testing import save_tiny_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

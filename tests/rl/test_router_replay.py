@@ -20,7 +20,7 @@ from posttrain.methods import run_from_config
 from posttrain.models import Transformer, get_preset, hidden_states, init_params, lm_logits
 from posttrain.rl._loss import PolicyLossConfig, rl_loss, sequence_log_probs
 from posttrain.rl._replay import check_router_replay, router_mismatch
-from posttrain.rl._rollout import rollout_batch
+from posttrain.rl._rollout_batch import rollout_batch
 from posttrain.sampling import generate_continuous
 from posttrain.train import read_metrics
 

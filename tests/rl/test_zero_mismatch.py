@@ -14,7 +14,7 @@ from posttrain.models import ModelConfig, Transformer, get_preset
 from posttrain.models._config import MoEConfig
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh, shard_batch
 from posttrain.rl._loss import sequence_log_probs
-from posttrain.rl._rollout import rollout_batch
+from posttrain.rl._rollout_batch import rollout_batch
 from posttrain.sampling import Engine, EngineConfig, generate_continuous
 from posttrain.train import read_metrics
 

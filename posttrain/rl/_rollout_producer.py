@@ -1,0 +1,95 @@
+"""Decoupled rollouts: a thread that samples ahead of the trainer with the newest weights sent."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+
+import jax
+
+from posttrain.lora import param_bytes
+from posttrain.rl._config import RLConfig
+from posttrain.rl._rollout import Rollouts, draw_groups
+from posttrain.rl._sampler_weights import SamplerSide
+
+
+class RolloutProducer:
+    """Decoupled rollouts: a thread samples and scores batches on the sampler's devices with the
+    newest weights it was sent, at most `rollout.max_staleness` steps ahead of the trainer.
+
+    Batch i (for RL step i) needs weights of version >= i - 1 - max_staleness (version v: the
+    weights after v RL steps); with 0 it waits for the step before, which is on-policy.
+    """
+
+    def __init__(self, c: RLConfig, prompts, rollouts: Rollouts, side: SamplerSide, start: int):
+        self.c, self.prompts, self.rollouts, self.side = c, prompts, rollouts, side
+        self.sync_bytes = 0  # bytes sent to the sampler per published version
+        self.ready: queue.Queue = queue.Queue()
+        self.cond = threading.Condition()
+        self.weights, self.version, self.stopped = None, -1, False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(start + 1,), daemon=True)
+        self.started = False
+
+    def publish(self, params, version: int) -> None:
+        """Sends what the sampler needs of the trained params (after `version` RL steps) to
+        its devices, resharding them onto its mesh."""
+        sent = self.side.published(params)
+        self.sync_bytes = param_bytes(sent)
+        weights = jax.device_put(sent, self.side.shardings)
+        with self.cond:
+            self.weights, self.version = weights, version
+            self.cond.notify_all()
+
+    def get(self, step: int):
+        """The rollouts for `step`: (prompts, completions, rewards, counts, prompt state)."""
+        item = self.ready.get()
+        if item is None:
+            raise RuntimeError("the rollout thread failed") from self.error
+        i, version, kept, completions, rewards, counts, state = item
+        staleness = step - 1 - version
+        if i != step or staleness > self.c.rollout.max_staleness:
+            raise RuntimeError(f"rollout {i} (weights v{version}) for step {step}: out of bounds")
+        counts = {
+            **counts,
+            "rollout_version": float(version),
+            "staleness": float(staleness),
+            "sync_bytes": float(self.sync_bytes),
+        }
+        return kept, completions, rewards, counts, state
+
+    def _run(self, first: int) -> None:
+        prepared, prepared_version = None, None
+        try:
+            for i in itertools.count(first):
+                with self.cond:
+                    self.cond.wait_for(
+                        lambda: self.stopped or self.version >= i - 1 - self.c.rollout.max_staleness  # noqa: B023
+                    )
+                    if self.stopped:
+                        return
+                    weights, version = self.weights, self.version
+                if version != prepared_version:
+                    prepared, prepared_version = self.side.prepare(weights), version
+                kept, completions, rewards, counts = draw_groups(
+                    self.c, self.prompts, self.rollouts, prepared, i
+                )
+                state = self.prompts.get_state()
+                self.ready.put((i, version, kept, completions, rewards, counts, state))
+        except BaseException as e:  # reported to the trainer by get()
+            self.error = e
+            self.ready.put(None)
+
+    def start(self, params, version: int) -> None:
+        self.publish(params, version)
+        if not self.started:
+            self.started = True
+            self.thread.start()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        if self.started:
+            self.thread.join(timeout=300)
