@@ -1,6 +1,6 @@
-"""Offline RL from logged trajectories (posttrain/rl/_offline_rl.py, posttrain/losses/_offline.py):
-the objectives against NumPy, the logged-row reader, and the stage raising held-out reward
-before any online step."""
+"""Offline RL from logged trajectories (posttrain/methods/_offline_rl.py,
+posttrain/losses/_offline.py): the objectives against NumPy, the logged-row reader, and the stage
+raising held-out reward before any online step."""
 
 import dataclasses
 import json
