@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "posttrain"
 LAYERS = (
     {"cli", "__main__"},
     {"methods", "demo"},
-    {"train", "rl", "envs", "eval", "curate", "sweep", "aot", "_sweep_report", "config_docs"},
+    {"train", "rl", "envs", "eval", "curate", "aot", "_sweep_report", "config_docs"},
     {"losses", "sampling", "rewards", "data", "lora", "serve"},
     {"models", "_flops", "_collectives"},
     {"parallel", "config", "paths", "errors", "testing"},

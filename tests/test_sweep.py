@@ -10,11 +10,11 @@ import shutil
 import jax
 import pytest
 
-from posttrain import methods, sweep
 from posttrain.cli._flags import config_flag, parse
 from posttrain.cli.sweep import main as sweep_cli
 from posttrain.config import ConfigError
 from posttrain.errors import UserError
+from posttrain.methods import _sweep as sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "sft.py") + ":tiny"
@@ -68,7 +68,7 @@ def fake_train(monkeypatch):
         return {"stopped": "completed", "final_step": 2}
 
     fake_train_fails = set()
-    monkeypatch.setattr(methods, "run_from_config", run)
+    monkeypatch.setattr(sweep, "run_from_config", run)
     return calls, fake_train_fails
 
 
@@ -175,13 +175,13 @@ def test_unknown_keys_and_bad_values_fail_before_any_trial(tmp_path, fake_train)
     ]  # fmt: skip
     for spec, message in cases:
         with pytest.raises(ConfigError, match=message):
-            sweep.run_sweep(spec, str(tmp_path / "sweep"), methods=methods)
+            sweep.run_sweep(spec, str(tmp_path / "sweep"))
     assert calls == [] and not os.path.exists(tmp_path / "sweep")
 
 
 def test_dry_run_prints_one_reproducing_command_per_trial(tmp_path, capsys):
     workdir = str(tmp_path / "sweep")
-    rows = sweep.run_sweep(lr_seeds(), workdir, dry_run=True, methods=methods)
+    rows = sweep.run_sweep(lr_seeds(), workdir, dry_run=True)
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4 and [r["command"] for r in rows] == lines
     assert not os.path.exists(workdir)
@@ -221,7 +221,7 @@ def test_summary_failures_and_retry_with_a_fake_trainer(tmp_path, fake_train, ca
     calls, fails = fake_train
     workdir = str(tmp_path / "sweep")
     fails.add("learning_rate=0.0003,seed=1")
-    rows = sweep.run_sweep(lr_seeds(), workdir, methods=methods)
+    rows = sweep.run_sweep(lr_seeds(), workdir)
     assert [r["status"] for r in rows] == ["finished", "finished", "finished", "failed"]
     assert rows[3]["error"] == "RuntimeError: boom" and len(calls) == 4  # the sweep went on
     record = json.load(open(os.path.join(workdir, rows[3]["trial"], "trial.json")))
@@ -232,7 +232,7 @@ def test_summary_failures_and_retry_with_a_fake_trainer(tmp_path, fake_train, ca
 
     fails.clear()
     capsys.readouterr()
-    rows = sweep.run_sweep(lr_seeds(), workdir, methods=methods)
+    rows = sweep.run_sweep(lr_seeds(), workdir)
     out = capsys.readouterr().out
     assert calls[4:] == ["learning_rate=0.0003,seed=1"]  # only the failed trial ran again
     assert "retrying after a failure" in out and out.count("finished earlier, skipped") == 3
@@ -243,18 +243,18 @@ def test_summary_failures_and_retry_with_a_fake_trainer(tmp_path, fake_train, ca
     assert float(combos[0]["std_final_eval_loss"]) == pytest.approx(math.sqrt(0.5))
     assert "best: optimizer.learning_rate=0.0003" in out
 
-    rows = sweep.run_sweep(lr_seeds(mode="max"), workdir, methods=methods)  # re-ranks, no training
+    rows = sweep.run_sweep(lr_seeds(mode="max"), workdir)  # re-ranks, no training
     assert len(calls) == 5
     assert read_csv(os.path.join(workdir, "combinations.csv"))[0]["optimizer.learning_rate"] == (
         "0.003"
     )
     assert rows[0]["best_eval_loss"] == 50.0 and rows[0]["best_step"] == 1
     with pytest.raises(ConfigError, match="logged no 'eval_los'.*nearest valid key: 'eval_loss'"):
-        sweep.run_sweep(lr_seeds(metric="eval_los"), workdir, methods=methods)
+        sweep.run_sweep(lr_seeds(metric="eval_los"), workdir)
     with pytest.raises(
         ConfigError, match="holds a run with other settings \\(train.steps changed\\)"
     ):
-        sweep.run_sweep(lr_seeds(overrides={**FAST, "train.steps": 30}), workdir, methods=methods)
+        sweep.run_sweep(lr_seeds(overrides={**FAST, "train.steps": 30}), workdir)
 
 
 def test_sweep_of_two_learning_rates_and_two_seeds(tmp_path, capsys):
@@ -263,7 +263,7 @@ def test_sweep_of_two_learning_rates_and_two_seeds(tmp_path, capsys):
     workdir = str(tmp_path / "sweep")
     cache = jax.config.jax_compilation_cache_dir
     min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
-    rows = sweep.run_sweep(lr_seeds(), workdir, methods=methods)
+    rows = sweep.run_sweep(lr_seeds(), workdir)
     out = capsys.readouterr().out
     assert "trial 1/4: learning_rate=0.003,seed=0" in out and "trial 4/4" in out
     assert jax.config.jax_compilation_cache_dir == cache  # the sweep's cache is not left on
@@ -309,7 +309,7 @@ def test_sweep_of_two_learning_rates_and_two_seeds(tmp_path, capsys):
     kept = [os.path.join(workdir, r["trial"], "metrics.jsonl") for r in table[:3]]
     mtimes = [os.stat(p).st_mtime_ns for p in kept]
 
-    rows = sweep.run_sweep(lr_seeds(), workdir, methods=methods)
+    rows = sweep.run_sweep(lr_seeds(), workdir)
     out = capsys.readouterr().out
     assert out.count("finished earlier, skipped") == 3
     assert "trial 4/4: learning_rate=0.0003,seed=1 (resuming the interrupted run)" in out
@@ -323,13 +323,13 @@ def test_sweep_of_two_learning_rates_and_two_seeds(tmp_path, capsys):
 
 def test_a_preempted_trial_stops_the_sweep_and_resumes(tmp_path, fake_train, monkeypatch, capsys):
     calls, _ = fake_train
-    fake = methods.run_from_config
+    fake = sweep.run_from_config
 
     def preempt_the_second(config, workdir, **kwargs):
         summary = fake(config, workdir)
         return {**summary, "stopped": "preempted"} if len(calls) == 2 else summary
 
-    monkeypatch.setattr(methods, "run_from_config", preempt_the_second)
+    monkeypatch.setattr(sweep, "run_from_config", preempt_the_second)
     path = tmp_path / "lr_seeds.py"
     path.write_text(
         "import ml_collections\n\n\ndef get_config():\n"
@@ -341,7 +341,7 @@ def test_a_preempted_trial_stops_the_sweep_and_resumes(tmp_path, fake_train, mon
     assert [r["status"] for r in rows] == ["finished", "preempted", "pending", "pending"]
     assert len(calls) == 2
 
-    monkeypatch.setattr(methods, "run_from_config", fake)
+    monkeypatch.setattr(sweep, "run_from_config", fake)
     assert sweep_cli(argv) == 0
     assert "trial 2/4: learning_rate=0.003,seed=1 (resuming the preempted run)" in (
         capsys.readouterr().out

@@ -34,8 +34,7 @@ def main(argv: list[str]) -> int:
     if fv.config is None or not fv.workdir:
         raise UserError("--config=configs/sweeps/<name>.py and --workdir=DIR are required")
     check_folder("workdir", fv.workdir)
-    from posttrain import methods
-    from posttrain.sweep import run_sweep
+    from posttrain.methods import run_sweep
 
-    rows = run_sweep(fv.config, fv.workdir, methods=methods, dry_run=fv.dry_run)
+    rows = run_sweep(fv.config, fv.workdir, dry_run=fv.dry_run)
     return 0 if fv.dry_run or all(r["status"] == "finished" for r in rows) else 1

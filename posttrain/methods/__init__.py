@@ -19,6 +19,7 @@ from posttrain.methods._record import (
 )
 from posttrain.methods._rm import RewardModelConfig, rm_plan, run_reward_model
 from posttrain.methods._sft import SFTConfig, run_sft, sft_batch, sft_plan
+from posttrain.methods._sweep import expand, grid_values, load_sweep, run_sweep, sample_space
 
 __all__ = [
     "DPOConfig",
@@ -46,6 +47,11 @@ __all__ = [
     "run_reward_model",
     "run_rl",
     "run_sft",
+    "run_sweep",
+    "expand",
+    "grid_values",
+    "load_sweep",
+    "sample_space",
     "sft_batch",
     "sft_plan",
     "smallest_fit",

@@ -31,6 +31,7 @@ import ml_collections
 
 from posttrain._sweep_report import _print_summary, _write_csv, metric_history, summarize
 from posttrain.config import ConfigError, load_config_file, override, to_plain
+from posttrain.methods._record import method_config, run_from_config
 
 # The fields of a sweep file and their defaults (None: required).
 FIELDS = {
@@ -242,7 +243,7 @@ def _check_keys(sweep: dict, base) -> None:
             )
 
 
-def _trial_config(base, trial: Trial, spec: str, methods):
+def _trial_config(base, trial: Trial, spec: str):
     """The base config with the trial's overrides, checked as the driver will build it."""
     config = copy.deepcopy(base)
     for key, value in trial.overrides.items():
@@ -252,7 +253,7 @@ def _trial_config(base, trial: Trial, spec: str, methods):
             raise ConfigError(f"sweep trial {trial.name}: {key}={value!r} does not fit {spec}: "
                               f"{e}") from None  # fmt: skip
     try:
-        methods.method_config(config)
+        method_config(config)
     except ValueError as e:  # ConfigError too
         raise ConfigError(f"sweep trial {trial.name}: {e}") from None
     return config
@@ -291,7 +292,7 @@ def _jsonable(value):
     return json.loads(json.dumps(value))
 
 
-def _run_trial(trial: Trial, config, trial_dir: str, sweep: dict, methods) -> dict:
+def _run_trial(trial: Trial, config, trial_dir: str, sweep: dict) -> dict:
     """Trains one trial (resuming its checkpoint if any) and writes its `trial.json`."""
     os.makedirs(trial_dir, exist_ok=True)
     path = os.path.join(trial_dir, "trial.json")
@@ -302,7 +303,7 @@ def _run_trial(trial: Trial, config, trial_dir: str, sweep: dict, methods) -> di
     _write_json(path, record)
     start = time.perf_counter()
     try:
-        summary = methods.run_from_config(config, trial_dir)
+        summary = run_from_config(config, trial_dir)
         # "preempted": SIGTERM stopped the run after a save; the next sweep run resumes it.
         record["status"] = "finished" if summary["stopped"] == "completed" else summary["stopped"]
         record["final_step"] = summary.get("final_step")
@@ -362,7 +363,7 @@ def _compilation_cache(path: str):
         compilation_cache.reset_cache()
 
 
-def run_sweep(path_or_config, workdir: str, *, methods, dry_run: bool = False) -> list[dict]:
+def run_sweep(path_or_config, workdir: str, *, dry_run: bool = False) -> list[dict]:
     """Runs (or resumes) a sweep: every trial in turn, then the summary tables.
 
     Every key and value is checked against the base config before the first trial runs.
@@ -370,8 +371,6 @@ def run_sweep(path_or_config, workdir: str, *, methods, dry_run: bool = False) -
     Args:
       path_or_config: a sweep file `configs/sweeps/<name>.py`, or its ConfigDict / dict.
       workdir: the sweep's directory; trial `<name>` trains in `<workdir>/<name>`.
-      methods: what builds and runs a trial's config: `posttrain.methods` (its
-        `method_config` and `run_from_config`; the sweep sits below it and cannot import it).
       dry_run: print one `posttrain train` command per trial and run nothing.
 
     Returns:
@@ -385,7 +384,7 @@ def run_sweep(path_or_config, workdir: str, *, methods, dry_run: bool = False) -
     base.lock()  # an override never adds a key
     _check_keys(sweep, base)
     trials = expand(sweep)
-    configs = [_trial_config(base, trial, sweep["base"], methods) for trial in trials]
+    configs = [_trial_config(base, trial, sweep["base"]) for trial in trials]
     keys = list(dict.fromkeys(key for trial in trials for key in trial.values))
     dirs = [os.path.join(workdir, trial.name) for trial in trials]
     if dry_run:
@@ -422,7 +421,7 @@ def run_sweep(path_or_config, workdir: str, *, methods, dry_run: bool = False) -
             note = notes.get(record.get("status"))
             console.print(f"[bold]{head}[/bold]" + (f" ({note})" if note else ""))
             with _compilation_cache(os.path.join(workdir, "jax_cache")):
-                record = _run_trial(trial, config, trial_dir, sweep, methods)
+                record = _run_trial(trial, config, trial_dir, sweep)
             stopped = record["status"] == "preempted"  # the machine is going away: stop here
             console.print(f"{head}: {record['status']} in {record['seconds']:.0f}s")
         seed = trial.seed if trial.seed is not None else config.get("train", {}).get("seed")
