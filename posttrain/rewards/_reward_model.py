@@ -4,8 +4,8 @@ score completions, which is what an "rm:<path>" reward term calls.
 
 The params are `{"trunk": the transformer without its LM head, "head": [D, H]}`; a sequence's
 reward under head h is `hidden(last token) @ head[:, h]` (the last real token of the row, as
-HF's `*ForSequenceClassification`). `posttrain.train` trains them; this module imports jax, so
-`posttrain.rewards` loads it only when one of its names is asked for.
+HF's `*ForSequenceClassification`). The `rm` method (`posttrain.methods`) trains them; this
+module imports jax, so `posttrain.rewards` loads it only when one of its names is asked for.
 """
 
 from __future__ import annotations
