@@ -6,6 +6,7 @@ iterator state of every process, the run config and the dataset manifest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -150,6 +151,18 @@ class Checkpointer:
         """Raises `CheckpointWriteError` if a save in the background has failed (cheap: called
         after every step, so that a run stops at the step it noticed, not at its next save)."""
         self._checked(self.manager.check_for_errors)
+
+    @contextlib.contextmanager
+    def settled(self):
+        """Runs the block; if it raises, first waits for a save still in flight, so that one
+        failing (a full disk that also stopped the run's metrics) leaves no partial files. The
+        block's own error is the one raised."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(CheckpointWriteError):
+                self.wait()
+            raise
 
     def _checked(self, fn, *args, **kwargs):
         try:

@@ -292,21 +292,22 @@ def train(
             out_shardings=(shardings, None),
             donate_argnums=0,
         )
-        state, summary = train_loop(
-            state=state,
-            step_fn=lambda state, batch: jitted(state, loss_inputs, batch),
-            data=data,
-            mesh=mesh,
-            workdir=workdir,
-            loop=config.train,
-            checkpointer=checkpointer,
-            evaluate=evaluate,
-            checkpoint_json=extras,
-            flops_per_token=flops_per_token,
-            on_metrics=on_metrics,
-            updates_per_step=plan.passes.updates,
-            eval_first=eval_first,
-        )
+        with checkpointer.settled():
+            state, summary = train_loop(
+                state=state,
+                step_fn=lambda state, batch: jitted(state, loss_inputs, batch),
+                data=data,
+                mesh=mesh,
+                workdir=workdir,
+                loop=config.train,
+                checkpointer=checkpointer,
+                evaluate=evaluate,
+                checkpoint_json=extras,
+                flops_per_token=flops_per_token,
+                on_metrics=on_metrics,
+                updates_per_step=plan.passes.updates,
+                eval_first=eval_first,
+            )
         checkpointer.close()
     summary["data"] = dict(getattr(data, "stats", {}) or {})
     if hasattr(data, "log_stats"):  # one line per source that cut or left out records

@@ -97,3 +97,25 @@ def test_a_dead_tensorboard_writer_stops_the_run_instead_of_blocking_it(tmp_path
             metrics.write(step, {f"m{i}": i for i in range(20)})
             time.sleep(0.01)
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") >= 1
+
+
+def test_a_run_stopped_for_another_reason_leaves_no_partial_checkpoint(tmp_path):
+    """A save still writing when the run stops for another reason (here an error raised at
+    once; in a full-disk run, TensorBoard's write failing first) is waited for: its failure
+    removes its partial files, and the run's own error is the one raised."""
+    import jax.numpy as jnp
+    import pytest
+
+    from posttrain.train import CheckpointConfig, Checkpointer
+
+    noise = np.random.RandomState(0).standard_normal(200_000)
+    state = {"w": jnp.asarray(noise, jnp.float32)}  # 800 KB a checkpoint, incompressible
+    with tmpfs(tmp_path / "disk", 1200) as disk:  # room for one
+        checkpointer = Checkpointer(str(disk / "run"), CheckpointConfig(every=1))
+        checkpointer.save(1, state)
+        checkpointer.wait()
+        with pytest.raises(RuntimeError, match="the run's own error"):
+            with checkpointer.settled():
+                checkpointer.save(2, state)  # fails in the background: the disk is full
+                raise RuntimeError("the run's own error")
+        assert os.listdir(disk / "run" / "checkpoints") == ["1"]
