@@ -26,7 +26,7 @@ from posttrain.sampling._completion import Completion, _finish
 from posttrain.sampling._engine import Engine, Request
 from posttrain.sampling._engine_config import EngineConfig
 from posttrain.sampling._params import SamplingParams
-from posttrain.sampling._speculative import MTP, PromptLookup
+from posttrain.sampling._speculative import drafter_for
 
 
 class EngineFailed(Exception):
@@ -189,10 +189,7 @@ class _Backend:
         c = self._config
         config = EngineConfig(slots=c.slots, chunk=c.chunk, prefill_bucket=c.prefill_bucket,
                               num_blocks=c.num_blocks, kv_dtype=c.kv_dtype)  # fmt: skip
-        drafter = None
-        if c.speculative:
-            k = c.speculative
-            drafter = PromptLookup(k=k) if self._mtp is None else MTP(self._mtp, k=k)
+        drafter = drafter_for(c.speculative, self._mtp)
         return Engine(self._model, config, eos_ids=self.tokenizer.eos_ids, drafter=drafter)
 
     def close(self) -> None:

@@ -67,7 +67,8 @@ def generate(
         normalised (`posttrain.data.preprocess_images`); prompt i's image tokens take its
         images in order.
       engine: the engine's settings (rows, KV cache, chunk, prefill bucket, prompt-lookup
-        drafts); default: a row per sample (up to 256), prompts padded to `length_bucket`.
+        drafts); default: a row per sample (up to 256), prompts padded to `length_bucket`. A
+        Flax NNX module decodes on the padded loop, which has none of these settings.
 
     Returns:
       Per prompt, a list of its n `Completion`s (text, token_ids, logprobs, finish_reason). The

@@ -12,7 +12,7 @@ from posttrain.sampling._completion import check_settings
 from posttrain.sampling._continuous import generate_continuous
 from posttrain.sampling._engine_config import EngineConfig
 from posttrain.sampling._generate import generate
-from posttrain.sampling._speculative import MTP, PromptLookup
+from posttrain.sampling._speculative import drafter_for
 from posttrain.sampling._stream import stream
 
 FILE_ENGINE = EngineConfig(slots=32)  # a prompts file's rows decoded together
@@ -53,9 +53,7 @@ def run_generate(
     file of prompts (one JSON string or {"prompt": ...} object per line), on the engine with
     `engine`'s rows and KV cache, drafting `speculative` tokens a round (prompt lookup, or the
     model's `mtp` module) when > 0."""
-    drafter = None
-    if speculative:
-        drafter = PromptLookup(k=speculative) if mtp is None else MTP(mtp, k=speculative)
+    drafter = drafter_for(speculative, mtp)
     settings = dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k
     )

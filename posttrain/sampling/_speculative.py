@@ -173,6 +173,14 @@ class MTP:
             raise ValueError(f"MTP needs k >= 1, got k={self.k}")
 
 
+def drafter_for(speculative: int, mtp: MTPModule | None = None) -> PromptLookup | MTP | None:
+    """The drafter of `speculative` tokens a round: the model's MTP module when given, else
+    prompt lookup; None for plain decoding (0)."""
+    if not speculative:
+        return None
+    return PromptLookup(k=speculative) if mtp is None else MTP(mtp, k=speculative)
+
+
 def check_drafter(drafter, model: Transformer) -> None:
     """A clear error for what is not a drafter of `model`."""
     if not isinstance(drafter, PromptLookup | DraftModel | MTP):
