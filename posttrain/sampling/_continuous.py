@@ -111,7 +111,8 @@ def generate_continuous(
     sampling = SamplingParams(temperature, top_p, top_k)
     ids, stop, eos_ids, _ = _prepare(model, tokenizer, prompts, budgets, stop, eos_ids)
     if engine is None:
-        config = config or EngineConfig(
+        rows = min(len(prompts) * n, 256)
+        config = config.sized(rows) if config else EngineConfig(
             slots=slots,
             block_size=block_size,
             num_blocks=num_blocks,

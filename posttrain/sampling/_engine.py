@@ -77,6 +77,11 @@ class Engine:
         drafter: PromptLookup | DraftModel | MTP | None = None,
     ):
         require_kv_cache(model.config, "the paged engine")
+        if config.slots < 1:
+            raise ValueError(
+                "engine slots=0 means 'sized to the work': give the engine its row count "
+                "(EngineConfig.sized(rows)), or set slots >= 1"
+            )
         if drafter is None and config.speculative:
             drafter = PromptLookup(k=config.speculative)
         if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(model.params)):

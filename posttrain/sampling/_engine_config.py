@@ -15,7 +15,8 @@ class EngineConfig:
     """How the engine batches and caches.
 
     Attributes:
-      slots: sequences decoded together (the decode batch).
+      slots: sequences decoded together (the decode batch); 0 sizes it to the work: a row for
+        every sample of a `generate` call (up to 256), of an RL step's batch, and so on.
       block_size: tokens per KV block.
       num_blocks: blocks in the pool (block 0 is scratch); 0 sizes it so every slot can hold
         a sequence of the longest length the engine is asked for (never waits for blocks).
@@ -54,7 +55,9 @@ class EngineConfig:
     speculative: int = 0
 
     def __post_init__(self):
-        for name in ("slots", "block_size", "chunk", "prefill_bucket", "kv_recent"):
+        if self.slots < 0:
+            raise ValueError(f"engine slots must be >= 0 (0: sized to the work), got {self.slots}")
+        for name in ("block_size", "chunk", "prefill_bucket", "kv_recent"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine {name} must be >= 1, got {getattr(self, name)}")
         if self.speculative < 0:
@@ -74,6 +77,10 @@ class EngineConfig:
             raise ValueError(
                 f"engine attention must be one of {_ATTENTION}, got {self.attention!r}"
             )
+
+    def sized(self, rows: int) -> EngineConfig:
+        """This config with `slots` = `rows` where it says 0 (sized to the work)."""
+        return self if self.slots else dataclasses.replace(self, slots=rows)
 
     def kernel(self, model_config, platform: str) -> str:
         """The `PagedKVCache.kernel` decode steps use ("" for the XLA gather)."""
