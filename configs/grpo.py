@@ -81,13 +81,20 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # Decoupled: partial rollouts, in-flight weight updates: a step takes the groups that finish
     # first, the rest continue on newer weights (each token's version within max_staleness).
     c.rollout.partial = False
-    # engine: paged KV, continuous batching, a group's samples share its prompt's prefill;
-    # static: one padded batch (the reference). Same draws for the same seeds.
-    c.rollout.sampler = "engine"
-    c.rollout.engine_slots = 0  # sequences decoded together; 0: data.batch_size x num_generations
-    c.rollout.kv_block_size = 16  # tokens per KV block
-    c.rollout.kv_dtype = "auto"  # auto (compute dtype) | int8 | int8_layered
-    c.rollout.unstack_layers = True  # copy layer weights per decode call (faster; one extra copy)
+    # The paged engine every rollout decodes on: continuous batching, a group's samples share
+    # its prompt's prefill and KV blocks (loss.router_replay turns on its route recording).
+    c.rollout.engine = ml_collections.ConfigDict()
+    c.rollout.engine.slots = 0  # sequences decoded together; 0: data.batch_size x num_generations
+    c.rollout.engine.block_size = 16  # tokens per KV block
+    c.rollout.engine.num_blocks = 0  # KV pool blocks; 0: room for every row's longest sequence
+    c.rollout.engine.chunk = 16  # decode steps per device call (rows refill between calls)
+    c.rollout.engine.prefill_bucket = 16  # prompts padded to a multiple of this for prefill
+    c.rollout.engine.kv_dtype = "auto"  # auto (compute dtype) | int8 | int8_layered
+    c.rollout.engine.kv_recent = 32  # int8_layered: each row's last N tokens in full precision
+    c.rollout.engine.prefix_sharing = True  # a group's samples share its prompt's prefill
+    c.rollout.engine.attention = "auto"  # auto | xla (gather blocks) | ragged (the TPU kernel)
+    c.rollout.engine.unstack_layers = True  # per-layer weight copy per decode call (faster)
+    c.rollout.engine.speculative = 0  # prompt-lookup draft tokens a round (0: plain decoding)
 
     # Multi-turn episodes with tools (agentic RL, docs/agents.md): name "" = single-turn.
     c.env = ml_collections.ConfigDict()

@@ -9,8 +9,7 @@
 Presets:
   sft   the module from its own random init, supervised on the bundled arithmetic problems.
   dpo   DPO from runs/nnx/sft on the demo's right-vs-wrong answer pairs.
-  grpo  GRPO from runs/nnx/sft with the arithmetic verifier; rollouts on the static sampler
-        (an NNX module is decoded by re-running it over the tokens so far, see docs/models.md).
+  grpo  GRPO from runs/nnx/sft with the arithmetic verifier; rollouts on the paged engine.
 Your own module: set model.nnx to its builder ("package.module:function", called with
 `rngs=nnx.Rngs(...)` and model.nnx_kwargs) and keep the rest; LoRA: --config.lora.enabled=True
 with lora.targets matching your weights' paths ("layers/0/attn/q" here).
@@ -51,6 +50,4 @@ def get_config(preset: str = "sft"):
     c.lora.targets = TARGETS
     if preset == "sft":
         c.train.steps = 600
-    if preset == "grpo":
-        c.rollout.sampler = "static"
     return c

@@ -123,11 +123,25 @@ def _over_default(field: dataclasses.Field, value):
     return {**dataclasses.asdict(default), **value}
 
 
+def retired_key(cls, key: str) -> str | None:
+    """What to set instead of the dotted `key` of `cls` where the section holding it retired
+    it (its class's `RETIRED_KEYS`), else None."""
+    *path, leaf = key.split(".")
+    for name in path:
+        tp = typing.get_type_hints(cls).get(name)
+        # (a section that may be None, `LoRAConfig | None`, is its dataclass)
+        cls = next((t for t in typing.get_args(tp) or (tp,) if dataclasses.is_dataclass(t)), None)
+        if cls is None:
+            return None
+    return getattr(cls, "RETIRED_KEYS", {}).get(leaf)
+
+
 def build(cls, config, where: str = "config"):
     """Builds the frozen dataclass `cls` from a ConfigDict / dict, recursively.
 
-    Unknown keys are an error naming the key and the known ones; missing keys take the
-    dataclass defaults; `__post_init__` checks run as usual and are reported with `where`.
+    Unknown keys are an error naming the key and the known ones (a key the class retired, in
+    its `RETIRED_KEYS` {old key: what to set instead}, names what replaces it); missing keys
+    take the dataclass defaults; `__post_init__` checks run as usual and are reported with `where`.
     """
     values = to_plain(config)
     if not isinstance(values, Mapping):
@@ -135,6 +149,11 @@ def build(cls, config, where: str = "config"):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - set(fields))
+    retired = [k for k in unknown if k in getattr(cls, "RETIRED_KEYS", {})]
+    if retired:
+        raise ConfigError(
+            f"{where} has no key {retired[0]!r} any more: {cls.RETIRED_KEYS[retired[0]]}"
+        )
     if unknown:
         moved = [
             f"{where}.{f}.{k}" for k in unknown for f in fields if k in _section_keys(fields[f])

@@ -1,5 +1,6 @@
 """Building config dataclasses from config sections: nested sections keep their field's
-defaults, a key that moved into a section is named, bad values name their section."""
+defaults, a key that moved into a section or was retired is named, bad values name their
+section."""
 
 import ast
 import dataclasses
@@ -27,6 +28,27 @@ def test_a_section_given_in_part_keeps_its_fields_default_for_the_rest():
 def test_a_key_that_moved_into_a_section_is_named():
     with pytest.raises(ConfigError, match=r"did you mean rollout\.sampling\.temperature\?"):
         build(RolloutConfig, {"temperature": 0.7}, "rollout")
+
+
+def test_a_retired_rollout_key_names_what_replaces_it():
+    """The engine's settings moved into rollout.engine (an EngineConfig) and the static sampler
+    is gone: each old key is one error naming the key to set instead."""
+    retired = {
+        "engine_slots": ("rollout.engine.slots", 4),
+        "kv_block_size": ("rollout.engine.block_size", 32),
+        "kv_dtype": ("rollout.engine.kv_dtype", "int8"),
+        "unstack_layers": ("rollout.engine.unstack_layers", False),
+        "sampler": ("rollout.engine.prefix_sharing=False", "static"),
+    }
+    for old, (new, value) in retired.items():
+        with pytest.raises(ConfigError) as error:
+            build(RolloutConfig, {old: value}, "rollout")
+        assert f"rollout has no key {old!r} any more" in str(error.value)
+        assert new in str(error.value), str(error.value)
+    with pytest.raises(ConfigError, match="every rollout decodes on the engine"):
+        build(RolloutConfig, {"sampler": "engine"}, "rollout")
+    engine = build(RolloutConfig, {"engine": {"block_size": 32}}, "rollout").engine
+    assert (engine.slots, engine.block_size) == (0, 32)  # (the rollout's default: sized to work)
 
 
 @pytest.mark.parametrize(

@@ -115,6 +115,11 @@ CASES = [
         "did you mean --config.train.steps",
     ),
     (
+        "retired-key",  # the static sampler is gone: the message says what replaces it
+        ["train", GRPO, "--workdir={run}", "--config.rollout.sampler=static"],
+        "no key 'rollout.sampler' any more: every rollout decodes on the engine",
+    ),
+    (
         "not-a-number",
         ["train", SFT, "--workdir={run}", "--config.optimizer.learning_rate=fast"],
         "--config.optimizer.learning_rate=fast",

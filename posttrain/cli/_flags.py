@@ -86,19 +86,24 @@ def _help(argv: list[str], values, text: str, examples: list[str]) -> str:
 
 def _config_key_error(argv: list[str]) -> str:
     """Which --config.a.b override names no key of the config file, and the nearest key."""
-    from posttrain.config import load_config_file
+    from posttrain.config import load_config_file, retired_key
+    from posttrain.methods import METHODS
 
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     overrides = [a[len("--config.") :].split("=", 1)[0] for a in argv if a.startswith("--config.")]
     try:
-        keys = _dotted_keys(load_config_file(spec))
+        config = load_config_file(spec)
+        keys = _dotted_keys(config)
     except Exception:  # the file itself is broken: its own error is clearer
         return f"{overrides} names a key the config does not have"
-    for key in overrides:
-        if key not in keys:
-            near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
-            hint = f"; did you mean --config.{near[0]}?" if near else ""
-            return f"--config.{key}: {spec} has no key {key!r}{hint}"
+    method = METHODS.get(config.get("method", "sft"))
+    for key in (k for k in overrides if k not in keys):
+        instead = method and retired_key(method.config, key)
+        if instead:
+            return f"--config.{key}: {spec} has no key {key!r} any more: {instead}"
+        near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
+        hint = f"; did you mean --config.{near[0]}?" if near else ""
+        return f"--config.{key}: {spec} has no key {key!r}{hint}"
     return f"{overrides} names a key the config does not have"
 
 

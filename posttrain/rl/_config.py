@@ -2,6 +2,7 @@
 stages, and the whole run (`RLConfig`, what `configs/grpo.py` and `configs/ppo.py` build)."""
 
 import dataclasses
+from typing import ClassVar
 
 from posttrain.config import ConfigError
 from posttrain.data import DataConfig, SourceConfig
@@ -10,14 +11,14 @@ from posttrain.lora import LoRAConfig
 from posttrain.losses import (
     ADVANTAGE_MODES,
 )
-from posttrain.models import KV_DTYPES, ModelSpec
+from posttrain.models import ModelSpec
 from posttrain.parallel import MeshConfig
 from posttrain.rewards import (
     RewardRegistry,
     default_registry,
 )
 from posttrain.rl._loss import PolicyLossConfig
-from posttrain.sampling import SamplingParams
+from posttrain.sampling import EngineConfig, SamplingParams
 from posttrain.train import CheckpointConfig, LoopConfig, OptimizerConfig
 
 
@@ -37,24 +38,29 @@ class RolloutConfig:
     # Decoupled: partial rollouts with in-flight weight updates (docs/rl.md): a step trains on
     # the groups that finish first; the others continue on the newer weights.
     partial: bool = False
-    # "engine": the paged engine (continuous batching; a group's samples share its prompt's
-    # prefill and KV blocks); "static": one padded batch per step (the reference sampler).
-    # Both draw the same tokens for the same seeds (docs/generation.md).
-    sampler: str = "engine"
-    engine_slots: int = 0  # sequences the engine decodes together; 0: a step's batch x n
-    kv_block_size: int = 16  # tokens per KV block
-    kv_dtype: str = "auto"  # "auto" (compute dtype), "int8" or "int8_layered"
-    # Decode calls copy the layers' weights into per-layer arrays once (faster decoding; one
-    # extra copy of the layer weights while rollouts decode); false slices them every step.
-    unstack_layers: bool = True
+    # The paged engine every rollout decodes on (continuous batching; a group's samples share
+    # its prompt's prefill and KV blocks). slots 0: a step's batch x num_generations (x2 with
+    # partial rollouts); record_routes follows loss.router_replay.
+    engine: EngineConfig = EngineConfig(slots=0)
+
+    # Keys this section had: what to set instead (`posttrain.config.build` names it).
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "engine_slots": "set rollout.engine.slots",
+        "kv_block_size": "set rollout.engine.block_size",
+        "kv_dtype": "set rollout.engine.kv_dtype",
+        "unstack_layers": "set rollout.engine.unstack_layers",
+        "sampler": (
+            "every rollout decodes on the engine (rollout.engine); the old 'static' sampler's "
+            "padded batch is rollout.engine.block_size >= max_prompt_len + max_new_tokens (one "
+            "block per row) with rollout.engine.prefix_sharing=False"
+        ),
+    }
 
     def __post_init__(self):
-        if self.sampler not in ("engine", "static"):
-            raise ConfigError(f"rollout.sampler must be 'engine' or 'static', got {self.sampler!r}")
-        if self.engine_slots < 0 or self.kv_block_size < 1:
-            raise ConfigError("rollout.engine_slots must be >= 0 and kv_block_size >= 1")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"rollout.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.engine.record_routes:
+            raise ConfigError(
+                "rollout.engine.record_routes follows loss.router_replay: leave it unset"
+            )
         if self.num_generations < 1 or self.max_new_tokens < 1 or self.max_prompt_len < 1:
             raise ConfigError("rollout: num_generations, max_new_tokens, max_prompt_len >= 1")
         if self.overlong_buffer < 0 or self.overlong_buffer > self.max_new_tokens:
@@ -63,10 +69,9 @@ class RolloutConfig:
             raise ConfigError("rollout.sampler_devices and rollout.max_staleness must be >= 0")
         if self.max_staleness and not self.sampler_devices:
             raise ConfigError("rollout.max_staleness needs decoupled rollouts (sampler_devices)")
-        if self.partial and not (self.sampler_devices and self.sampler == "engine"):
+        if self.partial and not self.sampler_devices:
             raise ConfigError(
-                "rollout.partial needs decoupled rollouts on the engine: set "
-                "rollout.sampler_devices > 0 and rollout.sampler='engine'"
+                "rollout.partial needs decoupled rollouts: set rollout.sampler_devices > 0"
             )
         if self.partial and self.dynamic_sampling:
             raise ConfigError("rollout.partial does not combine with dynamic_sampling yet")
@@ -331,8 +336,6 @@ class RLConfig:
             )
         if self.data.curriculum and self.data.num_epochs is not None:
             raise ConfigError("data.curriculum needs data.num_epochs=None (prompts repeat)")
-        if self.env.name and self.rollout.sampler != "engine":
-            raise ConfigError("env episodes run on the engine: set rollout.sampler='engine'")
         if self.env.name and self.rollout.partial:
             raise ConfigError("rollout.partial is for single-turn rollouts; unset env.name")
         rows = self.data.batch_size * self.rollout.num_generations

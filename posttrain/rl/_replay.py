@@ -63,10 +63,11 @@ def check_router_replay(c, model_config, processes: int) -> None:
             f"loss.router_replay={mode!r} replays MoE routing, but the model is dense; set "
             "loss.router_replay='off'"
         )
-    if c.rollout.sampler != "engine" or c.env.name:
+    if c.rollout.engine.speculative or c.env.name:
         raise ConfigError(
-            f"loss.router_replay={mode!r} needs the engine's single-turn rollouts (it records "
-            "the routing); set rollout.sampler='engine' and env.name='', or router_replay='off'"
+            f"loss.router_replay={mode!r} needs single-turn rollouts decoded without drafts (the "
+            "engine records the routing); set rollout.engine.speculative=0 and env.name='', or "
+            "router_replay='off'"
         )
     if processes > 1:
         raise ConfigError("loss.router_replay runs in one process for now; set it to 'off'")

@@ -22,12 +22,7 @@ from posttrain.rl._config import RLConfig
 from posttrain.rl._domains import component_means, tally_components
 from posttrain.rl._episodes_rollout import sample_episodes
 from posttrain.rl._shares import gather_groups, prompt_share
-from posttrain.sampling import (
-    Engine,
-    EngineConfig,
-    generate_continuous,
-    generate_static,
-)
+from posttrain.sampling import Engine, generate_continuous
 
 
 class Rollouts:
@@ -120,18 +115,15 @@ class Rollouts:
             return sample_episodes(self, model, prompts, kwargs, timings)
         if self.images is not None:
             kwargs["images"] = [prompt_pixels(p, self.images) for p in prompts]
-        if r.sampler == "static":
-            completions = generate_static(model, self.tokenizer, prompt_ids, **kwargs)
-        else:
-            self.engine_for(model)
-            before = dataclasses.replace(self.engine.stats)
-            completions = generate_continuous(
-                model, self.tokenizer, prompt_ids, engine=self.engine, **kwargs
-            )
-            if timings is not None:  # prefix sharing: a group's prompt is prefilled once
-                for key in ("prompt_tokens", "prefill_tokens"):
-                    done = getattr(self.engine.stats, key) - getattr(before, key)
-                    timings[key] = timings.get(key, 0) + done
+        self.engine_for(model)
+        before = dataclasses.replace(self.engine.stats)
+        completions = generate_continuous(
+            model, self.tokenizer, prompt_ids, engine=self.engine, **kwargs
+        )
+        if timings is not None:  # prefix sharing: a group's prompt is prefilled once
+            for key in ("prompt_tokens", "prefill_tokens"):
+                done = getattr(self.engine.stats, key) - getattr(before, key)
+                timings[key] = timings.get(key, 0) + done
         generated = time.perf_counter()
         rewards = self.score(prompts, completions, shaped=not greedy, timings=timings)
         if timings is not None:
@@ -161,15 +153,11 @@ class Rollouts:
         """The paged engine, made at the first sampling, with `model`'s weights swapped in."""
         r = self.config.rollout
         if self.engine is None:
-            # By default every sample of a step decodes at once, as in the static sampler
-            # (partial rollouts keep twice that in flight).
+            # slots 0: every sample of a step decodes at once (partial rollouts keep twice
+            # that in flight).
             groups = self.config.data.batch_size * (2 if r.partial else 1)
-            slots = r.engine_slots or groups * r.num_generations
-            config = EngineConfig(
-                slots=slots,
-                block_size=r.kv_block_size,
-                kv_dtype=r.kv_dtype,
-                unstack_layers=r.unstack_layers,
+            config = dataclasses.replace(
+                r.engine.sized(groups * r.num_generations),
                 record_routes=self.config.loss.router_replay != "off",
             )
             self.engine = Engine(model, config, max_len=self.max_len)

@@ -121,10 +121,9 @@ def test_a_checkpoint_of_another_module_is_refused(sft_run, tmp_path):
 
 
 def test_grpo_reward_rises_on_the_toy_task(tmp_path):
-    """GRPO on the static sampler from the module's random init, with the toy digit reward."""
+    """GRPO (rollouts on the engine) from the module's random init, with the toy digit reward."""
     nnx = load_config_file(os.path.join(REPO, "configs", "nnx.py:grpo"))
-    config = toy_config("tiny", train__steps=12, rollout__sampler="static",
-                        optimizer__learning_rate=1e-2)  # fmt: skip
+    config = toy_config("tiny", train__steps=12, optimizer__learning_rate=1e-2)
     override(config, {"model.nnx": nnx.model.nnx, "model.nnx_kwargs": nnx.model.nnx_kwargs,
                       "model.remat": ""})  # fmt: skip
     run_from_config(config, str(tmp_path))

@@ -53,27 +53,35 @@ def test_reward_rises_on_the_toy_task(preset, tmp_path):
         assert sum(r["groups"] == 8 for r in dropped) >= len(dropped) // 2
 
 
-def test_engine_and_static_sampler_give_the_same_run(tmp_path):
-    """Rollouts on the paged engine (the default: continuous batching, prefix sharing) draw what
-    the static sampler draws for the same per-prompt seeds, so the two runs' reward curves match
-    step by step (up to a token flipped by float rounding, which never happened here).
-    The engine run also traces steps 2-3 with the profiler (`train.profile_steps`)."""
+def test_the_default_engine_and_a_padded_one_give_the_same_run(tmp_path):
+    """Rollouts draw the same tokens for the same per-prompt seeds however the engine batches
+    and caches, so two runs' reward curves match step by step (up to a token flipped by float
+    rounding, which never happened here): "paged" is the default engine (continuous batching,
+    16-token blocks, prefix sharing), "padded" is shaped as the retired static sampler (one KV
+    block per row, no prefix sharing, the whole completion in one decode call).
+    The paged run also traces steps 2-3 with the profiler (`train.profile_steps`)."""
+    r = toy_config("tiny").rollout
+    shapes = {
+        "paged": {"train__profile_steps": "2:3"},
+        "padded": {
+            "rollout__engine__block_size": r.max_prompt_len + r.max_new_tokens,
+            "rollout__engine__prefix_sharing": False,
+            "rollout__engine__chunk": r.max_new_tokens,
+        },
+    }
     runs = {}
-    for sampler in ("engine", "static"):
-        profile = "2:3" if sampler == "engine" else ""
-        config = toy_config("tiny", train__steps=4, rollout__sampler=sampler,
-                            train__profile_steps=profile)  # fmt: skip
-        run_from_config(config, str(tmp_path / sampler))
-        runs[sampler] = read_metrics(str(tmp_path / sampler))
-    engine, static = ([r["reward"] for r in runs[k]] for k in ("engine", "static"))
-    assert engine == static, (engine, static)
-    assert all(r["logp_gap"] < 1e-3 for r in runs["engine"])
+    for name, overrides in shapes.items():
+        run_from_config(toy_config("tiny", train__steps=4, **overrides), str(tmp_path / name))
+        runs[name] = read_metrics(str(tmp_path / name))
+    paged, padded = ([r["reward"] for r in runs[k]] for k in ("paged", "padded"))
+    assert paged == padded, (paged, padded)
+    assert all(r["logp_gap"] < 1e-3 for r in runs["paged"])
     # Prefix sharing: each group of 8 samples prefilled its prompt once.
-    assert all(r["prompt_tokens"] == 8 * r["prefill_tokens"] > 0 for r in runs["engine"])
+    assert all(r["prompt_tokens"] == 8 * r["prefill_tokens"] > 0 for r in runs["paged"])
     # The trace holds steps 2 and 3 (each step's rollout batch and update, and the engine's
     # prefill and decode programs) and nothing of steps 1 or 4.
-    (trace,) = glob.glob(str(tmp_path / "engine/profile/plugins/profile/*/*.trace.json.gz"))
-    assert glob.glob(str(tmp_path / "engine/profile/plugins/profile/*/*.xplane.pb"))
+    (trace,) = glob.glob(str(tmp_path / "paged/profile/plugins/profile/*/*.trace.json.gz"))
+    assert glob.glob(str(tmp_path / "paged/profile/plugins/profile/*/*.xplane.pb"))
     with gzip.open(trace) as f:
         names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
     assert {"batch 2", "train 2", "batch 3", "train 3"} <= names
