@@ -7,10 +7,12 @@ excluded) split into rollout generation, reward scoring (the verifier in worker 
 trainer's log-prob passes and advantages, and the optimizer updates.
 
     python benchmarks/rl_throughput.py --steps=40 --warmup=5
-    python benchmarks/rl_throughput.py --checkpoint=runs/demo/sft --samplers=engine,static
+    python benchmarks/rl_throughput.py --checkpoint=runs/demo/sft --engines=paged,padded
 
-Each sampler in `--samplers` runs the same steps in turn (the paged engine, the default, and
-the static sampler, the reference), so their step times are side by side in one run.
+Each engine shape in `--engines` runs the same steps in turn, so their step times are side by
+side in one run: "paged" is `rollout.engine` as configured (the default: continuous batching,
+prefix sharing), "padded" the old static sampler's shape (one KV block per row, no prefix
+sharing, one decode call for the whole completion).
 
 Reported in docs/benchmarks.md; raw numbers in benchmarks/results/rl_throughput_cpu.json.
 """
@@ -18,6 +20,7 @@ Reported in docs/benchmarks.md; raw numbers in benchmarks/results/rl_throughput_
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -32,8 +35,18 @@ from posttrain.methods import run_from_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# rollout.engine settings of each `--engines` name, from the rollout section.
+SHAPES = {
+    "paged": lambda r: {},
+    "padded": lambda r: {
+        "block_size": r.max_prompt_len + r.max_new_tokens,
+        "prefix_sharing": False,
+        "chunk": r.max_new_tokens,
+    },
+}
 
-def _measure(config, args) -> dict:
+
+def _measure(config, args, engine: str) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         run_from_config(config, workdir, on_metrics=lambda step, m: rows.append(m))
@@ -43,7 +56,7 @@ def _measure(config, args) -> dict:
     step_s = float(np.mean([r["step_s"] for r in timed]))
     return {
         "preset": args.preset,
-        "sampler": config.rollout.sampler,
+        "engine": engine,
         "checkpoint": args.label or args.checkpoint or "random init",
         "prompts_per_step": config.data.batch_size,
         "samples_per_prompt": config.rollout.num_generations,
@@ -67,7 +80,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--checkpoint", default="", help="start from this run (default: random)")
     parser.add_argument("--label", default="", help="what to call the checkpoint in the results")
-    parser.add_argument("--samplers", default="engine", help="comma-separated: engine,static")
+    parser.add_argument("--engines", default="paged", help="comma-separated: paged,padded")
     parser.add_argument(
         "--out", default=os.path.join(REPO, "benchmarks/results/rl_throughput_cpu.json")
     )
@@ -81,10 +94,13 @@ def main() -> None:
     config.checkpoint.every = 10 * args.steps
     config.mesh.ici = {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
     results = {}
-    for sampler in args.samplers.split(","):
-        config.rollout.sampler = sampler
-        results[sampler] = _measure(config, args)
-    result = results[sampler] if len(results) == 1 else results
+    for engine in args.engines.split(","):
+        if engine not in SHAPES:
+            parser.error(f"--engines: {engine!r} is not one of {sorted(SHAPES)}")
+        run = copy.deepcopy(config)
+        run.rollout.engine.update(SHAPES[engine](run.rollout))
+        results[engine] = _measure(run, args, engine)
+    result = results[engine] if len(results) == 1 else results
     print(json.dumps(result, indent=2))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
