@@ -22,7 +22,6 @@ from posttrain.sampling._serve_request import _get as request_field
 from posttrain.sampling._serve_request import _settings as request_settings
 from posttrain.sampling._serve_request import _tools as request_tools
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup
-from posttrain.sampling._static import generate_static
 
 __all__ = [
     "check_settings",
@@ -36,7 +35,6 @@ __all__ = [
     "generate",
     "generate_continuous",
     "generate_speculative",
-    "generate_static",
     "PromptLookup",
     "Request",
     "request_completions",

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.models import Transformer, require_kv_cache
+from posttrain.models import Transformer
 from posttrain.parallel import logical_to_spec
 from posttrain.sampling._engine_config import EngineConfig, EngineStats
 from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
@@ -76,11 +76,18 @@ class Engine:
         eos_ids: Sequence[int] = (),
         drafter: PromptLookup | DraftModel | MTP | None = None,
     ):
-        require_kv_cache(model.config, "the paged engine")
+        if model.config.nnx is not None and (
+            drafter or config.speculative or config.kv_dtype != "auto"
+        ):
+            raise ValueError(
+                f"{model.config.nnx.builder} is a Flax NNX module: the engine decodes it by "
+                "rerunning it over each row's tokens, with no KV cache to quantise or draft "
+                "into; use kv_dtype='auto' and no speculative decoding"
+            )
         if config.slots < 1:
             raise ValueError(
-                "engine slots=0 means 'sized to the work': give the engine its row count "
-                "(EngineConfig.sized(rows)), or set slots >= 1"
+                "engine slots must be >= 1 in an engine (slots=0 in a config means 'sized to "
+                "the work': give the engine its row count with EngineConfig.sized(rows))"
             )
         if drafter is None and config.speculative:
             drafter = PromptLookup(k=config.speculative)
@@ -107,7 +114,8 @@ class Engine:
             )
         self.num_blocks = num_blocks
         device = next(iter(jax.tree.leaves(model.params)[0].devices()))
-        self.kernel = config.kernel(model.config, device.platform)
+        nnx = model.config.nnx is not None
+        self.kernel = "" if nnx else config.kernel(model.config, device.platform)
         self.stats = EngineStats()
         self.set_eos(eos_ids)
         self._free = list(range(num_blocks - 1, 0, -1))  # a stack; block 0 is scratch
@@ -127,7 +135,9 @@ class Engine:
             self.num_blocks,
             self.blocks_per_seq,
             combined=bool(self.kernel),
-            history=self.blocks_per_seq * c.block_size if drafter else 1,
+            history=self.blocks_per_seq * c.block_size
+            if drafter or self.model.config.nnx is not None
+            else 1,
             draft_config=draft_config(drafter),
             mtp=isinstance(drafter, MTP),
         )

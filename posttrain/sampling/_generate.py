@@ -1,9 +1,9 @@
 """`generate`: n samples of each prompt, the whole call at once, on the one decoder.
 
-Every model with posttrain's KV cache decodes on the paged engine (`generate_continuous` with
-a row for each sample); a Flax NNX module, which has no KV-cache interface, decodes on
-`_static`. The weights are an argument of the jitted functions (`model` is a pytree whose
-config is static), so RL can pass fresh params of the same shapes without recompiling.
+Every model decodes on the paged engine (`generate_continuous` with a row for each sample; a
+Flax NNX module, which has no KV cache, reruns over each row's tokens there). The weights are
+an argument of the jitted functions (`model` is a pytree whose config is static), so RL can
+pass fresh params of the same shapes without recompiling.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from posttrain.models import Transformer
 from posttrain.sampling._completion import Completion, _check
 from posttrain.sampling._continuous import generate_continuous
 from posttrain.sampling._engine_config import EngineConfig
-from posttrain.sampling._static import generate_static
 
 MOST_ROWS = 256  # rows `generate` decodes at once; the engine queues the rest
 
@@ -67,8 +66,8 @@ def generate(
         normalised (`posttrain.data.preprocess_images`); prompt i's image tokens take its
         images in order.
       engine: the engine's settings (rows, KV cache, chunk, prefill bucket, prompt-lookup
-        drafts); default: a row per sample (up to 256), prompts padded to `length_bucket`. A
-        Flax NNX module decodes on the padded loop, which has none of these settings.
+        drafts); default: a row per sample (up to 256), prompts padded to `length_bucket`
+        (`slots=0` sizes the rows so too).
 
     Returns:
       Per prompt, a list of its n `Completion`s (text, token_ids, logprobs, finish_reason). The
@@ -87,12 +86,6 @@ def generate(
         n=n,
         length_bucket=length_bucket,
     )
-    if model.config.nnx is not None:  # no KV cache to page: the padded loop re-runs it
-        return generate_static(
-            model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, n=n, seed=seed, seeds=seeds, stop=stop, eos_ids=eos_ids,
-            length_bucket=length_bucket, images=images,
-        )  # fmt: skip
     return generate_continuous(
         model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
         top_p=top_p, top_k=top_k, n=n, seed=seed, seeds=seeds, stop=stop, eos_ids=eos_ids,

@@ -36,7 +36,7 @@ SCRATCH = 0  # block 0: padding and finished rows write here; nothing reads it
 class Rows(NamedTuple):
     """Device state of the decode rows."""
 
-    k: jax.Array | dict  # the block pool, `[layers, blocks, block_size, K, H]`
+    k: jax.Array | dict | None  # the block pool, `[layers, blocks, block_size, K, H]` (NNX: None)
     v: jax.Array | dict | None
     tables_BM: jax.Array  # each row's block table
     lengths_B: jax.Array  # tokens in the cache
@@ -51,7 +51,9 @@ class Rows(NamedTuple):
     # Speculative decoding only:
     pending_B: jax.Array  # the token a round drew last, emitted next round (-1: none yet)
     pending_lp_B: jax.Array  # its log-prob
-    history_BT: jax.Array  # the row's tokens by position (prompt, then generated): lookups
+    # The row's tokens by position (prompt, then generated): prompt lookup's drafts, and an
+    # NNX module's cache (it reruns over them, `_nnx_step`).
+    history_BT: jax.Array
     draft_k: jax.Array | None  # a draft model's (or MTP module's) pool: same blocks and tables
     draft_v: jax.Array | None
     hidden_BD: jax.Array | None  # MTP: the model's final hidden state at the last cached position
@@ -117,14 +119,18 @@ def prefill(
         )
 
     segments_GP = real_GP.astype(jnp.int32)
-    cache = cache_of(rows.k, rows.v, config.dtype)
     routes_BSTK = rows.routes_BSTK
     images = dict(images_BIHWC=images_GIHWC)
-    if routes_BSTK is None:
+    if config.nnx is not None:  # no pool: the rows' token histories are its cache
+        cache = None
+        hidden_GPD = hidden_states(model.params, tokens_GP, config, positions_GP, segments_GP)
+    elif routes_BSTK is None:
+        cache = cache_of(rows.k, rows.v, config.dtype)
         hidden_GPD, cache = hidden_states(
             model.params, tokens_GP, config, positions_GP, segments_GP, cache, **images
         )
     else:  # the prompt's routing, for each of its rows (a group's samples share its prefill)
+        cache = cache_of(rows.k, rows.v, config.dtype)
         hidden_GPD, cache, aux = hidden_states(
             model.params, tokens_GP, config, positions_GP, segments_GP, cache, return_aux=True,
             **images,
@@ -167,8 +173,8 @@ def prefill(
     T = rows.history_BT.shape[1]
     history_GT = jnp.pad(tokens_GP[:, :T], ((0, 0), (0, max(T - P, 0))))
     return Rows(
-        k=copy(cache.k_TNbKH),
-        v=copy(cache.v_TNbKH),
+        k=None if cache is None else copy(cache.k_TNbKH),
+        v=None if cache is None else copy(cache.v_TNbKH),
         tables_BM=rows.tables_BM.at[rows_X].set(tables_XM),
         lengths_B=rows.lengths_B.at[rows_X].set(lengths_G[group_X]),
         logits_BV=rows.logits_BV.at[rows_X].set(logits_GV[group_X]),
@@ -254,6 +260,7 @@ def decode(
     config = model.config
     B = rows.lengths_B.shape[0]
     tables_BM = rows.tables_BM[:, :blocks]
+    unstack = unstack and config.nnx is None  # (an NNX module's params are its own)
     model, rows = _unstacked(model, rows) if unstack else (model, rows)
 
     def body(rows: Rows, _):
@@ -266,13 +273,19 @@ def decode(
         num_B = rows.num_B + live_B
         done_B = rows.done_B | jnp.isin(token_B, eos_E) | (num_B >= rows.budget_B)
         position_B1 = rows.lengths_B[:, None]
-        cache = _paged(
-            rows.k, rows.v, tables_BM, block_size, position_B1, live_B, config.dtype, kernel
-        )
         segments_B1 = jnp.ones((B, 1), jnp.int32)
-        if rows.routes_BSTK is None:
+        if config.nnx is not None:
+            rows, logits_B1V = _nnx_step(model, rows, token_B, live_B, blocks * block_size)
+            cache = None
+        elif rows.routes_BSTK is None:
+            cache = _paged(
+                rows.k, rows.v, tables_BM, block_size, position_B1, live_B, config.dtype, kernel
+            )
             logits_B1V, cache = model(token_B[:, None], position_B1, segments_B1, cache)
         else:  # record the token's routing at its position
+            cache = _paged(
+                rows.k, rows.v, tables_BM, block_size, position_B1, live_B, config.dtype, kernel
+            )
             hidden_B1D, cache, aux = hidden_states(
                 model.params, token_B[:, None], config, position_B1, segments_B1, cache,
                 return_aux=True,
@@ -284,8 +297,8 @@ def decode(
                 routes_BSTK=rows.routes_BSTK.at[jnp.arange(B), where_B].set(step_BTK, mode="drop")
             )
         rows = rows._replace(
-            k=cache.k_TNbKH,
-            v=cache.v_TNbKH,
+            k=rows.k if cache is None else cache.k_TNbKH,
+            v=rows.v if cache is None else cache.v_TNbKH,
             lengths_B=rows.lengths_B + live_B,
             logits_BV=logits_B1V[:, 0],
             num_B=num_B,
@@ -295,6 +308,25 @@ def decode(
 
     rows, (tokens_KB, logprobs_KB, live_KB) = jax.lax.scan(body, rows, length=steps)
     return _stacked(rows) if unstack else rows, tokens_KB.T, logprobs_KB.T, live_KB.T
+
+
+def _nnx_step(model: Transformer, rows: Rows, token_B, live_B, span: int):
+    """A decode step of a Flax NNX module, which has no KV cache to page: each live row writes
+    its token into its history at its length, and the module runs over the histories' first
+    `span` positions (every row's length is below it), each row's logits read at its token.
+    Positions past a row's token are later in the causal order, so they are never attended."""
+    history_BT = rows.history_BT
+    B, T = history_BT.shape
+    at_B = jnp.where(live_B, rows.lengths_B, T)  # finished rows write nothing (dropped)
+    history_BT = history_BT.at[jnp.arange(B), at_B].set(token_B, mode="drop")
+    positions_BS = jnp.broadcast_to(jnp.arange(span, dtype=jnp.int32), (B, span))
+    segments_BS = (positions_BS <= rows.lengths_B[:, None]).astype(jnp.int32)
+    hidden_BSD = hidden_states(
+        model.params, history_BT[:, :span], model.config, positions_BS, segments_BS
+    )
+    at_B11 = jnp.minimum(rows.lengths_B, span - 1)[:, None, None]
+    hidden_B1D = jnp.take_along_axis(hidden_BSD, at_B11, axis=1)
+    return rows._replace(history_BT=history_BT), lm_logits(model.params, hidden_B1D, model.config)
 
 
 def _unstacked(model: Transformer, rows: Rows):
@@ -332,15 +364,17 @@ def empty_rows(
     config of the draft model or MTP block (its pool), `mtp` whether rows keep the model's
     last hidden state."""
     B = config.slots
-    k, v = PagedKVCache.init_pool(
-        model_config,
-        num_blocks,
-        config.block_size,
-        config.kv_dtype,
-        combined=combined,
-        ring_rows=B,
-        recent=config.kv_recent,
-    )
+    k = v = None  # an NNX module has no pool (its rows' token histories are its cache)
+    if model_config.nnx is None:
+        k, v = PagedKVCache.init_pool(
+            model_config,
+            num_blocks,
+            config.block_size,
+            config.kv_dtype,
+            combined=combined,
+            ring_rows=B,
+            recent=config.kv_recent,
+        )
     draft_k = draft_v = None
     if draft_config is not None:
         draft_k, draft_v = PagedKVCache.init_pool(draft_config, num_blocks, config.block_size)

@@ -18,7 +18,6 @@ from posttrain.sampling._engine import Engine, Request
 from posttrain.sampling._engine_config import EngineConfig
 from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup
-from posttrain.sampling._static import generate_static
 
 
 def stream(
@@ -34,8 +33,7 @@ def stream(
     kv_dtype: str = "auto",
     drafter: PromptLookup | DraftModel | MTP | None = None,
 ) -> Iterator[str]:
-    """Yields the decoded continuation of `prompt_ids` piece by piece until EOS or the limit
-    (a Flax NNX module, which the engine cannot cache, gives its whole text as one piece);
+    """Yields the decoded continuation of `prompt_ids` piece by piece until EOS or the limit;
     `kv_dtype` and `drafter` as for the engine (`EngineConfig`, `Engine`)."""
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     check_settings(max_new_tokens=max_new_tokens, n=1, **settings)
@@ -45,13 +43,6 @@ def stream(
             f"the prompt has {len(prompt_ids)} tokens; with max_new_tokens="
             f"{max_new_tokens} that exceeds the model's context ({limit})"
         )
-    if model.config.nnx is not None:
-        [[done]] = generate_static(
-            model, tokenizer, [list(prompt_ids)], max_new_tokens=max_new_tokens, seed=seed,
-            **settings,
-        )  # fmt: skip
-        yield done.text
-        return
     engine = Engine(
         model,
         EngineConfig(slots=1, chunk=1, kv_dtype=kv_dtype),

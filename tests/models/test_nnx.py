@@ -17,8 +17,9 @@ from posttrain.demo import ASSETS_DIR
 from posttrain.methods import method_config
 from posttrain.models import ModelSpec, Transformer, get_preset, init_params
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
-from posttrain.sampling import Engine, generate
+from posttrain.sampling import Engine, EngineConfig, PromptLookup, generate
 from posttrain.testing import nnx_decoder
+from tests.sampling.reference import generate_static
 from tests.tolerance import assert_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -204,16 +205,24 @@ def test_params_land_on_the_shardings_the_module_asks_for(devices):
 
 
 def test_decoding_matches_posttrains_kv_cache_sampler(nnx_model):
-    """The static sampler decodes the NNX module (re-running it over the tokens so far) to the
-    tokens and log-probs posttrain's KV-cache decoding of the same Llama gives."""
+    """The engine decodes the NNX module (re-running it over each row's tokens so far) to the
+    tokens and log-probs its KV-cache decoding of the same Llama gives, and so does the padded
+    reference loop; the rows end at different lengths (an EOS id some rows draw)."""
     prompts = [[1, 5, 9, 200, 31], [7, 8], [300, 2, 2, 2, 2, 2, 2, 9]]
     kwargs = dict(max_new_tokens=6, temperature=1.0, n=2, seed=3)
-    ours = generate(Transformer(_ours(nnx_model.params), TINY), None, prompts, **kwargs)
+    llama = Transformer(_ours(nnx_model.params), TINY)
+    # An id drawn mid-sample by some rows ends them there: rows of different lengths.
+    drawn = [c.token_ids for group in generate(llama, None, prompts, **kwargs) for c in group]
+    kwargs["eos_ids"] = [drawn[0][2]]
+    ours = generate(llama, None, prompts, **kwargs)
+    assert len({len(c.token_ids) for group in ours for c in group}) > 1
     theirs = generate(nnx_model, None, prompts, **kwargs)
-    for a_group, b_group in zip(theirs, ours, strict=True):
-        for a, b in zip(a_group, b_group, strict=True):
-            assert a.token_ids == b.token_ids
+    reference = generate_static(nnx_model, None, prompts, **kwargs)
+    for a_group, b_group, r_group in zip(theirs, ours, reference, strict=True):
+        for a, b, r in zip(a_group, b_group, r_group, strict=True):
+            assert a.token_ids == b.token_ids == r.token_ids
             assert_close(a.logprobs, b.logprobs, rtol=1e-5, ulps=64)
+            assert_close(a.logprobs, r.logprobs, rtol=1e-5, ulps=64)
 
 
 class _WithDropout(nnx.Module):
@@ -252,9 +261,12 @@ def test_a_module_posttrain_cannot_train_is_one_clear_error(builder, message):
         ModelSpec(nnx=builder).model_config()
 
 
-def test_the_paged_engine_refuses_an_nnx_module_and_names_the_static_sampler(nnx_model):
-    with pytest.raises(ConfigError, match="rollout.sampler='static'"):
-        Engine(nnx_model)
+def test_the_engine_refuses_to_quantise_or_draft_into_an_nnx_modules_missing_kv_cache(nnx_model):
+    for config, drafter in [(EngineConfig(kv_dtype="int8"), None),
+                            (EngineConfig(speculative=4), None),
+                            (EngineConfig(), PromptLookup(k=2))]:  # fmt: skip
+        with pytest.raises(ValueError, match="no KV cache to quantise or draft into"):
+            Engine(nnx_model, config, drafter=drafter)
 
 
 def test_posttrain_compile_plans_the_gemma_style_example_for_a_tpu_slice():

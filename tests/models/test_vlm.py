@@ -15,8 +15,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.models import HFFormatError, from_hf, to_hf
 from posttrain.parallel import MeshConfig, make_mesh
-from posttrain.sampling import generate, generate_continuous, generate_static
+from posttrain.sampling import generate, generate_continuous
 from posttrain.testing import HF_VLMS, IMAGE_TOKEN, hf_vlm_logits, save_tiny_hf_vlm
+from tests.sampling.reference import generate_static
 
 
 @pytest.fixture(scope="module", params=sorted(HF_VLMS))

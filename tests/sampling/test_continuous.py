@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from posttrain.models import Transformer
-from posttrain.sampling import generate_continuous, generate_static
+from posttrain.sampling import generate_continuous
+from tests.sampling.reference import generate_static
 
 from .test_generate import TINY, CharTokenizer
 

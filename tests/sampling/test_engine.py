@@ -13,10 +13,10 @@ from posttrain.sampling import (
     DraftModel,
     PromptLookup,
     generate_continuous,
-    generate_static,
 )
 from posttrain.sampling._engine import Engine, EngineConfig, Request
 from posttrain.testing import save_tiny_hf_model
+from tests.sampling.reference import generate_static
 
 from .test_generate import TINY, _hf_greedy
 

@@ -7,7 +7,8 @@ import pytest
 
 from posttrain.models import Transformer, get_preset
 from posttrain.parallel import MeshConfig, make_mesh
-from posttrain.sampling import Engine, EngineConfig, generate_continuous, generate_static
+from posttrain.sampling import Engine, EngineConfig, generate_continuous
+from tests.sampling.reference import generate_static
 
 
 def test_sharded_generation_matches_single_device(devices):

@@ -26,9 +26,9 @@ from posttrain.sampling import (
     Request,
     SamplingParams,
     generate_speculative,
-    generate_static,
 )
 from posttrain.sampling._speculative import _lookup
+from tests.sampling.reference import generate_static
 
 from .test_generate import TINY, _expected_probs
 

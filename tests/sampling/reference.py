@@ -1,11 +1,11 @@
-"""The decoder for modules without posttrain's KV cache (a user's Flax NNX module): one padded
-batch per call, every step running the module over the tokens so far (`NNXCache`).
+"""The reference decoder the engine is tested against: one padded batch per call through the
+dense `KVCache` (an NNX module: its token buffer, `NNXCache`), every row decoding in lockstep.
 
-Prompts are left-padded to a multiple of `length_bucket`, so every row's last prompt token sits
-in the same slot and all rows write each decoded token at the same cache slot. Padding has
-segment id 0 and real tokens 1, so padding is never attended by (nor attends) real tokens;
-positions count from 0 at each row's first real token, as if the prompt were alone. Every
-model with a KV cache decodes on the paged engine instead (`posttrain.sampling._engine`).
+This was posttrain's static sampler; the paged engine is now the only decoder in the package,
+and this loop stays here as an independent implementation of the same contract: prompts
+left-padded to a multiple of `length_bucket` so every row's last prompt token sits in the same
+slot, padding in segment 0 (never attended), positions from 0 at each row's first real token,
+and the engine's keying (prompt i's samples keyed by `seeds[i]` or `fold_in(key(seed), i)`).
 """
 
 from __future__ import annotations
