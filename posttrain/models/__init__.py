@@ -16,7 +16,6 @@ from posttrain.models._nnx import (
     has_hidden_states,
     module_of,
     nnx_describe,
-    require_kv_cache,
 )
 from posttrain.models._ops import ParamSpec
 from posttrain.models._params import (
@@ -95,7 +94,6 @@ __all__ = [
     "param_shapes",
     "param_shardings",
     "param_specs",
-    "require_kv_cache",
     "restore_params",
     "split_layers",
     "staged_export",

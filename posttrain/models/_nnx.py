@@ -20,10 +20,10 @@ Each parameter's logical axes come from its metadata (`nnx.with_partitioning(ini
 posttrain's logical-axis rules like posttrain's own weights; a parameter without metadata is
 replicated.
 
-Decoding (`posttrain.sampling.generate`, RL rollouts with `rollout.sampler="static"`) keeps
-the tokens written so far (`NNXCache`) and runs the module over the whole buffer at each step,
-taking the new positions' outputs: exact for any module, O(length) forward passes per sample
-(a module has no KV-cache interface posttrain could call).
+Decoding (the paged engine: `generate`, RL rollouts, eval) keeps each row's tokens and runs
+the module over them at each step, taking the new position's outputs: exact for any module,
+O(length) work per step (a module has no KV-cache interface posttrain could call). `NNXCache`
+is that buffer for one padded batch (`hidden_states(..., cache=)`, the tests' reference loop).
 """
 
 from __future__ import annotations
@@ -223,16 +223,6 @@ def module_of(spec: NNXSpec, params: dict):
 def has_hidden_states(spec: NNXSpec) -> bool:
     """Whether the module gives hidden states and logits separately (see the module doc)."""
     return _module(spec).split
-
-
-def require_kv_cache(config, what: str) -> None:
-    """Refuses (`ConfigError`) an NNX model where `what` needs posttrain's KV cache."""
-    if config.nnx is not None:
-        raise ConfigError(
-            f"{config.nnx.builder} is a Flax NNX module, which {what} cannot cache; sample it "
-            "with the static sampler (RL: rollout.sampler='static'; `posttrain generate` and "
-            "eval use it already)"
-        )
 
 
 @functools.lru_cache(maxsize=32)

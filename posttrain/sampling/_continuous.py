@@ -112,15 +112,19 @@ def generate_continuous(
     ids, stop, eos_ids, _ = _prepare(model, tokenizer, prompts, budgets, stop, eos_ids)
     if engine is None:
         rows = min(len(prompts) * n, 256)
-        config = config.sized(rows) if config else EngineConfig(
-            slots=slots,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            chunk=chunk,
-            prefill_bucket=length_bucket,
-            kv_dtype=kv_dtype,
-            prefix_sharing=prefix_sharing,
-            record_routes=record_routes,
+        config = (
+            config.sized(rows)
+            if config
+            else EngineConfig(
+                slots=slots,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                chunk=chunk,
+                prefill_bucket=length_bucket,
+                kv_dtype=kv_dtype,
+                prefix_sharing=prefix_sharing,
+                record_routes=record_routes,
+            )
         )
         max_len = max(len(p) + b for p, b in zip(ids, budgets, strict=True))
         engine = Engine(model, config, max_len=max_len, eos_ids=eos_ids, drafter=drafter)
