@@ -35,8 +35,6 @@ from posttrain.models import Transformer
 from posttrain.sampling import (
     APIError,
     Completion,
-    Engine,
-    EngineConfig,
     ServeBackend,
     ServeConfig,
     api_app,
@@ -46,20 +44,6 @@ from posttrain.sampling import (
 )
 
 MODEL_NAME = "posttrain-episodes"  # the model the answers name (requests may name any)
-
-
-class _EngineThread(ServeBackend):
-    """`posttrain serve`'s engine thread, over an engine of `max_len` tokens per sequence."""
-
-    def __init__(self, model: Transformer, tokenizer, config: ServeConfig, max_len: int):
-        self._max_len = max_len
-        super().__init__(model, tokenizer, config)
-        self.max_seq_len = max_len
-
-    def _new_engine(self) -> Engine:
-        c = self._config
-        config = EngineConfig(slots=c.slots, chunk=c.chunk, prefill_bucket=c.prefill_bucket)
-        return Engine(self._model, config, max_len=self._max_len, eos_ids=self.tokenizer.eos_ids)
 
 
 @dataclasses.dataclass
@@ -129,7 +113,7 @@ class EpisodeServer:
         self._episodes: dict[str, _Live] = {}
         self._lock = threading.Lock()  # the episodes and their busy flags
         self._opened = 0
-        self._backend = _EngineThread(model, tokenizer, self._config, max_len)
+        self._backend = ServeBackend(model, tokenizer, self._config, max_len=max_len)
         try:
             sock = socket.create_server((host, port))
         except OSError:

@@ -165,9 +165,12 @@ class _Backend:
     """The server's engine, owned by a worker thread that decodes every handler's requests
     together; handlers `complete` or `stream` from the event loop."""
 
-    def __init__(self, model: Transformer, tokenizer, config: ServeConfig, *, mesh=None, mtp=None):
+    def __init__(
+        self, model: Transformer, tokenizer, config: ServeConfig, *, mesh=None, mtp=None, max_len=0
+    ):
+        """`max_len`: tokens per sequence (prompt and completion); 0: the model's max_seq_len."""
         self.tokenizer = tokenizer
-        self.max_seq_len = model.config.max_seq_len
+        self.max_seq_len = max_len or model.config.max_seq_len
         self._model, self._config, self._mesh, self._mtp = model, config, mesh, mtp
         self._eos = frozenset(tokenizer.eos_ids)
         _Compilations.listen()
@@ -190,7 +193,8 @@ class _Backend:
         config = EngineConfig(slots=c.slots, chunk=c.chunk, prefill_bucket=c.prefill_bucket,
                               num_blocks=c.num_blocks, kv_dtype=c.kv_dtype)  # fmt: skip
         drafter = drafter_for(c.speculative, self._mtp)
-        return Engine(self._model, config, eos_ids=self.tokenizer.eos_ids, drafter=drafter)
+        return Engine(self._model, config, max_len=self.max_seq_len, eos_ids=self.tokenizer.eos_ids,
+                      drafter=drafter)  # fmt: skip
 
     def close(self) -> None:
         """Stops the worker (after its current step)."""
