@@ -37,7 +37,7 @@ from _machine import cpu_model  # benchmarks/ is the script directory
 
 from posttrain.config import load_config_file, override
 from posttrain.data import load_tokenizer
-from posttrain.demo._calculator import build_calculator_assets, make_problems
+from posttrain.demo import build_calculator_assets, make_problems
 from posttrain.envs import Budget, ElasticPool, make_env, run_episodes
 from posttrain.methods import method_config
 from posttrain.rewards import integer_correct

@@ -18,8 +18,7 @@ import time
 
 from _machine import cpu_model  # benchmarks/ is the script directory
 
-from posttrain.rewards import RewardPool, default_registry
-from posttrain.rewards._cad_tasks import cad_sft_record, make_cad_task
+from posttrain.rewards import RewardPool, cad_sft_record, default_registry, make_cad_task
 
 
 def main() -> None:

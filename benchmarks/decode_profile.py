@@ -24,8 +24,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from generate_throughput import benchmark_llama  # noqa: E402
 
-from posttrain.sampling import _paged  # noqa: E402
-from posttrain.sampling._engine import Engine, EngineConfig, Request  # noqa: E402
+from posttrain.sampling import (  # noqa: E402
+    Engine,
+    EngineConfig,
+    Request,
+    _paged,  # noqa: E402
+)
 
 STEPS, CALLS = 16, 8
 

@@ -106,7 +106,7 @@ def _ours(path: str, records: int, workers: int, queue) -> None:
 def _datasketch(path: str, records: int, batch: bool, queue) -> None:
     from datasketch import MinHash, MinHashLSH
 
-    from posttrain.curate._shingles import normalize, record_text
+    from posttrain.curate import normalize, record_text
 
     lsh = MinHashLSH(threshold=0.8, num_perm=128)
     dropped = set()

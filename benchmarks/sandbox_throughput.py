@@ -17,7 +17,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from posttrain.rewards import _sandbox_bwrap, sandbox
+from posttrain.rewards import sandbox
 
 PROGRAM = "print(1)"
 
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; best is kept")
     args = parser.parse_args()
 
-    python = _sandbox_bwrap.interpreter()[0]
+    python = sandbox.interpreter()
     sides = {
         f"plain subprocess (`{python} -c`)": lambda: time_plain(
             [python, "-c", PROGRAM], args.runs, args.workers

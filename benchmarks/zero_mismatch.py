@@ -23,10 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from _machine import cpu_model  # benchmarks/ is the script directory
 
-from posttrain.models import Transformer, get_preset, num_params
-from posttrain.models._config import MoEConfig
-from posttrain.rl import rollout_batch
-from posttrain.rl._loss import sequence_log_probs
+from posttrain.models import MoEConfig, Transformer, get_preset, num_params
+from posttrain.rl import rollout_batch, sequence_log_probs
 from posttrain.sampling import Engine, EngineConfig, generate_continuous
 
 SIZE = dict(  # small, but every matmul and attention block is more than a toy's

@@ -9,6 +9,7 @@ Imports are read from the source (every `import` statement, wherever it sits); n
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 import re
 
@@ -303,3 +304,60 @@ def test_no_loss_function_mentions_lora(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def sft_loss(model_config, lora=None):\n    return wrap(lora, None, {})\n")
     assert lora_mentions(probe, ("sft_loss",)) == ["sft_loss:1 lora", "sft_loss:2 lora"]
+
+
+def user_private_imports(paths, base: pathlib.Path) -> list[str]:
+    """`path:line imports name` of every import of a private posttrain module (`posttrain.X._y`,
+    or `from posttrain.X import _y`) in scripts and notebooks (their code cells, IPython's `%`
+    and `!` lines left out): they use posttrain as a user does, through the public names."""
+    found = []
+    for path in paths:
+        if path.suffix == ".ipynb":
+            cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+            lines = [line for c in cells for line in "".join(c["source"]).splitlines()]
+            source = "\n".join("" if line.lstrip()[:1] in "%!" else line for line in lines)
+        else:
+            source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "posttrain" and any(
+                    p.startswith("_") and not p.startswith("__") for p in parts[1:]
+                ):
+                    found.append(f"{path.relative_to(base)}:{node.lineno} imports {name}")
+    return found
+
+
+def test_notebooks_and_benchmarks_use_only_public_names():
+    repo = ROOT.parent
+    paths = sorted([*repo.glob("notebooks/*.ipynb"), *repo.glob("benchmarks/*.py")])
+    assert len(paths) > 10
+    profiler = "benchmarks/decode_profile.py:"  # times the engine's device step itself
+    found = [f for f in user_private_imports(paths, repo) if not f.startswith(profiler)]
+    assert found == []
+
+
+def test_a_private_import_in_a_script_or_notebook_is_found(tmp_path):
+    script = tmp_path / "bench.py"
+    script.write_text("from posttrain.sampling._engine import Engine\n"
+                      "from posttrain.data import load\n"
+                      "from posttrain.rl import _loss\n"
+                      "import posttrain.models._config\n")  # fmt: skip
+    book = tmp_path / "n.ipynb"
+    cell = {
+        "cell_type": "code",
+        "source": ["import os\n", "from posttrain.demo._shapes import f\n"],
+    }
+    book.write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": ["x"]}, cell]}))
+    assert user_private_imports([script, book], tmp_path) == [
+        "bench.py:1 imports posttrain.sampling._engine.Engine",
+        "bench.py:3 imports posttrain.rl._loss",
+        "bench.py:4 imports posttrain.models._config",
+        "n.ipynb:2 imports posttrain.demo._shapes.f",
+    ]

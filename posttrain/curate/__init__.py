@@ -12,19 +12,20 @@ from posttrain.curate._clean import CleanConfig, clean
 from posttrain.curate._decontam import DecontamConfig, decontaminate
 from posttrain.curate._dedup import DedupConfig, dedup
 from posttrain.curate._on_policy import SampleConfig, make_pairs, pass_rates, synthesize
+from posttrain.curate._shingles import normalize, record_text
 from posttrain.curate._stratify import bucket_names, read_pass_rates, stratify, stratify_records
 
 __all__ = [
-    "CAD_ASSET_FILES",
-    "CHATML_TEMPLATE",
-    "TOOL_CHAT_TEMPLATE",
     "BuildDiff",
     "BuildResult",
+    "CAD_ASSET_FILES",
+    "CHATML_TEMPLATE",
     "CleanConfig",
     "DecontamConfig",
     "DedupConfig",
     "RecordChange",
     "SampleConfig",
+    "TOOL_CHAT_TEMPLATE",
     "bucket_names",
     "build_cad_assets",
     "build_dataset",
@@ -33,8 +34,10 @@ __all__ = [
     "dedup",
     "diff_builds",
     "make_pairs",
+    "normalize",
     "pass_rates",
     "read_pass_rates",
+    "record_text",
     "stratify",
     "stratify_records",
     "synthesize",

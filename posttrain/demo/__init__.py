@@ -15,16 +15,20 @@ __all__ = [
     "ASSETS_DIR",
     "build_assets",
     "build_cad_assets",
+    "build_calculator_assets",
     "build_tokenizer",
     "extract_answer",
+    "greedy_accuracy",
     "is_correct",
     "make_dataset",
     "make_problem",
+    "make_problems",
     "preference_pairs",
     "problem_key",
     "run_cad_demo",
     "run_calculator_demo",
     "run_demo",
+    "write_task",
 ]
 
 
@@ -35,10 +39,14 @@ def __getattr__(name):
         from posttrain.demo import _run
 
         return getattr(_run, name)
-    if name == "run_calculator_demo":
+    if name in ("run_calculator_demo", "build_calculator_assets", "make_problems"):
         from posttrain.demo import _calculator
 
-        return _calculator.run_calculator_demo
+        return getattr(_calculator, name)
+    if name in ("greedy_accuracy", "write_task"):  # the shapes task (notebook 06)
+        from posttrain.demo import _shapes
+
+        return getattr(_shapes, name)
     if name in ("build_cad_assets", "run_cad_demo"):
         from posttrain.demo import _cad
 

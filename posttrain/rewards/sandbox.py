@@ -65,10 +65,18 @@ __all__ = [
     "Workspace",
     "make_workspace",
     "remove_workspace",
+    "interpreter",
     "run",
 ]
 
 _UNSAFE = ("subprocess", "unsafe-subprocess")
+
+
+def interpreter() -> str:
+    """The Python the sandbox runs programs with (`POSTTRAIN_SANDBOX_PYTHON`, else the system's)."""
+    return _bw.interpreter()[0]
+
+
 _MAINS = {"python": "main.py", "bash": "main.sh"}
 
 
