@@ -2,8 +2,9 @@
 rejection-sampled SFT data (`posttrain data synth`).
 
 Both stream prompt records (JSONL, Parquet or ArrayRecord, local or gs://) in chunks through
-the paged generation engine, `samples` completions per prompt, score every completion with its
-prompt's reward domain (a verifier, a reward model "rm:<path>", a judge) in the reward pool,
+RL's single-turn rollout (`posttrain.rl.sample_groups` on the paged engine, `samples`
+completions per prompt, and `score_groups`: every completion scored with its prompt's reward
+domain, a verifier, a reward model "rm:<path>" or a judge, in the reward pool),
 and write what they keep as they go: nothing holds the whole prompt set in memory. Each
 prompt's samples are drawn from its own seed (`seed` and its position in the stream), so the
 output does not depend on the chunk size, and the same inputs give the same file.
@@ -24,13 +25,12 @@ from tqdm.auto import tqdm
 from posttrain.config import ConfigError
 from posttrain.data import RecordError, Records, RecordWriter, encode_prompt, read_records
 from posttrain.rewards import RewardPool
-from posttrain.rl import RewardsConfig
+from posttrain.rl import RewardsConfig, sample_groups, score_groups
 from posttrain.sampling import (
     Completion,
     Engine,
     EngineConfig,
     SamplingParams,
-    generate_continuous,
 )
 
 # Fields a written record sets itself (an input record's own are replaced).
@@ -143,23 +143,12 @@ def scored_groups(
             if prompt is not None:
                 batch.append(prompt)
             if batch and (prompt is None or len(batch) == c.chunk):
-                completions = generate_continuous(
-                    model,
-                    tokenizer,
-                    [p["prompt_ids"] for p in batch],
-                    engine=engine,
+                completions = sample_groups(
+                    engine, model, tokenizer, batch, sampling=c.sampling, n=c.samples,
                     max_new_tokens=c.max_new_tokens,
-                    temperature=c.sampling.temperature,
-                    top_p=c.sampling.top_p,
-                    top_k=c.sampling.top_k,
-                    n=c.samples,
                     seeds=[(c.seed * 1_000_003 + p["index"]) % 2**32 for p in batch],
-                )
-                results = pool.score(
-                    [p["record"] for p in batch for _ in range(c.samples)],
-                    [s.text for group in completions for s in group],
-                    [p["domain"] for p in batch for _ in range(c.samples)],
-                )
+                )  # fmt: skip
+                results = score_groups(pool, batch, completions)
                 rewards = np.asarray([r.score for r in results], np.float32)
                 rewards = rewards.reshape(len(batch), c.samples)
                 counts["samples"] += rewards.size

@@ -20,7 +20,7 @@ from posttrain.rl._loss import CriticLoss, PolicyLossConfig, rl_loss, sequence_l
 from posttrain.rl._partial import PartialProducer
 from posttrain.rl._prompts import AdaptiveDomains, PromptData
 from posttrain.rl._replay import check_router_replay, route_shape
-from posttrain.rl._rollout import Rollouts
+from posttrain.rl._rollout import Rollouts, sample_groups, score_groups
 from posttrain.rl._rollout_batch import rollout_batch, split_rows
 from posttrain.rl._rollout_producer import RolloutProducer
 from posttrain.rl._sampler_weights import SamplerWeights
@@ -53,6 +53,8 @@ __all__ = [
     "rl_loss",
     "rollout_batch",
     "route_shape",
+    "sample_groups",
+    "score_groups",
     "sequence_log_probs",
     "split_rows",
     "split_teacher_devices",

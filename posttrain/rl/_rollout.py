@@ -22,7 +22,7 @@ from posttrain.rl._config import RLConfig
 from posttrain.rl._domains import component_means, tally_components
 from posttrain.rl._episodes_rollout import sample_episodes
 from posttrain.rl._shares import gather_groups, prompt_share
-from posttrain.sampling import Engine, generate_continuous
+from posttrain.sampling import Completion, Engine, SamplingParams, generate_continuous
 
 
 class Rollouts:
@@ -101,25 +101,21 @@ class Rollouts:
         r = self.config.rollout
         start = time.perf_counter()
         model = Transformer(params, self.model_config)
-        kwargs = dict(
-            max_new_tokens=r.max_new_tokens,
-            temperature=0.0 if greedy else r.sampling.temperature,
-            top_p=r.sampling.top_p,
-            top_k=r.sampling.top_k,
-            n=1 if greedy else r.num_generations,
-            seed=seed,
-            seeds=seeds,
-        )
-        prompt_ids = [p["prompt_ids"] for p in prompts]
+        sampling = SamplingParams(temperature=0.0) if greedy else r.sampling
+        n = 1 if greedy else r.num_generations
         if self.config.env.name:
+            kwargs = dict(max_new_tokens=r.max_new_tokens, n=n, seed=seed, seeds=seeds,
+                          **dataclasses.asdict(sampling))  # fmt: skip
             return sample_episodes(self, model, prompts, kwargs, timings)
+        images = None
         if self.images is not None:
-            kwargs["images"] = [prompt_pixels(p, self.images) for p in prompts]
+            images = [prompt_pixels(p, self.images) for p in prompts]
         self.engine_for(model)
         before = dataclasses.replace(self.engine.stats)
-        completions = generate_continuous(
-            model, self.tokenizer, prompt_ids, engine=self.engine, **kwargs
-        )
+        completions = sample_groups(
+            self.engine, model, self.tokenizer, prompts, sampling=sampling, n=n,
+            max_new_tokens=r.max_new_tokens, seed=seed, seeds=seeds, images=images,
+        )  # fmt: skip
         if timings is not None:  # prefix sharing: a group's prompt is prefilled once
             for key in ("prompt_tokens", "prefill_tokens"):
                 done = getattr(self.engine.stats, key) - getattr(before, key)
@@ -136,10 +132,7 @@ class Rollouts:
         functions (with DAPO's over-length shaping when `shaped` and configured); their reward
         components are tallied into `timings` when given (`tally_components`)."""
         r = self.config.rollout
-        records = [p["record"] for p in prompts for _ in completions[0]]
-        texts = [c.text for group in completions for c in group]
-        domains = [p["domain"] for p in prompts for _ in completions[0]]
-        results = self.pool.score(records, texts, domains)
+        results = score_groups(self.pool, prompts, completions)
         if timings is not None:
             tally_components(timings, results)
         rewards = np.asarray([res.score for res in results], np.float32)
@@ -167,6 +160,32 @@ class Rollouts:
     def close(self) -> None:
         if self.env_pool is not None:
             self.env_pool.close()
+
+
+def sample_groups(
+    engine: Engine, model, tokenizer, prompts, *, sampling: SamplingParams, n: int,
+    max_new_tokens: int, seed: int = 0, seeds=None, images=None,
+) -> list[list[Completion]]:  # fmt: skip
+    """The n completions of each prompt (its `prompt_ids`) on `engine` with `model`'s weights:
+    the single-turn rollout that RL steps, rejection-sampling fine-tuning and the on-policy
+    data tools (`data pairs`, `data synth`) share; `seed`/`seeds` key prompt i's samples as
+    `generate` does, so a prompt's samples do not depend on the others it is batched with."""
+    return generate_continuous(
+        model, tokenizer, [p["prompt_ids"] for p in prompts], engine=engine,
+        max_new_tokens=max_new_tokens, n=n, seed=seed, seeds=seeds, images=images,
+        **dataclasses.asdict(sampling),
+    )  # fmt: skip
+
+
+def score_groups(pool, prompts, completions) -> list:
+    """The reward results of every completion (prompt-major, flat), each scored by its prompt's
+    domain (`record`, `domain`) in the reward pool: what `sample_groups` returns, scored."""
+    n = len(completions[0]) if completions else 0
+    return pool.score(
+        [p["record"] for p in prompts for _ in range(n)],
+        [c.text for group in completions for c in group],
+        [p["domain"] for p in prompts for _ in range(n)],
+    )
 
 
 def _mesh_of(params):
