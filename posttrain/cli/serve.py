@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
             f"unknown serve preset {fv.preset!r}; choose one of {sorted(SERVE_PRESETS)}"
         )
     preset = SERVE_PRESETS[fv.preset]
-    speculative = check_engine(fv, default_speculative=preset.get("speculative", 0))
+    speculative = check_engine(fv, default_speculative=preset.speculative)
     _check_address(fv.host, fv.port)
     api_key = fv.api_key if fv.api_key is not None else os.environ.get("POSTTRAIN_API_KEY", "")
     if not api_key and not _loopback(fv.host):
@@ -107,10 +107,12 @@ def main(argv: list[str]) -> int:
         max_body_bytes=fv.max_body_mb * 2**20,
         api_key=api_key,
         drain_s=fv.drain_s,
-        num_blocks=fv.num_blocks,
-        kv_dtype=fv.kv_dtype,
-        speculative=speculative,
-        **({"slots": fv.slots} if fv.slots else {}),
+        engine=dict(
+            num_blocks=fv.num_blocks,
+            kv_dtype=fv.kv_dtype,
+            speculative=speculative,
+            **({"slots": fv.slots} if fv.slots else {}),
+        ),
     )
     devices = mesh(fv.mesh)
     with jax.set_mesh(devices) if devices is not None else contextlib.nullcontext():

@@ -35,6 +35,7 @@ from posttrain.models import Transformer
 from posttrain.sampling import (
     APIError,
     Completion,
+    EngineConfig,
     ServeBackend,
     ServeConfig,
     api_app,
@@ -108,8 +109,8 @@ class EpisodeServer:
         self.tool_format = tool_format
         self._eos = frozenset(tokenizer.eos_ids)
         # A request without max_tokens may use all the room left in the episode.
-        self._config = ServeConfig(MODEL_NAME, "episodes", slots, chunk=16, prefill_bucket=64,
-                                   default_max_tokens=max_len)  # fmt: skip
+        engine = EngineConfig(slots=slots, chunk=16, prefill_bucket=64)
+        self._config = ServeConfig(MODEL_NAME, "episodes", engine, default_max_tokens=max_len)
         self._episodes: dict[str, _Live] = {}
         self._lock = threading.Lock()  # the episodes and their busy flags
         self._opened = 0

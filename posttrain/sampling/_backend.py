@@ -61,35 +61,34 @@ class _Compilations:
 PRESETS = {
     # 64 rows decode together, 16 steps per device call: the most tokens per second; a new
     # request waits up to one 16-step call for its prefill. Prompts pad to 64-token buckets.
-    "throughput": dict(slots=64, chunk=16, prefill_bucket=64),
+    "throughput": EngineConfig(slots=64, chunk=16, prefill_bucket=64),
     # 8 rows, 4 rounds per call, speculative decoding with prompt lookup (4 drafts a round): a
     # new request starts (and streams its first tokens) within a few steps, and text that
     # repeats its context comes out several tokens per forward; a lower total throughput.
     # Prompts pad to 16-token buckets.
-    "latency": dict(slots=8, chunk=4, prefill_bucket=16, speculative=4),
+    "latency": EngineConfig(slots=8, chunk=4, prefill_bucket=16, speculative=4),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """What the server runs with; `ServeConfig.from_preset` fills the engine fields."""
+    """What the server runs with; `ServeConfig.from_preset` takes the engine from a preset.
+
+    `engine`: the engine's settings (`EngineConfig`): rows decoded together (more requests wait
+    for a free row), decode steps per device call (requests join and leave between calls),
+    the prefill bucket, the KV pool (`num_blocks` 0 gives every row room for a max_seq_len
+    sequence: small for small models, set it for long-context ones) and its dtype, and
+    prompt-lookup drafts per speculative round (greedy answers are the same either way; seeded
+    samples are reproducible, but other draws than plain decoding's).
+    """
 
     model_name: str = "posttrain"  # the id /v1/models lists and requests name
-    preset: str = "throughput"  # the PRESETS entry the engine fields came from
-    slots: int = 64  # samples decoded together (engine rows); more wait for a free row
-    chunk: int = 16  # decode steps per device call; requests join and leave between calls
-    prefill_bucket: int = 64  # prompts padded to a multiple of this (bounds compilations)
-    # KV pool blocks of 16 tokens; 0 gives every row room for a max_seq_len sequence
-    # (slots x max_seq_len tokens: small for small models, set it for long-context ones).
-    num_blocks: int = 0
-    kv_dtype: str = "auto"  # KV cache: "auto" (the compute dtype), "int8" or "int8_layered"
-    # Prompt-lookup drafts per speculative round (0: plain decoding). Greedy answers are the
-    # same either way; seeded samples are reproducible, but other draws than plain decoding's.
-    speculative: int = 0
+    preset: str = "throughput"  # the PRESETS entry the engine came from
+    engine: EngineConfig = PRESETS["throughput"]
     # Admission (docs/generation.md, "Limits"): one request's n x prompts; more is HTTP 400.
     max_request_samples: int = 64
     # Sequences (n x prompts, summed over requests) in flight or waiting; more get HTTP 429.
-    # 0: four times `slots`.
+    # 0: four times the engine's rows.
     max_sequences: int = 0
     # KV tokens (each prompt + n x max_tokens) in flight or waiting; more get HTTP 429, one
     # request over it HTTP 400. 0: four times the KV pool's tokens.
@@ -102,11 +101,14 @@ class ServeConfig:
     drain_s: int = 5  # on SIGTERM or Ctrl-C: seconds answers in flight get, then they are cut
 
     @classmethod
-    def from_preset(cls, preset: str, **overrides) -> "ServeConfig":
-        """The config of a PRESETS entry, with fields replaced by `overrides`."""
+    def from_preset(cls, preset: str, engine: dict | None = None, **overrides) -> "ServeConfig":
+        """The config of a PRESETS entry, its engine's fields replaced by `engine` and the
+        server's by `overrides`."""
         if preset not in PRESETS:
             raise ValueError(f"unknown serve preset {preset!r}; choose one of {sorted(PRESETS)}")
-        return cls(preset=preset, **{**PRESETS[preset], **overrides})
+        return cls(
+            preset=preset, engine=dataclasses.replace(PRESETS[preset], **engine or {}), **overrides
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,11 +192,9 @@ class _Backend:
 
     def _new_engine(self) -> Engine:
         c = self._config
-        config = EngineConfig(slots=c.slots, chunk=c.chunk, prefill_bucket=c.prefill_bucket,
-                              num_blocks=c.num_blocks, kv_dtype=c.kv_dtype)  # fmt: skip
-        drafter = drafter_for(c.speculative, self._mtp)
-        return Engine(self._model, config, max_len=self.max_seq_len, eos_ids=self.tokenizer.eos_ids,
-                      drafter=drafter)  # fmt: skip
+        drafter = drafter_for(c.engine.speculative, self._mtp)
+        return Engine(self._model, c.engine, max_len=self.max_seq_len,
+                      eos_ids=self.tokenizer.eos_ids, drafter=drafter)  # fmt: skip
 
     def close(self) -> None:
         """Stops the worker (after its current step)."""
@@ -206,7 +206,7 @@ class _Backend:
         engine = self.engine
         return {"preset": self._config.preset, "slots": engine.config.slots,
                 "chunk": engine.config.chunk, "num_blocks": engine.num_blocks,
-                "speculative": self._config.speculative,
+                "speculative": engine.config.speculative,
                 "drafter": type(self.engine.drafter).__name__ if self.engine.drafter else None,
                 "blocks_in_use": engine.blocks_in_use, "requests": len(self._active),
                 "tokens_per_second": self._tokens_per_second(),

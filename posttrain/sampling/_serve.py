@@ -130,7 +130,7 @@ def create_app(backend, config: ServeConfig):
     app = api_app(f"posttrain serve: {config.model_name}")
     admission = Admission(
         max_request_samples=config.max_request_samples,
-        max_sequences=config.max_sequences or 4 * config.slots,
+        max_sequences=config.max_sequences or 4 * config.engine.slots,
         max_tokens=config.max_queue_tokens or 4 * backend.kv_tokens,
     )
     metrics = ServeMetrics(backend, admission)
@@ -306,7 +306,7 @@ def serve(
       port: the port; 0 picks a free one (the printed URL names it).
       mesh: the `jax.sharding.Mesh` the model is sharded over, if any.
       mtp: the model's `MTPModule` (`models.mtp_from_hf`): speculative rounds draft with it
-        instead of prompt lookup (`config.speculative` tokens a round).
+        instead of prompt lookup (`config.engine.speculative` tokens a round).
 
     Raises:
       UserError: the address cannot be listened on, or the engine's KV pool (`num_blocks`)

@@ -115,7 +115,7 @@ def sampled_reference(loaded):
     decoding's; test_speculative.py shows they have the model's distribution)."""
     model, tokenizer = loaded
     chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
-    drafter = PromptLookup(k=PRESETS["latency"]["speculative"])
+    drafter = PromptLookup(k=PRESETS["latency"].speculative)
     return generate_speculative(model, tokenizer, [*PROMPTS, chat], max_new_tokens=LONG,
                                 temperature=1.0, n=2, seeds=[SEED, SEED + 1, SEED + 2],
                                 drafter=drafter)  # fmt: skip
@@ -352,7 +352,7 @@ def test_an_mtp_module_drafts_for_the_latency_preset(loaded):
     stats = backend.stats()
     backend.close()
     assert stats["drafter"] == "MTP" and backend.engine.drafter.module is module
-    assert backend.engine.drafter.k == PRESETS["latency"]["speculative"]
+    assert backend.engine.drafter.k == PRESETS["latency"].speculative
 
 
 def test_tool_call_blocks_become_tool_calls():
@@ -372,12 +372,12 @@ def test_presets_set_the_engine(loaded, preset):
     backend = _Backend(*loaded, ServeConfig.from_preset(preset))
     stats = backend.stats()
     backend.close()
-    slots, chunk = PRESETS[preset]["slots"], PRESETS[preset]["chunk"]
+    slots, chunk = PRESETS[preset].slots, PRESETS[preset].chunk
     assert (stats["slots"], stats["chunk"]) == (slots, chunk) and stats["requests"] == 0
-    assert stats["speculative"] == PRESETS[preset].get("speculative", 0)
+    assert stats["speculative"] == PRESETS[preset].speculative
     assert stats["drafter"] == ("PromptLookup" if stats["speculative"] else None)
     # The scratch block, and 16-token blocks for 512 tokens plus a speculative round's drafts.
-    ahead = PRESETS[preset].get("speculative", 0)
+    ahead = PRESETS[preset].speculative
     assert stats["num_blocks"] == 1 + slots * -(-(512 + ahead) // 16)
 
 
@@ -385,7 +385,7 @@ def test_presets_set_the_engine(loaded, preset):
 def in_process(loaded):
     """A server in this process over a real `_Backend` (2 rows, 2-step chunks), and its client."""
     model, tokenizer = loaded
-    config = ServeConfig(model_name=NAME, slots=2, chunk=2, prefill_bucket=16)
+    config = ServeConfig(model_name=NAME, engine=EngineConfig(slots=2, chunk=2, prefill_bucket=16))
     backend = _Backend(model, tokenizer, config)
     try:
         with _running(create_app(backend, config)) as client:
