@@ -191,7 +191,6 @@ class JudgeReward:
         self.render = load_rubric(config.rubric, default_rubric)
         self.pattern = re.compile(config.pattern, re.IGNORECASE)
         self._cache: collections.OrderedDict[str, tuple[float, dict]] = collections.OrderedDict()
-        self._engine = None  # the judge's `Engine`, made at the first grading call
         self.totals = collections.Counter()
 
     @classmethod
@@ -289,7 +288,7 @@ class JudgeReward:
         if not prompts:
             return []
         # Here, not at the top: reward workers import this module but never grade.
-        from posttrain.sampling import Engine, EngineConfig, generate_continuous
+        from posttrain.sampling import EngineConfig, generate_continuous
 
         c = self.config
         model, tokenizer = _load(c.path)
@@ -307,15 +306,14 @@ class JudgeReward:
         fits = [i for i, p in enumerate(ids) if len(p) + c.max_new_tokens <= max_len]
         answers: list[str | None] = [None] * len(prompts)
         if fits:
-            if self._engine is None:
-                self._engine = Engine(model, EngineConfig(slots=c.slots), max_len=max_len)
             results = generate_continuous(
                 model,
                 tokenizer,
                 [ids[i] for i in fits],
                 max_new_tokens=c.max_new_tokens,
                 temperature=0.0,
-                engine=self._engine,
+                config=EngineConfig(slots=c.slots),
+                max_len=max_len,  # (fixed: every grading call runs the same programs)
             )
             for i, samples in zip(fits, results, strict=True):
                 answers[i] = samples[0].text

@@ -44,6 +44,7 @@ def generate_continuous(
     drafter: PromptLookup | DraftModel | MTP | None = None,
     engine: Engine | None = None,
     config: EngineConfig | None = None,
+    max_len: int = 0,
     stats: dict | None = None,
     images: Sequence[Sequence[np.ndarray]] | None = None,
 ) -> list[list[Completion]]:
@@ -77,6 +78,9 @@ def generate_continuous(
         which are swapped in.
       config: the engine's settings as one record (`EngineConfig`, e.g. an eval config's
         `engine`), instead of the engine arguments above.
+      max_len: tokens per sequence the engine is made for (0: this call's longest prompt plus
+        its budget); a caller that generates again and again with other prompts fixes it, so
+        every call runs the same compiled programs.
       stats: if given, filled with this call's `EngineStats` counts (prompt vs prefilled
         tokens, generated tokens, device calls, speculative rounds and drafts).
       images: a VLM's images per prompt, as for `generate`; a prompt's n samples share its
@@ -126,7 +130,12 @@ def generate_continuous(
                 record_routes=record_routes,
             )
         )
-        max_len = max(len(p) + b for p, b in zip(ids, budgets, strict=True))
+        longest = max(len(p) + b for p, b in zip(ids, budgets, strict=True))
+        if max_len and longest > max_len:
+            raise ValueError(
+                f"a prompt and its budget take {longest} tokens, more than max_len={max_len}"
+            )
+        max_len = max_len or longest
         engine = Engine(model, config, max_len=max_len, eos_ids=eos_ids, drafter=drafter)
     else:
         engine.model = model

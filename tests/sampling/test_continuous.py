@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from posttrain.models import Transformer
-from posttrain.sampling import generate_continuous
+from posttrain.sampling import EngineConfig, generate_continuous
 from tests.sampling.reference import generate_static
 
 from .test_generate import TINY, CharTokenizer
@@ -82,3 +82,27 @@ def test_bad_inputs_raise(kwargs, message, windowed):
     args = dict(max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=message):
         generate_continuous(windowed, None, [[1, 2]], **args)
+
+
+def test_a_fixed_max_len_runs_calls_of_other_prompt_lengths_on_the_same_programs(windowed):
+    """What a judge does between RL steps: prompts of other lengths (the same prefill bucket and
+    attended blocks) run the same compiled prefill and decode with `max_len` fixed; without it
+    each call sizes its block tables to its own longest prompt and compiles again. A prompt
+    past max_len is refused."""
+    from posttrain.sampling._paged import decode, prefill
+
+    def compiled():
+        return decode._cache_size() + prefill._cache_size()
+
+    kwargs = dict(max_new_tokens=6, config=EngineConfig(slots=4, chunk=8, block_size=4))
+    short, long = [[5, 6, 7, 8, 9, 10], [8, 9]], [[5, 6, 7] * 3 + [1], [8, 9, 10]]
+    fixed = generate_continuous(windowed, None, short, max_len=64, **kwargs)
+    before = compiled()
+    generate_continuous(windowed, None, long, max_len=64, **kwargs)
+    assert compiled() == before
+    assert generate_continuous(windowed, None, short, **kwargs) == fixed  # (same tokens)
+    before = compiled()
+    generate_continuous(windowed, None, long, **kwargs)  # 16 tokens: 4 blocks a row, not 3
+    assert compiled() > before
+    with pytest.raises(ValueError, match="more than max_len=12"):
+        generate_continuous(windowed, None, long, max_len=12, **kwargs)
