@@ -1,4 +1,4 @@
-"""Generation throughput: posttrain (static and continuous batching) vs HF transformers
+"""Generation throughput: posttrain (batch at a time and continuous batching) vs HF transformers
 `generate`, same weights, same prompts, greedy, float32 on CPU.
 
     python benchmarks/generate_throughput.py --batch=8 --prompt=64 --new=128 --requests=32
@@ -6,11 +6,12 @@
 Two workloads, generated tokens/s (only the tokens each request asked for count):
 uniform: `batch` prompts, each `new` tokens, one batch.
 skewed: `requests` prompts; one in eight asks for `new` tokens, the rest `new // 8`. HF and the
-static path take them `batch` at a time (each batch decodes until its longest request is done);
+`generate` path take them `batch` at a time (each batch decodes until its longest request is done);
 continuous batching (the paged engine) keeps `batch` slots busy.
 groups: GRPO-style, `groups` prompts of `group_prompt` tokens, n=8 samples each of `group_new`
 tokens (temperature 1): the engine with and without prefix sharing (a group's prompt prefilled
-once, its full KV blocks shared), and the static sampler (n rows repeat one prefill's cache).
+once, its full KV blocks shared), and `generate` (the same engine, a row per sample). Runs
+before 2026-12-05 timed the padded static sampler (since retired) where `generate` is now.
 Then the KV memory per token of each cache type, and the int8 cache's speed and greedy agreement.
 """
 
@@ -119,7 +120,7 @@ def main():
     )
 
     def workload(ps, bs):
-        """The three implementations on prompts `ps` wanting `bs` tokens; HF and static take
+        """The three implementations on prompts `ps` wanting `bs` tokens; HF and `generate` take
         `B` at a time."""
         groups = [(ps[s : s + B], max(bs[s : s + B])) for s in range(0, len(ps), B)]
         threads = torch.get_num_threads()
@@ -127,7 +128,7 @@ def main():
             f"HF transformers generate ({threads} threads)": lambda: [
                 _hf_generate(hf, g, m) for g, m in groups
             ],
-            "posttrain generate (static)": lambda: [
+            "posttrain generate (batch at a time)": lambda: [
                 generate(model, None, g, max_new_tokens=m, **bucket) for g, m in groups
             ],
             "posttrain engine (generate_continuous)": lambda: generate_continuous(
@@ -157,7 +158,7 @@ def main():
         {
             "posttrain engine, no prefix sharing": engine(False),
             "posttrain engine, prefix sharing": engine(True),
-            "posttrain generate (static, n rows share one prefill)": lambda: generate(
+            "posttrain generate (a row per sample)": lambda: generate(
                 model, None, group_prompts, **sampled
             ),
         },

@@ -22,7 +22,8 @@ posttrain loads them with `from_hf(path, attention="xla")`, Tunix with
 `tunix.models.llama3.params.create_model_from_safe_tensors` into its `Llama3` (config mapped
 from the saved config.json). Workload: 8 prompts of 32-64 random token ids, 128 greedy new
 tokens each, no EOS. posttrain: `generate_continuous` (paged engine, 8 slots, chunk 16, prefill
-bucket 64) and `generate` (static sampler); Tunix: `Sampler` (KV cache 64 + 128, prompts padded
+bucket 64) and `generate` (the same engine, a row per sample; runs before 2026-12-05 timed the
+padded static sampler here, since retired); Tunix: `Sampler` (KV cache 64 + 128, prompts padded
 to 64, temperature 0 = greedy) through an identity tokenizer (prompt strings are the ids, space
 separated; pad id 0, which no prompt uses; no BOS; EOS -1, never produced). Each is compiled /
 warmed up once, then timed best of `--repeats`, the three taking turns (the Tunix worker stays
@@ -246,7 +247,7 @@ def main(args):
             "posttrain generate_continuous (paged engine)": lambda: generate_continuous(
                 model, None, prompts, max_new_tokens=N, slots=B, chunk=args.chunk, length_bucket=P
             ),
-            "posttrain generate (static)": lambda: generate(
+            "posttrain generate (a row per sample)": lambda: generate(
                 model, None, prompts, max_new_tokens=N, length_bucket=P
             ),
         }
@@ -285,7 +286,7 @@ def main(args):
 
     # Tunix masks every pad-id token out of the attention, generated ones too: a 0 in the
     # greedy output would make its later tokens differ for that reason alone.
-    zeros = sum(t.count(0) for t in rows["posttrain generate (static)"]["tokens"])
+    zeros = sum(t.count(0) for t in rows["posttrain generate (a row per sample)"]["tokens"])
     if zeros:
         print(f"warning: posttrain generated the pad id 0 {zeros} times")
 
