@@ -1,6 +1,6 @@
 """Sampling: one decoder, the paged generation engine (`generate`, `stream`, eval, RL rollouts,
-`serve`), speculative decoding and the OpenAI-compatible server; the padded static loop only
-decodes modules without a KV cache (Flax NNX) and is the reference the engine is tested against."""
+`serve`; Flax NNX modules too, rerun over each row's tokens), speculative decoding and the
+OpenAI-compatible server."""
 
 from posttrain.sampling._backend import PRESETS as SERVE_PRESETS
 from posttrain.sampling._backend import _Backend as ServeBackend  # (envs.EpisodeServer's base)
@@ -22,6 +22,7 @@ from posttrain.sampling._serve_request import _get as request_field
 from posttrain.sampling._serve_request import _settings as request_settings
 from posttrain.sampling._serve_request import _tools as request_tools
 from posttrain.sampling._speculative import MTP, DraftModel, PromptLookup
+from posttrain.sampling._stream import stream
 
 __all__ = [
     "check_settings",
@@ -39,6 +40,7 @@ __all__ = [
     "Request",
     "request_completions",
     "run_generate",
+    "stream",
     "default_out",
     "sample_tokens",
     "SamplingParams",

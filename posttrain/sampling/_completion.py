@@ -82,8 +82,8 @@ def _encode(tokenizer, prompts) -> list[list[int]]:
 
 
 def _prepare(model, tokenizer, prompts, budgets, stop, eos_ids):
-    """Host-side setup shared by the static and continuous paths: encoded prompts (each within
-    the model's context with its token budget), stop strings, EOS ids and the pad id."""
+    """Host-side setup of a generation call (and the tests' reference loop): encoded prompts
+    (each within the model's context with its token budget), stop strings, EOS ids, pad id."""
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer to decode the generated text")

@@ -13,7 +13,7 @@ the prompt's last token is always copied). Reference counts free a block with it
 Sampling is keyed per request: sample j of prompt i draws its k-th token with
 `fold_in(fold_in(key_i, j), k)`, where `key_i` is the prompt's own seed (`seeds`) or
 `fold_in(key(seed), i)`; so outputs do not depend on the slot, the chunk or what else runs, and
-with `seeds` they are the static sampler's draws (`generate(..., seeds=...)` keys the same way).
+`generate` keys the same way (and the tests' padded reference loop too).
 
 With a drafter (`PromptLookup`, `DraftModel` or `MTP`) every chunk is rounds of speculative
 decoding (`_rounds.speculate`): a row emits 1 to k+1 tokens per model forward, greedy output is
@@ -373,7 +373,7 @@ class Engine:
     def _images(self, requests: list[Request], groups: int) -> np.ndarray | None:
         """A VLM's prefill images `[groups, I, H, W, C]` (I: the most any prompt has, rounded up
         to a power of two to bound compilations; zeros past a prompt's own); None for a text
-        model or prompts without images (as `generate_static` does)."""
+        model or prompts without images (their image tokens stay tokens)."""
         vision = self.model.config.vision
         if vision is None:
             if any(r.images is not None and len(r.images) for r in requests):

@@ -11,7 +11,6 @@ from posttrain import paths
 from posttrain.sampling._completion import check_settings
 from posttrain.sampling._continuous import generate_continuous
 from posttrain.sampling._engine_config import EngineConfig
-from posttrain.sampling._generate import generate
 from posttrain.sampling._speculative import drafter_for
 from posttrain.sampling._stream import stream
 
@@ -85,14 +84,11 @@ def run_generate(
         texts += [text] if line.strip() else []
     ids = [_render(tokenizer, t, chat) for t in texts]
     stats: dict = {}
-    if model.config.nnx is not None:  # (your own module: the static sampler decodes it)
-        results = generate(model, tokenizer, ids, n=n, seed=seed, **settings)
-    else:  # the paged engine: prompts of any mix of lengths, n samples share their prefill
-        results = generate_continuous(
-            model, tokenizer, ids, n=n, seed=seed, slots=engine.slots,
-            num_blocks=engine.num_blocks, kv_dtype=engine.kv_dtype, drafter=drafter, stats=stats,
-            **settings,
-        )  # fmt: skip
+    # The paged engine: prompts of any mix of lengths, n samples share their prefill.
+    results = generate_continuous(
+        model, tokenizer, ids, n=n, seed=seed, slots=engine.slots, num_blocks=engine.num_blocks,
+        kv_dtype=engine.kv_dtype, drafter=drafter, stats=stats, **settings,
+    )  # fmt: skip
     out = out or default_out(prompts_file)
     records = [
         {

@@ -3,6 +3,7 @@
 shardings against its own annotations, its decoding against posttrain's KV-cache sampler, and
 the errors a user's module can cause."""
 
+import json
 import os
 
 import jax
@@ -17,9 +18,10 @@ from posttrain.demo import ASSETS_DIR
 from posttrain.methods import method_config
 from posttrain.models import ModelSpec, Transformer, get_preset, init_params
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh
-from posttrain.sampling import Engine, EngineConfig, PromptLookup, generate
+from posttrain.sampling import Engine, EngineConfig, PromptLookup, generate, run_generate, stream
 from posttrain.testing import nnx_decoder
 from tests.sampling.reference import generate_static
+from tests.sampling.test_generate import CharTokenizer
 from tests.tolerance import assert_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -223,6 +225,22 @@ def test_decoding_matches_posttrains_kv_cache_sampler(nnx_model):
             assert a.token_ids == b.token_ids == r.token_ids
             assert_close(a.logprobs, b.logprobs, rtol=1e-5, ulps=64)
             assert_close(a.logprobs, r.logprobs, rtol=1e-5, ulps=64)
+
+
+def test_an_nnx_module_streams_token_by_token_and_writes_a_prompts_file(nnx_model, tmp_path):
+    """`stream` (the CLI's one-prompt path) gives an NNX module's text in pieces, the sample
+    `generate` draws; a prompts file goes through the same engine (`run_generate`)."""
+    tok = CharTokenizer()
+    kwargs = dict(max_new_tokens=8, temperature=1.0, seed=5)
+    pieces = list(stream(nnx_model, tok, tok.encode("abc"), **kwargs))
+    [[sample]] = generate(nnx_model, tok, [tok.encode("abc")], **kwargs)
+    assert len(pieces) > 1 and "".join(pieces) == sample.text
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"abc"\n"de"\n')
+    run_generate(nnx_model, tok, prompts_file=str(prompts), out=str(tmp_path / "out.jsonl"),
+                 **kwargs)  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert rows[0]["completion"] == sample.text and len(rows) == 2
 
 
 class _WithDropout(nnx.Module):

@@ -8,8 +8,7 @@ from posttrain import cli
 from posttrain.data import load_tokenizer
 from posttrain.demo import ASSETS_DIR
 from posttrain.models import Transformer, get_preset, to_hf
-from posttrain.sampling import generate
-from posttrain.sampling._stream import stream
+from posttrain.sampling import generate, stream
 
 TOKENIZER = load_tokenizer(f"{ASSETS_DIR}/tokenizer")
 MODEL = Transformer.init(get_preset("tiny", attention="xla"), rng=7)
