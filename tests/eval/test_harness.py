@@ -218,11 +218,13 @@ def test_the_suites_engine_settings_reach_its_completions(run):
     drafted = {"slots": 3, "chunk": 2, "speculative": 3}
     config = {"target": {"t": task}, "progress": False, "engine": drafted}
     assert evaluate(model, run["tokenizer"], config) == plain
+    config["engine"] = {"slots": 0}  # a row for every sample of a generate call
+    assert evaluate(model, run["tokenizer"], config) == plain
     config["engine"] = {"num_blocks": 1}  # (reaches the engine: a pool too small for a row)
     with pytest.raises(ValueError, match="engine num_blocks=1 cannot hold one sequence"):
         evaluate(model, run["tokenizer"], config)
     for engine, message in [
-        ({"slots": 0}, "engine slots must be >= 1"),
+        ({"slots": -1}, "engine slots must be >= 0"),  # (0: sized to the work)
         ({"kv_dtype": "int8_layered", "speculative": 2}, "engine kv_dtype=.int8_layered. keeps"),
     ]:
         with pytest.raises(ConfigError, match=rf"config\.engine: {message}"):
