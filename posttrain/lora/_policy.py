@@ -9,6 +9,7 @@ from typing import Any
 
 from posttrain.lora._adapters import wrap
 from posttrain.lora._config import LoRAConfig
+from posttrain.models import hidden_states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,24 @@ class Policy:
         """`(model params, forward kwargs)` of the trained model from the step's `params`."""
         trained = params[self.key] if self.key is not None else params
         return wrap(self.lora, self.base, trained)
+
+    def forward(self, params, batch: dict, model_config, **extra) -> tuple[Any, Any, dict]:
+        """`(model params, hidden states, aux)` of the trained model over a token batch
+        (`tokens`, `positions`, `segment_ids`, a VLM's `images` when it has them); `extra`:
+        more forward arguments (router replay's experts)."""
+        model_params, kwargs = self.apply(params)
+        hidden, aux = hidden_states(
+            model_params,
+            batch["tokens"],
+            model_config,
+            batch["positions"],
+            batch["segment_ids"],
+            return_aux=True,
+            images_BIHWC=batch.get("images"),
+            **extra,
+            **kwargs,
+        )
+        return model_params, hidden, aux
 
     def frozen(self) -> tuple[Any, dict] | None:
         """`(params, forward kwargs)` of the frozen model the trained one adapts (the base with

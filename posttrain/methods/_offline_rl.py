@@ -40,7 +40,7 @@ from posttrain.data import (
 )
 from posttrain.lora import Policy
 from posttrain.losses import aggregate, awr_loss, token_stats, truncated_is_loss
-from posttrain.models import ModelConfig, ModelSpec, finished_step, hidden_states
+from posttrain.models import ModelConfig, ModelSpec, finished_step
 from posttrain.parallel import axis_rules
 from posttrain.rl import OfflineConfig, RLConfig
 from posttrain.train import (
@@ -298,16 +298,7 @@ def offline_loss(
 
     def loss_fn(params, batch, rng):
         del rng
-        model_params, kwargs = policy.apply(params)
-        hidden, aux = hidden_states(
-            model_params,
-            batch["tokens"],
-            model_config,
-            batch["positions"],
-            batch["segment_ids"],
-            return_aux=True,
-            **kwargs,
-        )
+        model_params, hidden, aux = policy.forward(params, batch, model_config)
         logp = token_stats(model_params, hidden, batch["targets"], model_config)["logp"]
         mask, advantages = batch["loss_mask"], batch["advantages"]
         rows = (jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)

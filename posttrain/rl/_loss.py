@@ -178,17 +178,8 @@ def rl_loss(
 
     def loss_fn(params, batch, rng):
         del rng
-        model_params, kwargs = policy.apply(params)
-        hidden, aux = hidden_states(
-            model_params,
-            batch["tokens"],
-            model_config,
-            batch["positions"],
-            batch["segment_ids"],
-            return_aux=True,
-            images_BIHWC=batch.get("images"),
-            **replay_kwargs(config.router_replay == "update", batch),
-            **kwargs,
+        model_params, hidden, aux = policy.forward(
+            params, batch, model_config, **replay_kwargs(config.router_replay == "update", batch)
         )
         stats = token_stats(model_params, hidden, batch["targets"], model_config, entropy=True)
         logp = stats["logp"]

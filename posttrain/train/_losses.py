@@ -61,17 +61,7 @@ def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None 
 
     def loss_fn(params, batch, rng):
         del rng
-        params, kwargs = policy.apply(params)
-        hidden, aux = hidden_states(
-            params,
-            batch["tokens"],
-            model_config,
-            batch["positions"],
-            batch["segment_ids"],
-            return_aux=True,
-            images_BIHWC=batch.get("images"),
-            **kwargs,
-        )
+        params, hidden, aux = policy.forward(params, batch, model_config)
         stats = token_stats(params, hidden, batch["targets"], model_config)
         sums = cross_entropy_from_stats(stats, batch["loss_mask"], z_loss)
         return add_moe_aux(sums, aux)
