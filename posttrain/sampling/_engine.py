@@ -9,6 +9,9 @@ The n samples of a prompt (a GRPO group) share its blocks: the prompt is prefill
 the first sample's blocks; the others point their block tables at its full blocks and copy the
 last, partly filled one (an MTP drafter's cache runs a position behind, so the block holding
 the prompt's last token is always copied). Reference counts free a block with its last user.
+A group admitted in parts (fewer free rows than samples) keeps its prompt's full blocks and a
+copy of the last one for the samples left waiting, which pass only the prompt's last token
+over them (`_holds_prefix` says where that applies).
 
 Sampling is keyed per request: sample j of prompt i draws its k-th token with
 `fold_in(fold_in(key_i, j), k)`, where `key_i` is the prompt's own seed (`seeds`) or
@@ -121,6 +124,9 @@ class Engine:
         self._free = list(range(num_blocks - 1, 0, -1))  # a stack; block 0 is scratch
         self._refs = np.zeros(num_blocks, np.int32)
         self._queue: collections.deque[Request] = collections.deque()
+        # Requests admitted in part: their prompt's full blocks and a copy of its last block,
+        # held for the samples still waiting (`_admit`).
+        self._held: dict[int, tuple[list[int], int | None]] = {}
         self._row_of: list[tuple[Request, int, list[int]] | None] = [None] * config.slots
         self._rows = self._init_rows()
 
@@ -273,10 +279,26 @@ class Engine:
             if self._refs[b] == 0:
                 self._free.append(b)
 
+    def _holds_prefix(self, req: Request) -> bool:
+        """Whether the samples of `req` admitted after its first ones can share its prefill:
+        the first admission holds the prompt's full blocks and a copy of its last one, and a
+        later one passes only the prompt's last token (for its next-token logits) over them.
+        Not where more than keys and values would have to be kept: a layered int8 pool's ring,
+        a draft model's or MTP module's pool, router replay's prompt routes, a VLM's images,
+        an NNX module (no pool)."""
+        c = self.config
+        return not (
+            c.kv_dtype == "int8_layered"
+            or isinstance(self.drafter, DraftModel | MTP)
+            or self._rows.routes_BSTK is not None
+            or req.images is not None
+            or self.model.config.nnx is not None
+        )
+
     def _admit(self) -> None:
         c, bs = self.config, self.config.block_size
         free_rows = [b for b, r in enumerate(self._row_of) if r is None]
-        leaders, starts, copies = [], [], []
+        leaders, starts, copies, pre = [], [], [], []
         while self._queue and free_rows:
             req = self._queue[0]
             P = len(req.prompt)
@@ -285,49 +307,91 @@ class Engine:
                 full, tail = (P - 1) // bs, 1
             per_sample = -(-(P + req.max_new_tokens + self._ahead) // bs)
             share = c.prefix_sharing and req.n > 1
+            held = self._held.get(id(req))  # its prompt's blocks, from its first admission
             k = min(req.n - req.admitted, len(free_rows))
-            # Blocks: the first sample's whole table; each other sample its own beyond the
-            # shared full prompt blocks.
-            need = per_sample + (k - 1) * (per_sample - full) if share else k * per_sample
-            if need > len(self._free):
-                # Fewer samples if that fits, else wait for running rows to free blocks.
-                while k > 1 and need > len(self._free):
-                    k -= 1
-                    need = per_sample + (k - 1) * (per_sample - full) if share else k * per_sample
-                if need > len(self._free):
+            can_hold = share and not held and self._holds_prefix(req)
+            # Blocks: a prefilled group's first sample takes its whole table (and a copy of
+            # its last prompt block if it holds the prompt for samples left waiting); every
+            # other sample its own beyond the shared full prompt blocks. Fewer samples if that
+            # fits, else wait for running rows to free blocks.
+            first = per_sample - full if held else per_sample
+            other = per_sample - full if share else per_sample
+            while True:
+                keeps_tail = can_hold and tail > 0 and req.admitted + k < req.n
+                need = first + (k - 1) * other + int(keeps_tail)
+                if need <= len(self._free) or k == 1:
                     break
-            for i in range(k):
-                if i == 0 or not share:
-                    table = leader = self._take(per_sample)
-                    group = len(leaders)
-                    leaders.append((req, table))
-                else:
-                    self._refs[leader[:full]] += 1
+                k -= 1
+            if need > len(self._free):
+                break
+            if held:  # later samples: over the held prompt blocks, their own last one
+                shared, snapshot = held
+                for i in range(k):
+                    self._refs[shared] += 1
                     own = self._take(per_sample - full)
-                    table = leader[:full] + own
-                    if tail:
+                    table = shared + own
+                    if i == 0:
+                        leader, group = table, len(leaders)
+                        leaders.append((req, table, P - 1))  # its last token, for the logits
+                        if snapshot is not None:
+                            pre.append((snapshot, own[0]))
+                    elif tail:
                         copies.append((leader[full], own[0]))
-                starts.append((free_rows.pop(0), req, req.admitted + i, table, group))
+                    starts.append((free_rows.pop(0), req, req.admitted + i, table, group))
+            else:
+                for i in range(k):
+                    if i == 0 or not share:
+                        table = leader = self._take(per_sample)
+                        group = len(leaders)
+                        leaders.append((req, table, 0))
+                    else:
+                        self._refs[leader[:full]] += 1
+                        own = self._take(per_sample - full)
+                        table = leader[:full] + own
+                        if tail:
+                            copies.append((leader[full], own[0]))
+                    starts.append((free_rows.pop(0), req, req.admitted + i, table, group))
+                if can_hold and req.admitted + k < req.n:  # its blocks wait for the samples left
+                    self._refs[leader[:full]] += 1
+                    snapshot = None
+                    if tail:
+                        [snapshot] = self._take(1)
+                        copies.append((leader[full], snapshot))
+                    self._held[id(req)] = (leader[:full], snapshot)
             req.admitted += k
             if req.admitted == req.n:
                 self._queue.popleft()
+                self._let_go(req)
         if leaders:
-            self._launch(leaders, starts, copies)
+            self._launch(leaders, starts, copies, pre)
 
-    def _launch(self, leaders, starts, copies) -> None:
+    def _let_go(self, req: Request) -> None:
+        """Gives back the prompt blocks held for `req`'s later samples (all admitted or
+        cancelled)."""
+        held = self._held.pop(id(req), None)
+        if held is not None:
+            self._release(held[0] + ([] if held[1] is None else [held[1]]))
+
+    def _launch(self, leaders, starts, copies, pre) -> None:
         c, bs = self.config, self.config.block_size
         G = 1 << (len(leaders) - 1).bit_length()
-        P = c.prefill_bucket * -(-max(len(r.prompt) for r, _ in leaders) // c.prefill_bucket)
-        R = -(-P // bs)
+        P = c.prefill_bucket * -(-max(len(r.prompt) - s for r, _, s in leaders) // c.prefill_bucket)
+        longest = max(len(r.prompt) for r, _, _ in leaders)
+        R = -(-(c.prefill_bucket * -(-longest // c.prefill_bucket)) // bs)
         tokens = np.zeros((G, P), np.int32)
         lengths = np.ones(G, np.int32)
+        offsets = np.zeros(G, np.int32)
         tables = np.zeros((G, R), np.int32)
-        for g, (req, table) in enumerate(leaders):
-            tokens[g, : len(req.prompt)] = req.prompt
-            lengths[g] = len(req.prompt)
+        history = np.zeros((G, self._rows.history_BT.shape[1]), np.int32)
+        for g, (req, table, start) in enumerate(leaders):
+            tokens[g, : len(req.prompt) - start] = req.prompt[start:]
+            lengths[g], offsets[g] = len(req.prompt), start
             head = table[:R]
             tables[g, : len(head)] = head
-            self.stats.prefill_tokens += len(req.prompt)
+            if history.shape[1] > 1:
+                head = req.prompt[: history.shape[1]]
+                history[g, : len(head)] = head
+            self.stats.prefill_tokens += len(req.prompt) - start
         self.stats.prompt_tokens += sum(len(req.prompt) for _, req, *_ in starts)
         # A layered pool's ring row of each prompt: its first sample's row (padding: scratch).
         ring_rows = np.full(G, c.slots, np.int32)
@@ -340,7 +404,9 @@ class Engine:
             row_tables[x, : len(table)] = table
         copies = copies or [(SCRATCH, SCRATCH)]
         copies += copies[-1:] * (c.slots - len(copies))
-        images = self._images([req for req, _ in leaders], G)
+        pre = pre or [(SCRATCH, SCRATCH)]
+        pre += pre[-1:] * (c.slots - len(pre))
+        images = self._images([req for req, _, _ in leaders], G)
         # Host arrays: the jitted prefill takes them in its one call (a jnp call per argument
         # would queue a device program each; see the module docstring).
         self._rows = prefill(
@@ -349,8 +415,12 @@ class Engine:
             self._rows,
             tokens,
             lengths,
+            offsets,
             tables,
             ring_rows,
+            history,
+            np.asarray([a for a, _ in pre], np.int32),
+            np.asarray([b for _, b in pre], np.int32),
             np.asarray([a for a, _ in copies], np.int32),
             np.asarray([b for _, b in copies], np.int32),
             np.asarray([s[0] for s in padded], np.int32),
@@ -405,6 +475,7 @@ class Engine:
         if sample is None:
             samples = range(request.n)
             self._queue = collections.deque(r for r in self._queue if r is not request)
+            self._let_go(request)
         elif not 0 <= sample < request.admitted:
             raise ValueError(
                 f"sample {sample} of the request is not running (admitted: {request.admitted} "

@@ -76,8 +76,12 @@ def prefill(
     rows: Rows,
     tokens_GP,
     lengths_G,
+    starts_G,
     tables_GR,
     ring_rows_G,
+    history_GT,
+    pre_from_C,
+    pre_to_C,
     copy_from_C,
     copy_to_C,
     rows_X,
@@ -94,24 +98,42 @@ def prefill(
     block_size: int,
 ):
     """Prefills G right-padded prompts into their blocks (`tables_GR`, R blocks covering the
-    padded length) of the model's pool (and the drafter's), copies blocks `copy_from_C` to
+    longest prompt) of the model's pool (and the drafter's), copies blocks `copy_from_C` to
     `copy_to_C` (the shared prompts' last blocks), and starts rows `rows_X` on prompt `group_X`
     with their own tables, budgets and keys (row x draws with `fold_in(key x, sample x)`, its
     request's key made from `key_data_X`). Repeated entries (padding) must repeat the same
     values. An MTP module caches positions 0 .. length - 2 (position i needs token i + 1).
-    `images_GIHWC`: a VLM's prompt images (each prompt's image tokens take its images)."""
+    `images_GIHWC`: a VLM's prompt images (each prompt's image tokens take its images).
+
+    A prompt whose blocks are already in the pool (`starts_G` > 0: the samples of a group
+    admitted after its first ones) passes only its tokens from `starts_G` on, which attend to
+    the earlier positions through its table and write nothing: its last block is first copied
+    in from `pre_from_C` to `pre_to_C` (before the forward), and the pass gives its next-token
+    logits. `history_GT`: each prompt's tokens by position (prompt lookup; else one column)."""
     keys_X = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_X), samples_X)
     config = model.config
     G, P = tokens_GP.shape
-    positions_GP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (G, P))
+    offsets_GP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (G, P))
+    positions_GP = starts_G[:, None] + offsets_GP
     real_GP = positions_GP < lengths_G[:, None]
     slots_GS = _slots_of(tables_GR, block_size)
+    slot_GP = jnp.take_along_axis(slots_GS, jnp.minimum(positions_GP, slots_GS.shape[1] - 1), 1)
+    writes_GP = real_GP & (starts_G == 0)[:, None]  # a prompt already in the pool writes nothing
 
-    def cache_of(k, v, dtype, real_GP=real_GP):
+    def pre_copy(store):
+        if store is None:
+            return None
+        if not isinstance(store, dict):
+            return store.at[:, pre_to_C].set(store[:, pre_from_C])
+        return {**store, **{k: pre_copy(store[k]) for k in ("q", "scale")}}
+
+    rows = rows._replace(k=pre_copy(rows.k), v=pre_copy(rows.v))
+
+    def cache_of(k, v, dtype, real_GP=writes_GP):
         return PagedKVCache(
             k,
             v,
-            write_slots_BL=jnp.where(real_GP, slots_GS[:, :P], SCRATCH),
+            write_slots_BL=jnp.where(real_GP, slot_GP, SCRATCH),
             tables_BM=tables_GR,
             lengths_B=lengths_G,
             dtype=jnp.dtype(dtype).name,
@@ -137,7 +159,7 @@ def prefill(
         )  # fmt: skip
         routes_XPTK = aux["routed_experts"][group_X].astype(routes_BSTK.dtype)
         routes_BSTK = routes_BSTK.at[rows_X[:, None], jnp.arange(P)].set(routes_XPTK, mode="drop")
-    last_G1D = jnp.take_along_axis(hidden_GPD, (lengths_G - 1)[:, None, None], axis=1)
+    last_G1D = jnp.take_along_axis(hidden_GPD, (lengths_G - starts_G - 1)[:, None, None], axis=1)
     logits_GV = lm_logits(model.params, last_G1D, config)[:, 0]
     draft_k, draft_v, hidden_BD = rows.draft_k, rows.draft_v, rows.hidden_BD
     if isinstance(drafter, DraftModel):
@@ -170,8 +192,6 @@ def prefill(
             out["recent"] = ring.at[:, rows_X].set(ring[:, ring_rows_G[group_X]])
         return out
 
-    T = rows.history_BT.shape[1]
-    history_GT = jnp.pad(tokens_GP[:, :T], ((0, 0), (0, max(T - P, 0))))
     return Rows(
         k=None if cache is None else copy(cache.k_TNbKH),
         v=None if cache is None else copy(cache.v_TNbKH),

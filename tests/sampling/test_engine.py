@@ -103,6 +103,38 @@ def test_prefix_sharing_and_block_bounded_admission(windowed):
     assert b.peak_blocks <= 11 and b.prefill_calls > s.prefill_calls
 
 
+def test_a_group_admitted_in_parts_shares_one_prefill(windowed):
+    """n samples on fewer free rows than n: the first admission holds the prompt's full blocks
+    and a copy of its last one, and the samples admitted later pass only the prompt's last
+    token over them (its next-token logits: one token, counted), so each prompt is prefilled
+    once; the sampled tokens are those with a row for every sample (prompt lookup too), the
+    last block whole (8 tokens) or partial; every block comes back, also when a request
+    waiting for rows is cancelled."""
+    prompts = [list(range(1, 15)), list(range(20, 31)), list(range(40, 48))]  # 14, 11, 8
+    kwargs = dict(max_new_tokens=6, temperature=1.0, seeds=[1, 2, 3])
+    # (slots, n, drafter, samples admitted after their group's first ones, in late groups)
+    for slots, n, drafter, late in ((8, 3, None, 1), (4, 5, None, 3),
+                                    (8, 3, PromptLookup(ngram=2, k=2), 1)):  # fmt: skip
+        runs = {}
+        for rows in (slots, len(prompts) * n):
+            config = EngineConfig(slots=rows, block_size=4, chunk=2)
+            engine = Engine(windowed, config, max_len=40, drafter=drafter)
+            out = generate_continuous(windowed, None, prompts, n=n, engine=engine, **kwargs)
+            runs[rows] = [[c.token_ids for c in g] for g in out], engine.stats
+            assert engine.blocks_in_use == 0
+        (parts, stats), (whole, enough) = runs[slots], runs[len(prompts) * n]
+        assert parts == whole, (slots, n)
+        assert enough.prefill_tokens == 14 + 11 + 8
+        assert stats.prefill_tokens == 14 + 11 + 8 + late, stats  # was 8 (or 33) more
+    engine = Engine(windowed, EngineConfig(slots=2, block_size=4), max_len=40)
+    request = engine.submit(Request(prompts[0], 6, np.asarray(jax.random.key_data(
+        jax.random.key(0))), n=3))  # fmt: skip
+    engine.step()  # two samples run to their end; the third waits for a row
+    assert engine.blocks_in_use == 3 + 1  # the prompt's full blocks and its last one's copy
+    engine.cancel(request)
+    assert engine.blocks_in_use == 0
+
+
 def test_requests_that_do_not_fit_are_refused(windowed):
     engine = Engine(windowed, EngineConfig(block_size=4), max_len=16)
     with pytest.raises(ValueError, match="does not fit the engine"):
