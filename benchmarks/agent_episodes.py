@@ -13,7 +13,10 @@ report their compilations, which should be 0; the machine is shared and noisy):
 
   continuous:                  one `run_episodes` call over all episodes (`--slots` engine
                                slots, default one per episode; tool pool `ElasticPool(0, 8)`):
-                               while one episode's tool call runs, the others decode.
+                               while one episode's tool call runs, the others decode; an
+                               episode's next turn continues on its kept KV blocks.
+  continuous, re-prefilling:   the same with `keep_kv=False`: every turn prefills the
+                               episode's whole history (the engine before 2026-12-05).
   one at a time (same engine): `run_episodes` on one episode after the other, the same engine
                                (every decode step still computes all its slots' rows).
   one at a time (1 slot):      the same loop on an engine of 1 slot (decode steps of 1 row).
@@ -115,12 +118,13 @@ def prepare(workdir: Path, n_eval: int) -> tuple[str, list[dict], str]:
     return str(run), held_out, assets["tokenizer"]
 
 
-def _episodes(engine, tokenizer, records, keys, *, together: bool) -> dict:
+def _episodes(engine, tokenizer, records, keys, *, together: bool, keep_kv: bool = True) -> dict:
     """Runs every record's episode (all in one call, or one call each); the run's counts."""
     pool = ElasticPool(0, 8)
     before, compiles = _engine_counts(engine), _COMPILES[0]
     start = time.perf_counter()
-    common = dict(temperature=0.0, budget=BUDGET, pool=pool, tool_format="hermes")
+    common = dict(temperature=0.0, budget=BUDGET, pool=pool, tool_format="hermes",
+                  keep_kv=keep_kv)  # fmt: skip
     if together:
         groups = [[make_env("python_tool", r)] for r in records]
         out = [g[0] for g in run_episodes(engine, tokenizer, groups, keys=keys, **common)]
@@ -143,6 +147,7 @@ def _episodes(engine, tokenizer, records, keys, *, together: bool) -> dict:
         "sampled_tokens": sum(sum(e.mask) for e in out),
         "prefill_tokens": after["prefill_tokens"] - before["prefill_tokens"],
         "decode_calls": after["decode_calls"] - before["decode_calls"],
+        "episode_tokens": hash(tuple(tuple(e.token_ids) for e in out)),  # same episodes?
         "pool_peak_threads": pool.peak,
         "compiles": _COMPILES[0] - compiles,
         "finish": {
@@ -167,6 +172,10 @@ def main() -> None:
     parser.add_argument(
         "--json", default=str(REPO / "benchmarks/results/agent_episodes_cpu.json"), help="output"
     )
+    parser.add_argument(
+        "--skip-same-engine", action="store_true",
+        help="leave out 'one at a time (same engine)' (the slowest mode, minutes on CPU)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     run, records, tokenizer_dir = prepare(Path(args.workdir), args.episodes)
@@ -177,21 +186,27 @@ def main() -> None:
     wide = Engine(model, EngineConfig(slots=slots), max_len=MAX_LEN)
     narrow = Engine(model, EngineConfig(slots=1), max_len=MAX_LEN)
     modes = {
-        f"continuous ({slots} slots)": (wide, True),
-        f"one at a time (same engine, {slots} slots)": (wide, False),
-        "one at a time (1 slot)": (narrow, False),
+        f"continuous ({slots} slots)": (wide, True, True),
+        f"continuous, re-prefilling each turn ({slots} slots)": (wide, True, False),
+        f"one at a time (same engine, {slots} slots)": (wide, False, True),
+        "one at a time (1 slot)": (narrow, False, True),
     }
+    if args.skip_same_engine:
+        del modes[f"one at a time (same engine, {slots} slots)"]
     jax.monitoring.register_event_duration_secs_listener(_count_compiles)
     # Warm-up: compile. Continuous batching's prefill shapes (how many prompts arrive together)
     # depend on when tool calls return, so it warms up until a round compiles nothing new.
-    for engine, together in modes.values():
+    for engine, together, keep in modes.values():
         for _ in range(4 if together else 1):
-            if _episodes(engine, tokenizer, records, keys, together=together)["compiles"] == 0:
+            r = _episodes(engine, tokenizer, records, keys, together=together, keep_kv=keep)
+            if r["compiles"] == 0:
                 break
     runs: dict[str, list[dict]] = {name: [] for name in modes}
     for rep in range(args.reps):
-        for name, (engine, together) in modes.items():
-            runs[name].append(_episodes(engine, tokenizer, records, keys, together=together))
+        for name, (engine, together, keep) in modes.items():
+            runs[name].append(
+                _episodes(engine, tokenizer, records, keys, together=together, keep_kv=keep)
+            )
             r = runs[name][-1]
             print(f"rep {rep} {name}: {r['seconds']:.2f} s, {r['compiles']} compiles", flush=True)
     best = {name: min(rs, key=lambda r: r["seconds"]) for name, rs in runs.items()}
@@ -200,17 +215,20 @@ def main() -> None:
         f"\n{args.episodes} python_tool episodes, tiny model (SFT {SFT_STEPS} steps), greedy, "
         f"best of {args.reps}, {cpu_model()}\n"
     )
+    same = len({r["episode_tokens"] for rs in runs.values() for r in rs}) == 1
+    print(f"every mode and rep sampled the same episodes: {same}")
     print(
-        "| mode | seconds | episodes/s | tool calls/s | sampled tokens/s | turns | tool calls "
-        "| solved | pool peak threads | time vs continuous |"
+        "| mode | seconds | episodes/s | tool calls/s | sampled tokens/s | prefill tokens per "
+        "sampled | turns | tool calls | solved | pool peak threads | time vs continuous |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in best.items():
         s = r["seconds"]
         print(
             f"| {name} | {s:.2f} | {r['episodes'] / s:.2f} | {r['tool_calls'] / s:.2f} | "
-            f"{r['sampled_tokens'] / s:,.0f} | {r['turns']} | {r['tool_calls']} | "
-            f"{r['solved']}/{r['episodes']} | {r['pool_peak_threads']} | {s / base:.2f}x |"
+            f"{r['sampled_tokens'] / s:,.0f} | {r['prefill_tokens'] / r['sampled_tokens']:.2f} | "
+            f"{r['turns']} | {r['tool_calls']} | {r['solved']}/{r['episodes']} | "
+            f"{r['pool_peak_threads']} | {s / base:.2f}x |"
         )
     result = {
         "date": datetime.date.today().isoformat(),
@@ -221,6 +239,7 @@ def main() -> None:
         "jax": jax.__version__,
         "budget": dataclasses.asdict(BUDGET),
         "sft": json.loads((Path(run) / "done.json").read_text()),
+        "same_episodes_in_every_mode": same,
         "best": best,
         "runs": runs,
     }

@@ -7,10 +7,13 @@ difference the new messages make (`posttrain.data.Turns`), never by re-rendering
 What the trainer scores is exactly what the sampler drew.
 
 Episodes share the engine: every turn is a request, so while an episode's tools run (on the
-`ElasticPool`), its row and KV blocks serve other episodes, and a finished episode frees its
-slot at once. The G episodes of a prompt (a GRPO group) start as one request with n=G, sharing
-the prompt's prefill and blocks; later turns are requests of their own, each prefilling the
-episode's tokens so far (the engine does not yet keep an episode's blocks between turns).
+`ElasticPool`), its row serves other episodes, and a finished episode frees its slot at once.
+The G episodes of a prompt (a GRPO group) start as one request with n=G, sharing the prompt's
+prefill and blocks; later turns are requests of their own. An episode's KV blocks outlive its
+turns (`Request.keep`): the next turn continues on them (`Request.cached`) and prefills only
+the observation's tokens (after speculative rounds also the last sampled one, whose keys a
+round leaves unwritten), where the engine can keep blocks (`Engine.keeps_kv`; else each turn
+prefills the episode's tokens so far).
 
 Sampling keys: episode j of group g draws turn 0 with `fold_in(key_g, j)` inside the group's
 request and turn t > 0 with `fold_in(fold_in(fold_in(key_g, t), j), 0)`, so an episode's tokens
@@ -114,6 +117,7 @@ class _Live:
     episode: Episode | None = None
     erred: bool = False  # a tool error not yet followed by a success
     ended: bool = True  # the last turn ended with an end-of-turn token (not cut)
+    kept: Any = None  # the KV blocks of its tokens so far (`Request.keep`), for its next turn
 
 
 def run_episodes(
@@ -129,6 +133,7 @@ def run_episodes(
     pool: ElasticPool | None = None,
     tool_format: str = "auto",
     on_episode: Callable[[Episode], None] | None = None,
+    keep_kv: bool = True,
 ) -> list[list[Episode]]:
     """Runs every environment's episode to its end; returns the episodes by group.
 
@@ -144,6 +149,9 @@ def run_episodes(
       tool_format: how tool calls are parsed from the model's text ("hermes", "llama3_json",
         "mistral", ...); "auto" guesses from the chat template.
       on_episode: called with each episode as it finishes.
+      keep_kv: an episode's next turn continues on the KV blocks of its earlier ones
+        (prefilling only what the environment answered) where the engine can keep them;
+        False prefills its whole history every turn.
 
     Returns:
       Per group, its episodes in the order of its environments.
@@ -154,6 +162,7 @@ def run_episodes(
     pool = pool or ElasticPool(1, 8)
     engine.set_eos(tokenizer.eos_ids)
     sampling = SamplingParams(temperature, top_p, top_k)
+    keep = keep_kv and engine.keeps_kv()
     live = [[_Live(env) for env in group] for group in groups]
     out: list[list[Episode | None]] = [[None] * len(g) for g in groups]
     waiting: dict[Future, tuple[str, int, int]] = {}  # env calls: (kind, group, index)
@@ -168,6 +177,8 @@ def run_episodes(
         item = live[g][j]
         ep = item.episode
         ep.finish_reason, ep.reward = reason, reward if reason != "error" else 0.0
+        engine.release(item.kept)
+        item.kept = None
         call("close", g, j, item.env.close)
         out[g][j] = ep
         left -= 1
@@ -208,7 +219,10 @@ def run_episodes(
             for j in js:
                 finish(g, j, "length")
             return
-        req = Request(prompt=prompt, max_new_tokens=room, key=key, n=len(js), sampling=sampling)
+        cached = live[g][js[0]].kept if len(js) == 1 else None
+        live[g][js[0]].kept = None  # (the request's now)
+        req = Request(prompt=prompt, max_new_tokens=room, key=key, n=len(js), sampling=sampling,
+                      keep=keep, cached=cached)  # fmt: skip
         running[id(engine.submit(req))] = (req, g, js)
         taken[id(req)] = set()
 
@@ -323,6 +337,7 @@ def run_episodes(
                     for s, j in enumerate(js):
                         if req.done[s] and j not in taken[rid]:
                             taken[rid].add(j)
+                            live[g][j].kept = req.kept[s]
                             hit = engine.hit_eos(req, s)
                             on_sampled(g, j, req.tokens[s], req.logprobs[s], hit)
                     if len(taken[rid]) == len(js):
@@ -341,6 +356,13 @@ def run_episodes(
         if not engine.idle:  # (an error above: leave the engine empty for its next user)
             for req, _, _ in list(running.values()):
                 engine.cancel(req)
+        for rid, (req, _, js) in running.items():  # samples done but not collected
+            for s, j in enumerate(js):
+                if j not in taken.get(rid, ()):
+                    engine.release(req.kept[s])
+        for item in (x for group in live for x in group):
+            engine.release(item.kept)
+            item.kept = None
     return out
 
 

@@ -14,6 +14,7 @@ from posttrain.sampling._engine import Engine, Request
 from posttrain.sampling._engine_config import EngineConfig, EngineStats
 from posttrain.sampling._generate import generate
 from posttrain.sampling._params import SamplingParams
+from posttrain.sampling._request import Kept
 from posttrain.sampling._run import default_out, run_generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
 from posttrain.sampling._serve import ServeConfig, api_app, serve
@@ -37,6 +38,7 @@ __all__ = [
     "generate_continuous",
     "generate_speculative",
     "PromptLookup",
+    "Kept",
     "Request",
     "request_completions",
     "run_generate",

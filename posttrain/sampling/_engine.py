@@ -11,7 +11,7 @@ last, partly filled one (an MTP drafter's cache runs a position behind, so the b
 the prompt's last token is always copied). Reference counts free a block with its last user.
 A group admitted in parts (fewer free rows than samples) keeps its prompt's full blocks and a
 copy of the last one for the samples left waiting, which pass only the prompt's last token
-over them (`_holds_prefix` says where that applies).
+over them (`keeps_kv` says where that applies).
 
 Sampling is keyed per request: sample j of prompt i draws its k-th token with
 `fold_in(fold_in(key_i, j), k)`, where `key_i` is the prompt's own seed (`seeds`) or
@@ -45,7 +45,7 @@ from posttrain.models import Transformer
 from posttrain.parallel import logical_to_spec
 from posttrain.sampling._engine_config import EngineConfig, EngineStats
 from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
-from posttrain.sampling._request import Request
+from posttrain.sampling._request import Kept, Request
 from posttrain.sampling._rounds import speculate
 from posttrain.sampling._speculative import (
     MTP,
@@ -180,6 +180,12 @@ class Engine:
                 f"a request of {len(request.prompt)} prompt tokens and max_new_tokens="
                 f"{request.max_new_tokens} does not fit the engine (max_len={self.max_len})"
             )
+        cached = request.cached
+        if cached is not None and (request.n != 1 or not 0 < cached.length <= total - 1):
+            raise ValueError(
+                f"a request continuing {cached.length} cached tokens must be one sample whose "
+                f"prompt ({len(request.prompt)} tokens) extends them"
+            )
         self._queue.append(request)
         return request
 
@@ -233,7 +239,9 @@ class Engine:
             self.stats.accepted += accepted
             self.stats.rounds += rounds
         self.stats.decode_calls += 1
-        tok_BK, lp_BK, live_BK, done_B = jax.device_get((tok_BK, lp_BK, live_BK, self._rows.done_B))
+        tok_BK, lp_BK, live_BK, done_B, cached_B = jax.device_get(
+            (tok_BK, lp_BK, live_BK, self._rows.done_B, self._rows.lengths_B)
+        )
         finished, ended = [], []
         for b, entry in enumerate(self._row_of):
             if entry is None:
@@ -247,6 +255,10 @@ class Engine:
             if done_B[b]:
                 req.done[j] = True
                 ended.append((b, req, j))
+                if req.keep and self.keeps_kv(req):  # the blocks its tokens are in stay
+                    used = -(-int(cached_B[b]) // self.config.block_size)
+                    req.kept[j] = Kept(blocks_of_row[:used], int(cached_B[b]))
+                    blocks_of_row = blocks_of_row[used:]
                 self._release(blocks_of_row)
                 self._row_of[b] = None
                 if all(req.done):
@@ -279,21 +291,24 @@ class Engine:
             if self._refs[b] == 0:
                 self._free.append(b)
 
-    def _holds_prefix(self, req: Request) -> bool:
-        """Whether the samples of `req` admitted after its first ones can share its prefill:
-        the first admission holds the prompt's full blocks and a copy of its last one, and a
-        later one passes only the prompt's last token (for its next-token logits) over them.
-        Not where more than keys and values would have to be kept: a layered int8 pool's ring,
-        a draft model's or MTP module's pool, router replay's prompt routes, a VLM's images,
-        an NNX module (no pool)."""
+    def keeps_kv(self, req: Request | None = None) -> bool:
+        """Whether a sample's KV blocks can outlive it (`Request.keep`, `Request.cached`) or a
+        group admitted in parts can share its prefill: where only keys and values hold the
+        sequence. Not with a layered int8 pool (its ring), a draft model's or MTP module's pool,
+        router replay's routes, a VLM's images (`req`'s) or an NNX module (no pool)."""
         c = self.config
         return not (
             c.kv_dtype == "int8_layered"
             or isinstance(self.drafter, DraftModel | MTP)
             or self._rows.routes_BSTK is not None
-            or req.images is not None
+            or (req is not None and req.images is not None)
             or self.model.config.nnx is not None
         )
+
+    def release(self, kept: Kept | None) -> None:
+        """Gives back the blocks a finished sample kept (`Request.keep`), unless passed on."""
+        if kept is not None:
+            self._release(kept.blocks)
 
     def _admit(self) -> None:
         c, bs = self.config, self.config.block_size
@@ -309,7 +324,7 @@ class Engine:
             share = c.prefix_sharing and req.n > 1
             held = self._held.get(id(req))  # its prompt's blocks, from its first admission
             k = min(req.n - req.admitted, len(free_rows))
-            can_hold = share and not held and self._holds_prefix(req)
+            can_hold = share and not held and self.keeps_kv(req)
             # Blocks: a prefilled group's first sample takes its whole table (and a copy of
             # its last prompt block if it holds the prompt for samples left waiting); every
             # other sample its own beyond the shared full prompt blocks. Fewer samples if that
@@ -324,7 +339,17 @@ class Engine:
                 k -= 1
             if need > len(self._free):
                 break
-            if held:  # later samples: over the held prompt blocks, their own last one
+            if req.cached is not None:  # a sequence's next part: its kept blocks, and more
+                cached = req.cached
+                need = per_sample - len(cached.blocks)
+                if need > len(self._free):
+                    break
+                table = cached.blocks + self._take(need)
+                # Its tokens past the cached ones (at least its last, for the logits).
+                leaders.append((req, table, min(cached.length, P - 1), cached.length))
+                starts.append((free_rows.pop(0), req, 0, table, len(leaders) - 1))
+                req.cached = None  # (the blocks are the row's now)
+            elif held:  # later samples: over the held prompt blocks, their own last one
                 shared, snapshot = held
                 for i in range(k):
                     self._refs[shared] += 1
@@ -332,7 +357,7 @@ class Engine:
                     table = shared + own
                     if i == 0:
                         leader, group = table, len(leaders)
-                        leaders.append((req, table, P - 1))  # its last token, for the logits
+                        leaders.append((req, table, P - 1, P))  # its last token: the logits
                         if snapshot is not None:
                             pre.append((snapshot, own[0]))
                     elif tail:
@@ -343,7 +368,7 @@ class Engine:
                     if i == 0 or not share:
                         table = leader = self._take(per_sample)
                         group = len(leaders)
-                        leaders.append((req, table, 0))
+                        leaders.append((req, table, 0, 0))
                     else:
                         self._refs[leader[:full]] += 1
                         own = self._take(per_sample - full)
@@ -375,17 +400,19 @@ class Engine:
     def _launch(self, leaders, starts, copies, pre) -> None:
         c, bs = self.config, self.config.block_size
         G = 1 << (len(leaders) - 1).bit_length()
-        P = c.prefill_bucket * -(-max(len(r.prompt) - s for r, _, s in leaders) // c.prefill_bucket)
-        longest = max(len(r.prompt) for r, _, _ in leaders)
-        R = -(-(c.prefill_bucket * -(-longest // c.prefill_bucket)) // bs)
+        bucket = c.prefill_bucket
+        P = bucket * -(-max(len(r.prompt) - start for r, _, start, _ in leaders) // bucket)
+        longest = max(len(r.prompt) for r, *_ in leaders)
+        R = -(-(bucket * -(-longest // bucket)) // bs)  # blocks covering every prompt
         tokens = np.zeros((G, P), np.int32)
         lengths = np.ones(G, np.int32)
         offsets = np.zeros(G, np.int32)
+        write_from = np.zeros(G, np.int32)
         tables = np.zeros((G, R), np.int32)
         history = np.zeros((G, self._rows.history_BT.shape[1]), np.int32)
-        for g, (req, table, start) in enumerate(leaders):
+        for g, (req, table, start, first_write) in enumerate(leaders):
             tokens[g, : len(req.prompt) - start] = req.prompt[start:]
-            lengths[g], offsets[g] = len(req.prompt), start
+            lengths[g], offsets[g], write_from[g] = len(req.prompt), start, first_write
             head = table[:R]
             tables[g, : len(head)] = head
             if history.shape[1] > 1:
@@ -406,7 +433,7 @@ class Engine:
         copies += copies[-1:] * (c.slots - len(copies))
         pre = pre or [(SCRATCH, SCRATCH)]
         pre += pre[-1:] * (c.slots - len(pre))
-        images = self._images([req for req, _, _ in leaders], G)
+        images = self._images([req for req, *_ in leaders], G)
         # Host arrays: the jitted prefill takes them in its one call (a jnp call per argument
         # would queue a device program each; see the module docstring).
         self._rows = prefill(
@@ -416,6 +443,7 @@ class Engine:
             tokens,
             lengths,
             offsets,
+            write_from,
             tables,
             ring_rows,
             history,
@@ -476,6 +504,8 @@ class Engine:
             samples = range(request.n)
             self._queue = collections.deque(r for r in self._queue if r is not request)
             self._let_go(request)
+            self.release(request.cached)  # (queued: the blocks it would have continued)
+            request.cached = None
         elif not 0 <= sample < request.admitted:
             raise ValueError(
                 f"sample {sample} of the request is not running (admitted: {request.admitted} "

@@ -77,6 +77,7 @@ def prefill(
     tokens_GP,
     lengths_G,
     starts_G,
+    write_from_G,
     tables_GR,
     ring_rows_G,
     history_GT,
@@ -105,11 +106,13 @@ def prefill(
     values. An MTP module caches positions 0 .. length - 2 (position i needs token i + 1).
     `images_GIHWC`: a VLM's prompt images (each prompt's image tokens take its images).
 
-    A prompt whose blocks are already in the pool (`starts_G` > 0: the samples of a group
-    admitted after its first ones) passes only its tokens from `starts_G` on, which attend to
-    the earlier positions through its table and write nothing: its last block is first copied
-    in from `pre_from_C` to `pre_to_C` (before the forward), and the pass gives its next-token
-    logits. `history_GT`: each prompt's tokens by position (prompt lookup; else one column)."""
+    A prompt whose first tokens are already in the pool passes only its tokens from `starts_G`
+    on, which attend to the earlier positions through its table; positions from
+    `write_from_G` on are written (a conversation's next turn writes its new tokens; the
+    samples of a group admitted after its first ones write nothing: their last prompt block is
+    copied in from `pre_from_C` to `pre_to_C` before the forward, and the pass only gives their
+    next-token logits). `history_GT`: each prompt's tokens by position (prompt lookup; else
+    one column)."""
     keys_X = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_X), samples_X)
     config = model.config
     G, P = tokens_GP.shape
@@ -118,7 +121,7 @@ def prefill(
     real_GP = positions_GP < lengths_G[:, None]
     slots_GS = _slots_of(tables_GR, block_size)
     slot_GP = jnp.take_along_axis(slots_GS, jnp.minimum(positions_GP, slots_GS.shape[1] - 1), 1)
-    writes_GP = real_GP & (starts_G == 0)[:, None]  # a prompt already in the pool writes nothing
+    writes_GP = real_GP & (positions_GP >= write_from_G[:, None])
 
     def pre_copy(store):
         if store is None:

@@ -76,6 +76,34 @@ def test_four_turn_episode_is_scored_as_sampled(model, tokenizer):
     assert_trained_as_sampled(model, flat, max_len=256, pad_id=tokenizer.pad_id or 0)
 
 
+def test_an_episodes_next_turn_prefills_only_what_the_environment_answered(model, tokenizer):
+    """With its KV blocks kept between turns an episode's turn 2+ prefills the observation's
+    tokens (the last sampled token is in the cache already) instead of its whole history: the
+    same episodes, token for token and log-prob for log-prob, as re-prefilling every turn,
+    each prompt prefilled once, and every block given back at the end."""
+    records = [{"prompt": "What is 12 * 34?"}, {"prompt": "Hello there"}]
+    budget = Budget(max_turns=4, max_tokens=200, turn_tokens=8)
+    runs = {}
+    for keep in (True, False):
+        engine = Engine(model, EngineConfig(slots=3, chunk=4), max_len=256)  # 3 rows for 4
+        groups = [[Chatty(r), Chatty(r)] for r in records]
+        episodes = run_episodes(
+            engine, tokenizer, groups, keys=jax.random.split(jax.random.key(0), 2),
+            temperature=1.0, budget=budget, pool=ElasticPool(0, 2), keep_kv=keep,
+        )  # fmt: skip
+        runs[keep] = [ep for group in episodes for ep in group], engine.stats
+        assert engine.blocks_in_use == 0
+    (kept, warm), (plain, cold) = runs[True], runs[False]
+    assert [ep.token_ids for ep in kept] == [ep.token_ids for ep in plain]
+    for a, b in zip(kept, plain, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    observed = sum(len(ep.mask) - sum(ep.mask) for ep in kept)
+    prompts = sum(len(ep.prompt_ids) for ep in kept[::2])  # one per group
+    # (+1: the episode that waited for a row passes its prompt's last token, for the logits)
+    assert warm.prefill_tokens == prompts + observed + 1, warm
+    assert cold.prefill_tokens > 2 * warm.prefill_tokens, (cold, warm)
+
+
 class Stuck(Chatty):
     """A tool that never returns (until the test lets it go)."""
 

@@ -11,10 +11,12 @@ from posttrain import models
 from posttrain.models import PagedKVCache, Transformer, forward, from_hf, get_preset
 from posttrain.sampling import (
     DraftModel,
+    Kept,
     PromptLookup,
     generate_continuous,
 )
 from posttrain.sampling._engine import Engine, EngineConfig, Request
+from posttrain.sampling._params import SamplingParams
 from posttrain.testing import save_tiny_hf_model
 from tests.sampling.reference import generate_static
 
@@ -133,6 +135,43 @@ def test_a_group_admitted_in_parts_shares_one_prefill(windowed):
     assert engine.blocks_in_use == 3 + 1  # the prompt's full blocks and its last one's copy
     engine.cancel(request)
     assert engine.blocks_in_use == 0
+
+
+def test_a_conversation_continues_on_the_blocks_its_last_turn_kept(windowed):
+    """`Request.keep` leaves a finished sample's KV blocks in the pool; a request whose prompt
+    extends those tokens (`cached`) prefills only the rest and draws what a cold request of the
+    whole history draws (plain, and prompt lookup, whose last sampled token a round leaves
+    unwritten); released blocks all come back. A layered int8 pool keeps none (its ring)."""
+
+    def key(seed):
+        return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
+    prompt, sampling = list(range(1, 11)), SamplingParams(temperature=1.0)
+    for drafter, unwritten in ((None, 0), (PromptLookup(ngram=2, k=2), 1)):
+        engine = Engine(windowed, EngineConfig(slots=4, block_size=4, chunk=4), max_len=64,
+                        drafter=drafter)  # fmt: skip
+        first = engine.submit(Request(prompt, 7, key(0), n=2, sampling=sampling, keep=True))
+        engine.run()
+        assert [k.length for k in first.kept] == [10 + 7 - unwritten] * 2
+        for j in range(2):
+            history = prompt + first.tokens[j] + [30, 31, 32]  # the other side's answer
+            before = engine.stats.prefill_tokens
+            warm = engine.submit(Request(history, 6, key(5 + j), sampling=sampling, keep=True,
+                                         cached=first.kept[j]))  # fmt: skip
+            engine.run()
+            assert engine.stats.prefill_tokens - before == 3 + unwritten
+            cold = engine.submit(Request(history, 6, key(5 + j), sampling=sampling))
+            engine.run()
+            assert warm.tokens == cold.tokens
+            np.testing.assert_allclose(warm.logprobs[0], cold.logprobs[0], atol=1e-5, rtol=0)
+            engine.release(warm.kept[0])
+        assert engine.blocks_in_use == 0
+    with pytest.raises(ValueError, match="must be one sample"):
+        engine.submit(Request(prompt, 4, key(0), n=2, cached=Kept([1], 3)))
+    layered = Engine(windowed, EngineConfig(block_size=4, kv_dtype="int8_layered"), max_len=64)
+    done = layered.submit(Request(prompt, 4, key(0), keep=True))
+    layered.run()
+    assert done.kept == [None] and layered.blocks_in_use == 0
 
 
 def test_requests_that_do_not_fit_are_refused(windowed):
