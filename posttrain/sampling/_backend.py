@@ -61,12 +61,12 @@ class _Compilations:
 PRESETS = {
     # 64 rows decode together, 16 steps per device call: the most tokens per second; a new
     # request waits up to one 16-step call for its prefill. Prompts pad to 64-token buckets.
-    "throughput": EngineConfig(slots=64, chunk=16, prefill_bucket=64),
+    "throughput": EngineConfig(slots=64, chunk=16, prefill_bucket=64, prefix_cache=True),
     # 8 rows, 4 rounds per call, speculative decoding with prompt lookup (4 drafts a round): a
     # new request starts (and streams its first tokens) within a few steps, and text that
     # repeats its context comes out several tokens per forward; a lower total throughput.
     # Prompts pad to 16-token buckets.
-    "latency": EngineConfig(slots=8, chunk=4, prefill_bucket=16, speculative=4),
+    "latency": EngineConfig(slots=8, chunk=4, prefill_bucket=16, speculative=4, prefix_cache=True),
 }
 
 
@@ -208,7 +208,8 @@ class _Backend:
                 "chunk": engine.config.chunk, "num_blocks": engine.num_blocks,
                 "speculative": engine.config.speculative,
                 "drafter": type(self.engine.drafter).__name__ if self.engine.drafter else None,
-                "blocks_in_use": engine.blocks_in_use, "requests": len(self._active),
+                "blocks_in_use": engine.blocks_in_use, "blocks_cached": engine.blocks_cached,
+                "requests": len(self._active),
                 "tokens_per_second": self._tokens_per_second(),
                 "compilations": _Compilations.count,
                 **dataclasses.asdict(engine.stats)}  # fmt: skip

@@ -35,6 +35,7 @@ may need, and with a program spanning processes (or devices) in the queue the ru
 from __future__ import annotations
 
 import collections
+import hashlib
 from collections.abc import Sequence
 
 import jax
@@ -96,6 +97,9 @@ class Engine:
             drafter = PromptLookup(k=config.speculative)
         if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(model.params)):
             model = jax.device_put(model)  # host weights (NumPy): onto the default device
+        # The prefix cache: a block's key (its tokens and all before them) -> the block, least
+        # recently used first; the cache holds a reference to each (`prefix_cache`).
+        self._cache: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.model, self.config = model, config
         self.drafter = drafter
         self.version = 0  # of the weights (RL's partial rollouts swap them mid-request)
@@ -166,8 +170,34 @@ class Engine:
         return jax.device_put(rows, shardings)
 
     @property
+    def model(self) -> Transformer:
+        return self._model
+
+    @model.setter
+    def model(self, model: Transformer) -> None:
+        """New weights (same shapes): the prefix cache's blocks hold the old ones' keys."""
+        self._model = model
+        if self._cache:
+            self.clear_prefix_cache()
+
+    def clear_prefix_cache(self) -> None:
+        """Drops every cached prompt block (running sequences keep theirs)."""
+        self._release(list(self._cache.values()))
+        self._cache.clear()
+
+    @property
     def blocks_in_use(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        """Blocks sequences hold (not those only the prefix cache keeps)."""
+        return self.num_blocks - 1 - len(self._free) - self._evictable()
+
+    @property
+    def blocks_cached(self) -> int:
+        """Blocks the prefix cache keeps."""
+        return len(self._cache)
+
+    def _evictable(self, keep=()) -> int:
+        """Cached blocks no sequence uses (nor `keep`): what eviction can free."""
+        return sum(1 for b in self._cache.values() if self._refs[b] == 1 and b not in keep)
 
     @property
     def idle(self) -> bool:
@@ -281,6 +311,11 @@ class Engine:
     # -- admission: blocks, prefix sharing ---------------------------------------------------
 
     def _take(self, count: int) -> list[int]:
+        # Short of free blocks: evict cached ones no sequence uses, least recently used first.
+        for key in [k for k, b in self._cache.items() if self._refs[b] == 1]:
+            if len(self._free) >= count:
+                break
+            self._release([self._cache.pop(key)])
         blocks = [self._free.pop() for _ in range(count)]
         self._refs[blocks] = 1
         return blocks
@@ -305,6 +340,22 @@ class Engine:
             or self.model.config.nnx is not None
         )
 
+    def _cached_prefix(self, req: Request) -> tuple[list[bytes], list[int]]:
+        """The keys of the prompt's full blocks (each: its tokens and all before them), and the
+        cached blocks holding its longest cached prefix (touched: most recently used)."""
+        bs, prompt = self.config.block_size, np.asarray(req.prompt, np.int32)
+        keys, key = [], b""
+        for i in range(len(prompt) // bs):
+            key = hashlib.blake2b(key + prompt[i * bs : (i + 1) * bs].tobytes()).digest()
+            keys.append(key)
+        found = []
+        for key in keys:
+            if key not in self._cache:
+                break
+            self._cache.move_to_end(key)
+            found.append(self._cache[key])
+        return keys, found
+
     def release(self, kept: Kept | None) -> None:
         """Gives back the blocks a finished sample kept (`Request.keep`), unless passed on."""
         if kept is not None:
@@ -313,7 +364,7 @@ class Engine:
     def _admit(self) -> None:
         c, bs = self.config, self.config.block_size
         free_rows = [b for b, r in enumerate(self._row_of) if r is None]
-        leaders, starts, copies, pre = [], [], [], []
+        leaders, starts, copies, pre, register = [], [], [], [], []
         while self._queue and free_rows:
             req = self._queue[0]
             P = len(req.prompt)
@@ -324,27 +375,32 @@ class Engine:
             share = c.prefix_sharing and req.n > 1
             held = self._held.get(id(req))  # its prompt's blocks, from its first admission
             k = min(req.n - req.admitted, len(free_rows))
-            can_hold = share and not held and self.keeps_kv(req)
-            # Blocks: a prefilled group's first sample takes its whole table (and a copy of
-            # its last prompt block if it holds the prompt for samples left waiting); every
-            # other sample its own beyond the shared full prompt blocks. Fewer samples if that
-            # fits, else wait for running rows to free blocks.
-            first = per_sample - full if held else per_sample
-            other = per_sample - full if share else per_sample
+            fresh = not held and req.cached is None
+            can_hold = share and fresh and self.keeps_kv(req)
+            keys, found = [], []  # its full blocks' keys; those the prefix cache holds
+            if c.prefix_cache and fresh and self.keeps_kv(req):
+                keys, found = self._cached_prefix(req)
+            # Blocks: a prefilled group's first sample takes its whole table past what the
+            # prefix cache has (and a copy of its last prompt block if it holds the prompt for
+            # samples left waiting); every other sample its own beyond the shared full prompt
+            # blocks; a continued sequence what its kept blocks lack. Fewer samples if that
+            # fits, else wait for running rows to free blocks (or evict cached ones).
+            first = per_sample - (
+                full if held else len(req.cached.blocks) if req.cached else len(found)
+            )
+            other = per_sample - full if share else per_sample - len(found)
+            available = len(self._free) + self._evictable(keep=found)
             while True:
                 keeps_tail = can_hold and tail > 0 and req.admitted + k < req.n
                 need = first + (k - 1) * other + int(keeps_tail)
-                if need <= len(self._free) or k == 1:
+                if need <= available or k == 1:
                     break
                 k -= 1
-            if need > len(self._free):
+            if need > available:
                 break
             if req.cached is not None:  # a sequence's next part: its kept blocks, and more
                 cached = req.cached
-                need = per_sample - len(cached.blocks)
-                if need > len(self._free):
-                    break
-                table = cached.blocks + self._take(need)
+                table = cached.blocks + self._take(first)
                 # Its tokens past the cached ones (at least its last, for the logits).
                 leaders.append((req, table, min(cached.length, P - 1), cached.length))
                 starts.append((free_rows.pop(0), req, 0, table, len(leaders) - 1))
@@ -366,9 +422,15 @@ class Engine:
             else:
                 for i in range(k):
                     if i == 0 or not share:
-                        table = leader = self._take(per_sample)
+                        self._refs[found] += 1
+                        table = leader = found + self._take(per_sample - len(found))
                         group = len(leaders)
-                        leaders.append((req, table, 0, 0))
+                        # Its tokens past the cached blocks (at least its last: the logits).
+                        done = len(found) * bs
+                        leaders.append((req, table, min(done, P - 1), done))
+                        self.stats.cached_tokens += min(done, P - 1)
+                        pairs = zip(keys, leader[: len(keys)], strict=True)
+                        register += list(pairs)[len(found) :]
                     else:
                         self._refs[leader[:full]] += 1
                         own = self._take(per_sample - full)
@@ -387,6 +449,10 @@ class Engine:
             if req.admitted == req.n:
                 self._queue.popleft()
                 self._let_go(req)
+        for key, block in register:  # (prefilled by this launch; matched from the next on)
+            if key not in self._cache:
+                self._cache[key] = block
+                self._refs[block] += 1
         if leaders:
             self._launch(leaders, starts, copies, pre)
 

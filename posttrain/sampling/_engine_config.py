@@ -39,6 +39,12 @@ class EngineConfig:
         (prompt and completion) of a MoE model, into `Request.routes` (no drafter).
       speculative: prompt-lookup draft tokens per speculative round when the engine is given
         no drafter (0: plain decoding); greedy outputs are the plain ones.
+      prefix_cache: keep the full KV blocks of prompts after their requests end, keyed by the
+        tokens they hold (and all before them), so a later prompt starting with the same
+        tokens prefills only the rest (`serve`: a shared system prompt, a conversation's
+        history); cached blocks no sequence uses are evicted, least recently used first, when
+        the pool runs short, and all of them when the weights change. Where the engine keeps
+        blocks at all (`Engine.keeps_kv`).
     """
 
     slots: int = 8
@@ -53,6 +59,7 @@ class EngineConfig:
     unstack_layers: bool = True
     record_routes: bool = False
     speculative: int = 0
+    prefix_cache: bool = False
 
     def __post_init__(self):
         if self.slots < 0:
@@ -115,6 +122,7 @@ class EngineStats:
     prefill_calls: int = 0
     decode_calls: int = 0
     peak_blocks: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled)
     rounds: int = 0  # speculative rounds (forwards of the model after prefills)
     proposed: int = 0  # drafts proposed and accepted
     accepted: int = 0

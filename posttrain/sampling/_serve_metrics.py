@@ -19,6 +19,7 @@ class _Engine:
         s = self.backend.stats()
         for name, text, value in (
             ("kv_blocks_in_use", "KV blocks holding sequences", s["blocks_in_use"]),
+            ("kv_blocks_cached", "KV blocks the prefix cache keeps", s["blocks_cached"]),
             ("kv_blocks", "KV blocks in the pool", s["num_blocks"]),
             ("engine_prompts", "prompts in the engine, decoding or waiting for a row",
              s["requests"]),

@@ -174,6 +174,42 @@ def test_a_conversation_continues_on_the_blocks_its_last_turn_kept(windowed):
     assert done.kept == [None] and layered.blocks_in_use == 0
 
 
+def test_the_prefix_cache_prefills_only_what_a_prompt_adds_and_evicts_under_pressure(windowed):
+    """`prefix_cache`: a prompt starting with an earlier prompt's full blocks (a shared system
+    prompt) prefills only the rest (counted) and draws what a cold engine draws; in a pool too
+    small to keep everything, an unrelated prompt evicts cached blocks no sequence uses (least
+    recently used first) and still draws the cold engine's tokens; new weights drop the cache."""
+
+    def key(seed):
+        return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
+    system, sampling = list(range(1, 37)), SamplingParams(temperature=1.0)  # 9 blocks of 4
+    other = [(7 * i) % 60 + 1 for i in range(40)]  # (the vocabulary is 64 ids)
+    prompts = [system + [40, 41, 42, 43], system + [50, 51, 52, 53, 54, 55], other]
+
+    def run(engine, prompt, seed):
+        request = engine.submit(Request(prompt, 6, key(seed), n=2, sampling=sampling))
+        engine.run()
+        return request.tokens, request.logprobs
+
+    cold = Engine(windowed, EngineConfig(slots=2, block_size=4), max_len=64)
+    expected = [run(cold, p, i) for i, p in enumerate(prompts)]
+    config = EngineConfig(slots=2, block_size=4, prefix_cache=True, num_blocks=17)  # 16 usable
+    engine = Engine(windowed, config, max_len=64)
+    assert run(engine, prompts[0], 0) == expected[0]
+    assert (engine.blocks_in_use, engine.blocks_cached) == (0, 10)  # its 10 full blocks
+    before = engine.stats.prefill_tokens
+    tokens, logprobs = run(engine, prompts[1], 1)
+    assert engine.stats.prefill_tokens - before == 6 and engine.stats.cached_tokens == 36
+    assert tokens == expected[1][0]
+    np.testing.assert_allclose(logprobs, expected[1][1], atol=1e-5, rtol=0)
+    # 12 + 2 blocks with 5 free: 9 of the 11 cached blocks go, then its own 10 are cached.
+    assert run(engine, prompts[2], 2) == expected[2]
+    assert engine.blocks_cached == 11 - 9 + 10 and engine.blocks_in_use == 0
+    engine.model = windowed  # (the same weights, but the engine cannot know)
+    assert engine.blocks_cached == 0 and len(engine._free) == 16
+
+
 def test_requests_that_do_not_fit_are_refused(windowed):
     engine = Engine(windowed, EngineConfig(block_size=4), max_len=16)
     with pytest.raises(ValueError, match="does not fit the engine"):

@@ -394,6 +394,41 @@ def in_process(loaded):
         backend.close()
 
 
+def test_a_request_sharing_a_long_prefix_prefills_only_its_new_blocks(loaded):
+    """With the prefix cache (`EngineConfig.prefix_cache`, on in the serve presets) a second
+    request whose prompt starts like the first's (a long system text) finds the first's full
+    blocks: it prefills only the tokens past the blocks they share (counted), and answers what
+    a server without the cache answers."""
+    model, tokenizer = loaded
+    system = "You are a careful assistant who answers briefly and checks every step. " * 3
+    prompts = [system + "What is 2 + 2?", system + "Name a colour that is not red."]
+    answers, stats = {}, {}
+    for cache in (True, False):
+        engine = EngineConfig(slots=2, chunk=2, prefill_bucket=16, prefix_cache=cache)
+        config = ServeConfig(model_name=NAME, engine=engine)
+        backend = _Backend(model, tokenizer, config)
+        try:
+            with _running(create_app(backend, config)) as client:
+                settings = dict(model=NAME, max_tokens=8, temperature=0)
+                client.completions.create(prompt=prompts[0], **settings)
+                before = backend.stats()
+                reply = client.completions.create(prompt=prompts[1], **settings)
+                after = backend.stats()
+        finally:
+            backend.close()
+        answers[cache] = reply.choices[0].text
+        stats[cache] = {k: after[k] - before[k] for k in ("prompt_tokens", "prefill_tokens",
+                                                          "cached_tokens")}  # fmt: skip
+    first, second = (tokenizer.encode(p) for p in prompts)
+    common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    shared = 16 * min(common // 16, len(first) // 16)  # the full blocks both prompts begin with
+    assert shared >= 32
+    assert stats[True] == {"prompt_tokens": len(second), "prefill_tokens": len(second) - shared,
+                           "cached_tokens": shared}  # fmt: skip
+    assert stats[False]["prefill_tokens"] == len(second)
+    assert answers[True] == answers[False]
+
+
 def test_an_engine_failure_is_a_500_and_the_next_request_runs(in_process, reference):
     """A failed engine step fails the requests in the engine (HTTP 500, or an error event in a
     started stream); the server starts a fresh engine and answers the next request."""
