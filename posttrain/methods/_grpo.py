@@ -154,8 +154,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     if jax.process_count() > 1:
         # (every process draws every prompt and samples its share on its own devices)
         one_process_only = {
-            "rft.steps": c.rft.steps,
-            "difficulty.samples": c.difficulty.samples,
+            "rft.steps with lora": c.rft.steps and c.lora,
             "rollout.sampler_devices with lora": c.rollout.sampler_devices and c.lora,
             "rollout.partial": c.rollout.partial,
             "distill.teacher_devices": c.distill.teacher_devices,

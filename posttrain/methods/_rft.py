@@ -1,19 +1,25 @@
 """Offline stages before online RL, both from the starting policy's samples: difficulty
 filtering of the prompts and rejection-sampling fine-tuning (RFT, an SFT run on the completions
-that passed), which the RL driver (`_grpo.py`) runs first."""
+that passed), which the RL driver (`_grpo.py`) runs first.
+
+On several processes each samples its share of the prompts with its own copy of the weights
+and every process gets every group back (`Rollouts.sample`), so each writes the same stage
+files (atomically) and runs the same SFT stage; prompt i draws from its own seed, so the
+samples do not depend on how many processes share the prompts."""
 
 import dataclasses
 import json
 import logging
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain import paths
 from posttrain.data import DataConfig, SourceConfig
 from posttrain.methods._sft import SFTConfig, run_sft
-from posttrain.models import ModelSpec
-from posttrain.parallel import axis_rules
+from posttrain.models import ModelSpec, param_shardings
+from posttrain.parallel import axis_rules, process_meshes, to_process_local
 from posttrain.rewards import (
     RewardPool,
     pass_rate,
@@ -30,6 +36,9 @@ def _sample(c: RLConfig, prompts, chosen, samples: int, tokenizer, model_config,
     (prompt batch, completions, rewards `[batch, samples]`) for batches of 64 prompts."""
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
         params = model_trainable(c.model, model_config, mesh, c.train.seed).init()
+        if jax.process_count() > 1:  # each process samples its share on its own devices
+            local, stacked = process_meshes(mesh.devices.flat)
+            params = to_process_local(params, param_shardings(model_config, local), stacked)
     sampling = dataclasses.replace(
         c, rollout=dataclasses.replace(c.rollout, num_generations=samples)
     )
@@ -39,7 +48,13 @@ def _sample(c: RLConfig, prompts, chosen, samples: int, tokenizer, model_config,
         bar = tqdm(total=len(chosen), desc=desc, disable=not c.train.progress)
         for i in range(0, len(chosen), _CHUNK):
             batch = chosen[i : i + _CHUNK]
-            completions, rewards = rollouts.sample(params, batch, seed=c.train.seed + i)
+            seeds = [
+                int(np.random.SeedSequence([c.train.seed, i + j]).generate_state(1)[0])
+                for j in range(len(batch))
+            ]
+            completions, rewards = rollouts.sample(
+                params, batch, seeds=seeds, label=f"{desc}: prompts {i}+"
+            )
             bar.update(len(batch))
             yield batch, completions, rewards
         bar.close()

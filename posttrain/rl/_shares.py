@@ -30,13 +30,17 @@ def gather_groups(
 ):
     """Every process's `(completions per prompt, rewards [share, G])`, concatenated in prompt
     order: `(completions, rewards [prompts, G])` on every process. The gathered completions
-    carry ids, log-probs and finish reasons, not text (scoring has used it).
+    carry their text, ids, log-probs and finish reasons (rejection sampling trains on the
+    text).
 
     The exchange goes through the host (`posttrain.parallel.exchange` on `channel`, checked
     against `label`): it queues no program on any device, so a decoupled sampler's thread and
     the trainer's never order programs spanning processes differently on two processes."""
     flat = [c for group in completions for c in group]
+    texts = [None if c.text is None else c.text.encode() for c in flat]
     local = {
+        "text": np.frombuffer(b"".join(t or b"" for t in texts), np.uint8),
+        "text_lengths": np.asarray([-1 if t is None else len(t) for t in texts], np.int64),
         "ids": np.asarray([t for c in flat for t in c.token_ids], np.int32),
         "logps": np.asarray([x for c in flat for x in c.logprobs], np.float32),
         "lengths": np.asarray([len(c.token_ids) for c in flat], np.int32),
@@ -47,14 +51,21 @@ def gather_groups(
     for theirs in exchange(channel, label, local):
         ends = np.cumsum(theirs["lengths"])
         starts = ends - theirs["lengths"]
+        sizes = theirs["text_lengths"]
+        text_ends = np.cumsum(np.maximum(sizes, 0))
+        blob = theirs["text"].tobytes()
+        texts = [
+            None if n < 0 else blob[e - n : e].decode()
+            for n, e in zip(sizes, text_ends, strict=True)
+        ]
         theirs_flat = [
             Completion(
-                None,
+                text,
                 tuple(int(t) for t in theirs["ids"][a:b]),
                 tuple(float(x) for x in theirs["logps"][a:b]),
                 "length" if cut else "stop",
             )
-            for a, b, cut in zip(starts, ends, theirs["truncated"], strict=True)
+            for a, b, cut, text in zip(starts, ends, theirs["truncated"], texts, strict=True)
         ]
         out += [theirs_flat[i : i + G] for i in range(0, len(theirs_flat), G)]
         scores.append(theirs["scores"].reshape(-1, G))

@@ -127,11 +127,49 @@ def test_rl_on_two_processes_matches_one_from_a_trained_start(
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=lr / 100)
 
 
+DIFFICULTY = {"difficulty__samples": 4, "difficulty__prompts": 16, "rewards__pass_threshold": 1.0}
+RFT = {"rft__steps": 2, "rft__prompts": 16, "rft__samples": 2, "rft__batch_size": 8,
+       "rewards__pass_threshold": 0.5}  # fmt: skip
+
+
+@pytest.mark.slow  # (~1 minute each)
+@pytest.mark.parametrize("stage", ["difficulty", "rft"])
+def test_the_offline_stages_on_two_processes_sample_what_one_does(tmp_path, trained_tiny, stage):
+    """The difficulty filter and rejection sampling on 2 processes x 4 devices: each process
+    samples its share of the prompts with its own copy of the starting weights, every process
+    gets every group back and writes the same stage file as one process does (pass rates; the
+    RFT data). After the difficulty filter the RL steps equal one process's. After RFT they
+    are not compared: its SFT stage batches records per process (the input pipeline shards
+    them `[process::processes]` before packing), so 2 processes train on other batches than 1
+    and RL starts from another model; both runs finish."""
+    eval_path = tmp_path / "eval.jsonl"
+    with open(ASSETS_DIR / "eval.jsonl") as f:
+        eval_path.write_text("".join(f.readlines()[:EVAL_PROMPTS]))
+    extra = DIFFICULTY if stage == "difficulty" else RFT
+    base = {**GRPO, **_overrides(trained_tiny, str(eval_path)), **extra}
+    pair = launch_group(_argv(tmp_path / "two", base), processes=2, devices=4)
+    single = launch(_argv(tmp_path / "one", base), devices=8)
+    for p in [*pair, single]:
+        assert f"STOPPED completed {STEPS}" in finish(p)
+    if stage == "rft":
+        data = [(tmp_path / w / "rft" / "data.jsonl").read_text() for w in ("two", "one")]
+        assert data[0] == data[1] and data[0].count("\n") > 1
+        assert all(read_metrics(str(tmp_path / w / "rft"))[-1]["step"] == 2 for w in ("two", "one"))
+        return
+    rates = [json.loads((tmp_path / w / "difficulty.json").read_text()) for w in ("two", "one")]
+    assert rates[0]["pass_rates"] == rates[1]["pass_rates"] and len(rates[0]["pass_rates"]) == 16
+    assert len(set(rates[0]["pass_rates"].values())) > 1  # (some prompts kept, some dropped)
+    two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    for key in ("reward", "loss", "kl", "response_length"):
+        assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
+    assert any(a != b for a, b in lengths), lengths
+
+
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        ({"rft__steps": 2}, "rft.steps"),
-        ({"difficulty__samples": 4}, "difficulty.samples"),
+        ({"rft__steps": 2, "lora__enabled": True}, "rft.steps with lora"),
         (
             {"rollout__sampler_devices": 2, "lora__enabled": True},
             "rollout.sampler_devices with lora",
