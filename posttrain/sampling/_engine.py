@@ -131,6 +131,9 @@ class Engine:
         # Requests admitted in part: their prompt's full blocks and a copy of its last block,
         # held for the samples still waiting (`_admit`).
         self._held: dict[int, tuple[list[int], int | None]] = {}
+        # Kept samples' blocks not yet passed on (`Request.keep`), oldest first: dropped when
+        # blocks run short, so keeping never starves admission.
+        self._kept: dict[int, Kept] = {}
         self._row_of: list[tuple[Request, int, list[int]] | None] = [None] * config.slots
         self._rows = self._init_rows()
 
@@ -199,6 +202,16 @@ class Engine:
         """Cached blocks no sequence uses (nor `keep`): what eviction can free."""
         return sum(1 for b in self._cache.values() if self._refs[b] == 1 and b not in keep)
 
+    def _droppable(self, spare: Kept | None = None) -> int:
+        """Blocks only kept samples hold (but `spare`): what dropping them can free."""
+        return sum(
+            1
+            for kept in self._kept.values()
+            if kept is not spare
+            for b in kept.blocks
+            if self._refs[b] == 1
+        )
+
     @property
     def idle(self) -> bool:
         return not self._queue and all(r is None for r in self._row_of)
@@ -210,6 +223,8 @@ class Engine:
                 f"a request of {len(request.prompt)} prompt tokens and max_new_tokens="
                 f"{request.max_new_tokens} does not fit the engine (max_len={self.max_len})"
             )
+        if request.cached is not None and not request.cached.blocks:  # (dropped: prefill all)
+            request.cached = None
         cached = request.cached
         if cached is not None and (request.n != 1 or not 0 < cached.length <= total - 1):
             raise ValueError(
@@ -287,7 +302,8 @@ class Engine:
                 ended.append((b, req, j))
                 if req.keep and self.keeps_kv(req):  # the blocks its tokens are in stay
                     used = -(-int(cached_B[b]) // self.config.block_size)
-                    req.kept[j] = Kept(blocks_of_row[:used], int(cached_B[b]))
+                    req.kept[j] = kept = Kept(blocks_of_row[:used], int(cached_B[b]))
+                    self._kept[id(kept)] = kept
                     blocks_of_row = blocks_of_row[used:]
                 self._release(blocks_of_row)
                 self._row_of[b] = None
@@ -316,6 +332,11 @@ class Engine:
             if len(self._free) >= count:
                 break
             self._release([self._cache.pop(key)])
+        # Still short: drop kept samples' blocks, oldest first (their next part prefills).
+        for kept in list(self._kept.values()):
+            if len(self._free) >= count:
+                break
+            self._drop(kept)
         blocks = [self._free.pop() for _ in range(count)]
         self._refs[blocks] = 1
         return blocks
@@ -359,7 +380,14 @@ class Engine:
     def release(self, kept: Kept | None) -> None:
         """Gives back the blocks a finished sample kept (`Request.keep`), unless passed on."""
         if kept is not None:
-            self._release(kept.blocks)
+            self._drop(kept)
+
+    def _drop(self, kept: Kept) -> None:
+        """Frees a kept sample's blocks (the engine's own call when blocks run short): a
+        request continuing it then prefills its whole prompt."""
+        self._kept.pop(id(kept), None)
+        self._release(kept.blocks)
+        kept.blocks, kept.length = [], 0
 
     def _admit(self) -> None:
         c, bs = self.config, self.config.block_size
@@ -375,6 +403,8 @@ class Engine:
             share = c.prefix_sharing and req.n > 1
             held = self._held.get(id(req))  # its prompt's blocks, from its first admission
             k = min(req.n - req.admitted, len(free_rows))
+            if req.cached is not None and not req.cached.blocks:  # dropped: prefill it all
+                req.cached = None
             fresh = not held and req.cached is None
             can_hold = share and fresh and self.keeps_kv(req)
             keys, found = [], []  # its full blocks' keys; those the prefix cache holds
@@ -389,7 +419,7 @@ class Engine:
                 full if held else len(req.cached.blocks) if req.cached else len(found)
             )
             other = per_sample - full if share else per_sample - len(found)
-            available = len(self._free) + self._evictable(keep=found)
+            available = len(self._free) + self._evictable(keep=found) + self._droppable(req.cached)
             while True:
                 keeps_tail = can_hold and tail > 0 and req.admitted + k < req.n
                 need = first + (k - 1) * other + int(keeps_tail)
@@ -400,6 +430,7 @@ class Engine:
                 break
             if req.cached is not None:  # a sequence's next part: its kept blocks, and more
                 cached = req.cached
+                self._kept.pop(id(cached), None)  # (the row's now: not dropped to make room)
                 table = cached.blocks + self._take(first)
                 # Its tokens past the cached ones (at least its last, for the logits).
                 leaders.append((req, table, min(cached.length, P - 1), cached.length))

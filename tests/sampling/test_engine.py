@@ -306,3 +306,31 @@ def test_combined_pool_through_the_ragged_kernel_reference(window):
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(store[:, :, 0::2], k_store)
     np.testing.assert_array_equal(store[:, :, 1::2], v_store)
+
+
+def test_kept_blocks_never_starve_admission(windowed):
+    """More kept samples than the pool holds beside a new request: the oldest kept blocks are
+    dropped to admit it (a continuation of a dropped one prefills its whole prompt), and its
+    draws are the cold engine's."""
+
+    def key(seed):
+        return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
+    sampling, prompt = SamplingParams(temperature=1.0), list(range(1, 11))
+    engine = Engine(windowed, EngineConfig(slots=2, block_size=4, num_blocks=13), max_len=32)
+    kept = []
+    for seed in range(4):  # 4 x 4 blocks kept: more than the 12 usable
+        request = engine.submit(Request(prompt, 6, key(seed), sampling=sampling, keep=True))
+        engine.run()
+        kept += request.kept
+    assert not kept[0].blocks and kept[-1].blocks  # the oldest dropped to admit the others
+    history = prompt + [5, 6, 7]
+    continued = engine.submit(Request(history, 6, key(9), sampling=sampling, cached=kept[0]))
+    engine.run()
+    cold = Engine(windowed, EngineConfig(slots=2, block_size=4), max_len=32)
+    again = cold.submit(Request(history, 6, key(9), sampling=sampling))
+    cold.run()
+    assert continued.tokens == again.tokens
+    for k in kept:
+        engine.release(k)
+    assert engine.blocks_in_use == 0
