@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -51,6 +52,9 @@ REPO = Path(__file__).resolve().parent.parent
 BUDGET = Budget(max_turns=3, max_tokens=256, turn_tokens=96, max_tool_s=30.0)
 MAX_LEN = 512  # the tiny preset's context: a ~170-token prompt + BUDGET.max_tokens
 SFT_STEPS = 300
+# A python trajectory (its system text, the tool's schema, the call, the answer) is ~270
+# tokens: calculator_sft's rows of 256 would cut the answer off.
+SFT_MAX_LEN = 320
 _COMPILES = [0]  # XLA compilations so far (a timed run should have none)
 
 
@@ -87,8 +91,10 @@ def prepare(workdir: Path, n_eval: int) -> tuple[str, list[dict], str]:
     assets = build_calculator_assets(workdir / "assets", n_train=8, n_eval=n_eval, n_sft=8)
     held_out = [json.loads(line) for line in Path(assets["eval"]).read_text().splitlines()]
     run = workdir / "sft"
-    if (run / "done.json").is_file():
+    done = run / "done.json"
+    if done.is_file() and json.loads(done.read_text()).get("max_len") == SFT_MAX_LEN:
         return str(run), held_out, assets["tokenizer"]
+    shutil.rmtree(run, ignore_errors=True)  # (a run of other settings: trained again)
     # The real tool's answer has the format the SFT trajectories assume.
     messages = solved_python_episode(held_out[0])["messages"]
     arguments = messages[-3]["tool_calls"][0]["function"]["arguments"]
@@ -103,6 +109,7 @@ def prepare(workdir: Path, n_eval: int) -> tuple[str, list[dict], str]:
     values = {
         "tokenizer": assets["tokenizer"],
         "data.sources": [source],
+        "data.max_len": SFT_MAX_LEN,
         "train.steps": SFT_STEPS,
         "train.progress": False,
         "checkpoint.every": SFT_STEPS,
@@ -112,9 +119,8 @@ def prepare(workdir: Path, n_eval: int) -> tuple[str, list[dict], str]:
     start = time.perf_counter()
     method, built = method_config(config)
     method.run(built, str(run))
-    (run / "done.json").write_text(
-        json.dumps({"steps": SFT_STEPS, "seconds": time.perf_counter() - start})
-    )
+    seconds = time.perf_counter() - start
+    done.write_text(json.dumps({"steps": SFT_STEPS, "max_len": SFT_MAX_LEN, "seconds": seconds}))
     return str(run), held_out, assets["tokenizer"]
 
 
