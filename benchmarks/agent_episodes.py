@@ -14,9 +14,12 @@ report their compilations, which should be 0; the machine is shared and noisy):
   continuous:                  one `run_episodes` call over all episodes (`--slots` engine
                                slots, default one per episode; tool pool `ElasticPool(0, 8)`):
                                while one episode's tool call runs, the others decode; an
-                               episode's next turn continues on its kept KV blocks.
-  continuous, re-prefilling:   the same with `keep_kv=False`: every turn prefills the
-                               episode's whole history (the engine before 2026-12-05).
+                               episode's next turn continues on its kept KV blocks, and the
+                               prompts' shared system text and tool schema are prefilled once
+                               (the engine's prefix cache, emptied before each run).
+  continuous, re-prefilling:   the same without either (`keep_kv=False`, no prefix cache):
+                               every turn prefills the episode's whole history (the engine
+                               before 2026-12-05).
   one at a time (same engine): `run_episodes` on one episode after the other, the same engine
                                (every decode step still computes all its slots' rows).
   one at a time (1 slot):      the same loop on an engine of 1 slot (decode steps of 1 row).
@@ -127,6 +130,7 @@ def prepare(workdir: Path, n_eval: int) -> tuple[str, list[dict], str]:
 def _episodes(engine, tokenizer, records, keys, *, together: bool, keep_kv: bool = True) -> dict:
     """Runs every record's episode (all in one call, or one call each); the run's counts."""
     pool = ElasticPool(0, 8)
+    engine.clear_prefix_cache()  # (every run starts cold)
     before, compiles = _engine_counts(engine), _COMPILES[0]
     start = time.perf_counter()
     common = dict(temperature=0.0, budget=BUDGET, pool=pool, tool_format="hermes",
@@ -189,11 +193,12 @@ def main() -> None:
     model = load_checkpoint_model(run)
     keys = jax.random.split(jax.random.key(0), len(records))
     slots = args.slots or args.episodes
-    wide = Engine(model, EngineConfig(slots=slots), max_len=MAX_LEN)
-    narrow = Engine(model, EngineConfig(slots=1), max_len=MAX_LEN)
+    wide = Engine(model, EngineConfig(slots=slots, prefix_cache=True), max_len=MAX_LEN)
+    plain = Engine(model, EngineConfig(slots=slots), max_len=MAX_LEN)
+    narrow = Engine(model, EngineConfig(slots=1, prefix_cache=True), max_len=MAX_LEN)
     modes = {
         f"continuous ({slots} slots)": (wide, True, True),
-        f"continuous, re-prefilling each turn ({slots} slots)": (wide, True, False),
+        f"continuous, re-prefilling each turn ({slots} slots)": (plain, True, False),
         f"one at a time (same engine, {slots} slots)": (wide, False, True),
         "one at a time (1 slot)": (narrow, False, True),
     }

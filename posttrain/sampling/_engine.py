@@ -392,7 +392,7 @@ class Engine:
     def _admit(self) -> None:
         c, bs = self.config, self.config.block_size
         free_rows = [b for b, r in enumerate(self._row_of) if r is None]
-        leaders, starts, copies, pre, register = [], [], [], [], []
+        leaders, starts, copies, pre = [], [], [], []
         while self._queue and free_rows:
             req = self._queue[0]
             P = len(req.prompt)
@@ -460,8 +460,14 @@ class Engine:
                         done = len(found) * bs
                         leaders.append((req, table, min(done, P - 1), done))
                         self.stats.cached_tokens += min(done, P - 1)
-                        pairs = zip(keys, leader[: len(keys)], strict=True)
-                        register += list(pairs)[len(found) :]
+                        # Its full blocks are the cache's from now: a prompt admitted after it in
+                        # this round reads them in the same prefill call (each layer writes
+                        # every prompt's keys before any reads them).
+                        for key, block in zip(keys[len(found) :], leader[len(found) : len(keys)],
+                                              strict=True):  # fmt: skip
+                            if key not in self._cache:
+                                self._cache[key] = block
+                                self._refs[block] += 1
                     else:
                         self._refs[leader[:full]] += 1
                         own = self._take(per_sample - full)
@@ -480,10 +486,6 @@ class Engine:
             if req.admitted == req.n:
                 self._queue.popleft()
                 self._let_go(req)
-        for key, block in register:  # (prefilled by this launch; matched from the next on)
-            if key not in self._cache:
-                self._cache[key] = block
-                self._refs[block] += 1
         if leaders:
             self._launch(leaders, starts, copies, pre)
 
