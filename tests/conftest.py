@@ -38,6 +38,16 @@ jax.config.update("jax_threefry_partitionable", True)
 np.testing.assert_allclose = checked_allclose
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """Drops JAX's compiled programs after each test module: an xdist worker that keeps every
+    program of the ~700 tests it runs holds tens of thousands of memory maps of JIT code, and
+    XLA:CPU then crashed compiling (a segfault in backend_compile_and_load at ~80% of the
+    suite, twice, 2026-12-05; vm.max_map_count is 65530)."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def devices():
     devs = jax.devices()
