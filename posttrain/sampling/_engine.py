@@ -35,7 +35,6 @@ may need, and with a program spanning processes (or devices) in the queue the ru
 from __future__ import annotations
 
 import collections
-import hashlib
 from collections.abc import Sequence
 
 import jax
@@ -44,6 +43,7 @@ import numpy as np
 
 from posttrain.models import Transformer
 from posttrain.parallel import logical_to_spec
+from posttrain.sampling._blocks import BlockPool
 from posttrain.sampling._engine_config import EngineConfig, EngineStats
 from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
 from posttrain.sampling._request import Kept, Request
@@ -97,9 +97,6 @@ class Engine:
             drafter = PromptLookup(k=config.speculative)
         if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(model.params)):
             model = jax.device_put(model)  # host weights (NumPy): onto the default device
-        # The prefix cache: a block's key (its tokens and all before them) -> the block, least
-        # recently used first; the cache holds a reference to each (`prefix_cache`).
-        self._cache: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.model, self.config = model, config
         self.drafter = drafter
         self.version = 0  # of the weights (RL's partial rollouts swap them mid-request)
@@ -125,15 +122,8 @@ class Engine:
         self.kernel = "" if nnx else config.kernel(model.config, device.platform)
         self.stats = EngineStats()
         self.set_eos(eos_ids)
-        self._free = list(range(num_blocks - 1, 0, -1))  # a stack; block 0 is scratch
-        self._refs = np.zeros(num_blocks, np.int32)
+        self._blocks = BlockPool(num_blocks)
         self._queue: collections.deque[Request] = collections.deque()
-        # Requests admitted in part: their prompt's full blocks and a copy of its last block,
-        # held for the samples still waiting (`_admit`).
-        self._held: dict[int, tuple[list[int], int | None]] = {}
-        # Kept samples' blocks not yet passed on (`Request.keep`), oldest first: dropped when
-        # blocks run short, so keeping never starves admission.
-        self._kept: dict[int, Kept] = {}
         self._row_of: list[tuple[Request, int, list[int]] | None] = [None] * config.slots
         self._rows = self._init_rows()
 
@@ -180,37 +170,22 @@ class Engine:
     def model(self, model: Transformer) -> None:
         """New weights (same shapes): the prefix cache's blocks hold the old ones' keys."""
         self._model = model
-        if self._cache:
+        if getattr(self, "_blocks", None) is not None:  # (not while __init__ sets the first)
             self.clear_prefix_cache()
 
     def clear_prefix_cache(self) -> None:
         """Drops every cached prompt block (running sequences keep theirs)."""
-        self._release(list(self._cache.values()))
-        self._cache.clear()
+        self._blocks.clear_cache()
 
     @property
     def blocks_in_use(self) -> int:
         """Blocks sequences hold (not those only the prefix cache keeps)."""
-        return self.num_blocks - 1 - len(self._free) - self._evictable()
+        return self.num_blocks - 1 - len(self._blocks.free) - self._blocks.evictable()
 
     @property
     def blocks_cached(self) -> int:
         """Blocks the prefix cache keeps."""
-        return len(self._cache)
-
-    def _evictable(self, keep=()) -> int:
-        """Cached blocks no sequence uses (nor `keep`): what eviction can free."""
-        return sum(1 for b in self._cache.values() if self._refs[b] == 1 and b not in keep)
-
-    def _droppable(self, spare: Kept | None = None) -> int:
-        """Blocks only kept samples hold (but `spare`): what dropping them can free."""
-        return sum(
-            1
-            for kept in self._kept.values()
-            if kept is not spare
-            for b in kept.blocks
-            if self._refs[b] == 1
-        )
+        return len(self._blocks.cache)
 
     @property
     def idle(self) -> bool:
@@ -302,10 +277,9 @@ class Engine:
                 ended.append((b, req, j))
                 if req.keep and self.keeps_kv(req):  # the blocks its tokens are in stay
                     used = -(-int(cached_B[b]) // self.config.block_size)
-                    req.kept[j] = kept = Kept(blocks_of_row[:used], int(cached_B[b]))
-                    self._kept[id(kept)] = kept
+                    req.kept[j] = self._blocks.keep(blocks_of_row[:used], int(cached_B[b]))
                     blocks_of_row = blocks_of_row[used:]
-                self._release(blocks_of_row)
+                self._blocks.release(blocks_of_row)
                 self._row_of[b] = None
                 if all(req.done):
                     finished.append(req)
@@ -326,27 +300,6 @@ class Engine:
 
     # -- admission: blocks, prefix sharing ---------------------------------------------------
 
-    def _take(self, count: int) -> list[int]:
-        # Short of free blocks: evict cached ones no sequence uses, least recently used first.
-        for key in [k for k, b in self._cache.items() if self._refs[b] == 1]:
-            if len(self._free) >= count:
-                break
-            self._release([self._cache.pop(key)])
-        # Still short: drop kept samples' blocks, oldest first (their next part prefills).
-        for kept in list(self._kept.values()):
-            if len(self._free) >= count:
-                break
-            self._drop(kept)
-        blocks = [self._free.pop() for _ in range(count)]
-        self._refs[blocks] = 1
-        return blocks
-
-    def _release(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
-
     def keeps_kv(self, req: Request | None = None) -> bool:
         """Whether a sample's KV blocks can outlive it (`Request.keep`, `Request.cached`) or a
         group admitted in parts can share its prefill: where only keys and values hold the
@@ -361,33 +314,10 @@ class Engine:
             or self.model.config.nnx is not None
         )
 
-    def _cached_prefix(self, req: Request) -> tuple[list[bytes], list[int]]:
-        """The keys of the prompt's full blocks (each: its tokens and all before them), and the
-        cached blocks holding its longest cached prefix (touched: most recently used)."""
-        bs, prompt = self.config.block_size, np.asarray(req.prompt, np.int32)
-        keys, key = [], b""
-        for i in range(len(prompt) // bs):
-            key = hashlib.blake2b(key + prompt[i * bs : (i + 1) * bs].tobytes()).digest()
-            keys.append(key)
-        found = []
-        for key in keys:
-            if key not in self._cache:
-                break
-            self._cache.move_to_end(key)
-            found.append(self._cache[key])
-        return keys, found
-
     def release(self, kept: Kept | None) -> None:
         """Gives back the blocks a finished sample kept (`Request.keep`), unless passed on."""
         if kept is not None:
-            self._drop(kept)
-
-    def _drop(self, kept: Kept) -> None:
-        """Frees a kept sample's blocks (the engine's own call when blocks run short): a
-        request continuing it then prefills its whole prompt."""
-        self._kept.pop(id(kept), None)
-        self._release(kept.blocks)
-        kept.blocks, kept.length = [], 0
+            self._blocks.drop(kept)
 
     def _admit(self) -> None:
         c, bs = self.config, self.config.block_size
@@ -401,7 +331,7 @@ class Engine:
                 full, tail = (P - 1) // bs, 1
             per_sample = -(-(P + req.max_new_tokens + self._ahead) // bs)
             share = c.prefix_sharing and req.n > 1
-            held = self._held.get(id(req))  # its prompt's blocks, from its first admission
+            held = self._blocks.held.get(id(req))  # its prompt's blocks, from its first admission
             k = min(req.n - req.admitted, len(free_rows))
             if req.cached is not None and not req.cached.blocks:  # dropped: prefill it all
                 req.cached = None
@@ -409,7 +339,7 @@ class Engine:
             can_hold = share and fresh and self.keeps_kv(req)
             keys, found = [], []  # its full blocks' keys; those the prefix cache holds
             if c.prefix_cache and fresh and self.keeps_kv(req):
-                keys, found = self._cached_prefix(req)
+                keys, found = self._blocks.cached_prefix(req.prompt, bs)
             # Blocks: a prefilled group's first sample takes its whole table past what the
             # prefix cache has (and a copy of its last prompt block if it holds the prompt for
             # samples left waiting); every other sample its own beyond the shared full prompt
@@ -419,7 +349,8 @@ class Engine:
                 full if held else len(req.cached.blocks) if req.cached else len(found)
             )
             other = per_sample - full if share else per_sample - len(found)
-            available = len(self._free) + self._evictable(keep=found) + self._droppable(req.cached)
+            pool = self._blocks
+            available = len(pool.free) + pool.evictable(keep=found) + pool.droppable(req.cached)
             while True:
                 keeps_tail = can_hold and tail > 0 and req.admitted + k < req.n
                 need = first + (k - 1) * other + int(keeps_tail)
@@ -430,8 +361,8 @@ class Engine:
                 break
             if req.cached is not None:  # a sequence's next part: its kept blocks, and more
                 cached = req.cached
-                self._kept.pop(id(cached), None)  # (the row's now: not dropped to make room)
-                table = cached.blocks + self._take(first)
+                self._blocks.kept.pop(id(cached), None)  # (the row's now: not dropped to make room)
+                table = cached.blocks + self._blocks.take(first)
                 # Its tokens past the cached ones (at least its last, for the logits).
                 leaders.append((req, table, min(cached.length, P - 1), cached.length))
                 starts.append((free_rows.pop(0), req, 0, table, len(leaders) - 1))
@@ -439,8 +370,8 @@ class Engine:
             elif held:  # later samples: over the held prompt blocks, their own last one
                 shared, snapshot = held
                 for i in range(k):
-                    self._refs[shared] += 1
-                    own = self._take(per_sample - full)
+                    self._blocks.refs[shared] += 1
+                    own = self._blocks.take(per_sample - full)
                     table = shared + own
                     if i == 0:
                         leader, group = table, len(leaders)
@@ -453,8 +384,8 @@ class Engine:
             else:
                 for i in range(k):
                     if i == 0 or not share:
-                        self._refs[found] += 1
-                        table = leader = found + self._take(per_sample - len(found))
+                        self._blocks.refs[found] += 1
+                        table = leader = found + self._blocks.take(per_sample - len(found))
                         group = len(leaders)
                         # Its tokens past the cached blocks (at least its last: the logits).
                         done = len(found) * bs
@@ -463,38 +394,29 @@ class Engine:
                         # Its full blocks are the cache's from now: a prompt admitted after it in
                         # this round reads them in the same prefill call (each layer writes
                         # every prompt's keys before any reads them).
-                        for key, block in zip(keys[len(found) :], leader[len(found) : len(keys)],
-                                              strict=True):  # fmt: skip
-                            if key not in self._cache:
-                                self._cache[key] = block
-                                self._refs[block] += 1
+                        self._blocks.cache_blocks(
+                            keys[len(found) :], leader[len(found) : len(keys)]
+                        )
                     else:
-                        self._refs[leader[:full]] += 1
-                        own = self._take(per_sample - full)
+                        self._blocks.refs[leader[:full]] += 1
+                        own = self._blocks.take(per_sample - full)
                         table = leader[:full] + own
                         if tail:
                             copies.append((leader[full], own[0]))
                     starts.append((free_rows.pop(0), req, req.admitted + i, table, group))
                 if can_hold and req.admitted + k < req.n:  # its blocks wait for the samples left
-                    self._refs[leader[:full]] += 1
+                    self._blocks.refs[leader[:full]] += 1
                     snapshot = None
                     if tail:
-                        [snapshot] = self._take(1)
+                        [snapshot] = self._blocks.take(1)
                         copies.append((leader[full], snapshot))
-                    self._held[id(req)] = (leader[:full], snapshot)
+                    self._blocks.held[id(req)] = (leader[:full], snapshot)
             req.admitted += k
             if req.admitted == req.n:
                 self._queue.popleft()
-                self._let_go(req)
+                self._blocks.let_go(id(req))
         if leaders:
             self._launch(leaders, starts, copies, pre)
-
-    def _let_go(self, req: Request) -> None:
-        """Gives back the prompt blocks held for `req`'s later samples (all admitted or
-        cancelled)."""
-        held = self._held.pop(id(req), None)
-        if held is not None:
-            self._release(held[0] + ([] if held[1] is None else [held[1]]))
 
     def _launch(self, leaders, starts, copies, pre) -> None:
         c, bs = self.config, self.config.block_size
@@ -602,7 +524,7 @@ class Engine:
         if sample is None:
             samples = range(request.n)
             self._queue = collections.deque(r for r in self._queue if r is not request)
-            self._let_go(request)
+            self._blocks.let_go(id(request))
             self.release(request.cached)  # (queued: the blocks it would have continued)
             request.cached = None
         elif not 0 <= sample < request.admitted:
@@ -615,7 +537,7 @@ class Engine:
         ended = []
         for b, entry in enumerate(self._row_of):
             if entry is not None and entry[0] is request and entry[1] in samples:
-                self._release(entry[2])
+                self._blocks.release(entry[2])
                 self._row_of[b] = None
                 ended.append(b)
         if ended:
