@@ -42,10 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.models import Transformer
-from posttrain.parallel import logical_to_spec
 from posttrain.sampling._blocks import BlockPool
 from posttrain.sampling._engine_config import EngineConfig, EngineStats
-from posttrain.sampling._paged import SCRATCH, Rows, decode, empty_rows, prefill
+from posttrain.sampling._paged import Rows, decode, empty_rows, on_devices_of, prefill
+from posttrain.sampling._prefill_inputs import prefill_images, prefill_inputs
 from posttrain.sampling._request import Kept, Request
 from posttrain.sampling._rounds import speculate
 from posttrain.sampling._speculative import (
@@ -128,9 +128,7 @@ class Engine:
         self._rows = self._init_rows()
 
     def _init_rows(self) -> Rows:
-        """Empty rows and pool on the model's devices: replicated, except the pool, whose kv
-        heads split over the mesh's tensor axis like the model's (a single-device model puts
-        everything on its device)."""
+        """Empty rows and pool on the model's devices (`on_devices_of`)."""
         c, drafter = self.config, self.drafter
         rows = empty_rows(
             self.model.config,
@@ -144,23 +142,7 @@ class Engine:
             draft_config=draft_config(drafter),
             mtp=isinstance(drafter, MTP),
         )
-        placed = jax.tree.leaves(self.model.params)[0].sharding
-        if not isinstance(placed, jax.sharding.NamedSharding):
-            return jax.device_put(rows, placed)
-        mesh = placed.mesh
-
-        def pool_sharding(x):
-            axes = (None, None, None, "act_kv_heads", None)[: x.ndim]
-            return jax.sharding.NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh))
-
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        shardings = rows._replace(
-            **{f: jax.tree.map(lambda _: replicated, getattr(rows, f)) for f in rows._fields},
-        )
-        shardings = shardings._replace(
-            **{f: jax.tree.map(pool_sharding, getattr(rows, f)) for f in _POOLS}
-        )
-        return jax.device_put(rows, shardings)
+        return on_devices_of(rows, self.model.params)
 
     @property
     def model(self) -> Transformer:
@@ -419,97 +401,28 @@ class Engine:
             self._launch(leaders, starts, copies, pre)
 
     def _launch(self, leaders, starts, copies, pre) -> None:
-        c, bs = self.config, self.config.block_size
-        G = 1 << (len(leaders) - 1).bit_length()
-        bucket = c.prefill_bucket
-        P = bucket * -(-max(len(r.prompt) - start for r, _, start, _ in leaders) // bucket)
-        longest = max(len(r.prompt) for r, *_ in leaders)
-        R = -(-(bucket * -(-longest // bucket)) // bs)  # blocks covering every prompt
-        tokens = np.zeros((G, P), np.int32)
-        lengths = np.ones(G, np.int32)
-        offsets = np.zeros(G, np.int32)
-        write_from = np.zeros(G, np.int32)
-        tables = np.zeros((G, R), np.int32)
-        history = np.zeros((G, self._rows.history_BT.shape[1]), np.int32)
-        for g, (req, table, start, first_write) in enumerate(leaders):
-            tokens[g, : len(req.prompt) - start] = req.prompt[start:]
-            lengths[g], offsets[g], write_from[g] = len(req.prompt), start, first_write
-            head = table[:R]
-            tables[g, : len(head)] = head
-            if history.shape[1] > 1:
-                head = req.prompt[: history.shape[1]]
-                history[g, : len(head)] = head
-            self.stats.prefill_tokens += len(req.prompt) - start
+        """Runs an admission round's prefill (`_prefill_inputs`) and starts its rows."""
+        c = self.config
+        inputs = prefill_inputs(
+            leaders, starts, copies, pre, slots=c.slots, block_size=c.block_size,
+            bucket=c.prefill_bucket, blocks_per_seq=self.blocks_per_seq,
+            history=self._rows.history_BT.shape[1],
+        )  # fmt: skip
+        images = prefill_images(
+            self.model.config, self.drafter, [r for r, *_ in leaders], len(inputs[0])
+        )
+        self.stats.prefill_tokens += sum(len(r.prompt) - start for r, _, start, _ in leaders)
         self.stats.prompt_tokens += sum(len(req.prompt) for _, req, *_ in starts)
-        # A layered pool's ring row of each prompt: its first sample's row (padding: scratch).
-        ring_rows = np.full(G, c.slots, np.int32)
-        for row, _, _, _, group in reversed(starts):
-            ring_rows[group] = row
-        # Rows and copies are padded to `slots` (one compilation per prompt count and length).
-        padded = starts + starts[-1:] * (c.slots - len(starts))
-        row_tables = np.zeros((c.slots, self.blocks_per_seq), np.int32)
-        for x, (_, _, _, table, _) in enumerate(padded):
-            row_tables[x, : len(table)] = table
-        copies = copies or [(SCRATCH, SCRATCH)]
-        copies += copies[-1:] * (c.slots - len(copies))
-        pre = pre or [(SCRATCH, SCRATCH)]
-        pre += pre[-1:] * (c.slots - len(pre))
-        images = self._images([req for req, *_ in leaders], G)
         # Host arrays: the jitted prefill takes them in its one call (a jnp call per argument
         # would queue a device program each; see the module docstring).
+        drafter = None if isinstance(self.drafter, PromptLookup) else self.drafter
         self._rows = prefill(
-            self.model,
-            None if isinstance(self.drafter, PromptLookup) else self.drafter,
-            self._rows,
-            tokens,
-            lengths,
-            offsets,
-            write_from,
-            tables,
-            ring_rows,
-            history,
-            np.asarray([a for a, _ in pre], np.int32),
-            np.asarray([b for _, b in pre], np.int32),
-            np.asarray([a for a, _ in copies], np.int32),
-            np.asarray([b for _, b in copies], np.int32),
-            np.asarray([s[0] for s in padded], np.int32),
-            np.asarray([s[4] for s in padded], np.int32),
-            row_tables,
-            np.asarray([s[1].max_new_tokens for s in padded], np.int32),
-            _key_data([s[1].key for s in padded]),
-            np.asarray([s[2] for s in padded], np.int32),
-            np.asarray([s[1].sampling.temperature for s in padded], np.float32),
-            np.asarray([s[1].sampling.top_k for s in padded], np.int32),
-            np.asarray([s[1].sampling.top_p for s in padded], np.float32),
-            images,
-            block_size=bs,
+            self.model, drafter, self._rows, *inputs, images, block_size=c.block_size
         )
         self.stats.prefill_calls += 1
         for row, req, j, table, _ in starts:
             self._row_of[row] = (req, j, table)
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.blocks_in_use)
-
-    def _images(self, requests: list[Request], groups: int) -> np.ndarray | None:
-        """A VLM's prefill images `[groups, I, H, W, C]` (I: the most any prompt has, rounded up
-        to a power of two to bound compilations; zeros past a prompt's own); None for a text
-        model or prompts without images (their image tokens stay tokens)."""
-        vision = self.model.config.vision
-        if vision is None:
-            if any(r.images is not None and len(r.images) for r in requests):
-                raise ValueError(f"model {self.model.config.name!r} takes no images")
-            return None
-        if self.drafter is not None and any(r.images is not None for r in requests):
-            raise ValueError("speculative decoding does not take images yet; drop the drafter")
-        if all(r.images is None for r in requests):  # text only: image tokens stay tokens
-            return None
-        most = max([1, *(len(r.images) for r in requests if r.images is not None)])
-        side = vision.image_size
-        out = np.zeros((groups, 1 << (most - 1).bit_length(), side, side, vision.channels),
-                       np.float32)  # fmt: skip
-        for g, req in enumerate(requests):
-            if req.images is not None and len(req.images):
-                out[g, : len(req.images)] = req.images
-        return out
 
     # -- cancelling: a client went away, a stop string was hit --------------------------------
 
@@ -546,15 +459,3 @@ class Engine:
         for j in samples:
             request.done[j] = True
         return all(request.done)
-
-
-def _key_data(keys):
-    """Requests' keys as one array of key data (`jax.random.key_data`): on the host when every
-    request brought its key's data, else stacked on the device."""
-    if all(isinstance(k, np.ndarray) for k in keys):
-        return np.stack(keys)
-    return jax.random.key_data(jnp.stack([jax.random.wrap_key_data(k) if isinstance(k, np.ndarray)
-                                          else k for k in keys]))  # fmt: skip
-
-
-_POOLS = ("k", "v", "draft_k", "draft_v")  # split over the tensor axis like the model's heads

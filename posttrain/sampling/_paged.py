@@ -27,6 +27,7 @@ from posttrain.models import (
     token_logprobs,
     unstack_layers,
 )
+from posttrain.parallel import logical_to_spec
 from posttrain.sampling._sample import draw_unfiltered, sample_tokens, unfiltered
 from posttrain.sampling._speculative import MTP, DraftModel
 
@@ -434,3 +435,29 @@ def _routes(model_config, rows: int, positions: int) -> jax.Array:
     """Empty router-replay records: `[rows, positions, MoE layers, top-k]` int16 expert ids."""
     shape = (rows, positions, model_config.num_moe_layers, model_config.moe.top_k)
     return jnp.zeros(shape, jnp.int16)
+
+
+_POOLS = ("k", "v", "draft_k", "draft_v")  # split over the tensor axis like the model's heads
+
+
+def on_devices_of(rows: Rows, params) -> Rows:
+    """`rows` placed where the model's `params` are: replicated over their mesh, except the
+    pools, whose kv heads split over its tensor axis like the model's (params on one device:
+    everything there)."""
+    placed = jax.tree.leaves(params)[0].sharding
+    if not isinstance(placed, jax.sharding.NamedSharding):
+        return jax.device_put(rows, placed)
+    mesh = placed.mesh
+
+    def pool_sharding(x):
+        axes = (None, None, None, "act_kv_heads", None)[: x.ndim]
+        return jax.sharding.NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh))
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    shardings = rows._replace(
+        **{f: jax.tree.map(lambda _: replicated, getattr(rows, f)) for f in rows._fields},
+    )
+    shardings = shardings._replace(
+        **{f: jax.tree.map(pool_sharding, getattr(rows, f)) for f in _POOLS}
+    )
+    return jax.device_put(rows, shardings)
