@@ -16,6 +16,9 @@ os.environ["XLA_FLAGS"] = " ".join(
     ]  # fmt: skip
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Room in XLA:CPU's thread pool for the 8 fake devices' collectives (PJRT_NPROC): without it a
+# program with two collectives ready at once can hang (posttrain.parallel.size_cpu_thread_pool).
+os.environ.setdefault("PJRT_NPROC", "32")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

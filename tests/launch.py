@@ -60,9 +60,11 @@ def launch(
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {PATIENT_COLLECTIVES}"
         + (f" {FAST_COMPILE}" if unoptimised else ""),
         JAX_PLATFORMS="cpu",
+        PJRT_NPROC=str(max(8, 4 * devices)),  # (posttrain.parallel.size_cpu_thread_pool)
         PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-        **(env or {}),
     )
+    environ.update(env or {})
+    environ = {k: v for k, v in environ.items() if v is not None}  # (env: None unsets one)
     if num_processes:
         environ.update(
             POSTTRAIN_COORDINATOR=f"localhost:{port}",

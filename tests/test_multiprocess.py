@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from posttrain.parallel import DistributedConfig, DistributedError, initialize
-from tests.launch import free_port, launch
+from tests.launch import finish, free_port, launch
 from tests.tolerance import assert_close
 
 TRAIN = [
@@ -138,3 +138,28 @@ def test_a_partial_multi_process_setup_is_refused(monkeypatch):
     monkeypatch.delenv("POSTTRAIN_NUM_PROCESSES")
     monkeypatch.delenv("POSTTRAIN_PROCESS_ID")
     assert initialize() is False  # one process: nothing to join
+
+
+_POOL = """
+import os
+from posttrain.parallel import initialize
+initialize()
+import jax.numpy as jnp
+(jnp.ones(4) + 1).block_until_ready()
+names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+print("POOL", sum(n.startswith("tf_XLAEigen") for n in names), os.environ.get("PJRT_NPROC"))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_fake_cpu_devices_get_a_thread_pool_with_room_for_their_collectives():
+    """XLA:CPU's pool has max(cores, devices) threads unless PJRT_NPROC says otherwise, and a
+    collective holds its thread: with 8 fake devices a GRPO step could give every thread to
+    some devices' collectives and hang (posttrain.parallel.size_cpu_thread_pool). `initialize`
+    sizes the pool (4 threads per device) before JAX makes its CPU client, unless the user
+    set PJRT_NPROC."""
+    env = {"PJRT_NPROC": None}
+    out = finish(launch(["-c", _POOL], devices=8, env=env))
+    assert "POOL 32 32" in out, out[-2000:]
+    out = finish(launch(["-c", _POOL], devices=8, env={"PJRT_NPROC": "12"}))
+    assert "POOL 12 12" in out, out[-2000:]

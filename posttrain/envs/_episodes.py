@@ -28,6 +28,7 @@ observation's tokens start with the end-of-turn token the model did not sample.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from posttrain.config import ConfigError
@@ -163,6 +165,10 @@ def run_episodes(
     engine.set_eos(tokenizer.eos_ids)
     sampling = SamplingParams(temperature, top_p, top_k)
     keep = keep_kv and engine.keeps_kv()
+    # Every key a turn can take, on the host (one device call): the episode loop then queues
+    # no device program of its own between the engine's (on several processes or devices,
+    # programs queued by the row's progress could stall a device's queue; docs/multihost.md).
+    first, own, turn = _turn_keys(keys, max(map(len, groups), default=1), budget.max_turns)
     live = [[_Live(env) for env in group] for group in groups]
     out: list[list[Episode | None]] = [[None] * len(g) for g in groups]
     waiting: dict[Future, tuple[str, int, int]] = {}  # env calls: (kind, group, index)
@@ -277,8 +283,7 @@ def run_episodes(
         ep.token_ids += observed
         ep.logprobs += [0.0] * len(observed)
         ep.mask += [0] * len(observed)
-        key = jax.random.fold_in(jax.random.fold_in(keys[g], ep.turns), j)
-        submit_turn(g, [j], key)
+        submit_turn(g, [j], turn[g, ep.turns, j])
 
     def on_reset(g: int, j: int, messages: list[dict]) -> None:
         item = live[g][j]
@@ -302,10 +307,10 @@ def run_episodes(
         # The whole group is open: one request when its prompts agree (shared prefill).
         prompts = [x.episode.prompt_ids for x in live[g]]
         if all(p == prompts[0] for p in prompts):
-            submit_turn(g, list(range(len(prompts))), keys[g])
+            submit_turn(g, list(range(len(prompts))), first[g])
         else:
             for k in range(len(prompts)):
-                submit_turn(g, [k], jax.random.fold_in(keys[g], 1 << 20 | k))
+                submit_turn(g, [k], own[g, k])
 
     for g, group in enumerate(live):
         for j, item in enumerate(group):
@@ -389,3 +394,23 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
             np.mean([e.finish_reason == reason for e in episodes])
         )
     return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _turn_key_table(keys, size: int, turns: int):
+    fold = jax.vmap(jax.random.fold_in, (None, 0))  # one key, many data
+    own = jax.vmap(lambda k: fold(k, (1 << 20) | jnp.arange(size)))(keys)
+    turn = jax.vmap(
+        lambda k: jax.vmap(lambda t: fold(jax.random.fold_in(k, t), jnp.arange(size)))(
+            jnp.arange(turns + 1)
+        )
+    )(keys)
+    return tuple(jax.random.key_data(k) for k in (keys, own, turn))
+
+
+def _turn_keys(keys, size: int, turns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The key data (host) of each group's turns: `first[g]` (a group's first turn, its
+    samples `fold_in(key, j)` in the engine), `own[g, k]` (episode k's first turn when the
+    group's prompts differ: `fold_in(key, 2^20 | k)`) and `turn[g, t, j]` (episode j's turn
+    after t sampled turns: `fold_in(fold_in(key, t), j)`)."""
+    return tuple(np.asarray(a) for a in jax.device_get(_turn_key_table(keys, size, turns)))

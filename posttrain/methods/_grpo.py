@@ -234,8 +234,6 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             "rm: reward models score in one process for now (each process would score its "
             "share with a model on every process's devices); run on one host"
         )
-    if c.env.name and jax.process_count() > 1:
-        raise ConfigError("multi-turn episodes (env.name) run in one process for now")
     max_len = c.rollout.max_prompt_len + c.rollout.max_new_tokens
     if max_len > model_config.max_seq_len:
         raise ConfigError(

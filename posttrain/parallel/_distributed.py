@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -96,6 +97,29 @@ def _on_tpu_vm_pod() -> bool:
         return False
 
 
+# Threads per fake CPU device in XLA:CPU's pool (`size_cpu_thread_pool`).
+CPU_THREADS_PER_DEVICE = 4
+
+
+def size_cpu_thread_pool(environ=os.environ) -> None:
+    """Gives XLA:CPU's thread pool room for every fake device's collectives (`PJRT_NPROC`,
+    unless set), before JAX makes its CPU client.
+
+    XLA:CPU runs the programs of all of a process's devices (`--xla_force_host_platform_
+    device_count=N`) on one pool of max(cores, N) threads, and a collective holds its thread
+    until every device has arrived. A program with two collectives ready at once (a layer
+    scan's all-gather beside the all-reduce of a token count) can give two threads to some
+    devices and none to another, which then never arrives: the run hangs (seen: GRPO on 1 x 8
+    fake devices, 6 threads in one all-reduce and 2 in an all-gather, in 2 runs of 2).
+    `CPU_THREADS_PER_DEVICE` threads per device leave room (the same run finished 2 of 2).
+    """
+    flags = environ.get("XLA_FLAGS", "")
+    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+    if found and "PJRT_NPROC" not in environ:
+        devices = int(found.group(1))
+        environ["PJRT_NPROC"] = str(max(os.cpu_count() or 1, CPU_THREADS_PER_DEVICE * devices))
+
+
 def initialize(config: DistributedConfig | None = None) -> bool:
     """Joins the multi-process run this process belongs to; a no-op for a single process.
 
@@ -105,6 +129,7 @@ def initialize(config: DistributedConfig | None = None) -> bool:
       DistributedError: a partial explicit setup (all three of coordinator, num_processes and
         process_id are needed), or a process id outside the range.
     """
+    size_cpu_thread_pool()
     config = config or DistributedConfig.from_env()
     if _initialized():
         return True

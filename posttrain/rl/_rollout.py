@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from posttrain.data import prompt_image_spec, prompt_pixels
+from posttrain.envs import episode_metrics
 from posttrain.models import Transformer
 from posttrain.rewards import (
     overlong_penalty,
@@ -73,8 +74,6 @@ class Rollouts:
         jax.block_until_ready(params)
         if jax.process_count() == 1:
             return self._sample(params, prompts, seed, seeds, greedy, timings)
-        if self.config.env.name:
-            raise ValueError("multi-turn episodes (env.name) run in one process for now")
         if seeds is None and not greedy:
             raise ValueError("sampling across processes needs a seed per prompt (seeds)")
         share = prompt_share(len(prompts))
@@ -86,9 +85,13 @@ class Rollouts:
                 )
         G = 1 if greedy else self.config.rollout.num_generations
         label = f"{label or 'sampling'}: {len(prompts)} prompts x {G}"
+        episodes = bool(self.config.env.name)
         out = gather_groups(
-            completions, rewards, len(prompts), G, channel=self.channel, label=label
-        )
+            completions, rewards, len(prompts), G, channel=self.channel, label=label,
+            episodes=episodes,
+        )  # fmt: skip
+        if timings is not None and episodes:  # (over every process's episodes)
+            timings.update(episode_metrics([e for group in out[0] for e in group]))
         if timings is not None:
             for p in range(jax.process_count()):
                 mine = [c for group in out[0][prompt_share(len(prompts), p)] for c in group]

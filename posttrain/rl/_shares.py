@@ -13,8 +13,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from posttrain.envs import FINISH_REASONS, Episode
 from posttrain.parallel import crossing, exchange
 from posttrain.sampling import Completion
+
+# An episode's counts that cross with it (its metrics are over every process's episodes).
+_EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_s", "recovered")
 
 
 def prompt_share(prompts: int, process: int | None = None) -> slice:
@@ -26,12 +30,20 @@ def prompt_share(prompts: int, process: int | None = None) -> slice:
 
 
 def gather_groups(
-    completions, rewards: np.ndarray, prompts: int, G: int, *, channel: str, label: str
+    completions,
+    rewards: np.ndarray,
+    prompts: int,
+    G: int,
+    *,
+    channel: str,
+    label: str,
+    episodes: bool = False,
 ):
     """Every process's `(completions per prompt, rewards [share, G])`, concatenated in prompt
     order: `(completions, rewards [prompts, G])` on every process. The gathered completions
     carry their text, ids, log-probs and finish reasons (rejection sampling trains on the
-    text).
+    text); `episodes` (multi-turn): they are `Episode`s, and carry their prompt (rendered with
+    the tools), loss mask, finish reason and counts too (not their messages or records).
 
     The exchange goes through the host (`posttrain.parallel.exchange` on `channel`, checked
     against `label`): it queues no program on any device, so a decoupled sampler's thread and
@@ -47,6 +59,14 @@ def gather_groups(
         "truncated": np.asarray([c.finish_reason == "length" for c in flat], bool),
         "scores": np.asarray(rewards, np.float32).reshape(len(completions), G),
     }
+    if episodes:
+        local.update(
+            prompt_ids=np.asarray([t for c in flat for t in c.prompt_ids], np.int32),
+            prompt_lengths=np.asarray([len(c.prompt_ids) for c in flat], np.int32),
+            mask=np.asarray([m for c in flat for m in c.mask], np.int8),
+            finish=np.asarray([FINISH_REASONS.index(c.finish_reason) for c in flat], np.int8),
+            **{k: np.asarray([getattr(c, k) for c in flat], np.float64) for k in _EPISODE_COUNTS},
+        )
     out, scores = [], []
     for theirs in exchange(channel, label, local):
         ends = np.cumsum(theirs["lengths"])
@@ -67,11 +87,41 @@ def gather_groups(
             )
             for a, b, cut, text in zip(starts, ends, theirs["truncated"], texts, strict=True)
         ]
+        if episodes:
+            theirs_flat = _episodes(theirs, theirs_flat, starts, ends)
         out += [theirs_flat[i : i + G] for i in range(0, len(theirs_flat), G)]
         scores.append(theirs["scores"].reshape(-1, G))
     if len(out) != prompts:
         raise ValueError(f"the processes sampled {len(out)} prompt groups of {prompts}")
     return out, np.concatenate(scores).astype(np.float32)
+
+
+def _episodes(theirs: dict, completions: list, starts, ends) -> list[Episode]:
+    """A process's gathered episodes, rebuilt from what crossed (`gather_groups`)."""
+    prompt_ends = np.cumsum(theirs["prompt_lengths"])
+    prompt_starts = prompt_ends - theirs["prompt_lengths"]
+    out = []
+    for i, c in enumerate(completions):
+        counts = {k: theirs[k][i] for k in _EPISODE_COUNTS}
+        out.append(
+            Episode(
+                record={},
+                prompt_ids=[
+                    int(t) for t in theirs["prompt_ids"][prompt_starts[i] : prompt_ends[i]]
+                ],
+                token_ids=list(c.token_ids),
+                logprobs=list(c.logprobs),
+                mask=[int(m) for m in theirs["mask"][starts[i] : ends[i]]],
+                finish_reason=FINISH_REASONS[theirs["finish"][i]],
+                text=c.text or "",
+                turns=int(counts["turns"]),
+                tool_calls=int(counts["tool_calls"]),
+                tool_errors=int(counts["tool_errors"]),
+                tool_s=float(counts["tool_s"]),
+                recovered=bool(counts["recovered"]),
+            )
+        )
+    return out
 
 
 def host_array(x: jax.Array) -> np.ndarray:

@@ -98,3 +98,57 @@ def test_faults_are_observations_and_episodes_recover(calculator_sft):
     for e in erred:
         text = tokenizer.decode(e.token_ids, skip_special_tokens=False)
         assert any(m["content"] in text for m in e.messages if m["role"] == "tool")
+
+
+_RUNNER = """
+import json, os, sys
+from posttrain.parallel import initialize
+initialize()
+from posttrain.config import load_config_file, override
+from posttrain.methods import run_from_config
+config = override(load_config_file(sys.argv[2]), json.loads(sys.argv[3]))
+summary = run_from_config(config, sys.argv[1])
+print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
+"""
+
+
+@pytest.mark.slow  # (~2 minutes: the calculator warm start, then 2 GRPO runs of episodes)
+def test_episodes_on_two_processes_match_one(calculator_sft, tmp_path):
+    """GRPO on calculator episodes (configs/agent.py:calculator) on 2 processes x 4 devices vs 1
+    x 8 from the warm start that calls the tool: each process runs its share of the step's
+    episodes (their environments and tool calls) on its own devices and gets every episode
+    back (prompt, tokens, loss mask, counts); rewards, losses and the episode metrics equal one
+    process's, and the two processes' episodes end at different lengths."""
+    from posttrain.train import read_metrics
+    from tests.launch import finish, launch, launch_group
+    from tests.tolerance import assert_close
+
+    run = calculator_sft
+    values = {
+        "model.checkpoint": run["workdir"],
+        "tokenizer": run["tokenizer"],
+        "data.sources": [
+            {"path": run["train"], "weight": 1.0, "domain": "arithmetic", "format": "auto"}
+        ],  # fmt: skip
+        "data.batch_size": 4,
+        "rollout.num_generations": 4,
+        "eval_data": [],
+        "train.steps": 2,
+        "train.progress": False,
+        "train.eval_every": 0,
+        "checkpoint.async_save": False,
+        "rewards.workers": 1,
+    }
+    preset = os.path.join(REPO, "configs", "agent.py:calculator")
+    argv = lambda where: ["-c", _RUNNER, str(tmp_path / where), preset, json.dumps(values)]  # noqa: E731
+    pair = launch_group(argv("two"), processes=2, devices=4)
+    single = launch(argv("one"), devices=8)
+    for p in [*pair, single]:
+        assert "STOPPED completed 2" in finish(p)
+    two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    keys = ["reward", "loss", "response_length", "episode/turns", "episode/tool_calls"]
+    for key in keys:
+        assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
+    assert any(r["episode/tool_calls"] > 0 for r in two)  # (really multi-turn)
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
+    assert any(a != b for a, b in lengths), lengths
