@@ -144,7 +144,7 @@ def run_episodes(
         must hold the longest prompt plus `budget.max_tokens`).
       tokenizer: the model's tokenizer (its chat template renders messages and tools).
       groups: environments, grouped by prompt (the episodes of one GRPO group).
-      keys: one PRNG key per group (`[len(groups)]` typed keys).
+      keys: one PRNG key per group (`[len(groups)]` typed keys, or their key data).
       temperature, top_p, top_k: sampling settings of every turn.
       budget: per-episode limits.
       pool: where environment calls run (resets, steps, closes); default: a pool of 1..8.
@@ -397,7 +397,8 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _turn_key_table(keys, size: int, turns: int):
+def _turn_key_table(key_data, size: int, turns: int):
+    keys = jax.random.wrap_key_data(key_data)
     fold = jax.vmap(jax.random.fold_in, (None, 0))  # one key, many data
     own = jax.vmap(lambda k: fold(k, (1 << 20) | jnp.arange(size)))(keys)
     turn = jax.vmap(
@@ -413,4 +414,7 @@ def _turn_keys(keys, size: int, turns: int) -> tuple[np.ndarray, np.ndarray, np.
     samples `fold_in(key, j)` in the engine), `own[g, k]` (episode k's first turn when the
     group's prompts differ: `fold_in(key, 2^20 | k)`) and `turn[g, t, j]` (episode j's turn
     after t sampled turns: `fold_in(fold_in(key, t), j)`)."""
-    return tuple(np.asarray(a) for a in jax.device_get(_turn_key_table(keys, size, turns)))
+    if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        keys = jax.random.key_data(keys)
+    data = np.asarray(jax.device_get(keys))  # (host data: placed by the jit's context)
+    return tuple(np.asarray(a) for a in jax.device_get(_turn_key_table(data, size, turns)))

@@ -167,7 +167,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     devices, sampler_devices, teacher_devices = split_devices(c, jax.devices())
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
-    check_router_replay(c, model_config, jax.process_count())
+    check_router_replay(c, model_config)
     images = prompt_image_spec(
         model_config.vision, tokenizer, c.rollout.max_prompt_len, c.data.max_images
     )
@@ -229,11 +229,6 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             make_episode_env(c.env, prompts.prompts[0]["record"], c.train.seed).close()
         except (ValueError, TypeError) as e:
             raise ConfigError(f"env.name={c.env.name!r} env.options={c.env.options}: {e}") from None
-    if jax.process_count() > 1 and any(t.is_model for d in domains for t in registry.terms(d)):
-        raise ConfigError(
-            "rm: reward models score in one process for now (each process would score its "
-            "share with a model on every process's devices); run on one host"
-        )
     max_len = c.rollout.max_prompt_len + c.rollout.max_new_tokens
     if max_len > model_config.max_seq_len:
         raise ConfigError(

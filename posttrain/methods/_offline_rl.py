@@ -96,7 +96,8 @@ def logged_advantages(
 
 class LoggedTrajectories:
     """This process's stream of offline batches (every row of the log once per epoch, each
-    epoch reshuffled; the position is saved with checkpoints). Each batch holds `rows` rows of
+    epoch reshuffled; the position is saved with checkpoints): its part of the global batch of
+    `rows`, the same global batches on any number of processes. Each batch holds its rows of
     `max_len` tokens: `tokens`, `targets`, `loss_mask` (the completion's tokens), `positions`,
     `segment_ids`, `behaviour_logps` (the logged log-prob of each trained token, 0 without),
     `advantages [rows]` and `geometric [rows]` (1 where only the total log-prob was logged).
@@ -195,9 +196,14 @@ class LoggedTrajectories:
                 "seed": c.data.seed,
             }
         )
-        members = list(range(pi, len(self._examples), pc))
+        # Every process draws the same global batches (all `rows`) and collates its own
+        # contiguous part of each: the run trains on the batches one process would.
+        members = list(range(len(self._examples)))
         indices = index_mixture([members], [1.0], seed=c.data.seed, shuffle=True, num_epochs=None)
-        self._iterator = indices.batch(self.rows, batch_fn=self._collate).__iter__()
+        mine = slice(pi * self.rows, (pi + 1) * self.rows)
+        self._iterator = indices.batch(
+            rows, batch_fn=lambda ix: self._collate(list(ix)[mine])
+        ).__iter__()
 
     def _collate(self, indices) -> dict[str, np.ndarray]:
         n, length = len(indices), self.max_len

@@ -129,12 +129,10 @@ def checkpoint_items(directory, step: int) -> dict:
 
 def checkpoint_json(workdir: str, step: int | None = None) -> dict:
     """The JSON items (config, model_config, manifest...) saved with a run's checkpoint (the
-    newest by default), and its "step"."""
-    import orbax.checkpoint as ocp
-
+    newest by default), and its "step"; every process reads them alone (`_manager`)."""
     directory = paths.path(workdir) / "checkpoints"
-    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
-    manager = ocp.CheckpointManager(directory, options=options)
+    several = jax.process_count() > 1
+    manager = _manager(directory, several, enable_async_checkpointing=False)
     try:
         step = manager.latest_step() if step is None else step
         if step is None:
@@ -146,6 +144,22 @@ def checkpoint_json(workdir: str, step: int | None = None) -> dict:
     finally:
         manager.wait_until_finished()
         manager.close()
+
+
+def _manager(directory, local: bool, **options):
+    """An Orbax manager of a checkpoint directory. `local`: this process reads alone (no
+    barrier waits for the other processes, which may be elsewhere, or done), as it does a
+    checkpoint's JSON items or a model it holds on its own devices (a reward model or a judge,
+    loaded by each process of several when it first scores)."""
+    import orbax.checkpoint as ocp
+
+    if local:
+        me = jax.process_index()
+        options["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+            primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"process{me}"
+        )
+        options["create"] = False  # (it reads: the directory is there)
+    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(**options))
 
 
 def finished_step(workdir: str) -> int:
@@ -161,8 +175,11 @@ def restore_params(workdir: str, abstract_params, step: int | None = None):
     of `abstract_params` (a pytree of `jax.ShapeDtypeStruct` with `sharding`)."""
     import orbax.checkpoint as ocp
 
+    local = jax.process_count() > 1 and all(
+        x.sharding.device_set <= set(jax.local_devices()) for x in jax.tree.leaves(abstract_params)
+    )
     step = checkpoint_json(workdir, step)["step"]
-    manager = ocp.CheckpointManager(paths.path(workdir) / "checkpoints")
+    manager = _manager(paths.path(workdir) / "checkpoints", local)
     try:
         item = {"params": abstract_params}
         restored = manager.restore(
@@ -202,6 +219,7 @@ def with_shardings(shapes, shardings):
 
 
 def on_default_device(shapes):
-    """`shapes` with the default device's sharding (for `restore_params`)."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    """`shapes` with the default device's sharding (for `restore_params`): this process's first
+    device (on several processes `jax.devices()[0]` is process 0's)."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return with_shardings(shapes, jax.tree.map(lambda _: device, shapes))

@@ -14,7 +14,7 @@ from posttrain.parallel._exchange import (
     crossing,
     exchange,
 )
-from posttrain.parallel._mesh import MESH_AXES, MeshConfig, make_mesh, process_meshes
+from posttrain.parallel._mesh import MESH_AXES, MeshConfig, make_mesh, mesh_of, process_meshes
 from posttrain.parallel._rules import (
     DEFAULT_RULES,
     LogicalAxes,
@@ -49,6 +49,7 @@ __all__ = [
     "current_rules",
     "logical_to_spec",
     "make_mesh",
+    "mesh_of",
     "named_sharding",
     "process_meshes",
     "process_rows",

@@ -127,6 +127,16 @@ def make_mesh(
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def mesh_of(tree) -> Mesh:
+    """The mesh the arrays of `tree` live on: their `NamedSharding`'s, or a mesh of the one
+    device that holds them (a reward model or judge on the default device). `jax.set_mesh`
+    it around a computation that must run where its arrays are, whatever mesh is current."""
+    sharding = jax.tree.leaves(tree)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding.mesh
+    return make_mesh(devices=sorted(sharding.device_set, key=lambda d: d.id))
+
+
 def process_meshes(
     devices: Sequence[jax.Device] | None = None, config: MeshConfig = MeshConfig()
 ) -> tuple[Mesh, Mesh]:

@@ -288,6 +288,9 @@ class JudgeReward:
         if not prompts:
             return []
         # Here, not at the top: reward workers import this module but never grade.
+        import jax
+
+        from posttrain.parallel import mesh_of
         from posttrain.sampling import EngineConfig, generate_continuous
 
         c = self.config
@@ -306,15 +309,16 @@ class JudgeReward:
         fits = [i for i, p in enumerate(ids) if len(p) + c.max_new_tokens <= max_len]
         answers: list[str | None] = [None] * len(prompts)
         if fits:
-            results = generate_continuous(
-                model,
-                tokenizer,
-                [ids[i] for i in fits],
-                max_new_tokens=c.max_new_tokens,
-                temperature=0.0,
-                config=EngineConfig(slots=c.slots),
-                max_len=max_len,  # (fixed: every grading call runs the same programs)
-            )
+            with jax.set_mesh(mesh_of(model.params)):  # (its device, whatever the caller's mesh)
+                results = generate_continuous(
+                    model,
+                    tokenizer,
+                    [ids[i] for i in fits],
+                    max_new_tokens=c.max_new_tokens,
+                    temperature=0.0,
+                    config=EngineConfig(slots=c.slots),
+                    max_len=max_len,  # (fixed: every grading call runs the same programs)
+                )
             for i, samples in zip(fits, results, strict=True):
                 answers[i] = samples[0].text
         out = []

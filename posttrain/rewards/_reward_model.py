@@ -29,6 +29,7 @@ from posttrain.models import (
     param_shapes,
     restore_params,
 )
+from posttrain.parallel import mesh_of
 
 
 def without_lm_head(tree: dict) -> dict:
@@ -120,7 +121,10 @@ class RewardModel:
             positions = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
             heads_R = np.zeros(rows, np.int32)
             heads_R[: len(chunk)] = head_ids[start : start + _ROWS]
-            scores = _score(self.params, self.model_config, tokens, positions, segments, heads_R)
+            with jax.set_mesh(mesh_of(self.params)):  # (its device, whatever the caller's mesh)
+                scores = _score(
+                    self.params, self.model_config, tokens, positions, segments, heads_R
+                )
             out[start : start + len(chunk)] = np.asarray(scores)[: len(chunk)]
         return out
 

@@ -35,6 +35,7 @@ def sample_episodes(rollouts, model, prompts, kwargs, timings):
         )
     else:
         keys = jax.vmap(jax.random.key)(np.asarray(seeds, np.uint32))
+    keys = np.asarray(jax.random.key_data(keys))  # (host data: used on the sampler's devices)
     G = kwargs["n"]
     groups = [[make_episode_env(e, p["record"], c.train.seed) for _ in range(G)] for p in prompts]
     budget = Budget(
@@ -43,18 +44,19 @@ def sample_episodes(rollouts, model, prompts, kwargs, timings):
         turn_tokens=e.turn_tokens or r.max_new_tokens,
         max_tool_s=e.max_tool_s,
     )
-    episodes = run_episodes(
-        rollouts.engine_for(model),
-        rollouts.tokenizer,
-        groups,
-        keys=keys,
-        temperature=kwargs["temperature"],
-        top_p=r.sampling.top_p,
-        top_k=r.sampling.top_k,
-        budget=budget,
-        pool=rollouts.env_pool,
-        tool_format=e.tool_format,
-    )
+    with rollouts.on_sampler(model.params):
+        episodes = run_episodes(
+            rollouts.engine_for(model),
+            rollouts.tokenizer,
+            groups,
+            keys=keys,
+            temperature=kwargs["temperature"],
+            top_p=r.sampling.top_p,
+            top_k=r.sampling.top_k,
+            budget=budget,
+            pool=rollouts.env_pool,
+            tool_format=e.tool_format,
+        )
     ran = time.perf_counter()
     flat = [(p, ep) for p, group in zip(prompts, episodes, strict=True) for ep in group]
     rewards = np.zeros(len(flat), np.float32)

@@ -51,7 +51,7 @@ def route_shape(mode: str, model_config) -> tuple[int, int] | None:
     return model_config.num_moe_layers, model_config.moe.top_k
 
 
-def check_router_replay(c, model_config, processes: int) -> None:
+def check_router_replay(c, model_config) -> None:
     """A `ConfigError` for a run `loss.router_replay` cannot serve (`c` an `RLConfig`)."""
     from posttrain.config import ConfigError
 
@@ -69,5 +69,3 @@ def check_router_replay(c, model_config, processes: int) -> None:
             "engine records the routing); set rollout.engine.speculative=0 and env.name='', or "
             "router_replay='off'"
         )
-    if processes > 1:
-        raise ConfigError("loss.router_replay runs in one process for now; set it to 'off'")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 
 import jax
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from posttrain.data import prompt_image_spec, prompt_pixels
 from posttrain.envs import episode_metrics
 from posttrain.models import Transformer
+from posttrain.parallel import exchange, mesh_of
 from posttrain.rewards import (
     overlong_penalty,
 )
@@ -78,11 +80,11 @@ class Rollouts:
             raise ValueError("sampling across processes needs a seed per prompt (seeds)")
         share = prompt_share(len(prompts))
         completions, rewards = [], np.zeros((0, 0), np.float32)
+        before = dict(timings or {})
         if share.stop > share.start:
-            with jax.set_mesh(_mesh_of(params)):  # (the sampler's own devices)
-                completions, rewards = self._sample(
-                    params, prompts[share], seed, seeds and seeds[share], greedy, timings
-                )
+            completions, rewards = self._sample(
+                params, prompts[share], seed, seeds and seeds[share], greedy, timings
+            )
         G = 1 if greedy else self.config.rollout.num_generations
         label = f"{label or 'sampling'}: {len(prompts)} prompts x {G}"
         episodes = bool(self.config.env.name)
@@ -90,6 +92,8 @@ class Rollouts:
             completions, rewards, len(prompts), G, channel=self.channel, label=label,
             episodes=episodes,
         )  # fmt: skip
+        if timings is not None:  # reward components: tallied over every process's share
+            _add_tallies_of_every_process(timings, before, self.channel, label)
         if timings is not None and episodes:  # (over every process's episodes)
             timings.update(episode_metrics([e for group in out[0] for e in group]))
         if timings is not None:
@@ -113,12 +117,13 @@ class Rollouts:
         images = None
         if self.images is not None:
             images = [prompt_pixels(p, self.images) for p in prompts]
-        self.engine_for(model)
-        before = dataclasses.replace(self.engine.stats)
-        completions = sample_groups(
-            self.engine, model, self.tokenizer, prompts, sampling=sampling, n=n,
-            max_new_tokens=r.max_new_tokens, seed=seed, seeds=seeds, images=images,
-        )  # fmt: skip
+        with self.on_sampler(params):
+            self.engine_for(model)
+            before = dataclasses.replace(self.engine.stats)
+            completions = sample_groups(
+                self.engine, model, self.tokenizer, prompts, sampling=sampling, n=n,
+                max_new_tokens=r.max_new_tokens, seed=seed, seeds=seeds, images=images,
+            )  # fmt: skip
         if timings is not None:  # prefix sharing: a group's prompt is prefilled once
             for key in ("prompt_tokens", "prefill_tokens"):
                 done = getattr(self.engine.stats, key) - getattr(before, key)
@@ -144,6 +149,13 @@ class Rollouts:
             lengths = np.asarray([[len(c.token_ids) for c in g] for g in completions])
             rewards = rewards + overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer)
         return rewards
+
+    @staticmethod
+    def on_sampler(params):
+        """On several processes, the context of sampling with `params` (this process's own
+        copy): its devices' mesh, not the global one. Rewards are scored outside it (a reward
+        model or a judge runs on its own device)."""
+        return jax.set_mesh(mesh_of(params)) if jax.process_count() > 1 else nullcontext()
 
     def engine_for(self, model) -> Engine:
         """The paged engine, made at the first sampling, with `model`'s weights swapped in."""
@@ -191,8 +203,19 @@ def score_groups(pool, prompts, completions) -> list:
     )
 
 
-def _mesh_of(params):
-    return jax.tree.leaves(params)[0].sharding.mesh
+def _add_tallies_of_every_process(timings: dict, before: dict, channel: str, label: str) -> None:
+    """`timings`' running tallies (a sum `k` beside its count `n:k`, e.g. `reward_parts/...`,
+    `reward_errors`) with what the other processes added since `before` added in, so that
+    their means are over the whole step, as on one process (through the host)."""
+    tallied = [k for k in timings if f"n:{k}" in timings]
+    mine = {k: np.float64(timings[k] - before.get(k, 0)) for k in tallied}
+    mine.update(
+        {f"n:{k}": np.float64(timings[f"n:{k}"] - before.get(f"n:{k}", 0)) for k in tallied}
+    )
+    for p, theirs in enumerate(exchange(channel, f"{label}: tallies", mine)):
+        if p != jax.process_index():
+            for k, v in theirs.items():
+                timings[k] = timings.get(k, 0) + float(v)
 
 
 def draw_groups(c: RLConfig, prompts, rollouts: Rollouts, params, step: int):

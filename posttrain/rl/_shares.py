@@ -9,6 +9,8 @@ its own copy (`to_process_local`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -42,8 +44,9 @@ def gather_groups(
     """Every process's `(completions per prompt, rewards [share, G])`, concatenated in prompt
     order: `(completions, rewards [prompts, G])` on every process. The gathered completions
     carry their text, ids, log-probs and finish reasons (rejection sampling trains on the
-    text); `episodes` (multi-turn): they are `Episode`s, and carry their prompt (rendered with
-    the tools), loss mask, finish reason and counts too (not their messages or records).
+    text) and, under router replay, the experts each position was routed to; `episodes`
+    (multi-turn): they are `Episode`s, and carry their prompt (rendered with the tools), loss
+    mask, finish reason and counts too (not their messages or records).
 
     The exchange goes through the host (`posttrain.parallel.exchange` on `channel`, checked
     against `label`): it queues no program on any device, so a decoupled sampler's thread and
@@ -59,6 +62,13 @@ def gather_groups(
         "truncated": np.asarray([c.finish_reason == "length" for c in flat], bool),
         "scores": np.asarray(rewards, np.float32).reshape(len(completions), G),
     }
+    routes = [c.routed_experts for c in flat if c.routed_experts is not None]
+    if routes:  # router replay: int16 [positions, MoE layers, top-k] per completion
+        local.update(
+            routes=np.concatenate([r.reshape(len(r), -1) for r in routes]),
+            route_lengths=np.asarray([len(r) for r in routes], np.int64),
+            route_shape=np.asarray(routes[0].shape[1:], np.int64),
+        )
     if episodes:
         local.update(
             prompt_ids=np.asarray([t for c in flat for t in c.prompt_ids], np.int32),
@@ -87,6 +97,8 @@ def gather_groups(
             )
             for a, b, cut, text in zip(starts, ends, theirs["truncated"], texts, strict=True)
         ]
+        if "routes" in theirs:
+            theirs_flat = _with_routes(theirs, theirs_flat)
         if episodes:
             theirs_flat = _episodes(theirs, theirs_flat, starts, ends)
         out += [theirs_flat[i : i + G] for i in range(0, len(theirs_flat), G)]
@@ -94,6 +106,16 @@ def gather_groups(
     if len(out) != prompts:
         raise ValueError(f"the processes sampled {len(out)} prompt groups of {prompts}")
     return out, np.concatenate(scores).astype(np.float32)
+
+
+def _with_routes(theirs: dict, completions: list) -> list[Completion]:
+    """A process's gathered completions with the experts they were routed to (`gather_groups`)."""
+    ends = np.cumsum(theirs["route_lengths"])
+    shape = tuple(int(n) for n in theirs["route_shape"])
+    return [
+        dataclasses.replace(c, routed_experts=theirs["routes"][b - n : b].reshape(n, *shape))
+        for c, n, b in zip(completions, theirs["route_lengths"], ends, strict=True)
+    ]
 
 
 def _episodes(theirs: dict, completions: list, starts, ends) -> list[Episode]:

@@ -186,3 +186,143 @@ def test_what_runs_in_one_process_only_is_refused_on_several(
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(ConfigError, match=f"{named} run in one process for now"):
         run_rl(toy_config(**overrides), str(tmp_path))
+
+
+def _reward_model(workdir) -> str:
+    """A reward model of the tiny size, 2 steps from scratch on pairs of the toy task (its
+    scores differ from completion to completion)."""
+    import os
+
+    from posttrain.config import load_config_file
+    from posttrain.methods import run_from_config
+    from tests.launch import REPO
+
+    records = [json.loads(line) for line in open(ASSETS_DIR / "train.jsonl")][:64]
+    pairs = workdir / "pairs.jsonl"
+    pairs.write_text("".join(
+        json.dumps({"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["answer"] + "1"})
+        + "\n" for r in records
+    ))  # fmt: skip
+    rm = load_config_file(os.path.join(REPO, "configs", "rm.py") + ":tiny")
+    rm.model.checkpoint, rm.tokenizer = "", str(ASSETS_DIR / "tokenizer")
+    source = {"path": str(pairs), "weight": 1.0, "domain": "arithmetic", "format": "auto"}
+    rm.data.sources = [source]
+    rm.eval_data, rm.data.batch_size, rm.data.max_len = [], 16, 32
+    rm.train.steps, rm.train.progress, rm.checkpoint.every = 2, False, 2
+    rm.mesh.ici = {"data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
+    run_from_config(rm, str(workdir / "rm"))
+    return f"rm:{workdir / 'rm'}"
+
+
+def _judge(workdir, trained_tiny) -> str:
+    """The trained start as a judge: its greedy answer to a short rubric, last digit / 9."""
+    (workdir / "rubric.txt").write_text("{prompt}{completion}=")
+    return f"judge:{trained_tiny}?rubric={workdir / 'rubric.txt'}&pattern=(%5Cd)&max_score=9&max_new_tokens=4"  # noqa: E501
+
+
+@pytest.mark.slow  # (~2 minutes a case; rewards from a model, scored where they are sampled)
+@pytest.mark.parametrize("term", ["rm", "judge"])
+def test_model_rewards_on_two_processes_match_one(tmp_path, trained_tiny, term):
+    """GRPO with a reward model (`rm:`) or a judge (`judge:`) term beside the toy reward on 2
+    processes x 4 devices vs 1 x 8: each process loads the model once on its own default
+    device and scores its share of the step's completions where it sampled them; rewards equal
+    one process's (the model term varies across completions), losses within 1e-5."""
+    eval_path = tmp_path / "eval.jsonl"
+    with open(ASSETS_DIR / "eval.jsonl") as f:
+        eval_path.write_text("".join(f.readlines()[:EVAL_PROMPTS]))
+    ref = _reward_model(tmp_path) if term == "rm" else _judge(tmp_path, trained_tiny)
+    base = {**GRPO, **_overrides(trained_tiny, str(eval_path)),
+            "rewards__domains": {"arithmetic": ["tests.rl.toy:digit_share", ref]}}  # fmt: skip
+    pair = launch_group(_argv(tmp_path / "two", base), processes=2, devices=4)
+    single = launch(_argv(tmp_path / "one", base), devices=8)
+    for p in [*pair, single]:
+        assert f"STOPPED completed {STEPS}" in finish(p)
+    two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    train = [r for r in one if r.get("split") == "train"]
+    # (the reward beyond the toy reward's part is the model's, and varies across completions)
+    assert all(r["reward"] != r["reward_parts/arithmetic/digits"] for r in train)  # (rm or judge)
+    assert all(r["reward_std"] > 0 for r in train)
+    digits = "reward_parts/arithmetic/digits"  # (over every process's completions)
+    for key in ("reward", "loss", "reward_std", "response_length", digits):
+        assert_close([r[key] for r in two if r.get("split") == "train"],
+                      [r[key] for r in train], rtol=1e-5, err_msg=key)  # fmt: skip
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two
+               if r.get("split") == "train"]  # fmt: skip
+    assert any(a != b for a, b in lengths), lengths
+
+
+@pytest.mark.slow  # (~2 minutes: a tiny MoE's GRPO on 2 processes and on 1)
+def test_router_replay_on_two_processes_matches_one(tmp_path):
+    """GRPO of a tiny MoE replaying the sampler's routing (`loss.router_replay=update`) on 2
+    processes x 4 devices vs 1 x 8: each process's engine records the experts of its share's
+    positions, and they cross with the completions (`gather_groups`), so every pass of every
+    process replays the routing its rows were sampled with: router mismatch 0 on both, rewards
+    equal, losses within 1e-5. (A random MoE, not a trained start: its rows end at EOS by
+    chance within 24 tokens, at different lengths on the two processes.)"""
+    base = {**GRPO, "model__preset": "tiny_moe", "loss__router_replay": "update",
+            "train__steps": STEPS, "data__batch_size": 4, "rollout__num_generations": 4,
+            "rollout__max_new_tokens": 24,  # (long enough for a random model's rows to end apart)
+            "checkpoint__async_save": False}  # fmt: skip
+    pair = launch_group(_argv(tmp_path / "two", base), processes=2, devices=4)
+    single = launch(_argv(tmp_path / "one", base), devices=8)
+    for p in [*pair, single]:
+        assert f"STOPPED completed {STEPS}" in finish(p)
+    two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    assert all(r["router_mismatch"] == 0.0 and r["logp_gap"] < 1e-5 for r in two + one)
+    for key in ("reward", "response_length"):
+        assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
+    # On policy the loss is -mean(advantage x ratio) with advantages of size ~1 that sum to 0
+    # in each group: ~1e-8 of rounding, held to float32 ulps at the advantages' scale.
+    assert_close([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5, scale=1.0)
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
+    assert any(a != b for a, b in lengths), lengths
+
+
+def _logged(tmp_path) -> str:
+    """Logged trajectories of the toy task (offline RL): per prompt a right and a wrong answer,
+    with their rewards."""
+    rows = []
+    for line in list(open(ASSETS_DIR / "train.jsonl"))[:32]:
+        r = json.loads(line)
+        wrong = r["answer"][::-1] + "0"
+        rows += [{"prompt": r["prompt"], "completion": r["answer"], "reward": 1.0},
+                 {"prompt": r["prompt"], "completion": wrong, "reward": 0.0}]  # fmt: skip
+    path = tmp_path / "logged.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.slow  # (~2 minutes a case)
+@pytest.mark.parametrize("stage", ["offline", "distill"])
+def test_offline_rl_and_distillation_on_two_processes_match_one(tmp_path, trained_tiny, stage):
+    """From the trained start on 2 processes x 4 devices vs 1 x 8: an offline RL stage (AWR on
+    logged trajectories: each process trains on its rows of every global batch) before the
+    GRPO steps, or on-policy distillation from a teacher sharded over the training devices
+    beside the policy (its log-probs of every sampled token on every process): the stage's
+    losses, then the RL steps' rewards and losses, equal one process's within 1e-5."""
+    eval_path = tmp_path / "eval.jsonl"
+    with open(ASSETS_DIR / "eval.jsonl") as f:
+        eval_path.write_text("".join(f.readlines()[:EVAL_PROMPTS]))
+    if stage == "offline":
+        extra = {"offline__steps": 2, "offline__data": [_logged(tmp_path)],
+                 "offline__batch_size": 8, "offline__objective": "awr"}  # fmt: skip
+    else:  # (the teacher is the start: the advantages grow as the student moves off it)
+        extra = {"distill__teacher": trained_tiny, "distill__reward_coef": 1.0}
+    base = {**GRPO, **_overrides(trained_tiny, str(eval_path)), **extra}
+    pair = launch_group(_argv(tmp_path / "two", base), processes=2, devices=4)
+    single = launch(_argv(tmp_path / "one", base), devices=8)
+    for p in [*pair, single]:
+        assert f"STOPPED completed {STEPS}" in finish(p)
+    if stage == "offline":
+        two, one = (read_metrics(str(tmp_path / w / "offline")) for w in ("two", "one"))
+        assert len(one) == 2
+        assert_close([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5, err_msg="awr")
+    two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    train = [r for r in one if r.get("split") == "train"]
+    keys = ["reward", "loss", "response_length"] + ["distill/reverse_kl"] * (stage == "distill")
+    for key in keys:
+        assert_close([r[key] for r in two if r.get("split") == "train"], [r[key] for r in train],
+                     rtol=1e-5, err_msg=key)  # fmt: skip
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two
+               if r.get("split") == "train"]  # fmt: skip
+    assert any(a != b for a, b in lengths), lengths

@@ -169,12 +169,12 @@ def test_router_replay_settings_are_checked():
         PolicyLossConfig(router_replay="always")
     dense = toy_config("tiny", loss__router_replay="update")
     with pytest.raises(ConfigError, match="dense"):
-        check_router_replay(dense, get_preset("tiny"), 1)
+        check_router_replay(dense, get_preset("tiny"))
     # Speculative rounds write several positions at once: the engine records no routing then.
     drafted = toy_config("tiny", loss__router_replay="logprob", rollout__engine__speculative=2)
     with pytest.raises(ConfigError, match="rollout.engine.speculative=0"):
-        check_router_replay(drafted, BASE, 1)
-    check_router_replay(toy_config("tiny", loss__router_replay="update"), BASE, 1)
+        check_router_replay(drafted, BASE)
+    check_router_replay(toy_config("tiny", loss__router_replay="update"), BASE)
 
 
 @pytest.mark.slow
