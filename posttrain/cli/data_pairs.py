@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.cli._flags import parse
+from posttrain.cli._flags import define_distributed, join, parse
 from posttrain.cli._sampled import define_sampling, load, print_counts
 
 HELP = (
@@ -21,6 +21,7 @@ HELP = (
 
 def main(argv: list[str]) -> int:
     def define(flags, fv):
+        define_distributed(fv)
         define_sampling(flags, fv, samples=4)
         flags.DEFINE_float("min_margin", 0.0, "keep pairs whose reward margin is above this",
                            flag_values=fv)  # fmt: skip
@@ -30,6 +31,7 @@ def main(argv: list[str]) -> int:
                              "worst)", flag_values=fv)  # fmt: skip
 
     fv = parse(argv, define, HELP)
+    join(fv)  # (several processes: each samples its share of every chunk; process 0 writes)
     model, tokenizer, sources, config = load(fv)
     from posttrain.curate import make_pairs
 

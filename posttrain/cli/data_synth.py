@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.cli._flags import parse
+from posttrain.cli._flags import define_distributed, join, parse
 from posttrain.cli._sampled import define_sampling, load, print_counts
 
 HELP = (
@@ -20,6 +20,7 @@ HELP = (
 
 def main(argv: list[str]) -> int:
     def define(flags, fv):
+        define_distributed(fv)
         define_sampling(flags, fv, samples=8)
         flags.DEFINE_float("threshold", None, "keep samples with reward >= this (default: "
                            "--pass-threshold)", flag_values=fv)  # fmt: skip
@@ -29,6 +30,7 @@ def main(argv: list[str]) -> int:
                              flag_values=fv)  # fmt: skip
 
     fv = parse(argv, define, HELP)
+    join(fv)  # (several processes: each samples its share of every chunk; process 0 writes)
     model, tokenizer, sources, config = load(fv)
     from posttrain.curate import synthesize
 

@@ -16,16 +16,18 @@ output does not depend on the chunk size, and the same inputs give the same file
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain.config import ConfigError
 from posttrain.data import RecordError, Records, RecordWriter, encode_prompt, read_records
 from posttrain.rewards import RewardPool
-from posttrain.rl import RewardsConfig, sample_groups, score_groups
+from posttrain.rl import RewardsConfig, gather_groups, prompt_share, sample_groups, score_groups
 from posttrain.sampling import (
     Completion,
     Engine,
@@ -135,7 +137,8 @@ def scored_groups(
         max_len=c.max_prompt_len + c.max_new_tokens,
         eos_ids=tokenizer.eos_ids,
     )
-    bar = tqdm(total=total, desc=desc, disable=not progress, unit="prompt")
+    first = jax.process_index() == 0
+    bar = tqdm(total=total, desc=desc, disable=not (progress and first), unit="prompt")
     with RewardPool(registry, workers=c.rewards.workers, timeout_s=c.rewards.timeout_s) as pool:
         batch: list[dict] = []
         stream = _prompts(sources, tokenizer, c, counts, registry)
@@ -143,14 +146,7 @@ def scored_groups(
             if prompt is not None:
                 batch.append(prompt)
             if batch and (prompt is None or len(batch) == c.chunk):
-                completions = sample_groups(
-                    engine, model, tokenizer, batch, sampling=c.sampling, n=c.samples,
-                    max_new_tokens=c.max_new_tokens,
-                    seeds=[(c.seed * 1_000_003 + p["index"]) % 2**32 for p in batch],
-                )  # fmt: skip
-                results = score_groups(pool, batch, completions)
-                rewards = np.asarray([r.score for r in results], np.float32)
-                rewards = rewards.reshape(len(batch), c.samples)
+                completions, rewards = _sampled_and_scored(engine, model, tokenizer, pool, batch, c)
                 counts["samples"] += rewards.size
                 counts["passed"] += int((rewards >= c.rewards.pass_threshold).sum())
                 counts["reward_sum"] += float(rewards.sum())
@@ -159,6 +155,38 @@ def scored_groups(
                 bar.update(len(batch))
                 batch = []
     bar.close()
+
+
+def _sampled_and_scored(engine, model, tokenizer, pool, batch: list[dict], c: SampleConfig):
+    """(completions, rewards `[prompts, samples]`) of a chunk of prompts. On several processes
+    each samples and scores its share of the chunk (`prompt_share`) and every process gets all
+    of them back (`gather_groups`); prompt i's samples are keyed by its index, so they are the
+    ones one process draws."""
+    several = jax.process_count() > 1
+    share = prompt_share(len(batch)) if several else slice(0, len(batch))
+    mine, completions, rewards = batch[share], [], np.zeros((0, c.samples), np.float32)
+    if mine:
+        completions = sample_groups(
+            engine, model, tokenizer, mine, sampling=c.sampling, n=c.samples,
+            max_new_tokens=c.max_new_tokens,
+            seeds=[(c.seed * 1_000_003 + p["index"]) % 2**32 for p in mine],
+        )  # fmt: skip
+        results = score_groups(pool, mine, completions)
+        rewards = np.asarray([r.score for r in results], np.float32).reshape(-1, c.samples)
+    if not several:
+        return completions, rewards
+    label = f"prompts {batch[0]['index']}-{batch[-1]['index']} x {c.samples}"
+    return gather_groups(completions, rewards, len(batch), c.samples, channel="curate", label=label)
+
+
+def _writer(out: str):
+    """The output's writer: process 0's (the others' records are the same: they write none)."""
+    return RecordWriter(out) if jax.process_index() == 0 else contextlib.nullcontext(_Discard())
+
+
+class _Discard:
+    def write(self, record) -> None:
+        del record
 
 
 def _with_end(stream: Iterator[dict]) -> Iterator[dict | None]:
@@ -209,7 +237,7 @@ def make_pairs(
         raise ConfigError("per_prompt must be >= 1 and min_margin >= 0")
     counts: dict = {"pairs": 0, "no_signal": 0, "no_finished": 0, "below_margin": 0}
     margins: list[float] = []
-    with RecordWriter(out) as writer:
+    with _writer(out) as writer:
         for prompt, group, rewards in scored_groups(
             model, tokenizer, sources, c, counts, progress=progress, desc="pairs"
         ):
@@ -261,7 +289,7 @@ def synthesize(
         raise ConfigError("per_prompt must be >= 1")
     threshold = c.rewards.pass_threshold if threshold is None else threshold
     counts: dict = {"kept": 0, "prompts_kept": 0}
-    with RecordWriter(out) as writer:
+    with _writer(out) as writer:
         for prompt, group, rewards in scored_groups(
             model, tokenizer, sources, c, counts, progress=progress, desc="synth"
         ):

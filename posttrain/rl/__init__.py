@@ -25,6 +25,7 @@ from posttrain.rl._rollout_batch import rollout_batch, split_rows
 from posttrain.rl._rollout_producer import RolloutProducer
 from posttrain.rl._sampler_weights import SamplerWeights
 from posttrain.rl._scorer import Scorer
+from posttrain.rl._shares import gather_groups, prompt_share
 from posttrain.rl._source import RolloutSource
 from posttrain.rl._teacher import Teacher, split_teacher_devices, teacher_model
 
@@ -54,6 +55,8 @@ __all__ = [
     "rollout_batch",
     "route_shape",
     "sample_groups",
+    "gather_groups",
+    "prompt_share",
     "score_groups",
     "sequence_log_probs",
     "split_rows",
