@@ -62,7 +62,7 @@ def gather_groups(
         "truncated": np.asarray([c.finish_reason == "length" for c in flat], bool),
         "scores": np.asarray(rewards, np.float32).reshape(len(completions), G),
     }
-    routes = [c.routed_experts for c in flat if c.routed_experts is not None]
+    routes = [r for c in flat if (r := getattr(c, "routed_experts", None)) is not None]
     if routes:  # router replay: int16 [positions, MoE layers, top-k] per completion
         local.update(
             routes=np.concatenate([r.reshape(len(r), -1) for r in routes]),
