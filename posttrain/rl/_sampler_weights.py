@@ -41,8 +41,8 @@ class SamplerWeights:
             self._merge = self._merger(mesh)
         self._local = None
         if jax.process_count() > 1:  # each process samples its prompts on its own devices
-            local_mesh, self._stacked = process_meshes(mesh.devices.flat)
-            self._local = param_shardings(model_config, local_mesh)
+            self._local_mesh, self._stacked = process_meshes(mesh.devices.flat)
+            self._local = param_shardings(model_config, self._local_mesh)
 
     def _merger(self, mesh):
         lora = self.lora
@@ -61,20 +61,28 @@ class SamplerWeights:
         """The decoupled sampler's side: what is sent (`published`), how it is placed on
         `sampler_mesh` and turned into weights there."""
         published = lambda params: policy_params(self.c, params)  # noqa: E731
-        if self._local is not None:  # each process's sampler gets its own copy, device to device
-            if self.lora is not None:
-                raise ValueError("a decoupled LoRA sampler runs in one process for now")
-            shardings = param_shardings(self.model_config, sampler_mesh)
+        lora, model_config = self.lora, self.model_config
+        if self._local is not None and lora is None:
+            # Each process's sampler gets its own copy, device to device.
+            shardings = param_shardings(model_config, sampler_mesh)
             return SamplerSide(
                 lambda params: to_process_local(published(params), self._local, self._stacked),
                 shardings,
                 prepare=lambda weights: weights,
             )
-        if self.lora is None:
-            shardings = param_shardings(self.model_config, sampler_mesh)
+        if lora is None:
+            shardings = param_shardings(model_config, sampler_mesh)
             return SamplerSide(published, shardings, prepare=lambda weights: weights)
-        lora, model_config = self.lora, self.model_config
-        base = jax.device_put(self.base, base_shardings(lora, model_config, sampler_mesh))
+        base = self.base
+        if self._local is not None:  # each process's sampler: its own base, then adapters
+            local = adapter_shardings(model_config, lora, self._local_mesh)
+            base = to_process_local(
+                base, base_shardings(lora, model_config, self._local_mesh), self._stacked
+            )
+            published = lambda params: to_process_local(  # noqa: E731
+                policy_params(self.c, params), local, self._stacked
+            )
+        base = jax.device_put(base, base_shardings(lora, model_config, sampler_mesh))
         merge_there = self._merger(sampler_mesh)
         shardings = adapter_shardings(model_config, lora, sampler_mesh)
         return SamplerSide(published, shardings, prepare=lambda a: merge_there(base, a))

@@ -72,6 +72,15 @@ DECOUPLED_ONE = {"rollout__sampler_devices": 2, "data__batch_size": 6}
         # PPO: the critic's values are gathered like the log-probs, GAE on every process.
         pytest.param(PPO, {}, {}, id="ppo", marks=pytest.mark.slow),
         pytest.param(PPO, DECOUPLED, DECOUPLED_ONE, id="ppo-decoupled"),
+        # LoRA, decoupled: each process's sampler keeps its own copy of the base and is sent
+        # only the adapters (to_process_local), merging them on its own device.
+        pytest.param(
+            GRPO,
+            {**DECOUPLED, "lora__enabled": True},
+            {**DECOUPLED_ONE, "lora__enabled": True},
+            id="grpo-decoupled-lora",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_rl_on_two_processes_matches_one_from_a_trained_start(
@@ -170,10 +179,7 @@ def test_the_offline_stages_on_two_processes_sample_what_one_does(tmp_path, trai
     "overrides, named",
     [
         ({"rft__steps": 2, "lora__enabled": True}, "rft.steps with lora"),
-        (
-            {"rollout__sampler_devices": 2, "lora__enabled": True},
-            "rollout.sampler_devices with lora",
-        ),
+        ({"rollout__partial": True, "rollout__sampler_devices": 2}, "rollout.partial"),
     ],
 )
 def test_what_runs_in_one_process_only_is_refused_on_several(
