@@ -55,6 +55,23 @@ def _argv(workdir, overrides) -> list[str]:
     return ["-c", _RUNNER, str(workdir), json.dumps(overrides)]
 
 
+def _eval_file(tmp_path) -> str:
+    """The first EVAL_PROMPTS held-out prompts, as a file."""
+    eval_path = tmp_path / "eval.jsonl"
+    with open(ASSETS_DIR / "eval.jsonl") as f:
+        eval_path.write_text("".join(f.readlines()[:EVAL_PROMPTS]))
+    return str(eval_path)
+
+
+def _run_both(tmp_path, two: dict, one: dict | None = None) -> None:
+    """The run of `two`'s overrides as 2 processes x 4 devices in tmp_path/two and of `one`'s
+    (default the same) as 1 x 8 in tmp_path/one, each to its last step."""
+    pair = launch_group(_argv(tmp_path / "two", two), processes=2, devices=4)
+    single = launch(_argv(tmp_path / "one", two if one is None else one), devices=8)
+    for p in [*pair, single]:
+        assert f"STOPPED completed {STEPS}" in finish(p)
+
+
 # Decoupled: each of 2 processes samples on its last device and trains on its other 3; one
 # process samples on its last 2 and trains on 6 (6 prompts x 4 samples: 12 rows a minibatch).
 DECOUPLED = {"rollout__sampler_devices": 1, "data__batch_size": 6}
@@ -89,14 +106,8 @@ def test_rl_on_two_processes_matches_one_from_a_trained_start(
     """Rows end at EOS at different lengths on the two processes and the eval set splits
     7/6; each process still issues the same programs spanning processes in the same order
     (checked before every step, POSTTRAIN_CHECK_PROCESSES), and the run matches one process's."""
-    eval_path = tmp_path / "eval.jsonl"
-    with open(ASSETS_DIR / "eval.jsonl") as f:
-        eval_path.write_text("".join(f.readlines()[:EVAL_PROMPTS]))
-    base = {**method, **_overrides(trained_tiny, str(eval_path))}
-    pair = launch_group(_argv(tmp_path / "two", {**base, **two_extra}), processes=2, devices=4)
-    single = launch(_argv(tmp_path / "one", {**base, **one_extra}), devices=8)
-    for p in [*pair, single]:
-        assert f"STOPPED completed {STEPS}" in finish(p)
+    base = {**method, **_overrides(trained_tiny, _eval_file(tmp_path))}
+    _run_both(tmp_path, {**base, **two_extra}, {**base, **one_extra})
 
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
@@ -151,15 +162,8 @@ def test_the_offline_stages_on_two_processes_sample_what_one_does(tmp_path, trai
     are not compared: its SFT stage batches records per process (the input pipeline shards
     them `[process::processes]` before packing), so 2 processes train on other batches than 1
     and RL starts from another model; both runs finish."""
-    eval_path = tmp_path / "eval.jsonl"
-    with open(ASSETS_DIR / "eval.jsonl") as f:
-        eval_path.write_text("".join(f.readlines()[:EVAL_PROMPTS]))
     extra = DIFFICULTY if stage == "difficulty" else RFT
-    base = {**GRPO, **_overrides(trained_tiny, str(eval_path)), **extra}
-    pair = launch_group(_argv(tmp_path / "two", base), processes=2, devices=4)
-    single = launch(_argv(tmp_path / "one", base), devices=8)
-    for p in [*pair, single]:
-        assert f"STOPPED completed {STEPS}" in finish(p)
+    _run_both(tmp_path, {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), **extra})
     if stage == "rft":
         data = [(tmp_path / w / "rft" / "data.jsonl").read_text() for w in ("two", "one")]
         assert data[0] == data[1] and data[0].count("\n") > 1
@@ -233,16 +237,10 @@ def test_model_rewards_on_two_processes_match_one(tmp_path, trained_tiny, term):
     processes x 4 devices vs 1 x 8: each process loads the model once on its own default
     device and scores its share of the step's completions where it sampled them; rewards equal
     one process's (the model term varies across completions), losses within 1e-5."""
-    eval_path = tmp_path / "eval.jsonl"
-    with open(ASSETS_DIR / "eval.jsonl") as f:
-        eval_path.write_text("".join(f.readlines()[:EVAL_PROMPTS]))
     ref = _reward_model(tmp_path) if term == "rm" else _judge(tmp_path, trained_tiny)
-    base = {**GRPO, **_overrides(trained_tiny, str(eval_path)),
-            "rewards__domains": {"arithmetic": ["tests.rl.toy:digit_share", ref]}}  # fmt: skip
-    pair = launch_group(_argv(tmp_path / "two", base), processes=2, devices=4)
-    single = launch(_argv(tmp_path / "one", base), devices=8)
-    for p in [*pair, single]:
-        assert f"STOPPED completed {STEPS}" in finish(p)
+    rewards = {"arithmetic": ["tests.rl.toy:digit_share", ref]}
+    _run_both(tmp_path, {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)),
+                         "rewards__domains": rewards})  # fmt: skip
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     train = [r for r in one if r.get("split") == "train"]
     # (the reward beyond the toy reward's part is the model's, and varies across completions)
@@ -269,10 +267,7 @@ def test_router_replay_on_two_processes_matches_one(tmp_path):
             "train__steps": STEPS, "data__batch_size": 4, "rollout__num_generations": 4,
             "rollout__max_new_tokens": 24,  # (long enough for a random model's rows to end apart)
             "checkpoint__async_save": False}  # fmt: skip
-    pair = launch_group(_argv(tmp_path / "two", base), processes=2, devices=4)
-    single = launch(_argv(tmp_path / "one", base), devices=8)
-    for p in [*pair, single]:
-        assert f"STOPPED completed {STEPS}" in finish(p)
+    _run_both(tmp_path, base)
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     assert all(r["router_mismatch"] == 0.0 and r["logp_gap"] < 1e-5 for r in two + one)
     for key in ("reward", "response_length"):
@@ -306,19 +301,12 @@ def test_offline_rl_and_distillation_on_two_processes_match_one(tmp_path, traine
     GRPO steps, or on-policy distillation from a teacher sharded over the training devices
     beside the policy (its log-probs of every sampled token on every process): the stage's
     losses, then the RL steps' rewards and losses, equal one process's within 1e-5."""
-    eval_path = tmp_path / "eval.jsonl"
-    with open(ASSETS_DIR / "eval.jsonl") as f:
-        eval_path.write_text("".join(f.readlines()[:EVAL_PROMPTS]))
     if stage == "offline":
         extra = {"offline__steps": 2, "offline__data": [_logged(tmp_path)],
                  "offline__batch_size": 8, "offline__objective": "awr"}  # fmt: skip
     else:  # (the teacher is the start: the advantages grow as the student moves off it)
         extra = {"distill__teacher": trained_tiny, "distill__reward_coef": 1.0}
-    base = {**GRPO, **_overrides(trained_tiny, str(eval_path)), **extra}
-    pair = launch_group(_argv(tmp_path / "two", base), processes=2, devices=4)
-    single = launch(_argv(tmp_path / "one", base), devices=8)
-    for p in [*pair, single]:
-        assert f"STOPPED completed {STEPS}" in finish(p)
+    _run_both(tmp_path, {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), **extra})
     if stage == "offline":
         two, one = (read_metrics(str(tmp_path / w / "offline")) for w in ("two", "one"))
         assert len(one) == 2
