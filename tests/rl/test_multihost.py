@@ -304,8 +304,11 @@ def test_offline_rl_and_distillation_on_two_processes_match_one(tmp_path, traine
     if stage == "offline":
         extra = {"offline__steps": 2, "offline__data": [_logged(tmp_path)],
                  "offline__batch_size": 8, "offline__objective": "awr"}  # fmt: skip
-    else:  # (the teacher is the start: the advantages grow as the student moves off it)
-        extra = {"distill__teacher": trained_tiny, "distill__reward_coef": 1.0}
+    else:  # A random student and the trained start as teacher: the reverse KL is large (with
+        # the start as its own teacher it was 0 at every step, and the test blind to the
+        # teacher's log-probs); the random student's rows end at EOS by chance in 24 tokens.
+        extra = {"distill__teacher": trained_tiny, "distill__reward_coef": 1.0,
+                 "model__checkpoint": "", "rollout__max_new_tokens": 24}  # fmt: skip
     _run_both(tmp_path, {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), **extra})
     if stage == "offline":
         two, one = (read_metrics(str(tmp_path / w / "offline")) for w in ("two", "one"))
@@ -313,6 +316,8 @@ def test_offline_rl_and_distillation_on_two_processes_match_one(tmp_path, traine
         assert_close([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5, err_msg="awr")
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     train = [r for r in one if r.get("split") == "train"]
+    if stage == "distill":
+        assert all(r["distill/reverse_kl"] > 1.0 for r in train)
     keys = ["reward", "loss", "response_length"] + ["distill/reverse_kl"] * (stage == "distill")
     for key in keys:
         assert_close([r[key] for r in two if r.get("split") == "train"], [r[key] for r in train],
