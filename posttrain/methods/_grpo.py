@@ -155,7 +155,6 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         # (every process draws every prompt and samples its share on its own devices)
         one_process_only = {
             "rft.steps with lora": c.rft.steps and c.lora,
-            "rollout.partial": c.rollout.partial,
             "distill.teacher_devices": c.distill.teacher_devices,
         }
         if unsupported := [k for k, v in one_process_only.items() if v]:

@@ -35,6 +35,10 @@ class RolloutConfig:
     # its own copy of the weights, sent after every step; 0 samples on the training devices.
     sampler_devices: int = 0
     max_staleness: int = 0  # decoupled: rollouts may come from weights this many steps old
+    # Decoupled: sample with the newest weights sent (how new depends on timing), or False:
+    # batch i with exactly those of step i - 1 - max_staleness (reproducible run to run; the
+    # sampler then holds up to max_staleness + 1 versions of the weights).
+    newest_weights: bool = True
     # Decoupled: partial rollouts with in-flight weight updates (docs/rl.md): a step trains on
     # the groups that finish first; the others continue on the newer weights.
     partial: bool = False
@@ -353,10 +357,14 @@ class RLConfig:
     def fused_old_logps(self) -> bool:
         """Whether the update's forward supplies the old log-probs (`algorithm.fuse_old_logps`
         where nothing needs them before the update: one update per batch, no critic, no
-        teacher, no KL penalty in the reward, no off-policy correction)."""
+        teacher, no KL penalty in the reward, no off-policy correction) and the mode is not
+        zero-mismatch: a forward inside `value_and_grad` is compiled with its backward, and XLA
+        fuses it otherwise than the sampler's (in float32 one ulp on a few % of the tokens),
+        while a pass of its own gives the sampler's bits."""
         a = self.algorithm
         return (
-            a.fuse_old_logps and a.epochs == 1 and a.minibatches == 1 and not self.ppo
+            a.fuse_old_logps and not self.model.batch_invariant
+            and a.epochs == 1 and a.minibatches == 1 and not self.ppo
             and not self.distill.teacher and self.loss.correction == "off"
             and not (self.kl.enabled and self.kl.mode == "reward")
         )  # fmt: skip

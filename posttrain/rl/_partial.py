@@ -15,6 +15,16 @@ one (oldest groups first); and a group only starts on a version if the untaken g
 fit the batches that can still take them, so those that must be taken always fit. Nothing
 that was sampled is discarded (a resumed run starts with nothing in flight: the prompts that
 were are not drawn again).
+
+On several processes every process keeps the whole bookkeeping (every group, in flight or
+finished) and makes every decision above; group k (in submission order) is decoded and scored
+by process k mod P on its own sampler devices. After each engine call the processes tell each
+other which of their groups ended (through the host), so they all see the same groups finish
+at the same call, and the groups a batch takes cross with their completions and rewards
+(`gather_groups`). A group's tokens do not depend on which engine decodes it (its key is its
+submission index; every engine call advances each row by the same chunk), so the batches are
+those of one process; with `rollout.newest_weights=False` the weights of every call are too,
+and the run is reproducible on any number of processes.
 """
 
 from __future__ import annotations
@@ -27,22 +37,22 @@ import jax
 import numpy as np
 
 from posttrain.models import Transformer
+from posttrain.parallel import exchange
 from posttrain.rl._domains import component_means
-from posttrain.rl._rollout_producer import RolloutProducer
+from posttrain.rl._rollout import add_tallies_of_every_process
+from posttrain.rl._rollout_producer import RolloutProducer, Stopped
+from posttrain.rl._shares import gather_groups
 from posttrain.sampling import Request, request_completions
 
 
 @dataclasses.dataclass
 class _Group:
     prompt: dict
-    request: Request
+    index: int  # submitted as the index-th group (its sampling seed)
+    request: Request | None  # None: another process decodes it
     first_version: int  # the weights' version when it was submitted (<= its first token's)
-    completions: list | None = None
+    completions: list | None = None  # (on the process that decoded it, until it is taken)
     rewards: np.ndarray | None = None
-
-
-class _Stopped(Exception):
-    """The producer was closed while it waited for weights."""
 
 
 class PartialProducer(RolloutProducer):
@@ -68,7 +78,7 @@ class PartialProducer(RolloutProducer):
                 version = min(v for g in completions for c in g for v in c.versions or (i - 1,))
                 state = self.prompts.get_state()
                 self.ready.put((i, version, kept, completions, rewards, counts, state))
-        except _Stopped:
+        except Stopped:
             return
         except BaseException as e:  # reported to the trainer by get()
             self.error = e
@@ -89,13 +99,14 @@ class PartialProducer(RolloutProducer):
         }
         return kept, completions, rewards, counts, state
 
-    def _weights(self, bound: int) -> int:
-        """Waits for weights of version >= bound; swaps the newest into the engine."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.stopped or self.version >= bound)
-            if self.stopped:
-                raise _Stopped
-            weights, version = self.weights, self.version
+    def _engine_on(self, i: int, label: str) -> int:
+        """Waits for the weights batch i may decode with (`_weights`); swaps them into the
+        engine. Of fixed versions (`rollout.newest_weights=False`) the batch takes the one
+        after the oldest it may take (i - max_staleness, at most i - 1): a group started on
+        the oldest would be too stale for the next batch, so none could continue into it."""
+        r = self.c.rollout
+        bound = i - 1 - r.max_staleness
+        weights, version = self._weights(bound, label, fixed=min(i - 1, bound + 1))
         if version != self._prepared_version:
             model = Transformer(self.side.prepare(weights), self.rollouts.model_config)
             self.engine = self.rollouts.engine_for(model)
@@ -117,16 +128,18 @@ class PartialProducer(RolloutProducer):
             if not self.waiting:
                 self.waiting = list(next(self.prompts))
             prompt = self.waiting.pop(0)
-            seed = np.random.SeedSequence([c.train.seed, self.submitted]).generate_state(1)[0]
-            request = Request(
-                prompt=list(prompt["prompt_ids"]),
-                max_new_tokens=r.max_new_tokens,
-                key=jax.random.key(int(seed)),
-                n=r.num_generations,
-                sampling=r.sampling,
-            )
-            self.engine.submit(request)
-            self.in_flight.append(_Group(prompt, request, version))
+            index, request = self.submitted, None
+            if index % jax.process_count() == jax.process_index():  # (else another's)
+                seed = np.random.SeedSequence([c.train.seed, index]).generate_state(1)[0]
+                request = Request(
+                    prompt=list(prompt["prompt_ids"]),
+                    max_new_tokens=r.max_new_tokens,
+                    key=jax.random.key(int(seed)),
+                    n=r.num_generations,
+                    sampling=r.sampling,
+                )
+                self.engine.submit(request)
+            self.in_flight.append(_Group(prompt, index, request, version))
             self.submitted += 1
 
     def _batch(self, i: int) -> tuple[list[_Group], dict]:
@@ -134,8 +147,9 @@ class PartialProducer(RolloutProducer):
         be too stale for batch i + 1 is still running; takes the oldest."""
         groups, bound = self.c.data.batch_size, i - 1 - self.c.rollout.max_staleness
         timings = {"generate_s": 0.0, "reward_s": 0.0}
-        while True:
-            version = self._weights(bound)
+        for call in itertools.count():
+            label = f"batch {i} call {call}"
+            version = self._engine_on(i, label)
             self._submit(i, version)
             # (a group started on version <= bound would be too stale for batch i + 1)
             expiring = any(g.first_version <= bound for g in self.in_flight)
@@ -146,23 +160,30 @@ class PartialProducer(RolloutProducer):
             start = time.perf_counter()
             done = {id(req) for req in self.engine.step()}
             generated = time.perf_counter()
-            ended = [g for g in self.in_flight if id(g.request) in done]
-            self.in_flight = [g for g in self.in_flight if id(g.request) not in done]
-            for g in ended:
+            mine = [g for g in self.in_flight if g.request is not None and id(g.request) in done]
+            for g in mine:
                 g.completions = request_completions(self.rollouts.tokenizer, self.engine, g.request)
-            if ended:
+            if mine:
                 rewards = self.rollouts.score(
-                    [g.prompt for g in ended], [g.completions for g in ended], timings=timings
+                    [g.prompt for g in mine], [g.completions for g in mine], timings=timings
                 )
-                for g, r in zip(ended, rewards, strict=True):
+                for g, r in zip(mine, rewards, strict=True):
                     g.rewards = r
-            self.finished += ended
+            ended = {g.index for g in mine}
+            if jax.process_count() > 1:  # (every process's groups that ended in this call)
+                mine_ = {"ended": np.asarray(sorted(ended), np.int64)}
+                theirs = exchange(self.rollouts.channel, f"{label}: ended", mine_)
+                ended = {int(k) for t in theirs for k in t["ended"]}
+            self.finished += [g for g in self.in_flight if g.index in ended]
+            self.in_flight = [g for g in self.in_flight if g.index not in ended]
             timings["generate_s"] += generated - start
             timings["reward_s"] += time.perf_counter() - generated
         self.finished.sort(key=lambda g: g.first_version)  # (stable: first submitted first)
         taken, self.finished = self.finished[:groups], self.finished[groups:]
         if any(g.first_version <= bound for g in self.finished):
             raise RuntimeError("partial rollouts: more groups are due than a batch holds")
+        if jax.process_count() > 1:
+            self._gather(taken, timings, f"batch {i}")
         counts = {
             "prompts_drawn": float(len(taken)),
             "groups_dropped": 0.0,
@@ -170,3 +191,27 @@ class PartialProducer(RolloutProducer):
             **component_means(timings),
         }
         return taken, counts
+
+    def _gather(self, taken: list[_Group], timings: dict, label: str) -> None:
+        """On several processes: every taken group's completions and rewards from the process
+        that decoded it, the reward tallies summed over the processes, and each process's mean
+        completion length (`response_length/process<p>`)."""
+        G, P = self.c.rollout.num_generations, jax.process_count()
+        mine = [g for g in taken if g.request is not None]
+        completions, rewards = gather_groups(
+            [g.completions for g in mine],
+            np.asarray([g.rewards for g in mine], np.float32).reshape(len(mine), G),
+            len(taken),
+            G,
+            channel=self.rollouts.channel,
+            label=f"{label}: {len(taken)} groups",
+        )
+        # (gathered in process order: process p's are the taken groups k with k mod P = p)
+        order = [g for p in range(P) for g in taken if g.index % P == p]
+        for g, got, r in zip(order, completions, rewards, strict=True):
+            g.completions, g.rewards = got, r
+        add_tallies_of_every_process(timings, {}, self.rollouts.channel, label)
+        for p in range(P):
+            lengths = [len(c.token_ids) for g in taken if g.index % P == p for c in g.completions]
+            timings[f"response_length/process{p}"] = float(sum(lengths))
+            timings[f"n:response_length/process{p}"] = len(lengths)

@@ -93,7 +93,7 @@ class Rollouts:
             episodes=episodes,
         )  # fmt: skip
         if timings is not None:  # reward components: tallied over every process's share
-            _add_tallies_of_every_process(timings, before, self.channel, label)
+            add_tallies_of_every_process(timings, before, self.channel, label)
         if timings is not None and episodes:  # (over every process's episodes)
             timings.update(episode_metrics([e for group in out[0] for e in group]))
         if timings is not None:
@@ -203,7 +203,7 @@ def score_groups(pool, prompts, completions) -> list:
     )
 
 
-def _add_tallies_of_every_process(timings: dict, before: dict, channel: str, label: str) -> None:
+def add_tallies_of_every_process(timings: dict, before: dict, channel: str, label: str) -> None:
     """`timings`' running tallies (a sum `k` beside its count `n:k`, e.g. `reward_parts/...`,
     `reward_errors`) with what the other processes added since `before` added in, so that
     their means are over the whole step, as on one process (through the host)."""

@@ -44,7 +44,8 @@ def gather_groups(
     """Every process's `(completions per prompt, rewards [share, G])`, concatenated in prompt
     order: `(completions, rewards [prompts, G])` on every process. The gathered completions
     carry their text, ids, log-probs and finish reasons (rejection sampling trains on the
-    text) and, under router replay, the experts each position was routed to; `episodes`
+    text), with partial rollouts the version of the weights of each token, and, under router
+    replay, the experts each position was routed to; `episodes`
     (multi-turn): they are `Episode`s, and carry their prompt (rendered with the tools), loss
     mask, finish reason and counts too (not their messages or records).
 
@@ -62,6 +63,8 @@ def gather_groups(
         "truncated": np.asarray([c.finish_reason == "length" for c in flat], bool),
         "scores": np.asarray(rewards, np.float32).reshape(len(completions), G),
     }
+    if flat and all(c.versions is not None for c in flat):  # partial rollouts' token versions
+        local["versions"] = np.asarray([v for c in flat for v in c.versions], np.int64)
     routes = [r for c in flat if (r := getattr(c, "routed_experts", None)) is not None]
     if routes:  # router replay: int16 [positions, MoE layers, top-k] per completion
         local.update(
@@ -97,6 +100,11 @@ def gather_groups(
             )
             for a, b, cut, text in zip(starts, ends, theirs["truncated"], texts, strict=True)
         ]
+        if "versions" in theirs:
+            theirs_flat = [
+                dataclasses.replace(c, versions=tuple(int(v) for v in theirs["versions"][a:b]))
+                for c, a, b in zip(theirs_flat, starts, ends, strict=True)
+            ]
         if "routes" in theirs:
             theirs_flat = _with_routes(theirs, theirs_flat)
         if episodes:

@@ -183,7 +183,6 @@ def test_the_offline_stages_on_two_processes_sample_what_one_does(tmp_path, trai
     "overrides, named",
     [
         ({"rft__steps": 2, "lora__enabled": True}, "rft.steps with lora"),
-        ({"rollout__partial": True, "rollout__sampler_devices": 2}, "rollout.partial"),
     ],
 )
 def test_what_runs_in_one_process_only_is_refused_on_several(
@@ -324,4 +323,52 @@ def test_offline_rl_and_distillation_on_two_processes_match_one(tmp_path, traine
                      rtol=1e-5, err_msg=key)  # fmt: skip
     lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two
                if r.get("split") == "train"]  # fmt: skip
+    assert any(a != b for a, b in lengths), lengths
+
+
+@pytest.mark.slow  # (~2 minutes)
+def test_partial_rollouts_on_two_processes_match_one(tmp_path, trained_tiny):
+    """Partial rollouts with in-flight weight updates (decoupled, max_staleness 2) on 2
+    processes x 4 devices vs 1 x 8, from the trained start: engine calls of 2 tokens, so its
+    rows end at different calls and a batch is the groups that finish first while the others
+    continue on the next version. With `rollout.newest_weights=False` the version of every
+    call is fixed, and the two runs take the same groups into every batch: rewards, losses and
+    token staleness equal, some groups span two versions, and the processes' rows (group k
+    decoded by process k mod 2) end at different lengths."""
+    partial = {"rollout__partial": True, "rollout__max_staleness": 2,
+               "rollout__newest_weights": False, "rollout__engine__chunk": 1,
+               "train__steps": 4, "train__eval_every": 0, "eval_data": []}  # fmt: skip
+    base = {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), **partial}
+    pair = launch_group(_argv(tmp_path / "two", {**base, **DECOUPLED}), processes=2, devices=4)
+    single = launch(_argv(tmp_path / "one", {**base, **DECOUPLED_ONE}), devices=8)
+    for p in [*pair, single]:
+        assert "STOPPED completed 4" in finish(p)
+    two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
+    for key in ("reward", "loss", "response_length", "token_staleness_mean", "rollout_version",
+                "groups_spanning_versions", "groups_in_flight"):  # fmt: skip
+        assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
+    assert sum(r["groups_spanning_versions"] for r in one) > 0
+    assert all(r["token_staleness_max"] <= 2 and r["groups"] == 6 for r in two)
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
+    assert any(a != b for a, b in lengths), lengths
+
+
+@pytest.mark.slow  # (~1 minute a dtype: the mode's tiled layers compile slowly)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_zero_mismatch_on_two_processes(tmp_path, trained_tiny, dtype):
+    """Zero-mismatch mode (`model.batch_invariant`) on 2 processes x 4 devices from the trained
+    start: each process's engine samples its share of the groups on its own devices, the
+    trainer's old-policy pass runs on the data mesh across both, and the two log-probs of every
+    sampled token are equal bit for bit at every step (`logp_gap_max` exactly 0), in bfloat16
+    and in float32; the processes' rows end at different lengths."""
+    run = {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), "model__batch_invariant": True,
+           "model__compute_dtype": dtype, "train__eval_every": 0, "eval_data": []}  # fmt: skip
+    pair = launch_group(_argv(tmp_path / "two", run), processes=2, devices=4)
+    for p in pair:
+        assert f"STOPPED completed {STEPS}" in finish(p)
+    rows = read_metrics(str(tmp_path / "two"))
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [(r["logp_gap"], r["logp_gap_max"]) for r in rows] == [(0.0, 0.0)] * STEPS
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in rows]
     assert any(a != b for a, b in lengths), lengths
