@@ -81,6 +81,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # Decoupled: partial rollouts, in-flight weight updates: a step takes the groups that finish
     # first, the rest continue on newer weights (each token's version within max_staleness).
     c.rollout.partial = False
+    # Decoupled: sample with the newest weights sent (timing decides how new); False: fixed
+    # versions (batch i: step i - 1 - max_staleness's; partial: one newer), reproducible.
+    c.rollout.newest_weights = True
     # The paged engine every rollout decodes on: continuous batching, a group's samples share
     # its prompt's prefill and KV blocks (loss.router_replay turns on its route recording).
     c.rollout.engine = ml_collections.ConfigDict()
