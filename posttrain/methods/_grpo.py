@@ -42,7 +42,7 @@ from posttrain.methods._method import SEQUENCE, Method, abstract, images, policy
 from posttrain.methods._offline_rl import offline_rl
 from posttrain.methods._rft import filter_by_difficulty, rejection_sampling
 from posttrain.models import ModelConfig, param_shapes, param_shardings
-from posttrain.parallel import MeshConfig, axis_rules, make_mesh
+from posttrain.parallel import MeshConfig, axis_rules, last_of_each_process, make_mesh
 from posttrain.rewards import RewardPool
 from posttrain.rl import (
     AdaptiveDomains,
@@ -83,21 +83,14 @@ log = logging.getLogger(__name__)
 def split_devices(c: RLConfig, devices) -> tuple[list, list | None, list | None]:
     """(training devices, sampler devices or None, teacher devices or None): with
     `rollout.sampler_devices` = N, each process samples on its own last N devices (one
-    process: the last N of all); with `distill.teacher_devices` = M (one process), the
-    distillation teacher runs on the last M devices left (those before the sampler's)."""
+    process: the last N of all); with `distill.teacher_devices` = M, the distillation teacher
+    runs on each process's last M devices left (those before the sampler's)."""
     train, sampler = list(devices), None
     if c.rollout.sampler_devices:
-        n = c.rollout.sampler_devices
-        processes = sorted({d.process_index for d in devices})
-        mine = [d for d in devices if d.process_index == processes[0]]
-        if n >= len(mine):
-            raise ConfigError(
-                f"rollout.sampler_devices={n} leaves no device to train on (of {len(mine)} on "
-                "each process)"
-            )
-        sampler = []
-        for p in processes:
-            sampler += [d for d in devices if d.process_index == p][-n:]
+        try:
+            sampler = last_of_each_process(devices, c.rollout.sampler_devices)
+        except ValueError as e:
+            raise ConfigError(f"rollout.sampler_devices: {e}") from None
         train = [d for d in devices if d not in sampler]
     train, teacher = split_teacher_devices(c.distill.teacher_devices, train)
     return train, sampler, teacher
@@ -155,7 +148,6 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         # (every process draws every prompt and samples its share on its own devices)
         one_process_only = {
             "rft.steps with lora": c.rft.steps and c.lora,
-            "distill.teacher_devices": c.distill.teacher_devices,
         }
         if unsupported := [k for k, v in one_process_only.items() if v]:
             raise ConfigError(

@@ -14,7 +14,14 @@ from posttrain.parallel._exchange import (
     crossing,
     exchange,
 )
-from posttrain.parallel._mesh import MESH_AXES, MeshConfig, make_mesh, mesh_of, process_meshes
+from posttrain.parallel._mesh import (
+    MESH_AXES,
+    MeshConfig,
+    last_of_each_process,
+    make_mesh,
+    mesh_of,
+    process_meshes,
+)
 from posttrain.parallel._rules import (
     DEFAULT_RULES,
     LogicalAxes,
@@ -48,6 +55,7 @@ __all__ = [
     "constrain",
     "current_rules",
     "logical_to_spec",
+    "last_of_each_process",
     "make_mesh",
     "mesh_of",
     "named_sharding",

@@ -137,6 +137,22 @@ def mesh_of(tree) -> Mesh:
     return make_mesh(devices=sorted(sharding.device_set, key=lambda d: d.id))
 
 
+def last_of_each_process(devices: Sequence[jax.Device], n: int) -> list[jax.Device]:
+    """The last `n` of each process's `devices` (in process order): the devices a decoupled
+    sampler or a distillation teacher takes from every process. Raises ValueError when a
+    process has no more than `n` (none would be left to train on)."""
+    processes = sorted({d.process_index for d in devices})
+    out = []
+    for p in processes:
+        mine = [d for d in devices if d.process_index == p]
+        if n >= len(mine):
+            raise ValueError(
+                f"{n} of the {len(mine)} devices of each process leaves no device to train on"
+            )
+        out += mine[-n:]
+    return out
+
+
 def process_meshes(
     devices: Sequence[jax.Device] | None = None, config: MeshConfig = MeshConfig()
 ) -> tuple[Mesh, Mesh]:

@@ -16,7 +16,7 @@ import numpy as np
 from posttrain import paths
 from posttrain.config import ConfigError
 from posttrain.models import ModelConfig, ModelSpec
-from posttrain.parallel import shard_batch
+from posttrain.parallel import last_of_each_process, process_rows, shard_batch
 from posttrain.rl._loss import sequence_log_probs
 from posttrain.rl._shares import host_array
 from posttrain.train import start_params
@@ -53,15 +53,18 @@ def teacher_model(path: str, policy_config: ModelConfig) -> tuple[ModelSpec, Mod
 
 def split_teacher_devices(n: int, devices: list) -> tuple[list, list | None]:
     """(training devices, teacher devices or None): with `n > 0` the teacher gets the last `n`
-    of `devices` (the training devices once the sampler's are taken)."""
+    of each process's `devices` (the training devices once the sampler's are taken), so on
+    several processes it is sharded across them as the policy is."""
     if not n:
         return devices, None
-    if n >= len(devices):
+    try:
+        teacher = last_of_each_process(devices, n)
+    except ValueError as e:
         raise ConfigError(
-            f"distill.teacher_devices={n} leaves no device to train on (of {len(devices)} after "
-            "the sampler's); lower it or rollout.sampler_devices"
-        )
-    return devices[:-n], devices[-n:]
+            f"distill.teacher_devices: {e} (after the sampler's); lower it or "
+            "rollout.sampler_devices"
+        ) from None
+    return [d for d in devices if d not in teacher], teacher
 
 
 class Teacher:
@@ -89,6 +92,7 @@ class Teacher:
         `device_batch` is the batch on the training mesh (used when the teacher runs there)."""
         if not self.own_mesh:
             return host_array(self._logps(self.params, device_batch))
-        with jax.set_mesh(self.mesh):
-            placed = shard_batch({k: batch[k] for k in _SEQUENCE}, self.mesh)
-            return np.asarray(self._logps(self.params, placed))
+        with jax.set_mesh(self.mesh):  # (each process feeds its rows, gets every row back)
+            rows = process_rows(len(batch["targets"]), self.mesh)
+            placed = shard_batch({k: batch[k][rows] for k in _SEQUENCE}, self.mesh)
+            return host_array(self._logps(self.params, placed))

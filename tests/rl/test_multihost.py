@@ -293,13 +293,15 @@ def _logged(tmp_path) -> str:
 
 
 @pytest.mark.slow  # (~2 minutes a case)
-@pytest.mark.parametrize("stage", ["offline", "distill"])
+@pytest.mark.parametrize("stage", ["offline", "distill", "distill-own-devices"])
 def test_offline_rl_and_distillation_on_two_processes_match_one(tmp_path, trained_tiny, stage):
     """From the trained start on 2 processes x 4 devices vs 1 x 8: an offline RL stage (AWR on
     logged trajectories: each process trains on its rows of every global batch) before the
     GRPO steps, or on-policy distillation from a teacher sharded over the training devices
-    beside the policy (its log-probs of every sampled token on every process): the stage's
-    losses, then the RL steps' rewards and losses, equal one process's within 1e-5."""
+    beside the policy or over devices of its own (`distill.teacher_devices`: the last of each
+    process, so sharded across both as the policy is): its log-probs of every sampled token
+    reach every process; the stage's losses, then the RL steps' rewards and losses, equal one
+    process's within 1e-5."""
     if stage == "offline":
         extra = {"offline__steps": 2, "offline__data": [_logged(tmp_path)],
                  "offline__batch_size": 8, "offline__objective": "awr"}  # fmt: skip
@@ -308,16 +310,22 @@ def test_offline_rl_and_distillation_on_two_processes_match_one(tmp_path, traine
         # teacher's log-probs); the random student's rows end at EOS by chance in 24 tokens.
         extra = {"distill__teacher": trained_tiny, "distill__reward_coef": 1.0,
                  "model__checkpoint": "", "rollout__max_new_tokens": 24}  # fmt: skip
-    _run_both(tmp_path, {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), **extra})
+    base = {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), **extra}
+    if stage == "distill-own-devices":  # (6 training devices: 6 prompts x 4, 12 rows a minibatch)
+        mine = {"distill__teacher_devices": 1, "data__batch_size": 6}
+        _run_both(tmp_path, {**base, **mine}, {**base, **mine, "distill__teacher_devices": 2})
+    else:
+        _run_both(tmp_path, base)
     if stage == "offline":
         two, one = (read_metrics(str(tmp_path / w / "offline")) for w in ("two", "one"))
         assert len(one) == 2
         assert_close([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5, err_msg="awr")
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     train = [r for r in one if r.get("split") == "train"]
-    if stage == "distill":
+    distill = stage.startswith("distill")
+    if distill:
         assert all(r["distill/reverse_kl"] > 1.0 for r in train)
-    keys = ["reward", "loss", "response_length"] + ["distill/reverse_kl"] * (stage == "distill")
+    keys = ["reward", "loss", "response_length"] + ["distill/reverse_kl"] * distill
     for key in keys:
         assert_close([r[key] for r in two if r.get("split") == "train"], [r[key] for r in train],
                      rtol=1e-5, err_msg=key)  # fmt: skip
