@@ -85,6 +85,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.data.overlong = "truncate"  # truncate | drop examples longer than max_len (counted)
     c.data.add_eos = True  # end text / completion examples with EOS
     c.data.mix_by = "records"  # source weights share out records | tokens (of the packed rows)
+    # Several processes: each reads its share of the records (records) or every record,
+    # packing the global batches and feeding its rows (rows: one process's batches on any).
+    c.data.split_by = "records"
     # Curriculum (docs/data.md): phases replacing the weights, e.g. difficulty buckets from
     # `posttrain data stratify`: [{"weights": {"easy": 1}, "steps": 100}, {"weights": {"easy":
     # 1, "hard": 1}}] (steps need packing=False; or "examples"; the last phase: the rest).

@@ -14,8 +14,13 @@ _RUNTIME_FIELDS = ("read_threads", "read_buffer")
 
 def config_identity(config) -> dict:
     """A data config's fields that decide which batches come out (its state's identity): all
-    but the read threads and buffer."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
+    but the read threads and buffer (and `split_by` at its default, which states saved before
+    it existed do not name)."""
+    return {
+        k: v
+        for k, v in dataclasses.asdict(config).items()
+        if k not in _RUNTIME_FIELDS and not (k == "split_by" and v == "records")
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,11 @@ class DataConfig:
         carry `images` `[rows, max_images, S, S, C]`); 0: as many as max_len holds
         (max_len // tokens_per_image). An example with more is cut before the first image it
         cannot hold, like overlong text.
+      split_by: how several processes share the data: "records" (each reads a 1/P share of
+        every source's records and packs its own rows: scales with the data, but the batches
+        depend on the number of processes) or "rows" (each reads every record and packs the
+        whole global batch, feeding its own rows of it: the batches of one process on any
+        number; for small sets such as rejection sampling's).
     """
 
     sources: tuple[SourceConfig, ...]
@@ -68,6 +78,7 @@ class DataConfig:
     mix_by: str = "records"
     curriculum: tuple[Phase, ...] = ()
     max_images: int = 0
+    split_by: str = "records"
 
     def __post_init__(self):
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -85,6 +96,7 @@ class DataConfig:
             (self.mix_by in ("records", "tokens"), f"mix_by={self.mix_by!r}: records or tokens"),
             (not (self.curriculum and self.mix_by == "tokens"), "curriculum mixes by records"),
             (self.max_images >= 0, f"max_images must be >= 0, got {self.max_images}"),
+            (self.split_by in ("records", "rows"), f"split_by={self.split_by!r}: records|rows"),
         ]
         for ok, message in checks:
             if not ok:

@@ -93,7 +93,7 @@ def make_pipeline(
     images = vision_spec(config, tokenizer, vision)
     records = [Records(s.path) for s in config.sources]
     for source, recs in zip(config.sources, records, strict=True):
-        if len(recs) < pc:
+        if len(recs) < pc and config.split_by == "records":
             raise ValueError(
                 f"data source {source.path} has {len(recs)} records, fewer than the "
                 f"{pc} processes that each read a share"
@@ -178,7 +178,9 @@ class SFTData:
         self._iterator = self._dataset().__iter__()
 
     def _dataset(self) -> grain.IterDataset:
-        c, pi, pc = self.config, self.process_index, self.process_count
+        c, pi, pc, rows = self.config, self.process_index, self.process_count, self.rows
+        if c.split_by == "rows":  # every process packs the global batch (then takes its rows)
+            pi, pc, rows = 0, 1, c.batch_size
         encoders = [
             ExampleEncoder(
                 self.tokenizer,
@@ -209,7 +211,7 @@ class SFTData:
                            zip(weights, encoders, self._records, strict=True)]  # fmt: skip
             if c.curriculum:
                 ds = curriculum_dataset(
-                    parts, c.curriculum, self.source_names, rows=self.rows, process_count=pc
+                    parts, c.curriculum, self.source_names, rows=rows, process_count=pc
                 )
             else:
                 ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
@@ -232,15 +234,17 @@ class SFTData:
         packed = grain.experimental.FirstFitPackIterDataset(
             tally,
             length_struct=length,
-            num_packing_bins=self.rows,
+            num_packing_bins=rows,
             shuffle_bins=False,
             padding_struct=padding,
             max_sequences_per_bin=None if c.packing else 1,
         )
         pad = {"tokens": pad_id, "domain_ids": -1}
-        return (
-            packed.map(_row).batch(self.rows).map(lambda b: _fill_rows(b, rows=self.rows, pad=pad))
-        )
+        batches = packed.map(_row).batch(rows).map(lambda b: _fill_rows(b, rows=rows, pad=pad))
+        if rows != self.rows:  # (split_by="rows": this process's rows of the global batch)
+            mine = slice(self.process_index * self.rows, (self.process_index + 1) * self.rows)
+            batches = batches.map(lambda b: {k: v[mine] for k, v in b.items()})
+        return batches
 
     def __iter__(self) -> SFTData:
         return self

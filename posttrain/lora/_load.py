@@ -34,6 +34,7 @@ from posttrain.models import (
     restore_params,
     with_shardings,
 )
+from posttrain.parallel import mesh_of
 
 # `merge` compiled once per (shapes, LoRAConfig): loading checkpoint after checkpoint (eval)
 # and evaluating during a run reuse it.
@@ -84,8 +85,9 @@ def load_lora_params(workdir: str, step: int | None = None, *, merged: bool = Tr
     adapters = restore_params(workdir, shapes, saved["step"])
     for key in under:
         adapters = adapters[key]
-    if merged:
-        return merge_jit(base, adapters, lora=lora)
+    if merged:  # (where they are, whatever mesh the caller has set: a run's may span processes)
+        with jax.set_mesh(mesh_of(base)):
+            return merge_jit(base, adapters, lora=lora)
     return base, adapters, lora
 
 

@@ -144,16 +144,6 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
       "model_config", "data" (prompt stats)}.
     """
     c = config
-    if jax.process_count() > 1:
-        # (every process draws every prompt and samples its share on its own devices)
-        one_process_only = {
-            "rft.steps with lora": c.rft.steps and c.lora,
-        }
-        if unsupported := [k for k, v in one_process_only.items() if v]:
-            raise ConfigError(
-                f"{', '.join(unsupported)} run in one process for now (RL without them runs on "
-                "several); turn them off or run on one host"
-            )
     devices, sampler_devices, teacher_devices = split_devices(c, jax.devices())
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)

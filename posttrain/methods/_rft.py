@@ -143,6 +143,7 @@ def rejection_sampling(c: RLConfig, workdir, prompts, tokenizer, model_config, m
                 max_len=c.rollout.max_prompt_len + c.rollout.max_new_tokens,
                 batch_size=c.rft.batch_size,
                 seed=c.data.seed,
+                split_by="rows",  # (the same SFT batches on any number of processes)
             ),
             optimizer=dataclasses.replace(
                 c.optimizer, learning_rate=c.rft.learning_rate, warmup_steps=0

@@ -70,6 +70,8 @@ def start_params(spec: ModelSpec, model_config: ModelConfig, mesh, seed: int):
     if spec.checkpoint:
         shardings = param_shardings(model_config, mesh)
         if "lora" in checkpoint_json(spec.checkpoint):  # a LoRA run: its merged weights
-            return jax.device_put(load_lora_params(spec.checkpoint), shardings)
+            # (through the host: on several processes each places its shards of its copy)
+            merged = jax.device_get(load_lora_params(spec.checkpoint))
+            return jax.device_put(merged, shardings)
         return model_params(spec.checkpoint, with_shardings(param_shapes(model_config), shardings))
     return init_params(model_config, jax.random.key(seed), mesh)

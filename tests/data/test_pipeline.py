@@ -1,6 +1,7 @@
 """The SFT pipeline: batch format, packing, masks, mixtures, sharding, resume and bad data."""
 
 import collections
+import dataclasses
 import hashlib
 import json
 
@@ -234,6 +235,29 @@ def test_processes_read_disjoint_shares_of_the_records(tmp_path, chatml):
     assert sorted(seen[0] + seen[1]) == sorted(texts)
     with pytest.raises(ValueError, match="batch_size 3 does not divide over 2 processes"):
         _pipeline(_config(path, batch_size=3), chatml, process_index=0, process_count=2)
+
+
+def test_split_by_rows_feeds_each_process_its_rows_of_one_process_batches(tmp_path, chatml):
+    """`split_by="rows"`: each of 2 processes packs the global batch and yields its half of the
+    rows; side by side they are one process's batches, packed and shuffled (records of several
+    lengths, 3 epochs), which a split of the records does not give."""
+    texts = [" ".join(["w"] * (1 + i % 7)) + f" {i}" for i in range(23)]
+    path = write_records(tmp_path / "t.jsonl", [{"text": t} for t in texts])
+    config = _config(path, batch_size=4, num_epochs=3, split_by="rows")
+    one = list(_pipeline(config, chatml))
+    halves = [list(_pipeline(config, chatml, process_index=i, process_count=2)) for i in (0, 1)]
+    assert len(one) == len(halves[0]) == len(halves[1]) > 3
+    for whole, a, b in zip(one, *halves, strict=True):
+        for key in whole:
+            np.testing.assert_array_equal(np.concatenate([a[key], b[key]]), whole[key])
+    records = dataclasses.replace(config, split_by="records")
+    split = [list(_pipeline(records, chatml, process_index=i, process_count=2)) for i in (0, 1)]
+    glued = [np.concatenate([a["tokens"], b["tokens"]]) for a, b in zip(*split, strict=False)]
+    assert [len(s) for s in split] != [len(one)] * 2 or not all(
+        np.array_equal(g, w["tokens"]) for g, w in zip(glued, one, strict=True)
+    )
+    with pytest.raises(ValueError, match="split_by='pages': records|rows"):
+        _config(path, split_by="pages")
 
 
 def test_malformed_records_name_file_and_line(tmp_path, chatml):

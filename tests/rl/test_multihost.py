@@ -153,48 +153,33 @@ RFT = {"rft__steps": 2, "rft__prompts": 16, "rft__samples": 2, "rft__batch_size"
 
 
 @pytest.mark.slow  # (~1 minute each)
-@pytest.mark.parametrize("stage", ["difficulty", "rft"])
+@pytest.mark.parametrize("stage", ["difficulty", "rft", "rft-lora"])
 def test_the_offline_stages_on_two_processes_sample_what_one_does(tmp_path, trained_tiny, stage):
-    """The difficulty filter and rejection sampling on 2 processes x 4 devices: each process
-    samples its share of the prompts with its own copy of the starting weights, every process
-    gets every group back and writes the same stage file as one process does (pass rates; the
-    RFT data). After the difficulty filter the RL steps equal one process's. After RFT they
-    are not compared: its SFT stage batches records per process (the input pipeline shards
-    them `[process::processes]` before packing), so 2 processes train on other batches than 1
-    and RL starts from another model; both runs finish."""
+    """The difficulty filter and rejection sampling (with and without LoRA) on 2 processes x 4
+    devices: each process samples its share of the prompts with its own copy of the starting
+    weights, every process gets every group back and writes the same stage file as one process
+    does (pass rates; the RFT data). The RFT stage's SFT reads its data `split_by="rows"`
+    (every process packs the global batches and feeds its rows), so its losses equal one
+    process's; then the RL steps do too."""
     extra = DIFFICULTY if stage == "difficulty" else RFT
+    extra = {**extra, "lora__enabled": True} if stage == "rft-lora" else extra
     _run_both(tmp_path, {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), **extra})
-    if stage == "rft":
+    if stage.startswith("rft"):
         data = [(tmp_path / w / "rft" / "data.jsonl").read_text() for w in ("two", "one")]
         assert data[0] == data[1] and data[0].count("\n") > 1
-        assert all(read_metrics(str(tmp_path / w / "rft"))[-1]["step"] == 2 for w in ("two", "one"))
-        return
-    rates = [json.loads((tmp_path / w / "difficulty.json").read_text()) for w in ("two", "one")]
-    assert rates[0]["pass_rates"] == rates[1]["pass_rates"] and len(rates[0]["pass_rates"]) == 16
-    assert len(set(rates[0]["pass_rates"].values())) > 1  # (some prompts kept, some dropped)
+        sft = [read_metrics(str(tmp_path / w / "rft")) for w in ("two", "one")]
+        assert [r["step"] for r in sft[0]] == [r["step"] for r in sft[1]] == [1, 2]
+        assert_close([r["loss"] for r in sft[0]], [r["loss"] for r in sft[1]], rtol=1e-5)
+    else:
+        rates = [json.loads((tmp_path / w / "difficulty.json").read_text()) for w in ("two", "one")]
+        assert rates[0]["pass_rates"] == rates[1]["pass_rates"]
+        assert len(rates[0]["pass_rates"]) == 16
+        assert len(set(rates[0]["pass_rates"].values())) > 1  # (some prompts kept, some dropped)
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     for key in ("reward", "loss", "kl", "response_length"):
         assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
     lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
     assert any(a != b for a, b in lengths), lengths
-
-
-@pytest.mark.parametrize(
-    "overrides, named",
-    [
-        ({"rft__steps": 2, "lora__enabled": True}, "rft.steps with lora"),
-    ],
-)
-def test_what_runs_in_one_process_only_is_refused_on_several(
-    monkeypatch, tmp_path, overrides, named
-):
-    from posttrain.config import ConfigError
-    from posttrain.methods import run_rl
-    from tests.rl.toy import toy_config
-
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ConfigError, match=f"{named} run in one process for now"):
-        run_rl(toy_config(**overrides), str(tmp_path))
 
 
 def _reward_model(workdir) -> str:
