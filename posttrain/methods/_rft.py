@@ -36,7 +36,8 @@ def _sample(c: RLConfig, prompts, chosen, samples: int, tokenizer, model_config,
     (prompt batch, completions, rewards `[batch, samples]`) for batches of 64 prompts."""
     with axis_rules(c.mesh.axis_rules), jax.set_mesh(mesh):
         params = model_trainable(c.model, model_config, mesh, c.train.seed).init()
-        if jax.process_count() > 1:  # each process samples its share on its own devices
+        if jax.process_count() > 1 and c.rollout.sampler_mesh == "per_process":
+            # (each process samples its share on its own devices)
             local, stacked = process_meshes(mesh.devices.flat)
             params = to_process_local(params, param_shardings(model_config, local), stacked)
     sampling = dataclasses.replace(

@@ -33,7 +33,7 @@ from posttrain.parallel._rules import (
     named_sharding,
     tree_shardings,
 )
-from posttrain.parallel._shard import process_rows, shard_batch, to_process_local
+from posttrain.parallel._shard import fetch, process_rows, put, shard_batch, to_process_local
 
 __all__ = [
     "CHECK_ENV",
@@ -56,11 +56,13 @@ __all__ = [
     "current_rules",
     "logical_to_spec",
     "last_of_each_process",
+    "fetch",
     "make_mesh",
     "mesh_of",
     "named_sharding",
     "process_meshes",
     "process_rows",
+    "put",
     "shard_batch",
     "to_process_local",
     "tree_shardings",

@@ -45,6 +45,47 @@ def process_rows(rows: int, mesh, axes: LogicalAxes = BATCH_AXES) -> slice:
     return local
 
 
+def put(tree, shardings):
+    """`jax.device_put(tree, shardings)` that also places host values (or one process's
+    device values) on shardings spanning several processes, where every process holds the
+    same values: each builds its own shards of them."""
+
+    def one(x, sharding):
+        if sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # (typed keys: their data)
+            return jax.random.wrap_key_data(
+                one(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x)
+            )
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def fetch(tree):
+    """`jax.device_get(tree)` that also reads arrays sharded over devices of several
+    processes: those are first gathered onto every device of their mesh (one program, which
+    every process must issue in the same order), so each process gets the whole values."""
+    leaves = jax.tree.leaves(tree)
+    spread = [
+        x for x in leaves
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated)
+    ]  # fmt: skip
+    if spread:
+        mesh = spread[0].sharding.mesh
+        everywhere = NamedSharding(mesh, jax.sharding.PartitionSpec())
+        shapes = " ".join(f"{x.dtype}{list(x.shape)}" for x in spread)
+        crossing(f"gather {shapes}")
+        gathered = iter(jax.jit(_identity, out_shardings=everywhere)(spread))
+        tree = jax.tree.map(lambda x: next(gathered) if any(x is s for s in spread) else x, tree)
+    return jax.device_get(tree)
+
+
+def _identity(x):
+    return x
+
+
 def to_process_local(tree, shardings, stacked_mesh):
     """This process's own copy of globally sharded arrays, laid out by `shardings` (on its
     local mesh, one of `stacked_mesh`'s): one collective reshard to the same specs on the

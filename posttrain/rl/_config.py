@@ -39,6 +39,11 @@ class RolloutConfig:
     # batch i with exactly those of step i - 1 - max_staleness (reproducible run to run; the
     # sampler then holds up to max_staleness + 1 versions of the weights).
     newest_weights: bool = True
+    # Several processes, co-located: each samples its share of the prompts with its own copy
+    # of the weights on its own devices ("per_process": the model must fit one host), or
+    # every process runs one engine over the training mesh on every prompt, the weights
+    # sharded as trained ("global": for models bigger than a host).
+    sampler_mesh: str = "per_process"
     # Decoupled: partial rollouts with in-flight weight updates (docs/rl.md): a step trains on
     # the groups that finish first; the others continue on the newer weights.
     partial: bool = False
@@ -76,6 +81,15 @@ class RolloutConfig:
         if self.partial and not self.sampler_devices:
             raise ConfigError(
                 "rollout.partial needs decoupled rollouts: set rollout.sampler_devices > 0"
+            )
+        if self.sampler_mesh not in ("per_process", "global"):
+            raise ConfigError(
+                f"rollout.sampler_mesh={self.sampler_mesh!r}: use 'per_process' or 'global'"
+            )
+        if self.sampler_mesh == "global" and self.sampler_devices:
+            raise ConfigError(
+                "rollout.sampler_mesh='global' is for a co-located sampler (on the training "
+                "mesh); a decoupled one (rollout.sampler_devices) samples per process"
             )
         if self.partial and self.dynamic_sampling:
             raise ConfigError("rollout.partial does not combine with dynamic_sampling yet")

@@ -79,19 +79,22 @@ class Rollouts:
         if seeds is None and not greedy:
             raise ValueError("sampling across processes needs a seed per prompt (seeds)")
         share = prompt_share(len(prompts))
-        completions, rewards = [], np.zeros((0, 0), np.float32)
         before = dict(timings or {})
-        if share.stop > share.start:
-            completions, rewards = self._sample(
-                params, prompts[share], seed, seeds and seeds[share], greedy, timings
-            )
         G = 1 if greedy else self.config.rollout.num_generations
         label = f"{label or 'sampling'}: {len(prompts)} prompts x {G}"
         episodes = bool(self.config.env.name)
-        out = gather_groups(
-            completions, rewards, len(prompts), G, channel=self.channel, label=label,
-            episodes=episodes,
-        )  # fmt: skip
+        if self.config.rollout.sampler_mesh == "global":
+            out = self._sample_everywhere(params, prompts, seed, seeds, greedy, timings, label)
+        else:
+            completions, rewards = [], np.zeros((0, 0), np.float32)
+            if share.stop > share.start:
+                completions, rewards = self._sample(
+                    params, prompts[share], seed, seeds and seeds[share], greedy, timings
+                )
+            out = gather_groups(
+                completions, rewards, len(prompts), G, channel=self.channel, label=label,
+                episodes=episodes,
+            )  # fmt: skip
         if timings is not None:  # reward components: tallied over every process's share
             add_tallies_of_every_process(timings, before, self.channel, label)
         if timings is not None and episodes:  # (over every process's episodes)
@@ -107,13 +110,47 @@ class Rollouts:
     def _sample(self, params, prompts, seed, seeds, greedy, timings):
         r = self.config.rollout
         start = time.perf_counter()
+        if self.config.env.name:
+            sampling = SamplingParams(temperature=0.0) if greedy else r.sampling
+            kwargs = dict(max_new_tokens=r.max_new_tokens, n=1 if greedy else r.num_generations,
+                          seed=seed, seeds=seeds, **dataclasses.asdict(sampling))  # fmt: skip
+            model = Transformer(params, self.model_config)
+            return sample_episodes(self, model, prompts, kwargs, timings)
+        completions = self._generate(params, prompts, seed, seeds, greedy, timings)
+        generated = time.perf_counter()
+        rewards = self.score(prompts, completions, shaped=not greedy, timings=timings)
+        if timings is not None:
+            timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
+            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
+        return completions, rewards
+
+    def _sample_everywhere(self, params, prompts, seed, seeds, greedy, timings, label):
+        """`rollout.sampler_mesh="global"` on several processes: every process runs the engine
+        over the training mesh on every prompt, so all get the same completions (its device
+        programs span the processes and its host decisions follow their replicated results);
+        each scores its share, and the rewards cross through the host."""
+        start = time.perf_counter()
+        completions = self._generate(params, prompts, seed, seeds, greedy, timings)
+        generated = time.perf_counter()
+        share, G = prompt_share(len(prompts)), len(completions[0])
+        mine = np.zeros((0, G), np.float32)
+        if share.stop > share.start:
+            mine = self.score(prompts[share], completions[share], shaped=not greedy,
+                              timings=timings)  # fmt: skip
+        theirs = exchange(self.channel, f"{label}: rewards", {"scores": mine.reshape(-1, G)})
+        rewards = np.concatenate([t["scores"].reshape(-1, G) for t in theirs]).astype(np.float32)
+        if timings is not None:
+            timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
+            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
+        return completions, rewards
+
+    def _generate(self, params, prompts, seed, seeds, greedy, timings):
+        """The single-turn completions of `prompts` on the engine (prefill counts added to
+        `timings`)."""
+        r = self.config.rollout
         model = Transformer(params, self.model_config)
         sampling = SamplingParams(temperature=0.0) if greedy else r.sampling
         n = 1 if greedy else r.num_generations
-        if self.config.env.name:
-            kwargs = dict(max_new_tokens=r.max_new_tokens, n=n, seed=seed, seeds=seeds,
-                          **dataclasses.asdict(sampling))  # fmt: skip
-            return sample_episodes(self, model, prompts, kwargs, timings)
         images = None
         if self.images is not None:
             images = [prompt_pixels(p, self.images) for p in prompts]
@@ -128,12 +165,7 @@ class Rollouts:
             for key in ("prompt_tokens", "prefill_tokens"):
                 done = getattr(self.engine.stats, key) - getattr(before, key)
                 timings[key] = timings.get(key, 0) + done
-        generated = time.perf_counter()
-        rewards = self.score(prompts, completions, shaped=not greedy, timings=timings)
-        if timings is not None:
-            timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
-            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
-        return completions, rewards
+        return completions
 
     def score(self, prompts, completions, shaped: bool = True, timings=None) -> np.ndarray:
         """Rewards `[prompts, n]` of each prompt's completions from its domain's reward

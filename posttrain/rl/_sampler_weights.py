@@ -40,7 +40,8 @@ class SamplerWeights:
         if self.lora is not None:
             self._merge = self._merger(mesh)
         self._local = None
-        if jax.process_count() > 1:  # each process samples its prompts on its own devices
+        # (several processes, per_process: each samples its prompts on its own devices)
+        if jax.process_count() > 1 and c.rollout.sampler_mesh == "per_process":
             self._local_mesh, self._stacked = process_meshes(mesh.devices.flat)
             self._local = param_shardings(model_config, self._local_mesh)
 

@@ -13,10 +13,9 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.envs import FINISH_REASONS, Episode
-from posttrain.parallel import crossing, exchange
+from posttrain.parallel import exchange, fetch
 from posttrain.sampling import Completion
 
 # An episode's counts that cross with it (its metrics are over every process's episodes).
@@ -157,12 +156,4 @@ def _episodes(theirs: dict, completions: list, starts, ends) -> list[Episode]:
 def host_array(x: jax.Array) -> np.ndarray:
     """The whole value of a (batch-sharded) global array on every process, gathered on the
     devices that hold it."""
-    if jax.process_count() == 1:
-        return np.asarray(x)
-    everywhere = NamedSharding(x.sharding.mesh, PartitionSpec())
-    crossing(f"gather {x.dtype}{list(x.shape)}")
-    return np.asarray(jax.jit(_identity, out_shardings=everywhere)(x).addressable_data(0))
-
-
-def _identity(x):
-    return x
+    return np.asarray(fetch(x))

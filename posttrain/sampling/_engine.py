@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.models import Transformer
+from posttrain.parallel import fetch
 from posttrain.sampling._blocks import BlockPool
 from posttrain.sampling._engine_config import EngineConfig, EngineStats
 from posttrain.sampling._paged import Rows, decode, empty_rows, on_devices_of, prefill
@@ -236,12 +237,12 @@ class Engine:
                 greedy=all(req.sampling.greedy for req, _, _ in live),
                 unstack=self.config.unstack_layers,
             )
-            proposed, accepted, rounds = (int(x) for x in jax.device_get(counts))
+            proposed, accepted, rounds = (int(x) for x in fetch(counts))
             self.stats.proposed += proposed
             self.stats.accepted += accepted
             self.stats.rounds += rounds
         self.stats.decode_calls += 1
-        tok_BK, lp_BK, live_BK, done_B, cached_B = jax.device_get(
+        tok_BK, lp_BK, live_BK, done_B, cached_B = fetch(
             (tok_BK, lp_BK, live_BK, self._rows.done_B, self._rows.lengths_B)
         )
         finished, ended = [], []
@@ -266,7 +267,7 @@ class Engine:
                 if all(req.done):
                     finished.append(req)
         if ended and self._rows.routes_BSTK is not None:
-            routes = jax.device_get(self._rows.routes_BSTK[np.asarray([b for b, _, _ in ended])])
+            routes = fetch(self._rows.routes_BSTK[np.asarray([b for b, _, _ in ended])])
             for (_, req, j), routes_STK in zip(ended, routes, strict=True):
                 req.routes[j] = routes_STK[: len(req.prompt) + len(req.tokens[j])]
         return finished

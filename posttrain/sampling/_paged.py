@@ -27,7 +27,7 @@ from posttrain.models import (
     token_logprobs,
     unstack_layers,
 )
-from posttrain.parallel import logical_to_spec
+from posttrain.parallel import logical_to_spec, put
 from posttrain.sampling._sample import draw_unfiltered, sample_tokens, unfiltered
 from posttrain.sampling._speculative import MTP, DraftModel
 
@@ -460,4 +460,4 @@ def on_devices_of(rows: Rows, params) -> Rows:
     shardings = shardings._replace(
         **{f: jax.tree.map(pool_sharding, getattr(rows, f)) for f in _POOLS}
     )
-    return jax.device_put(rows, shardings)
+    return put(rows, shardings)  # (on a mesh across processes: each makes its shards)

@@ -48,7 +48,11 @@ from posttrain.methods import run_from_config
 overrides = json.loads(sys.argv[2])
 summary = run_from_config(toy_config("tiny", overrides.pop("file"), **overrides), sys.argv[1])
 print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
-"""
+import jax  # the share of the trained weights this process holds (its distinct shards)
+leaves = jax.tree.leaves(summary["state"].params)
+held = sum(s.data.size for a in leaves for s in {str(s.index): s for s in a.addressable_shards}.values())
+print("HELD", held / sum(a.size for a in leaves), flush=True)
+"""  # noqa: E501
 
 
 def _argv(workdir, overrides) -> list[str]:
@@ -345,6 +349,33 @@ def test_partial_rollouts_on_two_processes_match_one(tmp_path, trained_tiny):
     assert all(r["token_staleness_max"] <= 2 and r["groups"] == 6 for r in two)
     lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
     assert any(a != b for a, b in lengths), lengths
+
+
+@pytest.mark.slow  # (~1 minute)
+def test_a_sampler_sharded_across_the_processes_matches_one(tmp_path, trained_tiny):
+    """GRPO from the trained start on a mesh whose fsdp axis spans the 2 processes (fsdp 2 x
+    tensor 4: each process holds half of every weight) with `rollout.sampler_mesh="global"`:
+    one engine over that mesh samples every prompt on both processes, its device programs
+    spanning them, and each scores its share; rewards, losses and evals equal 1 x 8's, and
+    the processes' shares end at different lengths."""
+    mesh = {"data": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 4}
+    run = {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)),
+           "rollout__sampler_mesh": "global", "mesh__ici": mesh}  # fmt: skip
+    pair = launch_group(_argv(tmp_path / "two", run), processes=2, devices=4)
+    single = launch(_argv(tmp_path / "one", run), devices=8)
+    outs = [finish(p) for p in [*pair, single]]
+    assert all(f"STOPPED completed {STEPS}" in out for out in outs)
+    held = [float(out.split("HELD ")[1].split()[0]) for out in outs]
+    assert held == [0.5, 0.5, 1.0], held  # (no process of the two holds the whole model)
+    two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
+    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
+    for key in ("reward", "reward_std", "loss", "kl", "response_length"):
+        assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
+    assert any(a != b for a, b in lengths), lengths
+    evals = [read_metrics(str(tmp_path / w), split="eval") for w in ("two", "one")]
+    for key in ("eval_reward", "eval_pass_rate"):
+        assert_close([r[key] for r in evals[0]], [r[key] for r in evals[1]], rtol=1e-5)
 
 
 @pytest.mark.slow  # (~1 minute a dtype: the mode's tiled layers compile slowly)
