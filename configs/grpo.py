@@ -77,6 +77,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.max_refills = 4  # extra prompt batches per step for refilling
     c.rollout.overlong_buffer = 0  # DAPO soft over-length penalty ramp, tokens (0: off)
     c.rollout.sampler_devices = 0  # > 0: sample on the last N devices, train on the rest
+    # Several hosts, co-located: each samples its share with its own copy of the weights
+    # (per_process: the model fits a host), or one engine over the training mesh samples
+    # every prompt on every host, the weights sharded as trained (global).
+    c.rollout.sampler_mesh = "per_process"
     c.rollout.max_staleness = 0  # decoupled: rollouts may use weights this many steps old
     # Decoupled: partial rollouts, in-flight weight updates: a step takes the groups that finish
     # first, the rest continue on newer weights (each token's version within max_staleness).
@@ -245,6 +249,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.micro_batches = 1
         c.train.steps = 200
         c.kl.coef = 0.001
+        # No host holds the model: one engine over the whole slice samples every prompt on
+        # every host. Its rows and KV pool are replicated over the batch axes, so 16 rows decode
+        # at once (the rest wait for a row to finish): 82.5 of 95 GiB per chip (docs/compile.md).
+        c.rollout.sampler_mesh = "global"
+        c.rollout.engine.slots = 16
     elif size == "gemma3_4b_vlm_v5p":
         # 16 image prompts x 8 samples per step on 4 v5p chips (FSDP): the policy, its frozen
         # reference and the sampler's KV cache; image pixels ride in the rollout batch.
@@ -261,6 +270,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.rollout.num_generations = 8
         c.rollout.max_prompt_len = 1024
         c.rollout.max_new_tokens = 1024
+        c.rollout.engine.slots = 32  # (the engine's rows replicated: 48.5 of 95 GiB per chip)
         c.algorithm.minibatches = 4
         c.train.micro_batches = 2
         c.train.steps = 300
@@ -278,6 +288,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.train.micro_batches = 4
         c.train.steps = 500
         c.kl.coef = 0.001
+        # The engine's rows and KV pool are replicated over the batch axes: 32 rows decode at
+        # once on the training mesh, 73.1 of 95 GiB per chip (docs/compile.md).
+        c.rollout.engine.slots = 32
         if size == "qwen3_8b_32k_v5p":
             # Long reasoning rollouts: 8 prompts x 8 samples of up to 32k tokens; the train
             # step's rows split over sequence=4 x fsdp=8, one row per fsdp group per micro-batch;
@@ -290,4 +303,5 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
             c.rollout.max_prompt_len = 1024
             c.rollout.max_new_tokens = 31_744
             c.algorithm.minibatches = 2
+            c.rollout.engine.slots = 4  # (rows of 32k tokens: 55.9 of 95 GiB per chip)
     return override(c, VARIANTS[variant])

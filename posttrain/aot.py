@@ -113,6 +113,13 @@ class CompileReport:
     # per device, seconds at the slice's ICI / DCN bandwidth, and how much of it is async.
     communication: dict = dataclasses.field(default_factory=dict)
     remat: str = ""  # the model's layer remat policy in this program
+    # Programs the method runs beside the step (RL: the co-located sampler's decode call),
+    # compiled too: {name: {"label", "arguments", "outputs", "temporaries", "aliased",
+    # "shared" (bytes of its arguments the step's state holds: the weights), "seconds"}}.
+    programs: dict = dataclasses.field(default_factory=dict)
+    # Bytes per device the step's state and frozen inputs hold (what stays while a program
+    # beside it runs).
+    state: float = 0.0
 
     @property
     def total(self) -> float:
@@ -122,13 +129,22 @@ class CompileReport:
             + sum(self.resident.values())
         )  # fmt: skip
 
+    def program_total(self, name: str) -> float:
+        """Per-device peak while program `name` runs: the step's state and frozen inputs, the
+        resident extras, and the program's own buffers beyond the weights it shares."""
+        p = self.programs[name]
+        own = p["arguments"] - p["shared"] + p["outputs"] + p["temporaries"] - p["aliased"]
+        return self.state + sum(self.resident.values()) + own
+
     @property
     def capacity(self) -> float:
         return self.chip.hbm_bytes
 
     @property
     def fits(self) -> bool:
-        return self.total <= FIT_FRACTION * self.capacity
+        """The step fits, and so does every program beside it."""
+        peaks = [self.total, *map(self.program_total, self.programs)]
+        return max(peaks) <= FIT_FRACTION * self.capacity
 
     @property
     def compute_seconds(self) -> float:
@@ -208,7 +224,33 @@ class CompileReport:
             f"{100 * share / self.step_seconds:.0f}% of the step; compute and HBM alone: "
             f"{100 * self.compute_mfu:.0f}%)",
         ]
+        for name, p in self.programs.items():
+            total = self.program_total(name)
+            out += [
+                f"{name}: {p['label']}, "
+                + (f"compiled in {p['seconds']:.0f} s" if p["compiled"] else "not compiled"),
+                f"  arguments     {gib(p['arguments'])}  (of which the weights, shared with the "
+                f"step: {p['shared'] / GiB:.2f} GiB)",
+                f"  temporaries   {gib(p['temporaries'])}",
+                f"  total         {gib(total)}  of {self.capacity / GiB:.0f} GiB "
+                f"({100 * total / self.capacity:.0f}%), beside the step's state and the "
+                "resident extras",
+            ]
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A program a method runs beside its step, compiled with it: `fn` (jitted) lowered on
+    `args` (abstract, sharded) and `static` keyword arguments; `shared`: bytes per device of
+    its arguments that the step's state already holds (the weights); `label` says what it
+    is in the report."""
+
+    fn: Callable
+    args: tuple
+    static: dict
+    shared: float
+    label: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +267,7 @@ class Lowering:
       resident: bytes per device the method keeps beside the step, by name.
       model_config: the trained model's config; lm_head: whether the step computes its
         vocabulary logits (not a reward model's trunk), for the model's FLOPs.
+      programs: what the method runs beside the step, compiled and measured too (`Program`).
     """
 
     method: str
@@ -240,6 +283,7 @@ class Lowering:
     resident: dict
     model_config: Any
     lm_head: bool = True
+    programs: dict = dataclasses.field(default_factory=dict)
 
     def jitted(self):
         """The step as a run jits it (donated state; frozen inputs keep their shardings)."""
@@ -349,6 +393,7 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
             sizes = (state_bytes + batch_bytes, state_bytes, temporaries, state_bytes)
             cost, host, communication = {}, 0.0, {}
         seconds = time.perf_counter() - start
+        programs = {name: _measure_program(p) for name, p in low.programs.items()}
         program = matmul_flops(jax.make_jaxpr(step)(*low.arguments()).jaxpr)
         expert_buffer = _expert_buffer(low.model_config, low.mesh)
     model_config, tokens, length = low.model_config, low.tokens, low.length
@@ -380,7 +425,36 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         ),
         communication=communication,
         remat=model_config.remat,
+        programs=programs,
+        state=state_bytes,
     )
+
+
+def _measure_program(program: Program) -> dict:
+    """A `Program` compiled (under the caller's mesh and rules): its memory per device."""
+    import time
+
+    start = time.perf_counter()
+    lowered = program.fn.lower(*program.args, **program.static)
+    out = {"label": program.label, "shared": program.shared, "compiled": True}
+    try:
+        memory = _compile_uncached(lowered).memory_analysis()
+        out.update(
+            arguments=float(memory.argument_size_in_bytes),
+            outputs=float(memory.output_size_in_bytes),
+            temporaries=float(memory.temp_size_in_bytes),
+            aliased=float(memory.alias_size_in_bytes),
+        )
+    except jax.errors.JaxRuntimeError as e:  # over HBM: XLA says how much it needs
+        found = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+            raise
+        arguments = bytes_per_device(program.args, jax.tree.map(lambda x: x.sharding, program.args))
+        temporaries = float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024
+        out.update(arguments=arguments, outputs=0.0, temporaries=temporaries, aliased=0.0,
+                   compiled=False)  # fmt: skip
+    out["seconds"] = time.perf_counter() - start
+    return out
 
 
 def _communication(hlo: str, mesh, topology: str, chip: Chip) -> dict:
@@ -451,6 +525,16 @@ def remat_lines(reports: dict[str, CompileReport]) -> list[str]:
 
 def suggestion(report: CompileReport) -> str:
     """What to change when a plan does not fit."""
+    over = [n for n in report.programs if report.program_total(n) > FIT_FRACTION * report.capacity]
+    if over and report.total <= FIT_FRACTION * report.capacity:
+        need = report.program_total(over[0])
+        return (
+            f"the step fits, but {over[0]} needs {need / GiB:.1f} GiB per chip of the "
+            f"{FIT_FRACTION:.0%} of {report.capacity / GiB:.0f} GiB available: decode fewer rows "
+            "at once (rollout.engine.slots), a smaller KV pool (rollout.engine.num_blocks, "
+            "rollout.engine.kv_dtype=int8), shard the KV heads (mesh tensor), or sample on "
+            "devices of its own (rollout.sampler_devices)"
+        )
     return (
         f"needs {report.total / GiB:.1f} GiB per chip but {FIT_FRACTION:.0%} of "
         f"{report.capacity / GiB:.0f} GiB is available: shard more (mesh.ici.fsdp=-1 over all "

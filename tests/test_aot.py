@@ -145,6 +145,29 @@ def test_offload_remat_keeps_saved_activations_in_host_memory():
     assert any(line.startswith("  host memory") for line in report.lines())
 
 
+def test_an_rl_plan_compiles_its_samplers_decode_beside_the_step():
+    """`posttrain compile` of a GRPO plan compiles the co-located sampler's decode call as a
+    run makes it on the training mesh: its arguments hold the weights (shared with the step)
+    and the engine's KV pool, which the engine replicates over the batch axes (computed here
+    from the model's shape); a pool beyond HBM makes the plan not fit, with a suggestion that
+    names the engine's settings."""
+    from posttrain.aot import suggestion
+
+    values = {"model.checkpoint": "", "model.attention": "xla", "rollout.engine.slots": 8}
+    config = override(load_config_file(os.path.join(REPO, "configs", "grpo.py:tiny")), values)
+    report = compile_plan(config, "v5e-8")
+    decode = report.programs["rollout decode"]
+    assert report.fits and decode["compiled"], report.lines()
+    tiny = get_preset("tiny")  # float32 keys and values, 16-token blocks, rows of 32 + 8
+    blocks = 1 + 8 * -(-(32 + 8) // 16)
+    pool = tiny.num_layers * 2 * blocks * 16 * tiny.num_kv_heads * tiny.head_dim * 4
+    assert decode["arguments"] >= pool + decode["shared"] > pool, report.lines()
+    assert "rollout decode: 8 rows of 40 tokens" in "\n".join(report.lines())
+    huge = compile_plan(override(config, {"rollout.engine.num_blocks": 1_100_000}), "v5e-8")
+    assert huge.total < 1 * 2**30 and not huge.fits  # (the step alone would fit)
+    assert "rollout.engine.slots" in suggestion(huge)
+
+
 @pytest.mark.parametrize(  # dpo, rm and grpo (~30 s each) in `make test-slow`; ppo has both
     "method",  # a policy and a value head
     [pytest.param("dpo", marks=pytest.mark.slow), pytest.param("rm", marks=pytest.mark.slow),
@@ -253,8 +276,10 @@ def test_real_size_presets_compile_and_fit_their_slice(spec, topology):
     config = load_config_file(os.path.join(REPO, "configs", spec))
     report = compile_plan(config, topology)
     assert report.fits, report.lines()
-    if spec.startswith("grpo"):
-        assert set(report.resident) == {"reference", "KV cache"}  # policy + reference + cache
+    if spec.startswith("grpo"):  # policy + reference, and the sampler's decode with its pool
+        assert set(report.resident) == {"reference"} and set(report.programs) == {
+            "rollout decode"
+        }
 
 
 @pytest.mark.slow  # ~2.5 minutes here
@@ -279,7 +304,7 @@ def test_gemma3_vlm_grpo_fits_v5p_8(capsys):
     code = cli.main(["compile", "--config=configs/grpo.py:gemma3_4b_vlm_v5p", "--topology=v5p-8"])
     out = capsys.readouterr().out
     assert code == 0 and out.strip().splitlines()[-1] == "fits", out
-    assert "4 x TPU v5p" in out and "KV cache" in out and "reference" in out
+    assert "4 x TPU v5p" in out and "rollout decode" in out and "reference" in out
 
 
 @pytest.mark.slow  # ~4 minutes each here
@@ -325,8 +350,8 @@ def test_kimi_k2_fits_v5p_1024(method):
     # Program FLOPs: the model's (active parameters) x remat x the expert buffers' padding.
     ratio = report.compiled_flops / (report.model_flops * report.expected_ratio)
     assert abs(ratio - 1) < 0.10, report.lines()
-    if method == "grpo":
-        assert set(report.resident) == {"reference", "KV cache"}
+    if method == "grpo":  # the reference beside it, and the sampler's decode over the slice
+        assert set(report.resident) == {"reference"} and report.programs["rollout decode"]["compiled"]
 
 
 @pytest.mark.slow

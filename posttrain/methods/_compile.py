@@ -14,11 +14,12 @@ from posttrain.parallel import axis_rules, make_mesh
 from posttrain.train import check_batching, make_step
 
 
-def lowering(config, devices, domains=None) -> aot.Lowering:
+def lowering(config, devices, domains=None, *, programs: bool = True) -> aot.Lowering:
     """The configured method's train step on a mesh of `devices` (TPU topology devices for a
     plan, or real ones), with abstract state, frozen inputs and batch: the function
     `posttrain.train._run.train` jits, from the method's own `StepPlan`. `domains`: those
     the step names (default: the config's sources'; a run adds those its records name).
+    `programs`: with what the method runs beside the step (RL: the sampler's decode call).
 
     Raises:
       ConfigError: the config, or a mesh or batch that does not fit the devices.
@@ -34,6 +35,7 @@ def lowering(config, devices, domains=None) -> aot.Lowering:
         batch, tokens, length = method.batch(c, mesh)
         inputs = method.frozen(c, model_config, mesh)
         resident = method.resident(c, model_config, mesh)
+        beside = method.programs(c, model_config, mesh) if programs else {}
     label = method.name
     if c.lora is not None:
         stored = f", {c.lora.quantize} base" if c.lora.quantize else ""
@@ -52,11 +54,15 @@ def lowering(config, devices, domains=None) -> aot.Lowering:
         resident=resident,
         model_config=model_config,
         lm_head=method.lm_head,
+        programs=beside,
     )
 
 
-def compile_plan(config, topology: str, *, num_slices: int = 1) -> aot.CompileReport:
-    """Compiles the configured method's train step for `topology` and measures it.
+def compile_plan(
+    config, topology: str, *, num_slices: int = 1, programs: bool = True
+) -> aot.CompileReport:
+    """Compiles the configured method's train step (and with `programs` what it runs beside
+    it: RL's sampler) for `topology` and measures them.
 
     Args:
       config: a loaded config (`load_config_file("configs/<method>.py:<preset>")`).
@@ -69,7 +75,7 @@ def compile_plan(config, topology: str, *, num_slices: int = 1) -> aot.CompileRe
     """
     generation, devices = aot.topology_devices(topology, num_slices)
     name = topology if num_slices == 1 else f"{num_slices} x {topology}"
-    return aot.measure(lowering(config, devices), name, generation)
+    return aot.measure(lowering(config, devices, programs=programs), name, generation)
 
 
 REMAT_SWEEP = ("full", "dots_no_batch", "dots", "offload_dots", "none")  # most saved last
@@ -78,14 +84,15 @@ REMAT_SWEEP = ("full", "dots_no_batch", "dots", "offload_dots", "none")  # most 
 def remat_sweep(config, topology: str, *, num_slices: int = 1, known=None, progress=False):
     """The plan compiled once per layer remat policy (`REMAT_SWEEP`): {policy: report}, for
     `posttrain.aot.remat_lines` / `fastest_fit`. `known`: a report of this plan already
-    compiled (under its own policy), reused. `progress`: a bar over the compiles."""
+    compiled (under its own policy), reused. `progress`: a bar over the compiles. (The
+    programs beside the step do not depend on the policy: compiled once, with `known`.)"""
     reports = {}
     for policy in tqdm(REMAT_SWEEP, desc="remat sweep", disable=not progress, leave=False):
         if known is not None and known.remat == policy:
             reports[policy] = known
         else:
             changed = override(copy.deepcopy(config), {"model.remat": policy})
-            reports[policy] = compile_plan(changed, topology, num_slices=num_slices)
+            reports[policy] = compile_plan(changed, topology, num_slices=num_slices, programs=False)
     return reports
 
 

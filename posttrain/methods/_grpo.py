@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain import paths
-from posttrain.aot import bytes_per_device
+from posttrain.aot import Program, bytes_per_device
 from posttrain.config import ConfigError
 from posttrain.data import prompt_image_spec, prompt_slots
 from posttrain.envs import rewards_itself
@@ -41,7 +41,13 @@ from posttrain.lora import Policy
 from posttrain.methods._method import SEQUENCE, Method, abstract, images, policy_frozen
 from posttrain.methods._offline_rl import offline_rl
 from posttrain.methods._rft import filter_by_difficulty, rejection_sampling
-from posttrain.models import ModelConfig, param_shapes, param_shardings
+from posttrain.models import (
+    ModelConfig,
+    Transformer,
+    param_shapes,
+    param_shardings,
+    with_shardings,
+)
 from posttrain.parallel import MeshConfig, axis_rules, last_of_each_process, make_mesh
 from posttrain.rewards import RewardPool
 from posttrain.rl import (
@@ -65,6 +71,7 @@ from posttrain.rl import (
     teacher_model,
     value_trainable,
 )
+from posttrain.sampling import planned_decode
 from posttrain.train import (
     BatchPasses,
     StepPlan,
@@ -347,25 +354,39 @@ def rl_batch(c: RLConfig, mesh):
 
 
 def rl_resident(c: RLConfig, model_config: ModelConfig, mesh) -> dict:
-    """GRPO/PPO's frozen reference (the LoRA base with adapters off costs nothing more), the
-    merged weights a LoRA policy samples with, and the rollout KV cache (co-located sampler)."""
+    """GRPO/PPO's frozen reference (the LoRA base with adapters off costs nothing more) and
+    the merged weights a LoRA policy samples with (co-located sampler). The sampler's KV pool
+    is in its decode call's arguments (`rl_programs`)."""
     out = {}
     full = param_shardings(model_config, mesh)
     if c.kl.enabled and c.lora is None:
         out["reference"] = bytes_per_device(param_shapes(model_config), full)
-    if c.rollout.sampler_devices:
-        return out
-    if c.lora is not None:
+    if c.lora is not None and not c.rollout.sampler_devices:
         out["sampler weights (merged)"] = bytes_per_device(param_shapes(model_config), full)
-    m = model_config
-    length = c.rollout.max_prompt_len + c.rollout.max_new_tokens
-    sizes = dict(mesh.shape)
-    batch_split = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    heads, k_dim, v_dim = m.cache_dims()  # MLA: one latent per token
-    itemsize = jnp.dtype(m.compute_dtype).itemsize
-    cache = m.num_layers * c.rows * length * heads * (k_dim + v_dim) * itemsize
-    out["KV cache"] = cache / (min(batch_split, c.rows) * min(sizes["tensor"], heads))
     return out
+
+
+def rl_programs(c: RLConfig, model_config: ModelConfig, mesh) -> dict:
+    """The co-located sampler's decode call as a run on the training mesh makes it (the
+    engine's rows and KV pool laid out as the engine lays them out, a step's samples decoding
+    at once by default): on several hosts that is `rollout.sampler_mesh="global"`, the only
+    layout for a model no host holds whole. A decoupled sampler runs on devices of its own
+    (not compiled here)."""
+    if c.rollout.sampler_devices:
+        return {}
+    r = c.rollout
+    slots = c.data.batch_size * r.num_generations * (2 if r.partial else 1)
+    config = dataclasses.replace(r.engine.sized(slots), record_routes=c.loss.router_replay != "off")
+    weights = with_shardings(param_shapes(model_config), param_shardings(model_config, mesh))
+    length = r.max_prompt_len + r.max_new_tokens
+    fn, args, static = planned_decode(Transformer(weights, model_config), config, length, mesh)
+    blocks = config.num_blocks or 1 + config.slots * -(-length // config.block_size)
+    label = (
+        f"{config.slots} rows of {length} tokens, {config.chunk} steps a call, a KV pool of "
+        f"{blocks} blocks of {config.block_size} tokens, on the training mesh"
+    )
+    shared = bytes_per_device(weights, jax.tree.map(lambda x: x.sharding, weights))
+    return {"rollout decode": Program(fn, args, static, shared=shared, label=label)}
 
 
 def rl_method(name: str, check) -> Method:
@@ -386,6 +407,7 @@ def rl_method(name: str, check) -> Method:
         rows=lambda c: c.rows // c.algorithm.minibatches,
         devices=lambda c, devices: split_devices(c, devices)[0],
         resident=rl_resident,
+        programs=rl_programs,
         check=check,
     )
 

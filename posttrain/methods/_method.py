@@ -39,6 +39,8 @@ class Method:
         beside the step (a frozen reference, the rollout KV cache).
       lm_head: whether the step computes vocabulary logits (a reward model's trunk does not),
         for the model's FLOPs.
+      programs: `(config, model_config, mesh) -> {name: posttrain.aot.Program}` the run runs
+        beside the step (RL: the co-located sampler's decode call), compiled with it.
       check: `config -> None`, raises `ConfigError` for a config this method does not run
         (a GRPO config given to `ppo`); `method_config` and `run` call it.
     """
@@ -54,6 +56,7 @@ class Method:
     resident: Callable[[Any, Any, Any], dict] = lambda c, model_config, mesh: {}
     lm_head: bool = True
     check: Callable[[Any], None] = lambda c: None
+    programs: Callable[[Any, Any, Any], dict] = lambda c, model_config, mesh: {}
 
 
 def lora_base(c, model_config, mesh):

@@ -13,6 +13,7 @@ from posttrain.sampling._continuous import (
 from posttrain.sampling._engine import Engine, Request
 from posttrain.sampling._engine_config import EngineConfig, EngineStats
 from posttrain.sampling._generate import generate
+from posttrain.sampling._paged import planned_decode
 from posttrain.sampling._params import SamplingParams
 from posttrain.sampling._request import Kept
 from posttrain.sampling._run import default_out, run_generate
@@ -38,6 +39,7 @@ __all__ = [
     "generate_continuous",
     "generate_speculative",
     "PromptLookup",
+    "planned_decode",
     "Kept",
     "Request",
     "request_completions",

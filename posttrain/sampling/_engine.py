@@ -118,9 +118,10 @@ class Engine:
                 f"num_blocks or lower max_len"
             )
         self.num_blocks = num_blocks
-        device = next(iter(jax.tree.leaves(model.params)[0].devices()))
+        devices = jax.tree.leaves(model.params)[0].sharding.device_set
+        platform = next(iter(devices)).platform
         nnx = model.config.nnx is not None
-        self.kernel = "" if nnx else config.kernel(model.config, device.platform)
+        self.kernel = "" if nnx else config.kernel(model.config, platform, len(devices))
         self.stats = EngineStats()
         self.set_eos(eos_ids)
         self._blocks = BlockPool(num_blocks)

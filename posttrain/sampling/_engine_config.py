@@ -89,8 +89,10 @@ class EngineConfig:
         """This config with `slots` = `rows` where it says 0 (sized to the work)."""
         return self if self.slots else dataclasses.replace(self, slots=rows)
 
-    def kernel(self, model_config, platform: str) -> str:
-        """The `PagedKVCache.kernel` decode steps use ("" for the XLA gather)."""
+    def kernel(self, model_config, platform: str, devices: int = 1) -> str:
+        """The `PagedKVCache.kernel` decode steps use ("" for the XLA gather) on `devices`
+        devices of `platform`: the Pallas kernels run on one (XLA cannot partition a Mosaic
+        call over a mesh, and they are not wrapped in a shard_map yet)."""
         fits = (
             self.kv_dtype == "auto"
             and model_config.mla is None
@@ -99,9 +101,14 @@ class EngineConfig:
             and not model_config.attn_softcap  # (Gemma 2: the kernels here do not cap)
         )
         if self.attention == "auto":
-            return "ragged" if platform == "tpu" and fits else ""
+            return "ragged" if platform == "tpu" and fits and devices == 1 else ""
         if self.attention == "xla":
             return ""
+        if devices > 1:
+            raise ValueError(
+                f"engine attention={self.attention!r} runs on one device (the weights are on "
+                f"{devices}); use 'auto' or 'xla'"
+            )
         if not fits:
             raise ValueError(
                 f"engine attention={self.attention!r} needs a model-dtype KV cache (kv_dtype="
