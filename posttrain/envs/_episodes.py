@@ -110,6 +110,17 @@ class Episode:
         return self.finish_reason not in ("stop", "error")
 
 
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """Episodes on several processes that run one engine (a sampler spanning them): each
+    process runs the environment calls of the episodes it owns (`mine(group, index)`), and
+    `exchange(events) -> [every process's events]` tells every process what the environments
+    answered, so all feed the engine the same requests at the same calls."""
+
+    mine: Callable[[int, int], bool]
+    exchange: Callable[[list], list[list]]
+
+
 @dataclasses.dataclass
 class _Live:
     """An episode in progress."""
@@ -136,6 +147,7 @@ def run_episodes(
     tool_format: str = "auto",
     on_episode: Callable[[Episode], None] | None = None,
     keep_kv: bool = True,
+    shared: Shared | None = None,
 ) -> list[list[Episode]]:
     """Runs every environment's episode to its end; returns the episodes by group.
 
@@ -154,6 +166,10 @@ def run_episodes(
       keep_kv: an episode's next turn continues on the KV blocks of its earlier ones
         (prefilling only what the environment answered) where the engine can keep them;
         False prefills its whole history every turn.
+      shared: several processes running this engine together (`Shared`): every process
+        calls this with the same groups; each runs its own episodes' environments, and after
+        each engine call the answers that arrived on any process are applied on all, in one
+        order.
 
     Returns:
       Per group, its episodes in the order of its environments.
@@ -178,6 +194,8 @@ def run_episodes(
     opened = [0] * len(groups)
     left = sum(map(len, groups))
 
+    mine = (lambda g, j: True) if shared is None else shared.mine
+
     def finish(g: int, j: int, reason: str, reward: float | None = None) -> None:
         nonlocal left
         item = live[g][j]
@@ -185,7 +203,8 @@ def run_episodes(
         ep.finish_reason, ep.reward = reason, reward if reason != "error" else 0.0
         engine.release(item.kept)
         item.kept = None
-        call("close", g, j, item.env.close)
+        if mine(g, j):
+            call("close", g, j, item.env.close)
         out[g][j] = ep
         left -= 1
         if on_episode is not None:
@@ -252,7 +271,8 @@ def run_episodes(
             return
         # (A turn cut by turn_tokens still goes to the environment; its observation closes it.)
         step_message = {**message, "tool_call_errors": list(parsed.errors)}
-        call("step", g, j, item.env.step, step_message)
+        if mine(g, j):  # (shared: another process's episode; its answer comes as an event)
+            call("step", g, j, item.env.step, step_message)
 
     def on_step(g: int, j: int, step: Step) -> None:
         item = live[g][j]
@@ -285,6 +305,19 @@ def run_episodes(
         ep.mask += [0] * len(observed)
         submit_turn(g, [j], turn[g, ep.turns, j])
 
+    def collect() -> None:
+        """After an engine call: each sample whose turn is over (as soon as it is done, not
+        when its whole group is) goes to its environment."""
+        for rid, (req, g, js) in list(running.items()):
+            for s, j in enumerate(js):
+                if req.done[s] and j not in taken[rid]:
+                    taken[rid].add(j)
+                    live[g][j].kept = req.kept[s]
+                    hit = engine.hit_eos(req, s)
+                    on_sampled(g, j, req.tokens[s], req.logprobs[s], hit)
+            if len(taken[rid]) == len(js):
+                del running[rid], taken[rid]
+
     def on_reset(g: int, j: int, messages: list[dict]) -> None:
         item = live[g][j]
         item.turns = Turns(tokenizer, item.env.schemas)
@@ -312,10 +345,70 @@ def run_episodes(
             for k in range(len(prompts)):
                 submit_turn(g, [k], own[g, k])
 
+    def apply(event: dict) -> None:
+        """An environment's answer that arrived on some process (`shared`), applied."""
+        kind, g, j = event["kind"], event["g"], event["j"]
+        if kind == "reset":
+            on_reset(g, j, event["result"])
+        elif kind == "step":
+            on_step(g, j, Step(**event["result"]))
+        elif kind == "step_error":
+            _log.warning("an environment step raised (episode ends, reward 0): %s",
+                         event["result"])  # fmt: skip
+            finish(g, j, "error")
+        elif kind == "step_overdue":
+            _log.warning(
+                "an environment step ran past the episode's tool time (%g s); it is left "
+                "running and the episode ends as tool_time",
+                budget.max_tool_s,
+            )
+            live[g][j].episode.tool_s = budget.max_tool_s
+            finish(g, j, "tool_time")
+        else:  # a reset that raised or never returned stops the rollout on every process
+            raise RuntimeError(f"an environment's reset failed on another process: {event}")
+
+    def shared_round() -> None:
+        """`shared`: this process's environment answers so far, everyone's applied."""
+        events, now = [], time.monotonic()
+        for future in list(waiting):
+            kind, g, j = waiting[future]
+            if not future.done() and deadlines[future] >= now:
+                continue
+            del waiting[future], deadlines[future]
+            if kind == "close":
+                if future.done() and future.exception() is not None:
+                    _log.warning("closing an environment failed: %s", future.exception())
+                continue
+            if not future.done():
+                events.append({"kind": f"{kind}_overdue", "g": g, "j": j, "result": None})
+            elif (error := future.exception()) is not None:
+                events.append({"kind": f"{kind}_error", "g": g, "j": j, "result": repr(error)})
+            else:
+                result = future.result()
+                result = result._asdict() if kind == "step" else result
+                events.append({"kind": kind, "g": g, "j": j, "result": result})
+        everyone = [e for theirs in shared.exchange(events) for e in theirs]
+        for event in sorted(everyone, key=lambda e: (e["g"], e["j"])):
+            apply(event)
+
     for g, group in enumerate(live):
         for j, item in enumerate(group):
-            call("reset", g, j, item.env.reset)
+            if mine(g, j):
+                call("reset", g, j, item.env.reset)
     try:
+        while shared is not None and left:  # (the same rounds on every process)
+            if not engine.idle:
+                engine.step()
+                collect()
+            else:  # wait for one of this process's calls (or none: the others answer)
+                calls = [f for f, (kind, _, _) in waiting.items() if kind != "close"]
+                if calls:
+                    soonest = min(deadlines[f] for f in calls) - time.monotonic()
+                    wait(calls, timeout=max(soonest, 0.0), return_when=FIRST_COMPLETED)
+            shared_round()
+        if shared is not None:  # (this process's closes)
+            wait(list(waiting), timeout=budget.max_tool_s + _GRACE_S)
+            waiting.clear()
         while left or waiting:
             for future in [f for f in waiting if f.done()]:
                 kind, g, j = waiting.pop(future)
@@ -337,16 +430,7 @@ def run_episodes(
                     on_step(g, j, result)
             if not engine.idle:
                 engine.step()
-                # A sample's turn is over as soon as it is done (not when its whole group is).
-                for rid, (req, g, js) in list(running.items()):
-                    for s, j in enumerate(js):
-                        if req.done[s] and j not in taken[rid]:
-                            taken[rid].add(j)
-                            live[g][j].kept = req.kept[s]
-                            hit = engine.hit_eos(req, s)
-                            on_sampled(g, j, req.tokens[s], req.logprobs[s], hit)
-                    if len(taken[rid]) == len(js):
-                        del running[rid], taken[rid]
+                collect()
             elif waiting:
                 soonest = min(deadlines.values()) - time.monotonic()
                 wait(list(waiting), timeout=max(soonest, 0.0), return_when=FIRST_COMPLETED)

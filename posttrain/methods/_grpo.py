@@ -155,12 +155,6 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
     rows = c.rows // c.algorithm.minibatches
     mesh, tokenizer, model_config = setup(c, workdir, rows=rows, devices=devices)
     check_router_replay(c, model_config)
-    if c.rollout.sampler_mesh == "global" and c.env.name and jax.process_count() > 1:
-        raise ConfigError(
-            "rollout.sampler_mesh='global' samples single-turn rollouts for now: multi-turn "
-            "episodes (env.name) on several processes sample per process (rollout.sampler_mesh="
-            "'per_process')"
-        )
     images = prompt_image_spec(
         model_config.vision, tokenizer, c.rollout.max_prompt_len, c.data.max_images
     )

@@ -20,10 +20,13 @@ from posttrain.rl._config import EnvConfig
 from posttrain.rl._domains import tally_components
 
 
-def sample_episodes(rollouts, model, prompts, kwargs, timings):
+def sample_episodes(rollouts, model, prompts, kwargs, timings, *, shared=None, share=None):
     """Multi-turn: G episodes of `config.env` per prompt on the engine of `rollouts` (a
     `Rollouts`); rewards from the environment, or from the prompt's reward domain for the last
-    turn's text."""
+    turn's text. `shared` (an engine spanning processes, `posttrain.envs.Shared`): every
+    process runs every episode on the engine, each the environments of its own; `share` (a
+    slice of the prompts): score only these in the reward pool (the others' rewards are 0
+    here, scored by the processes that own them)."""
     c, e, r = rollouts.config, rollouts.config.env, rollouts.config.rollout
     start = time.perf_counter()
     if rollouts.env_pool is None:
@@ -56,11 +59,13 @@ def sample_episodes(rollouts, model, prompts, kwargs, timings):
             budget=budget,
             pool=rollouts.env_pool,
             tool_format=e.tool_format,
+            shared=shared,
         )
     ran = time.perf_counter()
     flat = [(p, ep) for p, group in zip(prompts, episodes, strict=True) for ep in group]
     rewards = np.zeros(len(flat), np.float32)
     scored = []
+    mine = range(len(flat)) if share is None else range(share.start * G, share.stop * G)
     own = rewards_itself(e.name)  # its records need no reward domain: never the pool
     for i, (_, ep) in enumerate(flat):
         if ep.truncated and e.truncated_reward is not None:
@@ -75,7 +80,7 @@ def sample_episodes(rollouts, model, prompts, kwargs, timings):
                 "episode without a reward (Step.reward=None); return the episode's reward "
                 "when done, or register it without rewards=True to score by domain"
             )
-        else:
+        elif i in mine:
             scored.append(i)
     if scored:
         results = rollouts.pool.score(

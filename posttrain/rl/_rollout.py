@@ -8,6 +8,8 @@ The decoupled `RolloutProducer` is in `_rollout_producer.py`, multi-turn episode
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import time
 from contextlib import nullcontext
 
@@ -15,7 +17,7 @@ import jax
 import numpy as np
 
 from posttrain.data import prompt_image_spec, prompt_pixels
-from posttrain.envs import episode_metrics
+from posttrain.envs import Shared, episode_metrics
 from posttrain.models import Transformer
 from posttrain.parallel import exchange, mesh_of
 from posttrain.rewards import (
@@ -128,11 +130,32 @@ class Rollouts:
         """`rollout.sampler_mesh="global"` on several processes: every process runs the engine
         over the training mesh on every prompt, so all get the same completions (its device
         programs span the processes and its host decisions follow their replicated results);
-        each scores its share, and the rewards cross through the host."""
-        start = time.perf_counter()
+        each scores its share, and the rewards cross through the host. Episodes: each process
+        runs its share's environments, and their answers cross after each engine call
+        (`posttrain.envs.Shared`)."""
+        start, share = time.perf_counter(), prompt_share(len(prompts))
+        if self.config.env.name:  # each process runs its share's environments
+            r = self.config.rollout
+            sampling = SamplingParams(temperature=0.0) if greedy else r.sampling
+            kwargs = dict(max_new_tokens=r.max_new_tokens, n=1 if greedy else r.num_generations,
+                          seed=seed, seeds=seeds, **dataclasses.asdict(sampling))  # fmt: skip
+            rounds = itertools.count()
+
+            def tell(events: list) -> list[list]:
+                blob = np.frombuffer(json.dumps(events, default=_plain).encode(), np.uint8)
+                theirs = exchange(self.channel, f"{label}: round {next(rounds)}", {"e": blob})
+                return [json.loads(t["e"].tobytes()) for t in theirs]
+
+            shared = Shared(lambda g, j: share.start <= g < share.stop, tell)
+            model = Transformer(params, self.model_config)
+            completions, rewards = sample_episodes(
+                self, model, prompts, kwargs, timings, shared=shared, share=share
+            )
+            theirs = exchange(self.channel, f"{label}: rewards", {"scores": rewards[share]})
+            return completions, np.concatenate([t["scores"] for t in theirs]).astype(np.float32)
         completions = self._generate(params, prompts, seed, seeds, greedy, timings)
         generated = time.perf_counter()
-        share, G = prompt_share(len(prompts)), len(completions[0])
+        G = len(completions[0])
         mine = np.zeros((0, G), np.float32)
         if share.stop > share.start:
             mine = self.score(prompts[share], completions[share], shaped=not greedy,
@@ -207,6 +230,11 @@ class Rollouts:
     def close(self) -> None:
         if self.env_pool is not None:
             self.env_pool.close()
+
+
+def _plain(x):
+    """A NumPy scalar (or anything else) in an environment's answer, for JSON."""
+    return x.item() if hasattr(x, "item") else str(x)
 
 
 def sample_groups(

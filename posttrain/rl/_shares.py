@@ -62,8 +62,9 @@ def gather_groups(
         "truncated": np.asarray([c.finish_reason == "length" for c in flat], bool),
         "scores": np.asarray(rewards, np.float32).reshape(len(completions), G),
     }
-    if flat and all(c.versions is not None for c in flat):  # partial rollouts' token versions
-        local["versions"] = np.asarray([v for c in flat for v in c.versions], np.int64)
+    versions = [getattr(c, "versions", None) for c in flat]  # (partial rollouts': per token)
+    if flat and all(v is not None for v in versions):
+        local["versions"] = np.asarray([v for vs in versions for v in vs], np.int64)
     routes = [r for c in flat if (r := getattr(c, "routed_experts", None)) is not None]
     if routes:  # router replay: int16 [positions, MoE layers, top-k] per completion
         local.update(

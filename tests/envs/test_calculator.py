@@ -113,11 +113,15 @@ print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
 
 
 @pytest.mark.slow  # (~2 minutes: the calculator warm start, then 2 GRPO runs of episodes)
-def test_episodes_on_two_processes_match_one(calculator_sft, tmp_path):
+@pytest.mark.parametrize("sampler", ["per_process", "global"])
+def test_episodes_on_two_processes_match_one(calculator_sft, tmp_path, sampler):
     """GRPO on calculator episodes (configs/agent.py:calculator) on 2 processes x 4 devices vs 1
     x 8 from the warm start that calls the tool: each process runs its share of the step's
-    episodes (their environments and tool calls) on its own devices and gets every episode
-    back (prompt, tokens, loss mask, counts); rewards, losses and the episode metrics equal one
+    episodes' environments and tool calls. Per process it samples them on its own devices and
+    gets every episode back (prompt, tokens, loss mask, counts); with the sampler sharded
+    across both (`rollout.sampler_mesh="global"`, fsdp 2 x tensor 4: each process holds half
+    of every weight) both run every episode on one engine and the environments' answers
+    cross after each engine call. Rewards, losses and the episode metrics equal one
     process's, and the two processes' episodes end at different lengths."""
     from posttrain.train import read_metrics
     from tests.launch import finish, launch, launch_group
@@ -138,7 +142,13 @@ def test_episodes_on_two_processes_match_one(calculator_sft, tmp_path):
         "train.eval_every": 0,
         "checkpoint.async_save": False,
         "rewards.workers": 1,
+        # (a dense reward: the warm start's answers are all wrong, and the verifier's 0 for
+        # every episode would make every advantage and loss 0)
+        "rewards.domains": {"arithmetic": ["tests.rl.toy:digit_share"]},
+        "rollout.sampler_mesh": sampler,
     }
+    if sampler == "global":
+        values["mesh.ici"] = {"data": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 4}
     preset = os.path.join(REPO, "configs", "agent.py:calculator")
     argv = lambda where: ["-c", _RUNNER, str(tmp_path / where), preset, json.dumps(values)]  # noqa: E731
     pair = launch_group(argv("two"), processes=2, devices=4)
@@ -150,5 +160,6 @@ def test_episodes_on_two_processes_match_one(calculator_sft, tmp_path):
     for key in keys:
         assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
     assert any(r["episode/tool_calls"] > 0 for r in two)  # (really multi-turn)
+    assert all(r["reward_std"] > 0 for r in one) and any(r["loss"] != 0 for r in one)
     lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
     assert any(a != b for a, b in lengths), lengths
