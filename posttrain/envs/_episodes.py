@@ -365,7 +365,8 @@ def run_episodes(
             live[g][j].episode.tool_s = budget.max_tool_s
             finish(g, j, "tool_time")
         else:  # a reset that raised or never returned stops the rollout on every process
-            raise RuntimeError(f"an environment's reset failed on another process: {event}")
+            why = event["result"] or f"it ran past env.max_tool_s ({budget.max_tool_s:g} s)"
+            raise RuntimeError(f"the reset of episode {j} of group {g} failed: {why}")
 
     def shared_round() -> None:
         """`shared`: this process's environment answers so far, everyone's applied."""

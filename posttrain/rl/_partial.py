@@ -171,8 +171,8 @@ class PartialProducer(RolloutProducer):
                     g.rewards = r
             ended = {g.index for g in mine}
             if jax.process_count() > 1:  # (every process's groups that ended in this call)
-                mine_ = {"ended": np.asarray(sorted(ended), np.int64)}
-                theirs = exchange(self.rollouts.channel, f"{label}: ended", mine_)
+                local = {"ended": np.asarray(sorted(ended), np.int64)}
+                theirs = exchange(self.rollouts.channel, f"{label}: ended", local)
                 ended = {int(k) for t in theirs for k in t["ended"]}
             self.finished += [g for g in self.in_flight if g.index in ended]
             self.in_flight = [g for g in self.in_flight if g.index not in ended]

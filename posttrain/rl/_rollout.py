@@ -110,21 +110,23 @@ class Rollouts:
         return out
 
     def _sample(self, params, prompts, seed, seeds, greedy, timings):
-        r = self.config.rollout
         start = time.perf_counter()
         if self.config.env.name:
-            sampling = SamplingParams(temperature=0.0) if greedy else r.sampling
-            kwargs = dict(max_new_tokens=r.max_new_tokens, n=1 if greedy else r.num_generations,
-                          seed=seed, seeds=seeds, **dataclasses.asdict(sampling))  # fmt: skip
             model = Transformer(params, self.model_config)
+            kwargs = self._episode_settings(seed, seeds, greedy)
             return sample_episodes(self, model, prompts, kwargs, timings)
         completions = self._generate(params, prompts, seed, seeds, greedy, timings)
         generated = time.perf_counter()
         rewards = self.score(prompts, completions, shaped=not greedy, timings=timings)
-        if timings is not None:
-            timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
-            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
+        _add_seconds(timings, start, generated)
         return completions, rewards
+
+    def _episode_settings(self, seed, seeds, greedy) -> dict:
+        """`sample_episodes`' settings: budget, samples per prompt, seeds, sampling."""
+        r = self.config.rollout
+        sampling = SamplingParams(temperature=0.0) if greedy else r.sampling
+        return dict(max_new_tokens=r.max_new_tokens, n=1 if greedy else r.num_generations,
+                    seed=seed, seeds=seeds, **dataclasses.asdict(sampling))  # fmt: skip
 
     def _sample_everywhere(self, params, prompts, seed, seeds, greedy, timings, label):
         """`rollout.sampler_mesh="global"` on several processes: every process runs the engine
@@ -135,10 +137,6 @@ class Rollouts:
         (`posttrain.envs.Shared`)."""
         start, share = time.perf_counter(), prompt_share(len(prompts))
         if self.config.env.name:  # each process runs its share's environments
-            r = self.config.rollout
-            sampling = SamplingParams(temperature=0.0) if greedy else r.sampling
-            kwargs = dict(max_new_tokens=r.max_new_tokens, n=1 if greedy else r.num_generations,
-                          seed=seed, seeds=seeds, **dataclasses.asdict(sampling))  # fmt: skip
             rounds = itertools.count()
 
             def tell(events: list) -> list[list]:
@@ -148,6 +146,7 @@ class Rollouts:
 
             shared = Shared(lambda g, j: share.start <= g < share.stop, tell)
             model = Transformer(params, self.model_config)
+            kwargs = self._episode_settings(seed, seeds, greedy)
             completions, rewards = sample_episodes(
                 self, model, prompts, kwargs, timings, shared=shared, share=share
             )
@@ -162,9 +161,7 @@ class Rollouts:
                               timings=timings)  # fmt: skip
         theirs = exchange(self.channel, f"{label}: rewards", {"scores": mine.reshape(-1, G)})
         rewards = np.concatenate([t["scores"].reshape(-1, G) for t in theirs]).astype(np.float32)
-        if timings is not None:
-            timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
-            timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
+        _add_seconds(timings, start, generated)
         return completions, rewards
 
     def _generate(self, params, prompts, seed, seeds, greedy, timings):
@@ -230,6 +227,14 @@ class Rollouts:
     def close(self) -> None:
         if self.env_pool is not None:
             self.env_pool.close()
+
+
+def _add_seconds(timings, start: float, generated: float) -> None:
+    """Adds the seconds spent generating (start to `generated`) and scoring (since) to
+    `timings` (when given)."""
+    if timings is not None:
+        timings["generate_s"] = timings.get("generate_s", 0.0) + generated - start
+        timings["reward_s"] = timings.get("reward_s", 0.0) + time.perf_counter() - generated
 
 
 def _plain(x):
