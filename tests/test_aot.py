@@ -146,22 +146,23 @@ def test_offload_remat_keeps_saved_activations_in_host_memory():
 
 
 def test_an_rl_plan_compiles_its_samplers_decode_beside_the_step():
-    """`posttrain compile` of a GRPO plan compiles the co-located sampler's decode call as a
-    run makes it on the training mesh: its arguments hold the weights (shared with the step)
-    and the engine's KV pool, which the engine replicates over the batch axes (computed here
-    from the model's shape); a pool beyond HBM makes the plan not fit, with a suggestion that
-    names the engine's settings."""
+    """`posttrain compile` of a GRPO plan compiles the co-located sampler's prefill and decode
+    calls as a run makes them on the training mesh: their arguments hold the weights (shared
+    with the step) and the engine's KV pool, which the engine replicates over the batch axes
+    (computed here from the model's shape); a pool beyond HBM makes the plan not fit, with a
+    suggestion that names the engine's settings."""
     from posttrain.aot import suggestion
 
     values = {"model.checkpoint": "", "model.attention": "xla", "rollout.engine.slots": 8}
     config = override(load_config_file(os.path.join(REPO, "configs", "grpo.py:tiny")), values)
     report = compile_plan(config, "v5e-8")
-    decode = report.programs["rollout decode"]
-    assert report.fits and decode["compiled"], report.lines()
+    prefill, decode = report.programs["rollout prefill"], report.programs["rollout decode"]
+    assert report.fits and decode["compiled"] and prefill["compiled"], report.lines()
     tiny = get_preset("tiny")  # float32 keys and values, 16-token blocks, rows of 32 + 8
     blocks = 1 + 8 * -(-(32 + 8) // 16)
     pool = tiny.num_layers * 2 * blocks * 16 * tiny.num_kv_heads * tiny.head_dim * 4
-    assert decode["arguments"] >= pool + decode["shared"] > pool, report.lines()
+    for program in (prefill, decode):
+        assert program["arguments"] >= pool + program["shared"] > pool, report.lines()
     assert "rollout decode: 8 rows of 40 tokens" in "\n".join(report.lines())
     huge = compile_plan(override(config, {"rollout.engine.num_blocks": 1_100_000}), "v5e-8")
     assert huge.total < 1 * 2**30 and not huge.fits  # (the step alone would fit)
@@ -277,7 +278,8 @@ def test_real_size_presets_compile_and_fit_their_slice(spec, topology):
     report = compile_plan(config, topology)
     assert report.fits, report.lines()
     if spec.startswith("grpo"):  # policy + reference, and the sampler's decode with its pool
-        assert set(report.resident) == {"reference"} and set(report.programs) == {"rollout decode"}
+        assert set(report.resident) == {"reference"}
+        assert set(report.programs) == {"rollout prefill", "rollout decode"}
 
 
 @pytest.mark.slow  # ~2.5 minutes here
@@ -350,7 +352,7 @@ def test_kimi_k2_fits_v5p_1024(method):
     assert abs(ratio - 1) < 0.10, report.lines()
     if method == "grpo":  # the reference beside it, and the sampler's decode over the slice
         assert set(report.resident) == {"reference"}
-        assert report.programs["rollout decode"]["compiled"]
+        assert all(p["compiled"] for p in report.programs.values())
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ from posttrain.rl import (
     teacher_model,
     value_trainable,
 )
-from posttrain.sampling import planned_decode
+from posttrain.sampling import planned_decode, planned_prefill
 from posttrain.train import (
     BatchPasses,
     StepPlan,
@@ -361,26 +361,32 @@ def rl_resident(c: RLConfig, model_config: ModelConfig, mesh) -> dict:
 
 
 def rl_programs(c: RLConfig, model_config: ModelConfig, mesh) -> dict:
-    """The co-located sampler's decode call as a run on the training mesh makes it (the
-    engine's rows and KV pool laid out as the engine lays them out, a step's samples decoding
-    at once by default): on several hosts that is `rollout.sampler_mesh="global"`, the only
-    layout for a model no host holds whole. A decoupled sampler runs on devices of its own
-    (not compiled here)."""
+    """The co-located sampler's calls as a run on the training mesh makes them (the engine's
+    rows and KV pool laid out as the engine lays them out, a step's samples decoding at once
+    by default): the prefill of a first admission round (every row's prompt, each group's
+    once) and a decode call. On several hosts that is `rollout.sampler_mesh="global"`, the
+    only layout for a model no host holds whole. A decoupled sampler runs on devices of its
+    own (not compiled here)."""
     if c.rollout.sampler_devices:
         return {}
     r = c.rollout
     slots = c.data.batch_size * r.num_generations * (2 if r.partial else 1)
     config = dataclasses.replace(r.engine.sized(slots), record_routes=c.loss.router_replay != "off")
     weights = with_shardings(param_shapes(model_config), param_shardings(model_config, mesh))
-    length = r.max_prompt_len + r.max_new_tokens
-    fn, args, static = planned_decode(Transformer(weights, model_config), config, length, mesh)
+    length, model = r.max_prompt_len + r.max_new_tokens, Transformer(weights, model_config)
     blocks = config.num_blocks or 1 + config.slots * -(-length // config.block_size)
-    label = (
-        f"{config.slots} rows of {length} tokens, {config.chunk} steps a call, a KV pool of "
-        f"{blocks} blocks of {config.block_size} tokens, on the training mesh"
-    )
+    pool = f"a KV pool of {blocks} blocks of {config.block_size} tokens, on the training mesh"
     shared = bytes_per_device(weights, jax.tree.map(lambda x: x.sharding, weights))
-    return {"rollout decode": Program(fn, args, static, shared=shared, label=label)}
+    n = min(r.num_generations, config.slots)
+    prefill = planned_prefill(model, config, length, r.max_prompt_len, n, mesh)
+    decode = planned_decode(model, config, length, mesh)
+    return {
+        "rollout prefill": Program(*prefill, shared=shared, label=(
+            f"{config.slots // n} prompts of {r.max_prompt_len} tokens, each prefilled once "
+            f"for its {n} samples, {pool}")),
+        "rollout decode": Program(*decode, shared=shared, label=(
+            f"{config.slots} rows of {length} tokens, {config.chunk} steps a call, {pool}")),
+    }  # fmt: skip
 
 
 def rl_method(name: str, check) -> Method:

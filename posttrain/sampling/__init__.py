@@ -13,8 +13,8 @@ from posttrain.sampling._continuous import (
 from posttrain.sampling._engine import Engine, Request
 from posttrain.sampling._engine_config import EngineConfig, EngineStats
 from posttrain.sampling._generate import generate
-from posttrain.sampling._paged import planned_decode
 from posttrain.sampling._params import SamplingParams
+from posttrain.sampling._plans import planned_decode, planned_prefill
 from posttrain.sampling._request import Kept
 from posttrain.sampling._run import default_out, run_generate
 from posttrain.sampling._sample import filter_logits, sample_tokens
@@ -40,6 +40,7 @@ __all__ = [
     "generate_speculative",
     "PromptLookup",
     "planned_decode",
+    "planned_prefill",
     "Kept",
     "Request",
     "request_completions",

@@ -451,31 +451,6 @@ def on_devices_of(rows: Rows, params) -> Rows:
     # process makes its own shards)
 
 
-def planned_decode(model: Transformer, config, max_len: int, mesh, platform: str = "tpu"):
-    """The engine's decode call as a run on `mesh` makes it, for ahead-of-time compilation:
-    `(decode, args, static kwargs)` with `model`'s (abstract, sharded) weights, the rows and
-    KV pool of `config` (an `EngineConfig` with its slots set) for rows of `max_len` tokens,
-    laid out as the engine lays them out (`rows_shardings`), and a chunk of decode steps
-    attending over every block of a row."""
-    bs = config.block_size
-    blocks_per_seq = -(-max_len // bs)
-    num_blocks = config.num_blocks or 1 + config.slots * blocks_per_seq
-    kernel = config.kernel(model.config, platform, mesh.size)
-    shapes = jax.eval_shape(
-        lambda: empty_rows(model.config, config, num_blocks, blocks_per_seq, combined=bool(kernel))
-    )
-    rows = jax.tree.map(
-        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-        shapes,
-        rows_shardings(shapes, mesh),
-    )
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    eos = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=replicated)
-    static = dict(steps=config.chunk, blocks=blocks_per_seq, block_size=bs, kernel=kernel,
-                  unstack=config.unstack_layers)  # fmt: skip
-    return decode, (model, rows, eos), static
-
-
 def rows_shardings(rows: Rows, mesh) -> Rows:
     """How the engine lays out its rows on `mesh` (`on_devices_of`; for `jax.eval_shape`d rows
     too): replicated, but the pools' kv heads, split over the tensor axis."""
