@@ -253,3 +253,48 @@ def test_the_terminal_preset_stops_its_tools_at_the_episodes_tool_time():
     assert make_episode_env(config.env, record, 0).options.max_tool_s == config.env.max_tool_s
     own = dataclasses.replace(config.env, options={"max_tool_s": 3.0})
     assert make_episode_env(own, record, 0).options.max_tool_s == 3.0
+
+
+_RUNNER = """
+import json, sys
+from posttrain.parallel import initialize
+initialize()
+from posttrain.config import load_config_file, override
+from posttrain.methods import run_from_config
+config = override(load_config_file(sys.argv[2]), json.loads(sys.argv[3]))
+summary = run_from_config(config, sys.argv[1])
+print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
+"""
+
+
+@pytest.mark.slow  # (~3 minutes: the terminal preset on 2 processes x 4 devices, then 1 x 8)
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the terminal runs in bubblewrap")
+def test_terminal_episodes_on_two_processes_match_one(root, tiny_qwen, tmp_path):
+    """configs/agent.py:terminal_qwen25_7b at tiny size on 2 processes x 4 devices vs 1 x 8:
+    each process runs its share's episodes in sandboxes of its own (workspace, tool calls, the
+    hidden tests of an episode that ends, removal). The model is random: no episode fixes its
+    task (every reward is 0, so rewards and losses are compared but cannot differ), and what
+    the comparison sees are the episodes: their lengths, turns and how they ended (by the
+    model, scored by the hidden tests, or cut by the budget), equal to one process's."""
+    from tests.launch import finish, launch, launch_group
+    from tests.tolerance import assert_close
+
+    values = {"model.hf_path": os.path.abspath(tiny_qwen), "rollout.max_prompt_len": 768,
+              **TINY_7B, "checkpoint.async_save": False}  # fmt: skip
+    preset = f"{AGENT}:terminal_qwen25_7b"
+    argv = lambda where: ["-c", _RUNNER, str(tmp_path / where), preset, json.dumps(values)]  # noqa: E731
+    pair = launch_group(argv("two"), processes=2, devices=4)
+    single = launch(argv("one"), devices=8)
+    for p in [*pair, single]:
+        assert "STOPPED completed 2" in finish(p)
+    read = lambda where: _train_rows(  # noqa: E731
+        [json.loads(line) for line in open(tmp_path / where / "metrics.jsonl")]
+    )
+    two, one = read("two"), read("one")
+    _check_episodes(two, "terminal")
+    for key in ("reward", "loss", "response_length", "episode/turns", "episode/tokens",
+                "episode/truncated", "episode/ended_length"):  # fmt: skip
+        assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
+    assert any(0 < r["episode/truncated"] < 1 for r in two), two  # (both ends happened)
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
+    assert any(a != b for a, b in lengths), lengths
