@@ -231,25 +231,28 @@ def test_two_rounds_of_iterative_dpo_raise_held_out_exact_match(tmp_path):
         assert json.load(f) == rounds
 
 
-@pytest.mark.slow  # (~1 minute: 3 processes sample from the trained start)
-def test_pairs_on_two_processes_write_what_one_does(trained_tiny, tmp_path):
-    """`posttrain data pairs` on 2 processes x 4 devices vs 1 x 8 from the trained start (its
-    samples end at EOS at different lengths; the reward: their length): each process samples
-    and scores its share of every chunk, process 0 writes, and the file is byte for byte the
-    one process's."""
+@pytest.mark.slow  # (~1 minute each: 3 processes sample from the trained start)
+@pytest.mark.parametrize("command", ["pairs", "synth"])
+def test_pairs_on_two_processes_write_what_one_does(trained_tiny, tmp_path, command):
+    """`posttrain data pairs` and `data synth` on 2 processes x 4 devices vs 1 x 8 from the
+    trained start (its samples end at EOS at different lengths; the reward: their length):
+    each process samples and scores its share of every chunk, process 0 writes, and the file
+    is byte for byte the one process's."""
     from tests.launch import finish, launch, launch_group
 
     eval_path = tmp_path / "prompts.jsonl"
     with open(ASSETS_DIR / "eval.jsonl") as f:
         eval_path.write_text("".join(f.readlines()[:13]))  # (chunks of 5: split 3/2, 3/2, 2/1)
-    argv = lambda out: ["-m", "posttrain", "data", "pairs", f"--model={trained_tiny}",  # noqa: E731
+    extra = ["--threshold=2", "--per-prompt=2"] if command == "synth" else []
+    argv = lambda out: ["-m", "posttrain", "data", command, f"--model={trained_tiny}",  # noqa: E731
                         f"--prompts={eval_path}", "--domain=arithmetic", f"--reward={REWARD}",
                         "--samples=4", "--max-new-tokens=8", "--chunk=5",
-                        f"--out={tmp_path / out}"]  # fmt: skip
+                        f"--out={tmp_path / out}", *extra]  # fmt: skip
     outputs = [finish(p) for p in launch_group(argv("two.jsonl"), processes=2, devices=4)]
     outputs.append(finish(launch(argv("one.jsonl"), devices=8)))
     two, one = (tmp_path / "two.jsonl").read_text(), (tmp_path / "one.jsonl").read_text()
     assert two == one
-    assert one.count("\n") >= 5, outputs[-1][-2000:]  # (7 of the 13 prompts give a pair)
-    rejected = {len(json.loads(line)["rejected"]) for line in one.splitlines()}
-    assert len(rejected) > 1  # (samples that end at different lengths)
+    assert one.count("\n") >= 5, outputs[-1][-2000:]  # (pairs: 7 of the 13 prompts give one)
+    key = "rejected" if command == "pairs" else "completion"
+    lengths = {len(json.loads(line)[key]) for line in one.splitlines()}
+    assert len(lengths) > 1  # (samples that end at different lengths)
