@@ -267,22 +267,34 @@ print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
 """
 
 
-@pytest.mark.slow  # (~3 minutes: the terminal preset on 2 processes x 4 devices, then 1 x 8)
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the terminal runs in bubblewrap")
-def test_terminal_episodes_on_two_processes_match_one(root, tiny_qwen, tmp_path):
-    """configs/agent.py:terminal_qwen25_7b at tiny size on 2 processes x 4 devices vs 1 x 8:
-    each process runs its share's episodes in sandboxes of its own (workspace, tool calls, the
-    hidden tests of an episode that ends, removal). The model is random: no episode fixes its
-    task (every reward is 0, so rewards and losses are compared but cannot differ), and what
-    the comparison sees are the episodes: their lengths, turns and how they ended (by the
-    model, scored by the hidden tests, or cut by the budget), equal to one process's."""
+@pytest.mark.slow  # (~2 minutes each: a preset on 2 processes x 4 devices, then 1 x 8)
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the tools run in bubblewrap")
+@pytest.mark.parametrize("preset", ["terminal_qwen25_7b", "python_tool_qwen25_7b"])
+def test_tool_episodes_on_two_processes_match_one(root, tiny_qwen, tmp_path, preset):
+    """configs/agent.py's terminal and python_tool presets at tiny size on 2 processes x 4
+    devices vs 1 x 8: each process runs its share's episodes with tools of its own (terminal:
+    a sandboxed workspace, the hidden tests of an episode that ends; python_tool: the sandboxed
+    interpreter, the math domain's verifier). The model is random: it solves nothing (every
+    reward is 0, so rewards and losses are compared but cannot differ), and what the
+    comparison sees are the episodes: their lengths, turns and how they ended (by the model or
+    cut by the budget), equal to one process's."""
     from tests.launch import finish, launch, launch_group
     from tests.tolerance import assert_close
 
     values = {"model.hf_path": os.path.abspath(tiny_qwen), "rollout.max_prompt_len": 768,
               **TINY_7B, "checkpoint.async_save": False}  # fmt: skip
-    preset = f"{AGENT}:terminal_qwen25_7b"
-    argv = lambda where: ["-c", _RUNNER, str(tmp_path / where), preset, json.dumps(values)]  # noqa: E731
+    domain = "terminal" if preset.startswith("terminal") else "math"
+    if domain == "math":  # (the preset reads prompts.jsonl where it runs)
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(
+            json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n"
+            for a, b in ((17, 25), (120, 3), (9, 9), (1000, 7))
+        ))  # fmt: skip
+        values["data.sources"] = [
+            {"path": str(prompts), "weight": 1.0, "domain": "math", "format": "auto"}
+        ]  # fmt: skip
+    config = f"{AGENT}:{preset}"
+    argv = lambda where: ["-c", _RUNNER, str(tmp_path / where), config, json.dumps(values)]  # noqa: E731
     pair = launch_group(argv("two"), processes=2, devices=4)
     single = launch(argv("one"), devices=8)
     for p in [*pair, single]:
@@ -291,7 +303,7 @@ def test_terminal_episodes_on_two_processes_match_one(root, tiny_qwen, tmp_path)
         [json.loads(line) for line in open(tmp_path / where / "metrics.jsonl")]
     )
     two, one = read("two"), read("one")
-    _check_episodes(two, "terminal")
+    _check_episodes(two, domain)
     for key in ("reward", "loss", "response_length", "episode/turns", "episode/tokens",
                 "episode/truncated", "episode/ended_length"):  # fmt: skip
         assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
