@@ -244,7 +244,8 @@ def test_model_rewards_on_two_processes_match_one(tmp_path, trained_tiny, term):
 
 
 @pytest.mark.slow  # (~2 minutes: a tiny MoE's GRPO on 2 processes and on 1)
-def test_router_replay_on_two_processes_matches_one(tmp_path):
+@pytest.mark.parametrize("sampler", ["per_process", "global"])
+def test_router_replay_on_two_processes_matches_one(tmp_path, sampler):
     """GRPO of a tiny MoE replaying the sampler's routing (`loss.router_replay=update`) on 2
     processes x 4 devices vs 1 x 8: each process's engine records the experts of its share's
     positions, and they cross with the completions (`gather_groups`), so every pass of every
@@ -255,6 +256,9 @@ def test_router_replay_on_two_processes_matches_one(tmp_path):
             "train__steps": STEPS, "data__batch_size": 4, "rollout__num_generations": 4,
             "rollout__max_new_tokens": 24,  # (long enough for a random model's rows to end apart)
             "checkpoint__async_save": False}  # fmt: skip
+    if sampler == "global":  # (one engine over fsdp 2 x tensor 4: its routes on every process)
+        mesh = {"data": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 4}
+        base |= {"rollout__sampler_mesh": "global", "mesh__ici": mesh}
     _run_both(tmp_path, base)
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     assert all(r["router_mismatch"] == 0.0 and r["logp_gap"] < 1e-5 for r in two + one)
