@@ -80,6 +80,9 @@ def _run_both(tmp_path, two: dict, one: dict | None = None) -> None:
 # process samples on its last 2 and trains on 6 (6 prompts x 4 samples: 12 rows a minibatch).
 DECOUPLED = {"rollout__sampler_devices": 1, "data__batch_size": 6}
 DECOUPLED_ONE = {"rollout__sampler_devices": 2, "data__batch_size": 6}
+# One engine over a mesh whose fsdp axis spans the 2 processes (each holds half of every weight).
+ACROSS = {"rollout__sampler_mesh": "global",
+          "mesh__ici": {"data": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 4}}  # fmt: skip
 
 
 # The default suite runs co-located GRPO and decoupled PPO (~50 s each): together they meet
@@ -102,6 +105,15 @@ DECOUPLED_ONE = {"rollout__sampler_devices": 2, "data__batch_size": 6}
             id="grpo-decoupled-lora",
             marks=pytest.mark.slow,
         ),
+        # LoRA with the sampler across the processes: the adapters merged on the training
+        # mesh (fsdp 2 x tensor 4), one engine over it.
+        pytest.param(
+            GRPO,
+            {**ACROSS, "lora__enabled": True},
+            {**ACROSS, "lora__enabled": True},
+            id="grpo-global-lora",
+            marks=pytest.mark.slow,
+        ),  # fmt: skip
     ],
 )
 def test_rl_on_two_processes_matches_one_from_a_trained_start(
@@ -257,8 +269,7 @@ def test_router_replay_on_two_processes_matches_one(tmp_path, sampler):
             "rollout__max_new_tokens": 24,  # (long enough for a random model's rows to end apart)
             "checkpoint__async_save": False}  # fmt: skip
     if sampler == "global":  # (one engine over fsdp 2 x tensor 4: its routes on every process)
-        mesh = {"data": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 4}
-        base |= {"rollout__sampler_mesh": "global", "mesh__ici": mesh}
+        base |= ACROSS
     _run_both(tmp_path, base)
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     assert all(r["router_mismatch"] == 0.0 and r["logp_gap"] < 1e-5 for r in two + one)
@@ -362,9 +373,7 @@ def test_a_sampler_sharded_across_the_processes_matches_one(tmp_path, trained_ti
     one engine over that mesh samples every prompt on both processes, its device programs
     spanning them, and each scores its share; rewards, losses and evals equal 1 x 8's, and
     the processes' shares end at different lengths."""
-    mesh = {"data": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 4}
-    run = {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)),
-           "rollout__sampler_mesh": "global", "mesh__ici": mesh}  # fmt: skip
+    run = {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), **ACROSS}
     pair = launch_group(_argv(tmp_path / "two", run), processes=2, devices=4)
     single = launch(_argv(tmp_path / "one", run), devices=8)
     outs = [finish(p) for p in [*pair, single]]
