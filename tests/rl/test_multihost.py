@@ -169,16 +169,18 @@ RFT = {"rft__steps": 2, "rft__prompts": 16, "rft__samples": 2, "rft__batch_size"
 
 
 @pytest.mark.slow  # (~1 minute each)
-@pytest.mark.parametrize("stage", ["difficulty", "rft", "rft-lora"])
+@pytest.mark.parametrize("stage", ["difficulty", "difficulty-global", "rft", "rft-lora"])
 def test_the_offline_stages_on_two_processes_sample_what_one_does(tmp_path, trained_tiny, stage):
     """The difficulty filter and rejection sampling (with and without LoRA) on 2 processes x 4
     devices: each process samples its share of the prompts with its own copy of the starting
     weights, every process gets every group back and writes the same stage file as one process
-    does (pass rates; the RFT data). The RFT stage's SFT reads its data `split_by="rows"`
+    does (pass rates; the RFT data); with the sampler across the processes (difficulty-global)
+    both sample every prompt on one engine. The RFT stage's SFT reads its data `split_by="rows"`
     (every process packs the global batches and feeds its rows), so its losses equal one
     process's; then the RL steps do too."""
-    extra = DIFFICULTY if stage == "difficulty" else RFT
+    extra = DIFFICULTY if stage.startswith("difficulty") else RFT
     extra = {**extra, "lora__enabled": True} if stage == "rft-lora" else extra
+    extra = {**extra, **ACROSS} if stage == "difficulty-global" else extra  # (one engine)
     _run_both(tmp_path, {**GRPO, **_overrides(trained_tiny, _eval_file(tmp_path)), **extra})
     if stage.startswith("rft"):
         data = [(tmp_path / w / "rft" / "data.jsonl").read_text() for w in ("two", "one")]
