@@ -390,6 +390,12 @@ def test_engine_decode_compiles_with_the_ragged_paged_attention_kernel_for_tpu()
     config = get_preset("tiny", attention="xla", compute_dtype="bfloat16", head_dim=128)
     engine = EngineConfig(slots=8, block_size=16, attention="ragged")
     assert engine.kernel(config, "tpu") == "ragged"
+    # On a mesh of several chips XLA cannot partition the Mosaic call: auto takes the XLA
+    # gather there (as `posttrain compile` of a sharded plan's decode does), ragged is refused.
+    auto = EngineConfig(slots=8, block_size=16)
+    assert auto.kernel(config, "tpu", 1) == "ragged" and auto.kernel(config, "tpu", 8) == ""
+    with pytest.raises(ValueError, match="runs on one device"):
+        engine.kernel(config, "tpu", 8)
 
     def on_tpu(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)

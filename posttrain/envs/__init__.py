@@ -19,14 +19,8 @@ from posttrain.envs._builtin import CALCULATOR_SYSTEM, FaultInjection, calculate
 from posttrain.envs._cad import CAD_SYSTEM, cad_env
 from posttrain.envs._cad import describe as describe_measurements
 from posttrain.envs._endpoint import EpisodeServer
-from posttrain.envs._episodes import (
-    FINISH_REASONS,
-    Budget,
-    Episode,
-    Shared,
-    episode_metrics,
-    run_episodes,
-)
+from posttrain.envs._episode import FINISH_REASONS, Budget, Episode, episode_metrics
+from posttrain.envs._episodes import Shared, run_episodes
 from posttrain.envs._pool import ElasticPool
 from posttrain.envs._terminal import TerminalEnvironment, TerminalOptions, terminal_tasks
 

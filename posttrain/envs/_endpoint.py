@@ -30,7 +30,7 @@ import jinja2
 import numpy as np
 
 from posttrain.data import ParsedTurn, Turns, parse_tool_calls, tool_format_for
-from posttrain.envs._episodes import Episode
+from posttrain.envs._episode import Episode
 from posttrain.models import Transformer
 from posttrain.sampling import (
     APIError,
