@@ -2,7 +2,10 @@
 process, the results coming back in input order (the data tools' parallel pass).
 
 Workers read their chunk's records themselves (each gets the sources' file indexes once), so
-only the small per-chunk results cross between processes. Workers are spawned, not forked: a
+only the small per-chunk results cross between processes. Workers start only when the input
+pays for them: the first chunk runs in this process, timed, and a pool is started for the rest
+only when their work split over the workers saves more than a pool takes to start
+(`POOL_START_S`); a few thousand records never wait for one. Workers are spawned, not forked: a
 forked child of a process where JAX runs threads can deadlock (as in `rewards._pool`).
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,6 +23,10 @@ from tqdm import tqdm
 from posttrain.data import RecordError, Records, decode
 
 CHUNK = 2048  # records per task: big enough to vectorise, small enough to balance the workers
+# What starting a pool of spawned workers costs before the first result: each imports
+# posttrain.curate (JAX, grain, sympy): 3-10 s measured on a 2-core machine. The first chunk is
+# run here and timed; the rest go to workers only when they would save more than this.
+POOL_START_S = 10.0
 
 _STATE: dict[str, Any] = {}  # the sources, function and its arguments, set once per worker
 
@@ -67,7 +75,8 @@ def map_chunks(
       sources: the record files, one `Records` per input.
       fn: a top-level (picklable) function of a list of record dicts and `args`.
       args: further arguments, sent to each worker once.
-      workers: processes; 1 runs `fn` here, in this process.
+      workers: processes at most; 1 runs `fn` here, in this process, as does any number when
+        the first chunk's time says the rest would not pay for starting them.
       desc: the progress bar's label.
       progress: show a tqdm bar (only on a terminal).
       chunk: records per call (default `CHUNK`).
@@ -86,18 +95,28 @@ def map_chunks(
         bar = stack.enter_context(
             tqdm(total=total, desc=desc, unit="rec", disable=None if progress else True)
         )
-        workers = max(1, min(workers, len(tasks)))
-        if workers > 1:
-            ctx = multiprocessing.get_context("spawn")
-            pool = stack.enter_context(ctx.Pool(workers, _init, (sources, fn, args)))
-            results = pool.imap(_run, tasks)
-        else:
-            _init(sources, fn, args)
-            stack.callback(_STATE.clear)
-            results = map(_run, tasks)
+        _init(sources, fn, args)  # (the first chunk, and every chunk without workers, run here)
+        stack.callback(_STATE.clear)
         try:
-            for task, result in zip(tasks, results, strict=True):
+            for task, result in zip(tasks, _results(tasks, workers, stack), strict=True):
                 bar.update(task[2] - task[1])
                 yield task, result
         except BadRecord as e:  # from a worker: raised again here, a user error (exit 2)
             raise BadRecord(str(e)) from None
+
+
+def _results(tasks: list, workers: int, stack: contextlib.ExitStack) -> Iterator[Any]:
+    """The tasks' results in order: the first computed here and timed, the rest by a pool of
+    `workers` when that saves more than `POOL_START_S`, else here too."""
+    if not tasks:
+        return
+    start = time.perf_counter()
+    yield _run(tasks[0])
+    seconds, rest = time.perf_counter() - start, tasks[1:]
+    workers = max(1, min(workers, len(rest)))
+    if workers > 1 and seconds * len(rest) * (1 - 1 / workers) > POOL_START_S:
+        ctx = multiprocessing.get_context("spawn")
+        init = (_STATE["sources"], _STATE["fn"], _STATE["args"])
+        yield from stack.enter_context(ctx.Pool(workers, _init, init)).imap(_run, rest)
+    else:
+        yield from map(_run, rest)

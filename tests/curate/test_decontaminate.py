@@ -97,6 +97,7 @@ def test_two_workers_write_the_same_output(data, tmp_path, monkeypatch):
 
     train_path, eval_path, _ = data
     monkeypatch.setattr(_chunks, "CHUNK", 7)
+    monkeypatch.setattr(_chunks, "POOL_START_S", 0.0)  # (workers start for any input)
     reports = [
         decontaminate(
             [str(train_path)], str(tmp_path / f"{w}.jsonl"), [str(eval_path)], workers=w

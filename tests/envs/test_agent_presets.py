@@ -78,13 +78,16 @@ def _train_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["split"] == "train"]
 
 
-def _check_episodes(rows: list[dict], domain: str, *, steps: int = 2) -> list[dict]:
+def _check_episodes(
+    rows: list[dict], domain: str, *, steps: int = 2, lowest: float = 0.0
+) -> list[dict]:
     """The GRPO run's train rows: one per step, each with its episodes' metrics and a finite
-    reward in [0, 1] (every preset's reward lies there), named by the data's domain."""
+    reward in [lowest, 1] (every preset's reward lies in [0, 1]; penalties lower it), named by
+    the data's domain."""
     train = _train_rows(rows)
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     for r in train:
-        assert 0.0 <= r["reward"] <= 1.0 and math.isfinite(r["loss"]), r
+        assert lowest <= r["reward"] <= 1.0 and math.isfinite(r["loss"]), r
         assert r[f"reward/{domain}"] == r["reward"]
         assert r["episode/turns"] >= 1 and r["episode/tokens"] > 0, r
         assert 0.0 <= r["episode/truncated"] <= 1.0 and r["episode/ended_error"] == 0.0, r
@@ -267,32 +270,10 @@ print("STOPPED", summary["stopped"], summary["final_step"], flush=True)
 """
 
 
-@pytest.mark.slow  # (~2 minutes each: a preset on 2 processes x 4 devices, then 1 x 8)
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the tools run in bubblewrap")
-@pytest.mark.parametrize("preset", ["terminal_qwen25_7b", "python_tool_qwen25_7b"])
-def test_tool_episodes_on_two_processes_match_one(root, tiny_qwen, tmp_path, preset):
-    """configs/agent.py's terminal and python_tool presets at tiny size on 2 processes x 4
-    devices vs 1 x 8: each process runs its share's episodes with tools of its own (terminal:
-    a sandboxed workspace, the hidden tests of an episode that ends; python_tool: the sandboxed
-    interpreter, the math domain's verifier). The model is random: it solves nothing (every
-    reward is 0, so rewards and losses are compared but cannot differ), and what the
-    comparison sees are the episodes: their lengths, turns and how they ended (by the model or
-    cut by the budget), equal to one process's."""
+def _on_two_processes_and_one(tmp_path, preset: str, values: dict) -> tuple[list, list]:
+    """The preset with `values` on 2 processes x 4 devices, then 1 x 8; each run's train rows."""
     from tests.launch import finish, launch, launch_group
-    from tests.tolerance import assert_close
 
-    values = {"model.hf_path": os.path.abspath(tiny_qwen), "rollout.max_prompt_len": 768,
-              **TINY_7B, "checkpoint.async_save": False}  # fmt: skip
-    domain = "terminal" if preset.startswith("terminal") else "math"
-    if domain == "math":  # (the preset reads prompts.jsonl where it runs)
-        prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text("".join(
-            json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n"
-            for a, b in ((17, 25), (120, 3), (9, 9), (1000, 7))
-        ))  # fmt: skip
-        values["data.sources"] = [
-            {"path": str(prompts), "weight": 1.0, "domain": "math", "format": "auto"}
-        ]  # fmt: skip
     config = f"{AGENT}:{preset}"
     argv = lambda where: ["-c", _RUNNER, str(tmp_path / where), config, json.dumps(values)]  # noqa: E731
     pair = launch_group(argv("two"), processes=2, devices=4)
@@ -302,8 +283,98 @@ def test_tool_episodes_on_two_processes_match_one(root, tiny_qwen, tmp_path, pre
     read = lambda where: _train_rows(  # noqa: E731
         [json.loads(line) for line in open(tmp_path / where / "metrics.jsonl")]
     )
-    two, one = read("two"), read("one")
-    _check_episodes(two, domain)
+    return read("two"), read("one")
+
+
+@pytest.fixture(scope="module")
+def terminal_sft(root, tiny_qwen):
+    """A warm start that works the terminal tasks with their tools: the tiny Qwen2 after SFT on
+    one solved episode per bundled task (its solution's tool calls, the observations the
+    sandbox really returned, then "Done."), so that sampled at temperature 0.7 it calls the
+    tools, solves some tasks and fails others (slightly garbled calls). ~3 minutes."""
+    from posttrain.envs._terminal import terminal_tasks
+
+    rows = []
+    for task in terminal_tasks():
+        with make_env("terminal", task) as env:
+            opening = env.reset()
+            calls = [{"type": "function", "function": call} for call in task["solution"]]
+            turn = {"role": "assistant", "content": "", "tool_calls": calls}
+            step = env.step(turn)
+            done = {"role": "assistant", "content": "Done."}
+            rows.append({"messages": [*opening, turn, *step.observations, done],
+                         "tools": env.schemas})  # fmt: skip
+    data = os.path.abspath("terminal_sft.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    source = {"path": data, "weight": 1.0, "domain": "terminal", "format": "auto"}
+    values = {"model.hf_path": tiny_qwen, "model.preset": "", "tokenizer": tiny_qwen,
+              "data.sources": [source], "eval_data": [], "data.max_len": 1152,
+              "data.batch_size": 8, "train.steps": 150, "train.log_every": 50,
+              "train.eval_every": 0, "train.progress": False, "checkpoint.every": 150,
+              "checkpoint.async_save": False, "optimizer.learning_rate": 5e-3,
+              "optimizer.warmup_steps": 10}  # fmt: skip
+    config = override(load_config_file(os.path.join(REPO, "configs", "sft.py:tiny")), values)
+    workdir = os.path.abspath("terminal_sft")
+    assert methods.run_from_config(config, workdir)["stopped"] == "completed"
+    return workdir
+
+
+@pytest.mark.slow  # (~6 minutes: the warm start, then the preset on 2 processes x 4, and 1 x 8)
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the tools run in bubblewrap")
+def test_terminal_episodes_on_two_processes_match_one(tmp_path, tiny_qwen, terminal_sft):
+    """configs/agent.py:terminal_qwen25_7b at tiny size from a warm start that uses its tools,
+    on 2 processes x 4 devices vs 1 x 8: each process runs its share's episodes with sandboxed
+    workspaces of its own and scores those that end with the task's hidden tests. The episodes
+    call tools (some calls garbled: env.options.format_penalty scores those turns), groups'
+    rewards differ, so advantages and gradients are not 0; rewards, gradient norms, losses and
+    the episode metrics equal one process's, and the processes' episodes end at different
+    lengths."""
+    from tests.tolerance import assert_close
+
+    values = {"model.hf_path": "", "model.checkpoint": terminal_sft,
+              "tokenizer": os.path.abspath(tiny_qwen),
+              **TINY_7B, "data.batch_size": 2, "rollout.num_generations": 4,
+              "rollout.max_prompt_len": 768, "rollout.max_new_tokens": 192,
+              "env.turn_tokens": 160, "env.max_turns": 3, "env.options": {"format_penalty": 0.5},
+              "rollout.sampling.temperature": 0.7, "checkpoint.async_save": False}  # fmt: skip
+    two, one = _on_two_processes_and_one(tmp_path, "terminal_qwen25_7b", values)
+    _check_episodes(two, "terminal", lowest=-1.5)  # (3 turns of garbled calls)
+    keys = ("reward", "pass_rate", "grad_norm", "episode/turns", "episode/tool_calls",
+            "episode/tool_error_rate", "episode/tokens", "episode/truncated")  # fmt: skip
+    for key in keys:
+        assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
+    # (on-policy, the loss is a sum of advantages that cancel: compared at their scale, 1)
+    assert_close([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5, scale=1.0)
+    assert all(r["episode/tool_calls"] > 0 and r["grad_norm"] > 0 for r in one), one
+    assert any(r["pass_rate"] > 0 for r in one), one  # (some hidden tests passed)
+    lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
+    assert any(a != b for a, b in lengths), lengths
+
+
+@pytest.mark.slow  # (~2 minutes: the preset on 2 processes x 4 devices, then 1 x 8)
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the tools run in bubblewrap")
+def test_python_tool_episodes_on_two_processes_match_one(root, tiny_qwen, tmp_path):
+    """configs/agent.py:python_tool_qwen25_7b at tiny size on 2 processes x 4 devices vs 1 x 8:
+    each process runs its share's episodes with its own sandboxed interpreter and the math
+    domain's verifier. The model is random: it calls no tool and solves nothing (every reward
+    is 0, so rewards and losses are compared but cannot differ); what the comparison sees are
+    the episodes: their lengths, turns and how they ended (by the model or cut by the budget),
+    equal to one process's. (The terminal test above is the one from a tool-using start.)"""
+    from tests.tolerance import assert_close
+
+    values = {"model.hf_path": os.path.abspath(tiny_qwen), "rollout.max_prompt_len": 768,
+              **TINY_7B, "checkpoint.async_save": False}  # fmt: skip
+    prompts = tmp_path / "prompts.jsonl"  # (the preset reads prompts.jsonl where it runs)
+    prompts.write_text("".join(
+        json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n"
+        for a, b in ((17, 25), (120, 3), (9, 9), (1000, 7))
+    ))  # fmt: skip
+    values["data.sources"] = [
+        {"path": str(prompts), "weight": 1.0, "domain": "math", "format": "auto"}
+    ]  # fmt: skip
+    two, one = _on_two_processes_and_one(tmp_path, "python_tool_qwen25_7b", values)
+    _check_episodes(two, "math")
     for key in ("reward", "loss", "response_length", "episode/turns", "episode/tokens",
                 "episode/truncated", "episode/ended_length"):  # fmt: skip
         assert_close([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
