@@ -24,9 +24,10 @@ from posttrain.data import RecordError, Records, decode
 
 CHUNK = 2048  # records per task: big enough to vectorise, small enough to balance the workers
 # What starting a pool of spawned workers costs before the first result: each imports
-# posttrain.curate (JAX, grain, sympy): 3-10 s measured on a 2-core machine. The first chunk is
-# run here and timed; the rest go to workers only when they would save more than this.
-POOL_START_S = 10.0
+# posttrain.curate (JAX, grain, sympy): 2.3 s on an idle 2-core machine, up to ~10 s on a busy
+# one (benchmarks/dedup_workers.py). The first chunk is run here and timed; the rest go to
+# workers only when they would save more than this.
+POOL_START_S = 5.0
 
 _STATE: dict[str, Any] = {}  # the sources, function and its arguments, set once per worker
 

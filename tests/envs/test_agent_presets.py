@@ -320,7 +320,7 @@ def terminal_sft(root, tiny_qwen):
     return workdir
 
 
-@pytest.mark.slow  # (~6 minutes: the warm start, then the preset on 2 processes x 4, and 1 x 8)
+@pytest.mark.slow  # (~7 minutes: the warm start, then the preset on 2 processes x 4, and 1 x 8)
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="the tools run in bubblewrap")
 def test_terminal_episodes_on_two_processes_match_one(tmp_path, tiny_qwen, terminal_sft):
     """configs/agent.py:terminal_qwen25_7b at tiny size from a warm start that uses its tools,
