@@ -50,6 +50,10 @@ class Lowering:
       resident: bytes per device the method keeps beside the step, by name.
       model_config: the trained model's config; lm_head: whether the step computes its
         vocabulary logits (not a reward model's trunk), for the model's FLOPs.
+      also_trained: `(model config, lm_head)` of each other model the step trains on the same
+        tokens (PPO's critic), counted in the model's FLOPs too.
+      epochs: passes the step makes over its batch (RL's `algorithm.epochs`): each token is
+        trained on this many times.
       programs: what the method runs beside the step, compiled and measured too (`Program`).
     """
 
@@ -66,6 +70,8 @@ class Lowering:
     resident: dict
     model_config: Any
     lm_head: bool = True
+    also_trained: tuple = ()
+    epochs: int = 1
     programs: dict = dataclasses.field(default_factory=dict)
 
     def jitted(self):
@@ -154,9 +160,11 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         programs = {name: _measure_program(p) for name, p in low.programs.items()}
         program = matmul_flops(jax.make_jaxpr(step)(*low.arguments()).jaxpr)
         expert_buffer = _expert_buffer(low.model_config, low.mesh)
-    model_config, tokens, length = low.model_config, low.tokens, low.length
-    model_flops = model_config.flops_per_token(length, low.lm_head) * tokens
-    attention = model_flops - model_config.flops_per_token(0, low.lm_head) * tokens
+    model_config, length = low.model_config, low.length
+    trained = ((model_config, low.lm_head), *low.also_trained)
+    tokens = low.epochs * low.tokens  # (tokens trained on, with each model in `trained`)
+    model_flops = tokens * sum(m.flops_per_token(length, head) for m, head in trained)
+    attention = model_flops - tokens * sum(m.flops_per_token(0, head) for m, head in trained)
     # A fused attention kernel's FLOPs are not matmuls in the program: add the formula's.
     program_flops = program + (attention if kernels else 0.0)
     devices = low.mesh.devices.size

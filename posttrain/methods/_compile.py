@@ -54,6 +54,8 @@ def lowering(config, devices, domains=None, *, programs: bool = True) -> aot.Low
         resident=resident,
         model_config=model_config,
         lm_head=method.lm_head,
+        also_trained=method.also_trained(c, model_config),
+        epochs=method.epochs(c),
         programs=beside,
     )
 

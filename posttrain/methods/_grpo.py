@@ -64,6 +64,7 @@ from posttrain.rl import (
     Teacher,
     check_router_replay,
     component_means,
+    critic_config,
     make_episode_env,
     rl_loss,
     route_shape,
@@ -405,6 +406,9 @@ def rl_method(name: str, check) -> Method:
         frozen=policy_frozen,
         batch=rl_batch,
         rows=lambda c: c.rows // c.algorithm.minibatches,
+        # (every epoch trains on every row; PPO's critic too: trunk and value head, no logits)
+        also_trained=lambda c, m: ((critic_config(c.critic.init, m), False),) if c.ppo else (),
+        epochs=lambda c: c.algorithm.epochs,
         devices=lambda c, devices: split_devices(c, devices)[0],
         resident=rl_resident,
         programs=rl_programs,

@@ -39,6 +39,9 @@ class Method:
         beside the step (a frozen reference, the rollout KV cache).
       lm_head: whether the step computes vocabulary logits (a reward model's trunk does not),
         for the model's FLOPs.
+      also_trained: `(config, model_config) -> ((model config, lm_head), ...)`, other models
+        the step trains on its tokens (PPO's critic), for the model's FLOPs.
+      epochs: `config -> passes the step makes over its batch`, for the model's FLOPs.
       programs: `(config, model_config, mesh) -> {name: posttrain.aot.Program}` the run runs
         beside the step (RL: the co-located sampler's decode call), compiled with it.
       check: `config -> None`, raises `ConfigError` for a config this method does not run
@@ -55,6 +58,8 @@ class Method:
     devices: Callable[[Any, list], list] = lambda c, devices: list(devices)
     resident: Callable[[Any, Any, Any], dict] = lambda c, model_config, mesh: {}
     lm_head: bool = True
+    also_trained: Callable[[Any, Any], tuple] = lambda c, model_config: ()
+    epochs: Callable[[Any], int] = lambda c: 1
     check: Callable[[Any], None] = lambda c: None
     programs: Callable[[Any, Any, Any], dict] = lambda c, model_config, mesh: {}
 

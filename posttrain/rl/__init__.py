@@ -13,7 +13,7 @@ from posttrain.rl._config import (
     RLConfig,
     RolloutConfig,
 )
-from posttrain.rl._critic import value_trainable
+from posttrain.rl._critic import critic_config, value_trainable
 from posttrain.rl._domains import component_means
 from posttrain.rl._episodes_rollout import make_episode_env
 from posttrain.rl._loss import CriticLoss, PolicyLossConfig, rl_loss, sequence_log_probs
@@ -62,5 +62,6 @@ __all__ = [
     "split_rows",
     "split_teacher_devices",
     "teacher_model",
+    "critic_config",
     "value_trainable",
 ]

@@ -31,6 +31,16 @@ def token_values(params: dict, model_config: ModelConfig, batch: dict) -> jax.Ar
     return jnp.einsum("bld,d->bl", hidden.astype(jnp.float32), params["head"][:, 0])
 
 
+def critic_config(init: str, policy_config: ModelConfig) -> ModelConfig:
+    """The config of the critic `critic.init` names: the policy's, or its reward model's
+    (`value_trainable` checks the rest)."""
+    if not init.startswith("rm:"):
+        return policy_config
+    from posttrain.config import build
+
+    return build(ModelConfig, checkpoint_json(init[3:].partition("#")[0])["model_config"])
+
+
 def value_trainable(
     init: str, spec: ModelSpec, policy_config: ModelConfig, mesh, seed: int
 ) -> tuple[Trainable, ModelConfig]:
