@@ -131,6 +131,28 @@ def test_a_ppo_plan_counts_every_epoch_and_its_critic():
     assert report.compiled_flops / report.model_flops == pytest.approx(expected, rel=0.05)
 
 
+@pytest.mark.parametrize("freeze", [["vision/(patch|position|layers)"], []])
+def test_a_vlm_plan_counts_its_images(freeze):
+    """A VLM step encodes every image slot and projects its features: the model's FLOPs count
+    them (`VisionConfig.flops_per_image`: the encoder's forward, x3 when it trains; the
+    projector's first matmul x2 behind a frozen encoder, which needs no input gradient), and
+    what one more slot per row adds to the program's matmul FLOPs is exactly that."""
+    vlm = get_preset("tiny_vlm")
+    same = {"model.preset": "tiny_vlm", "model.attention": "xla", "model.checkpoint": "",
+            "model.remat": "none", "model.freeze": freeze, "rollout.max_prompt_len": 64,
+            "tokenizer": ""}  # fmt: skip
+    config = override(load_config_file(os.path.join(REPO, "configs", "grpo.py") + ":tiny"), same)
+    rows = config.data.batch_size * config.rollout.num_generations
+    one, two = (
+        compile_plan(override(config, {"data.max_images": k}), "v5e-8", programs=False)
+        for k in (1, 2)
+    )
+    per_image = vlm.vision.flops_per_image(vlm.embed_dim, encoder_trained=not freeze)
+    assert per_image == (1_015_808 if freeze else 1_867_776)  # (by hand: 16 patches of 8 x 8)
+    assert two.model_flops - one.model_flops == rows * per_image
+    assert (two.compiled_flops - one.compiled_flops) / rows == pytest.approx(per_image, rel=0.01)
+
+
 def test_fastest_remat_is_the_quickest_plan_that_fits():
     from posttrain.aot import CHIPS, CompileReport, GiB, fastest_fit
 
@@ -321,7 +343,8 @@ def test_gemma3_27b_sft_fits_v5p_32(capsys):
 def test_gemma3_vlm_grpo_fits_v5p_8(capsys):
     """GRPO with image prompts for Gemma 3 4B image-text (SigLIP encoder frozen, 2 image slots
     per rollout row, 16 prompts x 8 samples) on 4 v5p chips: the step, the reference and the
-    sampler's KV cache fit (48.3 of 95 GiB per chip measured). Before the encoder's attention
+    sampler's KV cache fit (the step 59.9 of 95 GiB per chip at dots_no_batch, the decode
+    48.5, measured). Before the encoder's attention
     went in query chunks under remat, its 4096 x 4096 scores per image and layer needed 867."""
     code = cli.main(["compile", "--config=configs/grpo.py:gemma3_4b_vlm_v5p", "--topology=v5p-8"])
     out = capsys.readouterr().out

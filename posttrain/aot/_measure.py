@@ -54,6 +54,8 @@ class Lowering:
         tokens (PPO's critic), counted in the model's FLOPs too.
       epochs: passes the step makes over its batch (RL's `algorithm.epochs`): each token is
         trained on this many times.
+      images: a VLM's image slots in one pass over the batch (each encoded, its features
+        projected), and encoder_trained: whether the image encoder trains (not frozen).
       programs: what the method runs beside the step, compiled and measured too (`Program`).
     """
 
@@ -72,6 +74,8 @@ class Lowering:
     lm_head: bool = True
     also_trained: tuple = ()
     epochs: int = 1
+    images: int = 0
+    encoder_trained: bool = True
     programs: dict = dataclasses.field(default_factory=dict)
 
     def jitted(self):
@@ -164,6 +168,11 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
     trained = ((model_config, low.lm_head), *low.also_trained)
     tokens = low.epochs * low.tokens  # (tokens trained on, with each model in `trained`)
     model_flops = tokens * sum(m.flops_per_token(length, head) for m, head in trained)
+    if low.images:  # (the image slots' encoder and projector FLOPs are not per token)
+        per_image = model_config.vision.flops_per_image(
+            model_config.embed_dim, encoder_trained=low.encoder_trained
+        )
+        model_flops += low.epochs * low.images * per_image
     attention = model_flops - tokens * sum(m.flops_per_token(0, head) for m, head in trained)
     # A fused attention kernel's FLOPs are not matmuls in the program: add the formula's.
     program_flops = program + (attention if kernels else 0.0)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import copy
+import math
 
+import jax
 from tqdm.auto import tqdm
 
 from posttrain import aot
 from posttrain.config import override
 from posttrain.methods._record import config_domains, method_config
-from posttrain.models import with_shardings
+from posttrain.models import param_shapes, with_shardings
 from posttrain.parallel import axis_rules, make_mesh
-from posttrain.train import check_batching, make_step
+from posttrain.train import check_batching, frozen_mask, make_step
 
 
 def lowering(config, devices, domains=None, *, programs: bool = True) -> aot.Lowering:
@@ -56,6 +58,8 @@ def lowering(config, devices, domains=None, *, programs: bool = True) -> aot.Low
         lm_head=method.lm_head,
         also_trained=method.also_trained(c, model_config),
         epochs=method.epochs(c),
+        images=_image_slots(batch),
+        encoder_trained=_encoder_trained(c.model.freeze, model_config),
         programs=beside,
     )
 
@@ -78,6 +82,29 @@ def compile_plan(
     generation, devices = aot.topology_devices(topology, num_slices)
     name = topology if num_slices == 1 else f"{num_slices} x {topology}"
     return aot.measure(lowering(config, devices, programs=programs), name, generation)
+
+
+def _image_slots(batch: dict) -> int:
+    """Image slots in one pass over the step's batch (a VLM's `images` `[rows, slots, ...]`);
+    DPO's chosen and rejected rows carry their own."""
+    return sum(
+        math.prod(v.shape[:2]) for k, v in batch.items() if k == "images" or k.endswith("_images")
+    )
+
+
+def _encoder_trained(freeze: tuple, model_config) -> bool:
+    """Whether `model.freeze` leaves any of a VLM's image encoder's patch embedding, positions
+    or layers to train (then the backward runs through its layers; a final norm alone, as
+    Gemma 3's configs leave it, needs no matmul of it)."""
+    if model_config.vision is None:
+        return False
+    held = frozen_mask(tuple(freeze), param_shapes(model_config))
+    if held is None:
+        return True
+    encoder = {
+        k: v for k, v in held["vision"].items() if k.startswith(("patch", "position", "layers"))
+    }
+    return not all(jax.tree.leaves(encoder))
 
 
 REMAT_SWEEP = ("full", "dots_no_batch", "dots", "offload_dots", "none")  # most saved last

@@ -114,6 +114,23 @@ class VisionConfig:
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
 
+    def flops_per_image(self, text_dim: int, *, encoder_trained: bool) -> float:
+        """Training FLOPs of one image slot: the encoder's forward (every patch attends to
+        every patch), x3 with its backward when it trains, and the projector's (x3). A matmul
+        whose input needs no gradient costs x2 (its weights' gradient only): the patch
+        embedding (pixels are data), and the projector's first behind a frozen encoder."""
+        P, W, M, T = self.num_patches, self.width, self.mlp_dim, self.num_layers
+        patch = 2 * P * self.patch_size**2 * self.channels * W
+        layers = 2 * P * T * (4 * W * W + 2 * W * M) + 4 * T * P * P * W  # (q, k, v, o, MLP)
+        if self.projector == "gemma3":  # pooled to tokens_per_image, then one matmul
+            first, rest = 2 * self.tokens_per_image * W * text_dim, 0
+        else:  # two layers on every token
+            first = 2 * self.tokens_per_image * W * text_dim
+            rest = 2 * self.tokens_per_image * text_dim * text_dim
+        if encoder_trained:
+            return 2 * patch + 3 * (layers + first + rest)
+        return patch + layers + 2 * first + 3 * rest
+
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCH_MODES = ("dropless", "capacity")
