@@ -28,11 +28,12 @@ import re
 
 import numpy as np
 
-# libtpu flags for dense FSDP plans on 64+ chips (from MaxText's TPU recipes), opt-in through
-# LIBTPU_INIT_ARGS: without them libtpu compiles each FSDP weight gather as a synchronous
-# all-reduce of a zero-filled buffer; with them, as async all-gathers under the layers' compute
-# (the 70B plan's roofline MFU 74% -> 89%). Not set by default: with them this libtpu fails a
-# RET_CHECK compiling the Kimi K2 MoE plan. docs/compile.md has the measurements.
+# libtpu flags for dense FSDP plans on 64+ chips (from MaxText's TPU recipes): without them
+# libtpu compiles each FSDP weight gather as a synchronous all-reduce of a zero-filled buffer;
+# with them, as async all-gathers under the layers' compute (the 70B plan's roofline MFU 74% ->
+# 89%). `posttrain compile` tries them on every program and compiles without them where the
+# compiler refuses (this libtpu fails a RET_CHECK on the Kimi K2 MoE plan); a run takes them
+# from LIBTPU_INIT_ARGS. docs/compile.md has the measurements.
 TPU_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion=true "
     "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
@@ -40,6 +41,9 @@ TPU_FLAGS = (
     "--xla_enable_async_all_gather=true "
     "--xla_tpu_prefer_async_allgather_to_allreduce=true"
 )
+# The same flags as per-compile options (`compiled = lowered.compile(compiler_options=...)`),
+# which `posttrain compile` tries first for every plan.
+TPU_OPTIONS = {f.split("=")[0].lstrip("-"): f.split("=")[1] for f in TPU_FLAGS.split()}
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5,
           "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,

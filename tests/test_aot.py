@@ -153,6 +153,26 @@ def test_a_vlm_plan_counts_its_images(freeze):
     assert (two.compiled_flops - one.compiled_flops) / rows == pytest.approx(per_image, rel=0.01)
 
 
+def test_a_plan_compiles_with_the_async_collective_flags_or_says_why_not(monkeypatch):
+    """`posttrain compile` compiles each program with libtpu's async collective flag set and
+    reports it; where the compiler refuses the program with them (this libtpu fails a
+    RET_CHECK on the Kimi K2 plan; here: an option it does not know), it compiles without them
+    and the report says so, with the compiler's reason."""
+    from posttrain import _collectives
+
+    same = {"model.attention": "xla", "model.checkpoint": ""}
+    config = override(load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny"), same)
+    report = compile_plan(config, "v5e-8")
+    assert report.flags == "async collectives" and "libtpu flags  async collectives" in "\n".join(
+        report.lines()
+    )
+    monkeypatch.setattr(_collectives, "TPU_OPTIONS", {**_collectives.TPU_OPTIONS, "xla_nope": "1"})
+    refused = compile_plan(config, "v5e-8")
+    assert refused.flags.startswith("default (the async collective set failed: "), refused.flags
+    assert "xla_nope" in refused.flags and refused.compiled
+    assert refused.compiled_flops == report.compiled_flops  # (the same program, other flags)
+
+
 def test_fastest_remat_is_the_quickest_plan_that_fits():
     from posttrain.aot import CHIPS, CompileReport, GiB, fastest_fit
 

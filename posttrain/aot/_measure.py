@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from posttrain import _collectives
 from posttrain._collectives import collectives, summary
 from posttrain._flops import _expected_ratio, _expert_buffer, matmul_flops
 from posttrain.aot._report import CompileReport
@@ -100,21 +101,37 @@ class _TooLarge(Exception):
     """The step's arguments alone exceed HBM: no compile is needed to know it does not fit."""
 
 
-def _compile_uncached(lowered):
-    """Compiles for the slice with JAX's persistent compilation cache off: libtpu's compile-only
-    client writes its executables there but cannot read them back ("PjRtCompiler must be
-    constructed with a Client"), so a cached plan would only cost a write and a warning."""
+def _compile_uncached(lowered, options: dict | None = None):
+    """Compiles for the slice (with libtpu compile `options`) with JAX's persistent compilation
+    cache off: libtpu's compile-only client writes its executables there but cannot read them
+    back ("PjRtCompiler must be constructed with a Client"), so a cached plan would only cost a
+    write and a warning."""
     from jax.experimental.compilation_cache import compilation_cache
 
+    compile = lambda: lowered.compile(compiler_options=options) if options else lowered.compile()  # noqa: E731
     if not jax.config.jax_enable_compilation_cache:
-        return lowered.compile()
+        return compile()
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     try:
-        return lowered.compile()
+        return compile()
     finally:  # the rest of the process compiles as before
         jax.config.update("jax_enable_compilation_cache", True)
         compilation_cache.reset_cache()
+
+
+def _compile_choosing_flags(lowered) -> tuple[Any, str]:
+    """(executable, which libtpu flags): compiled with the async collective set
+    (`_collectives.TPU_OPTIONS`), or without it where the compiler refuses the program with
+    them (this libtpu fails a RET_CHECK on the Kimi K2 plan), saying why. A program over HBM
+    is over HBM either way (raised)."""
+    try:
+        return _compile_uncached(lowered, _collectives.TPU_OPTIONS), "async collectives"
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" in str(e):
+            raise
+        why = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:160]
+        return _compile_uncached(lowered), f"default (the async collective set failed: {why})"
 
 
 def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport:
@@ -132,11 +149,11 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         state_bytes = bytes_per_device(low.state, low.state_shardings)
         state_bytes += bytes_per_device(low.inputs, sharding_of(low.inputs))
         batch_bytes = bytes_per_device(low.batch, sharding_of(low.batch))
-        chip, compiled_ok = CHIPS[generation], True
+        chip, compiled_ok, flags = CHIPS[generation], True, "none (not compiled)"
         try:
             if state_bytes + batch_bytes > FIT_FRACTION * chip.hbm_bytes:
                 raise _TooLarge  # no compile needed to know (a quick smallest-slice search)
-            compiled = _compile_uncached(lowered)
+            compiled, flags = _compile_choosing_flags(lowered)
             memory = compiled.memory_analysis()
             sizes = (
                 memory.argument_size_in_bytes,
@@ -192,6 +209,7 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         xla_flops=float(cost.get("flops", 0.0)) * devices,
         expected_ratio=_expected_ratio(model_config, length, expert_buffer, low.lm_head),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        flags=flags,
         compile_seconds=seconds,
         compiled=compiled_ok,
         host_temporaries=host,
@@ -213,7 +231,8 @@ def _measure_program(program: Program) -> dict:
     lowered = program.fn.lower(*program.args, **program.static)
     out = {"label": program.label, "shared": program.shared, "compiled": True}
     try:
-        memory = _compile_uncached(lowered).memory_analysis()
+        compiled, out["flags"] = _compile_choosing_flags(lowered)
+        memory = compiled.memory_analysis()
         out.update(
             arguments=float(memory.argument_size_in_bytes),
             outputs=float(memory.output_size_in_bytes),

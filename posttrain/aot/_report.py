@@ -35,6 +35,7 @@ class CompileReport:
     # per device, seconds at the slice's ICI / DCN bandwidth, and how much of it is async.
     communication: dict = dataclasses.field(default_factory=dict)
     remat: str = ""  # the model's layer remat policy in this program
+    flags: str = "default"  # the libtpu flag set the step compiled with, and why
     # Programs the method runs beside the step (RL: the co-located sampler's decode call),
     # compiled too: {name: {"label", "arguments", "outputs", "temporaries", "aliased",
     # "shared" (bytes of its arguments the step's state holds: the weights), "seconds"}}.
@@ -109,6 +110,7 @@ class CompileReport:
                 if self.compiled
                 else "not compiled: params, optimizer state and batch alone exceed HBM"
             ),
+            f"  libtpu flags  {self.flags}",
             f"  arguments     {gib(self.arguments)}  (params, optimizer state, batch)",
             f"  outputs       {gib(self.outputs)}  (aliased with donated inputs: "
             f"{self.aliased / GiB:.2f} GiB)",
@@ -150,7 +152,11 @@ class CompileReport:
             total = self.program_total(name)
             out += [
                 f"{name}: {p['label']}, "
-                + (f"compiled in {p['seconds']:.0f} s" if p["compiled"] else "not compiled"),
+                + (
+                    f"compiled in {p['seconds']:.0f} s, libtpu flags {p['flags']}"
+                    if p["compiled"]
+                    else "not compiled"
+                ),
                 f"  arguments     {gib(p['arguments'])}  (of which the weights, shared with the "
                 f"step: {p['shared'] / GiB:.2f} GiB)",
                 f"  temporaries   {gib(p['temporaries'])}",
