@@ -185,12 +185,12 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
     trained = ((model_config, low.lm_head), *low.also_trained)
     tokens = low.epochs * low.tokens  # (tokens trained on, with each model in `trained`)
     model_flops = tokens * sum(m.flops_per_token(length, head) for m, head in trained)
+    attention = model_flops - tokens * sum(m.flops_per_token(0, head) for m, head in trained)
     if low.images:  # (the image slots' encoder and projector FLOPs are not per token)
         per_image = model_config.vision.flops_per_image(
             model_config.embed_dim, encoder_trained=low.encoder_trained
         )
         model_flops += low.epochs * low.images * per_image
-    attention = model_flops - tokens * sum(m.flops_per_token(0, head) for m, head in trained)
     # A fused attention kernel's FLOPs are not matmuls in the program: add the formula's.
     program_flops = program + (attention if kernels else 0.0)
     devices = low.mesh.devices.size

@@ -85,11 +85,8 @@ def compile_plan(
 
 
 def _image_slots(batch: dict) -> int:
-    """Image slots in one pass over the step's batch (a VLM's `images` `[rows, slots, ...]`);
-    DPO's chosen and rejected rows carry their own."""
-    return sum(
-        math.prod(v.shape[:2]) for k, v in batch.items() if k == "images" or k.endswith("_images")
-    )
+    """Image slots in one pass over the step's batch (a VLM's `images` `[rows, slots, ...]`)."""
+    return math.prod(batch["images"].shape[:2]) if "images" in batch else 0
 
 
 def _encoder_trained(freeze: tuple, model_config) -> bool:
