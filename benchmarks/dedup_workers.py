@@ -29,16 +29,16 @@ def _noop(_):
 
 
 def _pool_start(workers: int, queue) -> None:
-    """Seconds from starting a spawned pool to every worker having answered (each imports
-    posttrain.curate, as a dedup worker does when it unpickles its function)."""
-    from posttrain.curate import _chunks
+    """Seconds from starting a spawned pool to every worker having answered, each having
+    imported posttrain.curate first (as a dedup worker does when it unpickles its function)."""
+    import importlib
 
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, _chunks._init, ([None], _noop, ())) as pool:
+    with ctx.Pool(workers, importlib.import_module, ("posttrain.curate",)) as pool:
         pids = set()
         while len(pids) < workers:
-            pids.update(pool.map(_chunks._run, [(0, 0, 0)] * (4 * workers), chunksize=1))
+            pids.update(pool.map(_noop, range(4 * workers), chunksize=1))
     queue.put(time.perf_counter() - t0)
 
 

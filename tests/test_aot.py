@@ -139,10 +139,9 @@ def test_a_vlm_plan_counts_its_images(freeze):
     what one more slot per row adds to the program's matmul FLOPs is exactly that."""
     vlm = get_preset("tiny_vlm")
     same = {"model.preset": "tiny_vlm", "model.attention": "xla", "model.checkpoint": "",
-            "model.remat": "none", "model.freeze": freeze, "rollout.max_prompt_len": 64,
-            "tokenizer": ""}  # fmt: skip
-    config = override(load_config_file(os.path.join(REPO, "configs", "grpo.py") + ":tiny"), same)
-    rows = config.data.batch_size * config.rollout.num_generations
+            "model.remat": "none", "model.freeze": freeze, "data.max_len": 64}  # fmt: skip
+    config = override(load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny"), same)
+    rows = config.data.batch_size
     one, two = (
         compile_plan(override(config, {"data.max_images": k}), "v5e-8", programs=False)
         for k in (1, 2)
