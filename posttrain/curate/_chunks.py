@@ -5,8 +5,9 @@ Workers read their chunk's records themselves (each gets the sources' file index
 only the small per-chunk results cross between processes. Workers start only when the input
 pays for them: the first chunk runs in this process, timed, and a pool is started for the rest
 only when their work split over the workers saves more than a pool takes to start
-(`POOL_START_S`); a few thousand records never wait for one. Workers are spawned, not forked: a
-forked child of a process where JAX runs threads can deadlock (as in `rewards._pool`).
+(`POOL_START_S`), so a few thousand quick records do not wait for one. Workers are
+spawned, not forked: a forked child of a process where JAX runs threads can deadlock (as
+in `rewards._pool`).
 """
 
 from __future__ import annotations
