@@ -151,6 +151,8 @@ class Checkpointer:
         """Raises `CheckpointWriteError` if a save in the background has failed (cheap: called
         after every step, so that a run stops at the step it noticed, not at its next save)."""
         self._checked(self.manager.check_for_errors)
+        if not self.manager.is_saving_in_progress():
+            self.wait()  # the manager's own finalize thread keeps its error until waited for
 
     @contextlib.contextmanager
     def settled(self):
@@ -172,7 +174,12 @@ class Checkpointer:
             if code not in _PLACE_ERRNOS:
                 raise
             steps = self._remove_partial()
+            # The manager lists a save as soon as it starts: re-read what is finished on disk.
+            with contextlib.suppress(Exception):
+                self.manager.reload()
             last = self.manager.latest_step()
+            if last is not None and last in steps:  # a save that was listed, then removed
+                last = max((s for s in self.manager.all_steps() if s not in steps), default=None)
             which = f"checkpoint {', '.join(map(str, steps))}" if steps else "a checkpoint"
             raise CheckpointWriteError(
                 f"saving {which} in {self.directory} "
