@@ -64,6 +64,7 @@ def attention(
     scale: float | None = None,
     softcap: float = 0.0,
     context_parallel: str = "ring",
+    zigzag_rows: bool = False,
     q_blocks_BL=None,
     kv_blocks_BS=None,
 ):
@@ -85,6 +86,8 @@ def attention(
       context_parallel: "ring" or "all_gather": how self-attention reaches the other devices'
         keys when the rows' length is sharded (the `sequence` axis); any `impl` then runs as
         blocked XLA attention per shard (`posttrain.models._context`).
+      zigzag_rows: the length-sharded rows are in the ring's load-balanced order
+        (`posttrain.models.zigzag_rows`: the transformer reorders them once for its layers).
       q_blocks_BL, kv_blocks_BS: bidirectional blocks (see `attention_mask`): tokens of one
         block > 0 see each other both ways (Gemma 3's images). They run the XLA reference
         whatever `impl` says (the fused and blocked kernels skip keys after the query).
@@ -106,10 +109,12 @@ def attention(
         if softcap:
             raise ValueError("context parallelism does not soft-cap attention logits yet")
         return context_parallel_attention(
-            q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, mode=context_parallel
-        )
+            q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, mode=context_parallel,
+            zigzag_rows=zigzag_rows,
+        )  # fmt: skip
     if impl == "flash":
-        return flash_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, softcap=softcap)
+        return flash_attention(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, softcap=softcap,
+                               causal_order=self_attention)  # fmt: skip
     if impl == "xla":
         if self_attention:
             return _xla_causal_blocks(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, softcap=softcap)

@@ -37,6 +37,7 @@ def _attention(
     cache_attend=None,
     blocks_BL=None,
     kv_blocks_BS=None,
+    zigzag_rows: bool = False,
 ):
     """Grouped-query self-attention of normed `h_BLD`: `(out_BLD, (k, v) cache or None)`;
     `blocks_BL`, `kv_blocks_BS`: bidirectional image blocks (`attention_mask`) of the queries
@@ -93,6 +94,7 @@ def _attention(
                 scale=config.scale,
                 softcap=config.attn_softcap,
                 context_parallel=config.context_parallel,
+                zigzag_rows=zigzag_rows,
                 q_blocks_BL=blocks_BL,
                 kv_blocks_BS=blocks_BL if kv_blocks_BS is None else kv_blocks_BS,
             )
@@ -132,6 +134,7 @@ def _layer(
     cache_attend=None,
     blocks_BL=None,
     kv_blocks_BS=None,
+    zigzag_rows: bool = False,
 ):
     """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (or the experts, routed
     as `replay_BLK` says when given: router replay, see `moe_forward`).
@@ -167,6 +170,7 @@ def _layer(
         kv_positions_BS=kv_positions_BS,
         kv_segment_ids_BS=kv_segment_ids_BS,
         cache_update=cache_update,
+        zigzag_rows=zigzag_rows,
     )
     if config.mla is not None:
         attn_BLD, k_cache = mla_attention(h_BLD, p["attn"], cache_BS1C=k_cache_BSKH, **context)

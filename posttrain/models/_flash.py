@@ -1,17 +1,24 @@
 """Memory-bounded attention in plain JAX: queries in blocks, keys in blocks, online softmax.
 
 `flash_attention` never holds more than one `[block_q, block_k]` tile of scores per (batch,
-head): a `lax.map` over query blocks, each a `lax.scan` over key blocks that carries the running
-maximum, normaliser and weighted values (FlashAttention's recurrence). Both bodies are
-rematerialised, so the backward pass recomputes a query block's tiles instead of storing them:
-activation memory grows linearly with the length, as the fused kernels' does, on any backend
-(`model.attention="flash"`; the CPU and GPU fallback for long rows). Key blocks that no query of
-the block can see (after it causally, outside the window, other documents) are skipped.
+head): one `lax.scan` over the (query block, key block) tiles that can hold a visible key, each
+step merging its tile into the query block's running output and log-normaliser
+(FlashAttention's recurrence). Its backward pass is written out (FlashAttention-2's): the same
+tiles again, each recomputing its probabilities from the saved log-normaliser and adding its
+share of dq, dk and dv. So the step keeps only q, k, v, the output and the log-normaliser, and
+computes each tile's matmuls 7 times (2 forward, 5 backward) where autodiff of a
+rematerialised scan computed them up to 12 times; memory is linear in the length on any
+backend (`model.attention="flash"`; the CPU and GPU fallback for long rows).
 
-`block_attention` is one tile's partial result with its log-normaliser, `merge_partials`
-combines partials over disjoint key sets, and `block_terms` is a tile's share of attention
-normalised over all keys, whose VJP is that tile's part of the gradient: the pieces ring
-attention (context parallelism) runs per rotation step, forward and backward.
+Which tiles run is decided twice. At trace time, with `causal_order` (queries and keys are the
+same tokens, positions increasing by at least 1 along each document: training rows, packed or
+padded), the tiles above the diagonal and those entirely farther back than the window are left
+out of the program: neither computed nor counted in its FLOPs. At run time a tile whose mask is
+empty (another document, padding) is skipped by a `lax.cond`.
+
+`flash_partial` and `flash_grads` are the two passes over any keys, with `merge_partials`
+combining partial results over disjoint key sets: the pieces ring attention (context
+parallelism) runs at each rotation step, forward and backward.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Added to (or put in place of) masked scores: exp() of it is 0, yet adding it to a score never
 # overflows.
@@ -86,21 +94,6 @@ def block_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, *, scale, softcap=0.0):
     return out, _per_query(lse_BKGL)
 
 
-def block_terms(q_BLNH, k_BSKH, v_BSKH, mask_BLS, lse_BLN, *, scale):
-    """These keys' share of attention normalised over more keys (`lse_BLN`: the log-normaliser
-    over all of them): `(sum_j p_ij v_j, sum_j p_ij)` with `p_ij = exp(s_ij - lse_i)`.
-
-    Their VJP with cotangents `(dO, -rowsum(dO * O))` (O the whole attention's output) is
-    these keys' part of attention's gradient (FlashAttention-2's `dS = P (dP - D)`): what ring
-    attention's backward pass computes at each hop."""
-    s_BKGLS = _scores(q_BLNH, k_BSKH, mask_BLS, scale)
-    B, L, N = lse_BLN.shape
-    K = k_BSKH.shape[2]
-    lse_BKGL = lse_BLN.reshape(B, L, K, N // K).transpose(0, 2, 3, 1)
-    p_BKGLS = jnp.where(mask_BLS[:, None, None], jnp.exp(s_BKGLS - lse_BKGL[..., None]), 0.0)
-    return _weighted_values(p_BKGLS, v_BSKH), _per_query(jnp.sum(p_BKGLS, axis=-1))
-
-
 def merge_partials(out_a, lse_a, out_b, lse_b):
     """Two partial attentions of the same queries over disjoint keys, as one."""
     lse = jnp.maximum(lse_a, lse_b)
@@ -119,73 +112,175 @@ def _blocks(x, size: int, fill):
 
 
 def flash_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window: int, *,
-                    scale: float, softcap: float = 0.0, block_q: int = 512,
-                    block_k: int = 512):  # fmt: skip
+                    scale: float, softcap: float = 0.0, block_q: int = 512, block_k: int = 512,
+                    causal_order: bool = False):  # fmt: skip
     """Causal attention by position with packing and windows (as `attention(impl="xla")`), in
-    query and key blocks with rematerialised bodies; `[B, L, N, Hv]` in q's dtype."""
-    args = (q_pos, kv_pos, q_seg, kv_seg, window)
-    out, _ = flash_partial(q_BLNH, k_BSKH, v_BSKH, *args, scale=scale, softcap=softcap,
-                           block_q=block_q, block_k=block_k)  # fmt: skip
-    return out.astype(q_BLNH.dtype)
+    query and key blocks, with its own backward pass; `[B, L, N, Hv]` in q's dtype.
+    `causal_order`: see the module docstring."""
+    tiles = (window, scale, softcap, block_q, block_k, causal_order)  # (static, hashable)
+    return _flash(tiles, q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(tiles, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    return _flash_fwd(tiles, q, k, v, q_pos, kv_pos, q_seg, kv_seg)[0]
+
+
+def _flash_fwd(tiles, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    window, scale, softcap, block_q, block_k, causal_order = tiles
+    out, lse = flash_partial(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, scale=scale,
+                             softcap=softcap, block_q=block_q, block_k=block_k,
+                             causal_order=causal_order)  # fmt: skip
+    out = out.astype(q.dtype)
+    return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(tiles, residuals, d_out):
+    window, scale, softcap, block_q, block_k, causal_order = tiles
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    d_out = d_out.astype(jnp.float32)
+    dq, dk, dv = flash_grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, d_out,
+                             output_dot(d_out, out), window, scale=scale, softcap=softcap,
+                             block_q=block_q, block_k=block_k,
+                             causal_order=causal_order)  # fmt: skip
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def output_dot(d_out_BLNH, out_BLNH):
+    """`rowsum(dO * O)` `[B, L, N]` float32: the softmax normaliser's share of the gradient
+    (FlashAttention-2's D), from the whole attention's output."""
+    return jnp.sum(d_out_BLNH.astype(jnp.float32) * out_BLNH.astype(jnp.float32), axis=-1)
 
 
 def flash_partial(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window: int, *,
-                  scale: float, softcap: float = 0.0, block_q: int = 512,
-                  block_k: int = 512):  # fmt: skip
-    """`flash_attention` as a partial result over these keys: `(out float32, lse)` as
-    `block_attention` returns them, for `merge_partials` with other keys' (ring attention)."""
-    B, _, N, _ = q_BLNH.shape
+                  scale: float, softcap: float = 0.0, block_q: int = 512, block_k: int = 512,
+                  causal_order: bool = False):  # fmt: skip
+    """Attention of the queries over these keys in tiles, as a partial result: `(out float32,
+    lse)` as `block_attention` returns them, for `merge_partials` with other keys' (ring
+    attention). Not differentiable itself: `flash_attention` pairs it with `flash_grads`."""
+    B, L, N, _ = q_BLNH.shape
     Hv = v_BSKH.shape[3]
+    grid = _Grid(q_BLNH, k_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k,
+                 causal_order)  # fmt: skip
+    qs, vs = grid.query_blocks(q_BLNH), grid.key_blocks(v_BSKH)
+    ks = grid.key_blocks(k_BSKH)
 
-    def tile(carry, q, k, v, mask, _):
-        return merge_partials(*carry, *block_attention(q, k, v, mask, scale=scale, softcap=softcap))
+    def step(carry, ij):
+        out, lse = carry
+        i, j = ij
+        q, k, v = qs[i], ks[j], vs[j]
+        mask = grid.mask(i, j)
 
-    init = lambda bq: (jnp.zeros((B, bq, N, Hv), jnp.float32), jnp.full((B, bq, N), _MASKED))  # noqa: E731
-    args = (q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k)
-    return _blockwise(tile, init, *args)
+        def tile(partial):
+            return merge_partials(*partial, *block_attention(q, k, v, mask, scale=scale,
+                                                             softcap=softcap))  # fmt: skip
 
+        o, l = jax.lax.cond(jnp.any(mask), tile, lambda p: p, (out[i], lse[i]))
+        return (out.at[i].set(o), lse.at[i].set(l)), None
 
-def flash_terms(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, lse_BLN, window: int, *,
-                scale: float, block_q: int = 512, block_k: int = 512):  # fmt: skip
-    """`block_terms` over these keys, in blocks as `flash_partial`."""
-    B, _, N, _ = q_BLNH.shape
-    Hv = v_BSKH.shape[3]
-
-    def tile(carry, q, k, v, mask, lse):
-        terms = block_terms(q, k, v, mask, lse, scale=scale)
-        return tuple(a + b for a, b in zip(carry, terms, strict=True))
-
-    init = lambda bq: (jnp.zeros((B, bq, N, Hv), jnp.float32), jnp.zeros((B, bq, N)))  # noqa: E731
-    args = (q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k)
-    return _blockwise(tile, init, *args, per_query=lse_BLN)
+    init = (jnp.zeros((grid.nq, B, grid.bq, N, Hv), jnp.float32),
+            jnp.full((grid.nq, B, grid.bq, N), _MASKED))  # fmt: skip
+    out, lse = jax.lax.scan(step, init, grid.pairs)[0]
+    return grid.rows(out, L), grid.rows(lse, L)
 
 
-def _blockwise(tile, init, q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window,
-               block_q, block_k, per_query=None):  # fmt: skip
-    """Folds `tile(carry, q, k, v, mask, per_query)` over the key blocks each query block can
-    see, from `init(block rows)`; a `lax.map` over query blocks of a `lax.scan` over key blocks,
-    both rematerialised. Returns the carries, `[B, L, ...]` each."""
-    B, L = q_BLNH.shape[:2]
-    bq, bk = min(block_q, L), min(block_k, k_BSKH.shape[1])
-    # Padded queries and keys belong to no document (ids -1, -2): they see and are seen by
-    # nothing, and the padded outputs are cut off.
-    ks = (_blocks(k_BSKH, bk, 0), _blocks(v_BSKH, bk, 0))
-    ks += (_blocks(kv_pos, bk, 0), _blocks(kv_seg, bk, -2))
+def flash_grads(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, lse_BLN, d_out_BLNH,
+                d_mass_BLN, window: int, *, scale: float, softcap: float = 0.0,
+                block_q: int = 512, block_k: int = 512, causal_order: bool = False):  # fmt: skip
+    """These keys' part of attention's gradient, in the tiles `flash_partial` runs: float32
+    `(dq, dk, dv)`. `lse_BLN` is the log-normaliser over all the keys the queries attend
+    (these and any others: ring attention), `d_out_BLNH` the output's cotangent and
+    `d_mass_BLN` = `output_dot(d_out, out)` of the whole attention's output. Per tile
+    (FlashAttention-2): `P = exp(S - lse)`, `dV += P^T dO`, `dS = P (dO V^T - D)`,
+    `dQ += dS K`, `dK += dS^T Q`, through the soft-cap's tanh and the scale."""
+    B, L, N, H = q_BLNH.shape
+    S, K, Hv = k_BSKH.shape[1], k_BSKH.shape[2], v_BSKH.shape[3]
+    G = N // K
+    grid = _Grid(q_BLNH, k_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k,
+                 causal_order)  # fmt: skip
+    qs, ks, vs = grid.query_blocks(q_BLNH), grid.key_blocks(k_BSKH), grid.key_blocks(v_BSKH)
+    dos = grid.query_blocks(d_out_BLNH.astype(jnp.float32))
+    lses, masses = grid.query_blocks(lse_BLN), grid.query_blocks(d_mass_BLN)
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def query_block(xs):
-        q, pos, seg, extra = xs
+    def heads(x_BLN):  # [B, L, N] -> [B, K, G, L]
+        return x_BLN.reshape(B, -1, K, G).transpose(0, 2, 3, 1)
 
-        @functools.partial(jax.checkpoint, prevent_cse=False)
-        def key_block(carry, kv):
-            k, v, k_pos, k_seg = kv
-            mask = attention_mask(pos, k_pos, seg, k_seg, window)
-            fold = lambda c: tile(c, q, k, v, mask, extra)  # noqa: E731
-            return jax.lax.cond(jnp.any(mask), fold, lambda c: c, carry), None
+    def step(carry, ij):
+        dq, dk, dv = carry
+        i, j = ij
+        q, k, v, do, mask = qs[i], ks[j], vs[j], dos[i], grid.mask(i, j)
 
-        return jax.lax.scan(key_block, init(bq), ks)[0]
+        def tile(grads):
+            dq_i, dk_j, dv_j = grads
+            raw_BKGLS = _scores(q, k, mask, scale)  # (uncapped: the cap is applied below)
+            s_BKGLS = softcap * jnp.tanh(raw_BKGLS / softcap) if softcap else raw_BKGLS
+            p_BKGLS = jnp.where(mask[:, None, None], jnp.exp(s_BKGLS - heads(lses[i])[..., None]),
+                                0.0)  # fmt: skip
+            do_BKGLV = do.reshape(B, -1, K, G, Hv).transpose(0, 2, 3, 1, 4)
+            dv_j = dv_j + jnp.einsum("BKGLS,BKGLV->BSKV", p_BKGLS, do_BKGLV)
+            dp_BKGLS = jnp.einsum("BKGLV,BSKV->BKGLS", do_BKGLV, v.astype(jnp.float32))
+            ds_BKGLS = p_BKGLS * (dp_BKGLS - heads(masses[i])[..., None])
+            if softcap:  # d(c tanh(x / c)) = 1 - tanh(x / c)^2
+                ds_BKGLS = ds_BKGLS * (1.0 - jnp.square(s_BKGLS / softcap))
+            ds_BKGLS = ds_BKGLS * scale
+            dq_BKGLH = jnp.einsum("BKGLS,BSKH->BKGLH", ds_BKGLS, k.astype(jnp.float32))
+            dq_i = dq_i + dq_BKGLH.transpose(0, 3, 1, 2, 4).reshape(dq_i.shape)
+            dk_j = dk_j + jnp.einsum("BKGLS,BKGLH->BSKH", ds_BKGLS,
+                                     q.astype(jnp.float32).reshape(B, -1, K, G, H)
+                                     .transpose(0, 2, 3, 1, 4))  # fmt: skip
+            return dq_i, dk_j, dv_j
 
-    extra = None if per_query is None else _blocks(per_query, bq, 0)
-    qs = (_blocks(q_BLNH, bq, 0), _blocks(q_pos, bq, 0), _blocks(q_seg, bq, -1), extra)
-    carries = jax.lax.map(query_block, qs)
-    return tuple(jnp.moveaxis(c, 0, 1).reshape(B, -1, *c.shape[3:])[:, :L] for c in carries)
+        block = jax.lax.cond(jnp.any(mask), tile, lambda g: g, (dq[i], dk[j], dv[j]))
+        return (dq.at[i].set(block[0]), dk.at[j].set(block[1]), dv.at[j].set(block[2])), None
+
+    zeros = lambda n, b, heads, dim: jnp.zeros((n, B, b, heads, dim), jnp.float32)  # noqa: E731
+    init = (zeros(grid.nq, grid.bq, N, H), zeros(grid.nk, grid.bk, K, H),
+            zeros(grid.nk, grid.bk, K, Hv))  # fmt: skip
+    dq, dk, dv = jax.lax.scan(step, init, grid.pairs)[0]
+    return grid.rows(dq, L), grid.rows(dk, S), grid.rows(dv, S)
+
+
+class _Grid:
+    """The tiles of queries `[B, L]` by keys `[B, S]` in blocks of `block_q` x `block_k`: the
+    (query block, key block) pairs that run, in order (`pairs`, two int32 arrays), and each
+    tile's mask. Padded queries and keys belong to no document (ids -1, -2): they see and are
+    seen by nothing, and `rows` cuts their outputs off."""
+
+    def __init__(self, q_BLNH, k_BSKH, q_pos, kv_pos, q_seg, kv_seg, window, block_q, block_k,
+                 causal_order):  # fmt: skip
+        L, S = q_BLNH.shape[1], k_BSKH.shape[1]
+        self.bq, self.bk = min(block_q, L), min(block_k, S)
+        self.nq, self.nk = -(-L // self.bq), -(-S // self.bk)
+        self.window = window
+        self.q_pos, self.q_seg = _blocks(q_pos, self.bq, 0), _blocks(q_seg, self.bq, -1)
+        self.kv_pos, self.kv_seg = _blocks(kv_pos, self.bk, 0), _blocks(kv_seg, self.bk, -2)
+        pairs = [(i, j) for i in range(self.nq) for j in range(self.nk)
+                 if not causal_order or self._may_see(i, j)]  # fmt: skip
+        self.pairs = tuple(jnp.asarray(np.asarray(pairs, np.int32).reshape(-1, 2).T))
+
+    def _may_see(self, i: int, j: int) -> bool:
+        """Whether a query of block i can see a key of block j when both are the same row's
+        tokens with positions increasing by at least 1 along each document (`causal_order`):
+        some key not after some query, and (with a window) some pair nearer than it (index
+        distances are at most position distances within a document)."""
+        first_q, last_q = i * self.bq, (i + 1) * self.bq - 1
+        first_k, last_k = j * self.bk, (j + 1) * self.bk - 1
+        return first_k <= last_q and not (self.window and first_q - last_k >= self.window)
+
+    def mask(self, i, j):
+        return attention_mask(self.q_pos[i], self.kv_pos[j], self.q_seg[i], self.kv_seg[j],
+                              self.window)  # fmt: skip
+
+    def query_blocks(self, x):
+        return _blocks(x, self.bq, 0)
+
+    def key_blocks(self, x):
+        return _blocks(x, self.bk, 0)
+
+    @staticmethod
+    def rows(x, length: int):
+        """`[n, B, b, ...]` -> `[B, length, ...]`."""
+        return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])[:, :length]

@@ -79,6 +79,7 @@ def mla_attention(
     kv_positions_BS=None,
     kv_segment_ids_BS=None,
     cache_update=None,
+    zigzag_rows: bool = False,
 ):
     """The attention output `[B, L, D]` of normed inputs `h_BLD`; with a latent cache store
     (entries of `kv_lora_rank + qk_rope_head_dim` as one head, written and read back by
@@ -116,6 +117,7 @@ def mla_attention(
             self_attention=True,
             scale=scale,
             context_parallel=config.context_parallel,
+            zigzag_rows=zigzag_rows,
         )
         new_cache = None
     else:

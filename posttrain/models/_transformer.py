@@ -18,6 +18,7 @@ from posttrain.models._attention import resolve_impl
 from posttrain.models._block import _layer
 from posttrain.models._cache import KVCache, PagedKVCache
 from posttrain.models._config import ModelConfig
+from posttrain.models._context import ring_devices, zigzag_rows
 from posttrain.models._embed import input_embeddings, lm_logits
 from posttrain.models._invariant import norm_rows
 from posttrain.models._moe import moe_aux
@@ -28,13 +29,28 @@ from posttrain.models._pipeline import pipeline_layers, stage_count
 from posttrain.models._rope import rope_angles
 from posttrain.models._vision import image_blocks
 
-_REMAT_POLICIES: dict[str, Callable | None] = {
-    "full": None,  # save nothing, recompute the whole layer
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+# Every policy keeps ring attention's output and log-normaliser (`_context`: named
+# "context_attention"): its backward pass needs only them and the layer's q, k, v, so no
+# policy recomputes the ring's forward hops (2 of the 7 matmul passes attention costs).
+_RING = jax.checkpoint_policies.save_only_these_names("context_attention")
+
+
+def _and_ring(policy: Callable) -> Callable:
+    def saved(prim, *args, **params):
+        return _RING(prim, *args, **params) or policy(prim, *args, **params)
+
+    return saved
+
+
+_REMAT_POLICIES: dict[str, Callable] = {
+    "full": _RING,  # otherwise save nothing, recompute the whole layer
+    "dots": _and_ring(jax.checkpoint_policies.checkpoint_dots),
+    "dots_no_batch": _and_ring(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     # dots_no_batch, but the saved matmul outputs wait in host memory for the backward pass
     # instead of in HBM (a copy each way instead of a recompute).
-    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "offload_dots": _and_ring(
+        jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    ),
 }
 
 
@@ -109,6 +125,19 @@ def hidden_states(
             return out
         return (*out, {}) if cache is not None else (out, {})
     x_BLD = input_embeddings(params, tokens_BL, config, embeds_BLD, images_BIHWC)
+    pipelined = cache is None and stage_count() > 1
+    # Length-sharded rows for ring attention: reordered once here for causal load balance
+    # (`zigzag_rows`); back in order before the final norm.
+    ring = ring_devices(x_BLD)
+    zigzag = cache is None and not pipelined and config.context_parallel == "ring"
+    zigzag &= ring > 1 and L % (2 * ring) == 0
+    if zigzag:
+        rows = ("act_batch", "act_length")
+        x_BLD = zigzag_rows(x_BLD, (*rows, "act_embed"))
+        positions_BL = zigzag_rows(positions_BL, rows)
+        segment_ids_BL = zigzag_rows(segment_ids_BL, rows)
+        if replay_experts_BLTK is not None:
+            replay_experts_BLTK = zigzag_rows(replay_experts_BLTK, (*rows, None, None))
     cos, sin = rope_angles(positions_BL, config)
 
     windows = tuple(sorted(set(config.layer_windows)))
@@ -138,6 +167,7 @@ def hidden_states(
             positions_BL=positions_BL,
             segment_ids_BL=segment_ids_BL,
             blocks_BL=blocks_BL,
+            zigzag_rows=zigzag,
             **cache_kwargs,
         )
         if layer_transform is not None:
@@ -156,7 +186,6 @@ def hidden_states(
         if cache is not None:  # a prefill's own tokens' blocks, in the slots it writes
             cache_kwargs["kv_blocks_BS"] = cache.blocks(side[-1])
     layer = build(*side)
-    pipelined = cache is None and stage_count() > 1
     if pipelined and (config.moe is not None or config.first_k_dense):
         raise ValueError("pipeline stages (mesh stage > 1) run dense models only for now")
     if replay_experts_BLTK is not None and (config.moe is None or pipelined):
@@ -197,6 +226,8 @@ def hidden_states(
             x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
         caches.append(kv)
         aux_T = aux or aux_T
+    if zigzag:
+        x_BLD = zigzag_rows(x_BLD, ("act_batch", "act_length", "act_embed"), inverse=True)
     if config.batch_invariant:
         hidden_BLD = norm_rows(x_BLD, params["final_norm"], config.norm_eps)
     else:

@@ -23,13 +23,13 @@ CONFIG = get_preset("tiny", attention="xla")
 B, L = 3, 37  # 37 positions: no chunk size below divides it
 
 
-def close_trees(a, b, *, rtol, err_msg=""):
+def close_trees(a, b, *, rtol, ulps=16, err_msg=""):
     """Leaf by leaf, with an absolute slack of a few ulps of each leaf's largest value (a
     gradient summed in another order over positions)."""
     for (path, x), y in zip(
         jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
     ):
-        assert_close(x, y, rtol=rtol, ulps=16, scale=np.abs(y).max(), err_msg=f"{err_msg}{path}")
+        assert_close(x, y, rtol=rtol, ulps=ulps, scale=np.abs(y).max(), err_msg=f"{err_msg}{path}")
 
 
 @pytest.mark.parametrize(

@@ -91,4 +91,6 @@ def test_sequence_sharded_losses_equal_one_device(devices, method, mesh, mode):
     ((_, sums0), grads0) = _one_device(method)
     for name, value in sums0.items():
         assert_close(sums[name], value, rtol=1e-5, err_msg=name)
-    close_trees(grads, grads0, rtol=1e-5)
+    # (The ring reorders each row's tokens (`zigzag_rows`): weight gradients sum them in
+    # another order, a few more ulps of the largest entry than a plain sharding.)
+    close_trees(grads, grads0, rtol=1e-5, ulps=64)
