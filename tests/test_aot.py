@@ -392,6 +392,8 @@ def test_long_context_plans_fit_their_slice(spec, topology, length):
     assert rows == length
     report = compile_plan(config, topology)
     assert report.compiled and report.fits, report.lines()
+    if spec.startswith("sft"):  # (zigzag ring, no tile computed twice; was x2.93 and x3.55)
+        assert report.compiled_flops <= 1.25 * report.model_flops, report.lines()
 
 
 @pytest.mark.slow  # ~3 minutes

@@ -6,17 +6,22 @@ axis only attention needs the other devices' keys. Two ways, chosen by
 
 - `ring`: each device keeps its queries and passes its keys and values (with their positions
   and document ids) around the ring with `ppermute`, one hop per step; each step's partial
-  attention (`flash_partial`, blocked, rematerialised) is merged into the running one by its
-  log-normaliser (`merge_partials`). No device ever holds more than two key shards.
+  attention (`flash_partial`) is merged into the running one by its log-normaliser
+  (`merge_partials`). No device ever holds more than two key shards. The rows are in zigzag
+  order (`zigzag_rows`: with 2n chunks over n devices, device d holds chunks d and 2n-1-d), so
+  under a causal mask every device does the same work at every hop: two half tiles (`_ring`).
+  Contiguous chunks would leave device 0 idle at all n - 1 hops while device n-1 computes
+  whole tiles. The backward pass is written out (`flash_grads`), and the output and
+  log-normaliser are named "context_attention" for the remat policies to keep, so the
+  forward hops run once.
 - `all_gather`: each device gathers every key and value shard once and attends its queries
   over all of them (one collective instead of n - 1 hops; the whole length's keys per device
   while a layer runs).
 
 Both mask by positions and document ids, so packing, sliding windows, GQA and MLA's value heads
-work unchanged, and both differentiate through the collectives (`ppermute`'s transpose is the
-reverse ring). Key blocks a query block cannot see are skipped inside `flash_partial`; rows
-are sharded contiguously, so with causal masks the first devices skip most of their steps (no
-load-balanced reordering yet).
+work unchanged. Tiles no query can see are left out of the program where the order says so
+(`causal_order`) and skipped at run time where only the ids do (other documents). Not yet: a
+fused kernel (TPU splash, cuDNN) per ring step; each step runs the blocked XLA tiles.
 """
 
 from __future__ import annotations

@@ -168,6 +168,10 @@ def flash_partial(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, window: 
     qs, vs = grid.query_blocks(q_BLNH), grid.key_blocks(v_BSKH)
     ks = grid.key_blocks(k_BSKH)
 
+    # (Rematerialised though never differentiated: a layer scan's partial evaluation would
+    # otherwise hoist each tile's mask, which depends only on positions, out of the loop over
+    # layers and keep one for every tile and ring hop.)
+    @functools.partial(jax.checkpoint, prevent_cse=False)
     def step(carry, ij):
         out, lse = carry
         i, j = ij
