@@ -209,6 +209,8 @@ def collectives(hlo: str, *, devices: int, slice_of=None, torus=()) -> list[Coll
             # TPU's async collective fusions carry their collective in a config of its own
             start = start or any(m in rest for m in ("async_collective_name=", _ASYNC_FUSION))
             channel = re.search(r"channel_id=(\d+)", rest)
+            if kind == "collective-permute":
+                channel = None  # XLA gives every permute channel 1: each start is its own
             if channel and channel.group(1) in channels:
                 # One collective, several copies: an async collective fusion's start, its done
                 # and the compute fused with it each show the op under the same channel.

@@ -125,3 +125,30 @@ def test_an_async_collective_fusion_is_one_overlappable_collective():
         1024 * 256 * 2,
     )
     assert gather.overlappable  # it may run under compute: the roofline hides it there
+
+
+def test_every_permute_of_a_ring_counts_though_xla_gives_them_one_channel():
+    """Ring attention's hops: each scan step passes a [128, 256] bf16 shard and its int32
+    positions to the next device. XLA numbers every collective-permute channel 1; the count
+    once merged them all into one (the 128k plan's ring read 0.000 GiB)."""
+    _, devices = topology_devices("v5p-16")  # 8 chips
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+
+    def hops(k, pos):
+        def hop(carry, _):
+            k, pos, total = carry
+            k, pos = jax.lax.ppermute((k, pos), "x", ring)
+            return (k, pos, total + jnp.sum(jnp.tanh(k)) + jnp.sum(pos)), None
+
+        init = (k, pos, jnp.zeros((), jnp.float32))
+        return jax.lax.scan(hop, init, length=5)[0][2][None]
+
+    f = jax.shard_map(hops, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"), check_vma=False)
+    k = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+    pos = jax.ShapeDtypeStruct((1024,), jnp.int32, sharding=NamedSharding(mesh, P("x")))
+    hlo = jax.jit(f).lower(k, pos).compile().as_text()
+    permutes = [c for c in collectives(hlo, devices=8, torus=(2, 2, 2))
+                if c.kind == "collective-permute"]  # fmt: skip
+    moved = sum(c.count * c.nbytes for c in permutes)
+    assert moved == 5 * (128 * 256 * 2 + 128 * 4), permutes
