@@ -32,8 +32,8 @@ import numpy as np
 # libtpu compiles each FSDP weight gather as a synchronous all-reduce of a zero-filled buffer;
 # with them, as async all-gathers under the layers' compute (the 70B plan's roofline MFU 74% ->
 # 89%). `posttrain compile` tries them on every program and compiles without them where the
-# compiler refuses (this libtpu fails a RET_CHECK on the Kimi K2 MoE plan); a run takes them
-# from LIBTPU_INIT_ARGS. docs/compile.md has the measurements.
+# compiler refuses (this libtpu fails a RET_CHECK on the Kimi K2 MoE plan); so does a run's train
+# step on TPU unless LIBTPU_INIT_ARGS is set. docs/compile.md has the measurements.
 TPU_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion=true "
     "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
@@ -42,8 +42,28 @@ TPU_FLAGS = (
     "--xla_tpu_prefer_async_allgather_to_allreduce=true"
 )
 # The same flags as per-compile options (`compiled = lowered.compile(compiler_options=...)`),
-# which `posttrain compile` tries first for every plan.
+# which `posttrain compile` and a run on TPU try first for every program.
 TPU_OPTIONS = {f.split("=")[0].lstrip("-"): f.split("=")[1] for f in TPU_FLAGS.split()}
+
+
+def compile_choosing_flags(compile, options: dict | None = None, *,
+                           label: str = "async collectives",
+                           what: str = "the async collective set"):  # fmt: skip
+    """`(executable, which flags)`: `compile(options)` (default `TPU_OPTIONS`; `label` then),
+    or `compile(None)` where the compiler refuses the program with them (this libtpu fails a
+    RET_CHECK on the Kimi K2 plan with the async collective set), saying why. A program over
+    memory is over memory either way: that error is raised."""
+    import jax
+
+    try:
+        return compile(TPU_OPTIONS if options is None else options), label
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" in str(e):
+            raise
+        why = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:160]
+        return compile(None), f"default ({what} failed: {why})"
+
+
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5,
           "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,

@@ -121,17 +121,8 @@ def _compile_uncached(lowered, options: dict | None = None):
 
 
 def _compile_choosing_flags(lowered) -> tuple[Any, str]:
-    """(executable, which libtpu flags): compiled with the async collective set
-    (`_collectives.TPU_OPTIONS`), or without it where the compiler refuses the program with
-    them (this libtpu fails a RET_CHECK on the Kimi K2 plan), saying why. A program over HBM
-    is over HBM either way (raised)."""
-    try:
-        return _compile_uncached(lowered, _collectives.TPU_OPTIONS), "async collectives"
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" in str(e):
-            raise
-        why = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:160]
-        return _compile_uncached(lowered), f"default (the async collective set failed: {why})"
+    """(executable, which libtpu flags): `_collectives.compile_choosing_flags` on the slice."""
+    return _collectives.compile_choosing_flags(lambda options: _compile_uncached(lowered, options))
 
 
 def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport:

@@ -34,6 +34,7 @@ from posttrain.models import (
 )
 from posttrain.parallel import axis_rules, crossing, make_mesh, shard_batch
 from posttrain.train._checkpoint import Checkpointer
+from posttrain.train._flags import with_chosen_flags
 from posttrain.train._lock import claim, run_lock
 from posttrain.train._loop import train_loop
 from posttrain.train._optimizer import learning_rate_schedule, make_optimizer
@@ -292,10 +293,11 @@ def train(
             out_shardings=(shardings, None),
             donate_argnums=0,
         )
+        step_fn = with_chosen_flags(jitted)  # (on TPU: the flags `posttrain compile` chose)
         with checkpointer.settled():
             state, summary = train_loop(
                 state=state,
-                step_fn=lambda state, batch: jitted(state, loss_inputs, batch),
+                step_fn=lambda state, batch: step_fn(state, loss_inputs, batch),
                 data=data,
                 mesh=mesh,
                 workdir=workdir,

@@ -129,6 +129,7 @@ def test_causal_attention_computes_each_visible_tile_once(devices, sequence):
     print(f"program / model attention FLOPs on {sequence} device(s): {ratio:.3f}")
     assert 7 / 6 <= ratio <= 1.25, ratio
     if sequence == 1:  # every tile, as before: twice the causal ones
+
         def every(q, k, v):
             return attention(q, k, v, impl="flash", self_attention=False, **ids)
 
@@ -145,9 +146,7 @@ def test_zigzag_rows_balance_causal_work_across_the_sequence_axis(devices):
     positions = jnp.tile(jnp.arange(L, dtype=jnp.int32), (2, 1))
     with jax.set_mesh(_mesh(devices, sequence=n)):
         zigzag = jax.jit(lambda x: zigzag_rows(x, ("act_batch", "act_length")))(positions)
-        back = jax.jit(lambda x: zigzag_rows(x, ("act_batch", "act_length"), inverse=True))(
-            zigzag
-        )
+        back = jax.jit(lambda x: zigzag_rows(x, ("act_batch", "act_length"), inverse=True))(zigzag)
     np.testing.assert_array_equal(back, positions)
     assert sorted(np.asarray(zigzag[0]).tolist()) == list(range(L))
 
