@@ -175,7 +175,7 @@ def _kept(partial, keep):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _ring(axis, n, window, scale, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """Ring attention of this device's queries over every device's keys (inside `shard_map`,
-    rows in zigzag order: see `zigzag`): `[B, L, N, Hv]` in q's dtype. A custom VJP, so the
+    rows in zigzag order: see `zigzag_rows`): `[B, L, N, Hv]` in q's dtype. A custom VJP, so the
     backward pass keeps only this device's q, k, v, output and log-normaliser: it passes the
     keys around the ring again, with their gradient accumulators, and each hop adds its part
     (`flash_grads`).
