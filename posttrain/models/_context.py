@@ -27,6 +27,7 @@ fused kernel (TPU splash, cuDNN) per ring step; each step runs the blocked XLA t
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax
@@ -76,11 +77,13 @@ def context_parallel_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_
     row_spec = PartitionSpec(*q_spec[:2])
     n = math.prod(mesh.shape[a] for a in axes)
     if mode == "ring" and q_BLNH.shape[1] % (2 * n):
-        raise ValueError(
-            f"ring attention splits each row into 2 x {n} chunks (two per device of the "
-            f"sequence axes {axes}, for causal load balance): the row length "
-            f"{q_BLNH.shape[1]} must be a multiple of {2 * n}"
+        # The ring splits rows into 2n chunks (two a device, for causal load balance).
+        _warn_once(
+            f"rows of {q_BLNH.shape[1]} tokens do not split into 2 x {n} chunks for ring "
+            f"attention over {axes}: gathering keys instead (context_parallel=all_gather; "
+            f"make the length a multiple of {2 * n} for the ring)"
         )
+        mode = "all_gather"
     axis = axes[0] if len(axes) == 1 else axes
     attend = functools.partial(flash_attention, window=window, scale=scale)
 
@@ -129,6 +132,11 @@ def ring_devices(x) -> int:
     """How many devices share each row of `x` (`[B, L, ...]`) along its length (1: none)."""
     mesh = jax.sharding.get_abstract_mesh()
     return math.prod(mesh.shape[a] for a in length_axes(x))
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logging.getLogger("posttrain").warning(message)
 
 
 def _to_zigzag(x, axis, n: int):

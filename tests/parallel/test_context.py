@@ -186,3 +186,20 @@ def test_no_tile_of_the_ring_is_kept_across_layers(devices):
 
     activation = L * config.num_heads * config.head_dim * 4 * config.num_layers
     assert largest(jaxpr) <= 2 * activation, largest(jaxpr)
+
+
+def test_rows_that_do_not_split_into_two_chunks_a_device_gather_keys_instead(devices, caplog):
+    """200 tokens over 8 devices: 25 each, not two equal chunks a device. The ring cannot
+    balance them; the keys are gathered instead (warned once), same attention as one device."""
+    L = 200
+    q, k, v = _qkv(0, L=L, dtype=jnp.float32)
+    positions, segments = _packing(L=L)
+    ids = dict(q_positions_BL=positions, kv_positions_BS=positions)
+    ids |= dict(q_segment_ids_BL=segments, kv_segment_ids_BS=segments)
+    run = jax.jit(lambda q, k, v: attention(q, k, v, self_attention=True, **ids))
+    expected = run(q, k, v)
+    with jax.set_mesh(_mesh(devices, sequence=8)), caplog.at_level("WARNING", "posttrain"):
+        hlo = run.lower(q, k, v).compile().as_text()
+        got = run(q, k, v)
+    assert "all-gather" in hlo and "do not split into 2 x 8 chunks" in caplog.text
+    assert_close(got, expected, rtol=1e-5)
