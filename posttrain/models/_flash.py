@@ -223,18 +223,19 @@ def flash_grads(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_seg, lse_BLN, d
             s_BKGLS = softcap * jnp.tanh(raw_BKGLS / softcap) if softcap else raw_BKGLS
             p_BKGLS = jnp.where(mask[:, None, None], jnp.exp(s_BKGLS - heads(lses[i])[..., None]),
                                 0.0)  # fmt: skip
-            do_BKGLV = do.reshape(B, -1, K, G, Hv).transpose(0, 2, 3, 1, 4)
-            dv_j = dv_j + jnp.einsum("BKGLS,BKGLV->BSKV", p_BKGLS, do_BKGLV)
-            dp_BKGLS = jnp.einsum("BKGLV,BSKV->BKGLS", do_BKGLV, v.astype(jnp.float32))
+            # Matmul operands in the inputs' dtype, float32 accumulation (FlashAttention-2).
+            dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+            do_BKGLV = do.reshape(B, -1, K, G, Hv).transpose(0, 2, 3, 1, 4).astype(v.dtype)
+            dv_j = dv_j + dot("BKGLS,BKGLV->BSKV", p_BKGLS.astype(v.dtype), do_BKGLV)
+            dp_BKGLS = dot("BKGLV,BSKV->BKGLS", do_BKGLV, v)
             ds_BKGLS = p_BKGLS * (dp_BKGLS - heads(masses[i])[..., None])
             if softcap:  # d(c tanh(x / c)) = 1 - tanh(x / c)^2
                 ds_BKGLS = ds_BKGLS * (1.0 - jnp.square(s_BKGLS / softcap))
-            ds_BKGLS = ds_BKGLS * scale
-            dq_BKGLH = jnp.einsum("BKGLS,BSKH->BKGLH", ds_BKGLS, k.astype(jnp.float32))
+            ds_BKGLS = (ds_BKGLS * scale).astype(q.dtype)
+            dq_BKGLH = dot("BKGLS,BSKH->BKGLH", ds_BKGLS, k)
             dq_i = dq_i + dq_BKGLH.transpose(0, 3, 1, 2, 4).reshape(dq_i.shape)
-            dk_j = dk_j + jnp.einsum("BKGLS,BKGLH->BSKH", ds_BKGLS,
-                                     q.astype(jnp.float32).reshape(B, -1, K, G, H)
-                                     .transpose(0, 2, 3, 1, 4))  # fmt: skip
+            q_BKGLH = q.reshape(B, -1, K, G, H).transpose(0, 2, 3, 1, 4)
+            dk_j = dk_j + dot("BKGLS,BKGLH->BSKH", ds_BKGLS, q_BKGLH)
             return dq_i, dk_j, dv_j
 
         block = jax.lax.cond(jnp.any(mask), tile, lambda g: g, (dq[i], dk[j], dv[j]))
