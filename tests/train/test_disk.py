@@ -3,6 +3,7 @@ leaves no partial checkpoint, and the next run (with space) resumes from the las
 ends bitwise as an uninterrupted run. The filesystem is a small tmpfs the test mounts (root
 only: skipped with a message where mounting is not allowed)."""
 
+import contextlib
 import os
 import subprocess
 
@@ -19,6 +20,23 @@ RUN = ["train", f"--config={REPO}/configs/sft.py:tiny", "--config.model.checkpoi
        "--config.eval_data=[]", "--config.train.progress=false", f"--config.train.steps={STEPS}",
        "--config.checkpoint.every=2", "--config.train.log_every=1"]  # fmt: skip
 CHECKPOINT_KB = 1720  # one checkpoint of the tiny model (du -sk checkpoints/2)
+
+
+@contextlib.contextmanager
+def _one_checkpoint_on_a_full_disk(tmp_path):
+    """A Checkpointer on a tmpfs with room for one 800 KB (incompressible) checkpoint, step 1
+    saved: yields `(checkpointer, disk, state)`; the next save fills the disk."""
+    import jax.numpy as jnp
+
+    from posttrain.train import CheckpointConfig, Checkpointer
+
+    noise = np.random.RandomState(0).standard_normal(200_000)
+    state = {"w": jnp.asarray(noise, jnp.float32)}
+    with tmpfs(tmp_path / "disk", 1200) as disk:
+        checkpointer = Checkpointer(str(disk / "run"), CheckpointConfig(every=1))
+        checkpointer.save(1, state)
+        checkpointer.wait()
+        yield checkpointer, disk, state
 
 
 def _losses(workdir) -> list[tuple[int, float]]:
@@ -103,17 +121,9 @@ def test_a_run_stopped_for_another_reason_leaves_no_partial_checkpoint(tmp_path)
     """A save still writing when the run stops for another reason (here an error raised at
     once; in a full-disk run, TensorBoard's write failing first) is waited for: its failure
     removes its partial files, and the run's own error is the one raised."""
-    import jax.numpy as jnp
     import pytest
 
-    from posttrain.train import CheckpointConfig, Checkpointer
-
-    noise = np.random.RandomState(0).standard_normal(200_000)
-    state = {"w": jnp.asarray(noise, jnp.float32)}  # 800 KB a checkpoint, incompressible
-    with tmpfs(tmp_path / "disk", 1200) as disk:  # room for one
-        checkpointer = Checkpointer(str(disk / "run"), CheckpointConfig(every=1))
-        checkpointer.save(1, state)
-        checkpointer.wait()
+    with _one_checkpoint_on_a_full_disk(tmp_path) as (checkpointer, disk, state):
         with pytest.raises(RuntimeError, match="the run's own error"):
             with checkpointer.settled():
                 checkpointer.save(2, state)  # fails in the background: the disk is full
@@ -128,18 +138,11 @@ def test_a_failed_save_still_listed_is_not_named_the_last_good_checkpoint(tmp_pa
     import errno
     import time
 
-    import jax.numpy as jnp
     import pytest
 
-    from posttrain.train import CheckpointConfig, Checkpointer
     from posttrain.train._checkpoint import CheckpointWriteError
 
-    noise = np.random.RandomState(0).standard_normal(200_000)
-    state = {"w": jnp.asarray(noise, jnp.float32)}  # 800 KB a checkpoint, incompressible
-    with tmpfs(tmp_path / "disk", 1200) as disk:  # room for one
-        checkpointer = Checkpointer(str(disk / "run"), CheckpointConfig(every=1))
-        checkpointer.save(1, state)
-        checkpointer.wait()
+    with _one_checkpoint_on_a_full_disk(tmp_path) as (checkpointer, disk, state):
         checkpointer.save(2, state)  # fails in the background: the disk is full
         for _ in range(3000):
             if not checkpointer.manager.is_saving_in_progress():
@@ -161,18 +164,11 @@ def test_a_save_that_failed_in_the_background_stops_the_run_at_the_next_step(tmp
     the next save noticed, `checkpoint.every` steps later."""
     import time
 
-    import jax.numpy as jnp
     import pytest
 
-    from posttrain.train import CheckpointConfig, Checkpointer
     from posttrain.train._checkpoint import CheckpointWriteError
 
-    noise = np.random.RandomState(0).standard_normal(200_000)
-    state = {"w": jnp.asarray(noise, jnp.float32)}  # 800 KB a checkpoint, incompressible
-    with tmpfs(tmp_path / "disk", 1200) as disk:  # room for one
-        checkpointer = Checkpointer(str(disk / "run"), CheckpointConfig(every=1))
-        checkpointer.save(1, state)
-        checkpointer.wait()
+    with _one_checkpoint_on_a_full_disk(tmp_path) as (checkpointer, disk, state):
         checkpointer.save(2, state)
         with pytest.raises(CheckpointWriteError, match="checkpoint 2 .* checkpoint is step 1:"):
             for _ in range(3000):
