@@ -108,13 +108,12 @@ def _compile_uncached(lowered, options: dict | None = None):
     write and a warning."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    compile = lambda: lowered.compile(compiler_options=options) if options else lowered.compile()  # noqa: E731
     if not jax.config.jax_enable_compilation_cache:
-        return compile()
+        return lowered.compile(compiler_options=options)
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     try:
-        return compile()
+        return lowered.compile(compiler_options=options)
     finally:  # the rest of the process compiles as before
         jax.config.update("jax_enable_compilation_cache", True)
         compilation_cache.reset_cache()

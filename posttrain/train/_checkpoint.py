@@ -177,9 +177,7 @@ class Checkpointer:
             # The manager lists a save as soon as it starts: re-read what is finished on disk.
             with contextlib.suppress(Exception):
                 self.manager.reload()
-            last = self.manager.latest_step()
-            if last is not None and last in steps:  # a save that was listed, then removed
-                last = max((s for s in self.manager.all_steps() if s not in steps), default=None)
+            last = max((s for s in self.manager.all_steps() if s not in steps), default=None)
             which = f"checkpoint {', '.join(map(str, steps))}" if steps else "a checkpoint"
             raise CheckpointWriteError(
                 f"saving {which} in {self.directory} "

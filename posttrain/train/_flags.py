@@ -36,11 +36,10 @@ class FlagChosenStep:
         compiled = self._compiled.get(key)
         if compiled is None:
             lowered = self.jitted.lower(*args)
-
-            def compile(options):
-                return lowered.compile(compiler_options=options) if options else lowered.compile()
-
-            compiled, self.flags = compile_choosing_flags(compile, self.options, **self.names)
+            compiled, self.flags = compile_choosing_flags(
+                lambda options: lowered.compile(compiler_options=options), self.options,
+                **self.names,
+            )  # fmt: skip
             self._compiled[key] = compiled
             log.info("train step compiled with libtpu flags: %s", self.flags)
         return compiled(*args)

@@ -203,3 +203,31 @@ def test_rows_that_do_not_split_into_two_chunks_a_device_gather_keys_instead(dev
         got = run(q, k, v)
     assert "all-gather" in hlo and "do not split into 2 x 8 chunks" in caplog.text
     assert_close(got, expected, rtol=1e-5)
+
+
+def test_full_remat_recomputes_the_layers_matmuls_but_not_the_ring(devices):
+    """Program FLOPs of the tiny model's step over 16k tokens on 8 devices: full remat adds
+    exactly one more forward of the layers' weight matmuls (2 x their parameters a token) to
+    remat `none`; the ring's forward hops, kept by name (`context_attention`), are not
+    recomputed (they would add several times as much at this length)."""
+    from posttrain._flops import matmul_flops
+    from posttrain.models import Transformer
+
+    L = 16_384
+    counts = {}
+    for remat in ("none", "full"):
+        config = get_preset("tiny", attention="flash", remat=remat, max_seq_len=L)
+        params = jax.eval_shape(lambda config=config: Transformer.init(config, rng=0).params)
+
+        def loss(params, config=config):
+            tokens = jnp.zeros((1, L), jnp.int32)
+            return jnp.sum(Transformer(params, config).hidden_states(tokens))
+
+        with jax.set_mesh(_mesh(devices, sequence=8)):
+            counts[remat] = matmul_flops(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    layer_matmuls = config.flops_per_token(0, lm_head=False) / 6  # weight params a token
+    # (The output projection is not recomputed either: its input is the kept attention output
+    # and its own output is not needed by the backward pass.)
+    out_projection = config.num_layers * config.num_heads * config.head_dim * config.embed_dim
+    recomputed = 2 * (layer_matmuls - out_projection) * L
+    assert counts["full"] - counts["none"] == pytest.approx(recomputed, rel=1e-6)
