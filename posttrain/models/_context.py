@@ -75,7 +75,7 @@ def context_parallel_attention(q_BLNH, k_BSKH, v_BSKH, q_pos, kv_pos, q_seg, kv_
     if q_heads != kv_heads:  # a query head's kv head on another device: shard neither
         q_spec, kv_spec = PartitionSpec(*q_spec[:2]), PartitionSpec(*kv_spec[:2])
     row_spec = PartitionSpec(*q_spec[:2])
-    n = math.prod(mesh.shape[a] for a in axes)
+    n = ring_devices(q_BLNH)
     if mode == "ring" and q_BLNH.shape[1] % (2 * n):
         # The ring splits rows into 2n chunks (two a device, for causal load balance).
         _warn_once(
@@ -120,7 +120,7 @@ def zigzag_rows(x, names: tuple, *, inverse: bool = False):
     axes = length_axes(x)
     if not axes:
         return x
-    n = math.prod(mesh.shape[a] for a in axes)
+    n = ring_devices(x)
     spec = logical_to_spec(names, x.shape, mesh)
     move = _from_zigzag if inverse else _to_zigzag
     axis = axes[0] if len(axes) == 1 else axes
