@@ -147,7 +147,7 @@ def _groups(attrs: str, devices: int) -> np.ndarray:
         groups = [[int(x) for x in g.split(",") if x] for g in listed]
         if groups and len({len(g) for g in groups}) == 1:
             return np.array(groups)
-    pairs = re.search(r"source_target_pairs=\{(.*?)\}\s*(,|$)", attrs)
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
     listed = re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)) if pairs else []
     if listed:  # collective-permute: each pair is a "group" of two
         return np.array([[int(a), int(b)] for a, b in listed])

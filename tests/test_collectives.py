@@ -22,6 +22,10 @@ def test_replica_groups_in_each_spelling_xla_prints():
     mesh = _groups("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, use_global", 8)
     np.testing.assert_array_equal(mesh, explicit)  # axis_0 varies within a group
     np.testing.assert_array_equal(_groups("channel_id=3, to_apply=%add", 4), [[0, 1, 2, 3]])
+    # A permute's pairs, each a group of two (once read as no groups: every device, which made
+    # a ring inside one slice of a 2-slice plan count as DCN traffic).
+    pairs = _groups("source_target_pairs={{0,3},{1,0},{2,1},{3,2}}, backend_config={}", 8)
+    np.testing.assert_array_equal(pairs, [[0, 3], [1, 0], [2, 1], [3, 2]])
 
 
 def _compile(devices, mesh_shape, names, spec):
@@ -152,3 +156,4 @@ def test_every_permute_of_a_ring_counts_though_xla_gives_them_one_channel():
                 if c.kind == "collective-permute"]  # fmt: skip
     moved = sum(c.count * c.nbytes for c in permutes)
     assert moved == 5 * (128 * 256 * 2 + 128 * 4), permutes
+    assert all(c.group == 2 and c.dims == 1 for c in permutes), permutes  # a hop: one link
