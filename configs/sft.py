@@ -56,6 +56,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model.logits_chunk = -1  # positions of a row whose logits a loss builds at once (0: all)
     c.model.context_parallel = ""  # mesh sequence > 1: ring | all_gather ("" keeps the model's)
     c.model.pipeline_microbatches = 0  # mesh stage > 1: GPipe microbatches (0 keeps the model's)
+    c.model.pipeline_remat = ""  # mesh stage > 1: "layers" or "stage" ("" keeps the model's)
     # Zero-mismatch mode: sampler and trainer log-probs bitwise equal (slower; docs/rl.md)
     c.model.batch_invariant = False
     c.model.ep_capacity_factor = 0.0  # MoE: expert-parallel buffers over the balanced share (0: the
@@ -202,6 +203,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.model.preset = "llama3_8b"
         c.model.remat = "full"
         c.model.pipeline_microbatches = 8
+        # 8 rows x 8192 positions x 128k vocabulary logits per chip are 47 GiB unchunked
+        c.model.logits_chunk = 2048
         c.data.max_len = 8192
         c.data.batch_size = 256
         c.optimizer.learning_rate = 1e-5

@@ -398,11 +398,21 @@ def test_long_context_plans_fit_their_slice(spec, topology, length):
 
 @pytest.mark.slow  # ~3 minutes
 def test_a_two_slice_plan_with_pipeline_stages_over_dcn_compiles_and_reports_its_bubble():
+    """Only the stages' activations cross the slices; re-materialising at the stage boundary
+    (`pipeline_remat=stage`) at least halves the temporaries (33.6 -> 16.6 GiB measured)."""
     config = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":llama3_8b_pp_2x_v5p")
     report = compile_plan(config, "v5p-64", num_slices=2)
     assert report.chips == 64 and report.compiled and report.fits, report.lines()
     assert report.bubble == 1 / 9  # 2 stages, 8 microbatches
     assert any(line.startswith("  pipeline bubble 11%") for line in report.lines())
+    over_dcn = {k for k, row in report.communication.items() if row.get("dcn_seconds")}
+    # FSDP's gathers and their ring hops stay in a slice (the all-reduce of the gradients of
+    # the params every stage holds, embeddings and head, crosses it)
+    assert not over_dcn & {"all-gather", "collective-permute", "reduce-scatter"}, report.lines()
+    stage = compile_plan(
+        override(config, {"model.pipeline_remat": "stage"}), "v5p-64", num_slices=2
+    )
+    assert stage.compiled and stage.temporaries <= 0.5 * report.temporaries, stage.lines()
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from posttrain.models._nnx import NNXSpec, nnx_num_params
 
 ATTENTION_IMPLS = ("auto", "xla", "flash", "cudnn", "splash")
+PIPELINE_REMAT = ("layers", "stage")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen) | GeGLU with tanh GELU (Gemma)
@@ -278,6 +279,10 @@ class ModelConfig:
     # With mesh stage > 1: microbatches per pipelined forward (GPipe; 0: one per stage). More
     # shrink the bubble, (stages - 1) / (microbatches + stages - 1) of the step.
     pipeline_microbatches: int = 0
+    # With mesh stage > 1, what the backward keeps per microbatch: "layers" what each layer's
+    # `remat` policy saves, "stage" only the stage's input (its layers rerun in the backward,
+    # one microbatch at a time; posttrain.models._pipeline).
+    pipeline_remat: str = "layers"
     # Batch-invariant (zero-mismatch) mode: every per-token step in fixed 16-row tiles and
     # attention over 16-key blocks in a fixed order, so a token's log-prob has the same bits
     # in the trainer's pass, a prefill and a decode step (posttrain.models._invariant). Slower.
@@ -314,6 +319,8 @@ class ModelConfig:
             fail(f"context_parallel={self.context_parallel!r}; choose one of {CONTEXT_PARALLEL}")
         if self.pipeline_microbatches < 0:
             fail(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0")
+        if self.pipeline_remat not in PIPELINE_REMAT:
+            fail(f"pipeline_remat={self.pipeline_remat!r}; choose one of {PIPELINE_REMAT}")
         if self.logits_chunk < 0:
             fail(f"logits_chunk={self.logits_chunk} must be >= 0 (0: no chunking)")
         if self.remat not in REMAT_POLICIES:

@@ -3,12 +3,21 @@
 With `mesh.ici.stage = S` (or `mesh.dcn.stage`: stages on different slices, where only
 activations cross the slow links), the layer stack's leading axis is sharded S ways (the
 `layers` rule), so each stage holds T / S consecutive layers. A training forward splits the
-batch into M microbatches and runs M + S - 1 ticks: at tick t stage s applies its layers to
-microbatch t - s (the first stage reads it from the batch, the others receive it from the stage
-before with a `ppermute`), and the last stage keeps the results, which a `psum` over stages then
-gives every device. Autodiff runs the same schedule backwards (the transpose of each `ppermute`
-sends gradients to the stage before). Ticks where a stage has no microbatch are the bubble:
-(S - 1) / (M + S - 1) of the step, reported by `posttrain compile`.
+batch into M microbatches (row r in microbatch r mod M) and runs M + S - 1 ticks: at tick t
+stage s applies its layers to microbatch t - s (the first stage reads it from the batch, the
+others receive it from the stage before with a `ppermute`), and the last stage keeps the
+results, which a `psum` over stages then gives every device. Autodiff runs the same schedule
+backwards (the transpose of each `ppermute` sends gradients to the stage before). Ticks where
+a stage has no microbatch are the bubble: (S - 1) / (M + S - 1) of the step, reported by
+`posttrain compile`.
+
+What the backward keeps (`model.pipeline_remat`): "layers" keeps what each layer's `remat`
+policy saves for every microbatch until the backward reaches it, so a stage holds its layers'
+residuals for all M microbatches at once; "stage" keeps only each microbatch's input to the
+stage and reruns the stage's layers for one microbatch at a time in the backward (the GPipe
+paper's re-materialisation at partition boundaries): the layers' residuals of one microbatch
+are live at a time, for one more forward of the stage. The layers inside the rerun still save
+what `remat` says: `remat="none"` with "stage" runs the forward twice (no nested remat).
 
 Only the stage axis is manual inside the `shard_map`; fsdp, tensor and data sharding inside a
 stage stay with XLA's partitioner, so the stages compose with them.
@@ -34,7 +43,7 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
 
 
-def pipeline_layers(build, x_BLD, xs, side, *, microbatches: int = 0):
+def pipeline_layers(build, x_BLD, xs, side, *, microbatches: int = 0, remat: str = "layers"):
     """Applies a layer stack over the stages of the current mesh (see the module docstring).
 
     Args:
@@ -44,6 +53,7 @@ def pipeline_layers(build, x_BLD, xs, side, *, microbatches: int = 0):
       xs: the per-layer inputs, stacked on a leading layer axis (params, window indices...).
       side: a tuple of per-row arrays `[B, ...]`.
       microbatches: M; 0 means one per stage.
+      remat: "layers" or "stage", what the backward keeps (see the module docstring).
 
     Returns:
       The stack's output `[B, L, D]`.
@@ -64,18 +74,26 @@ def pipeline_layers(build, x_BLD, xs, side, *, microbatches: int = 0):
 
     def local(x, xs, side):
         stage = jax.lax.axis_index("stage")
-        split = lambda a: a.reshape(M, B // M, *a.shape[1:])  # noqa: E731
+        # Microbatch m is rows m, m + M, m + 2M, ...: rows split over the batch axes stay on
+        # their devices, each holding its share of every microbatch (contiguous microbatches
+        # would sit on a few devices and move at every tick).
+        split = lambda a: a.reshape(B // M, M, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
         x_M, side_M = split(x), jax.tree.map(split, side)
 
-        def run_stage(h, side_m):
+        def run_stage(h, xs, side_m):
             layer = build(*side_m)
             return jax.lax.scan(lambda h, layer_xs: (layer(h, *layer_xs)[0], None), h, xs)[0]
+
+        if remat == "stage":  # keep the stage's input; rerun its layers in the backward
+            run_stage = jax.checkpoint(
+                run_stage, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+            )
 
         def tick(carry, t):
             incoming, out_M = carry
             m = jnp.clip(t - stage, 0, M - 1)  # the microbatch this stage works on
             h = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], incoming)
-            y = run_stage(h, jax.tree.map(lambda a: a[m], side_M))
+            y = run_stage(h, xs, jax.tree.map(lambda a: a[m], side_M))
             last = (stage == S - 1) & (t - stage >= 0) & (t - stage < M)
             out_M = out_M.at[m].set(jnp.where(last, y, out_M[m]))
             return (jax.lax.ppermute(y, "stage", forward), out_M), None
@@ -83,7 +101,7 @@ def pipeline_layers(build, x_BLD, xs, side, *, microbatches: int = 0):
         init = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M))
         (_, out_M), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
         out_M = jax.lax.psum(jnp.where(stage == S - 1, out_M, jnp.zeros_like(out_M)), "stage")
-        return out_M.reshape(x.shape)
+        return out_M.swapaxes(0, 1).reshape(x.shape)
 
     P = PartitionSpec
     return jax.shard_map(

@@ -221,7 +221,10 @@ def hidden_states(
             xs += (None, None) * (cache is None) + (replay_TBLK,)
         if pipelined:
             micro = config.pipeline_microbatches
-            x_BLD, kv, aux = pipeline_layers(build, x_BLD, xs, side, microbatches=micro), None, {}
+            x_BLD = pipeline_layers(
+                build, x_BLD, xs, side, microbatches=micro, remat=config.pipeline_remat
+            )
+            kv, aux = None, {}
         else:
             x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
         caches.append(kv)

@@ -18,17 +18,26 @@ ROWS, LENGTH = 8, 32
 
 
 @pytest.mark.parametrize(
-    "method, axes, microbatches",
+    "method, axes, microbatches, remat",
     [
-        ("sft", {"stage": 2, "fsdp": 4}, 4),
-        ("sft", {"stage": 4, "fsdp": 2}, 2),
-        ("dpo", {"stage": 4, "fsdp": 2}, 4),
-        ("grpo", {"data": 2, "stage": 2, "fsdp": 2}, 2),
+        ("sft", {"stage": 2, "fsdp": 4}, 4, "layers"),
+        ("sft", {"stage": 4, "fsdp": 2}, 2, "stage"),
+        ("dpo", {"stage": 4, "fsdp": 2}, 4, "stage"),
+        ("grpo", {"data": 2, "stage": 2, "fsdp": 2}, 2, "layers"),
+        ("sft", {"stage": 2, "sequence": 2, "fsdp": 2}, 2, "stage"),
     ],
-    ids=["sft-stage2-fsdp4", "sft-stage4-fsdp2", "dpo-stage4-fsdp2", "grpo-data2-stage2-fsdp2"],
+    ids=[
+        "sft-stage2-fsdp4",
+        "sft-stage4-fsdp2-stage_remat",
+        "dpo-stage4-fsdp2-stage_remat",
+        "grpo-data2-stage2-fsdp2",
+        "sft-stage2-sequence2-fsdp2-stage_remat",
+    ],
 )
-def test_pipelined_losses_equal_one_device(devices, method, axes, microbatches):
-    config = CONFIG.replace(pipeline_microbatches=microbatches)
+def test_pipelined_losses_equal_one_device(devices, method, axes, microbatches, remat):
+    """Stages with each remat choice, and stages whose rows are also split along their length
+    (ring attention inside a stage), give one device's loss and gradients."""
+    config = CONFIG.replace(pipeline_microbatches=microbatches, pipeline_remat=remat)
     shape = dict(rows=ROWS, length=LENGTH, seed=3)
     (_, sums0), grads0 = loss_and_grads(method, CONFIG, **shape)
     mesh = make_mesh(MeshConfig.from_dict(axes), devices)
