@@ -19,6 +19,9 @@ paper's re-materialisation at partition boundaries): the layers' residuals of on
 are live at a time, for one more forward of the stage. The layers inside the rerun still save
 what `remat` says: `remat="none"` with "stage" runs the forward twice (no nested remat).
 
+A MoE stack's per-layer aux (routing, expert counts, balance losses) comes back as one pass
+over every row gives it, except the balance and z losses: each microbatch's, averaged.
+
 Only the stage axis is manual inside the `shard_map`; fsdp, tensor and data sharding inside a
 stage stay with XLA's partitioner, so the stages compose with them.
 """
@@ -56,7 +59,8 @@ def pipeline_layers(build, x_BLD, xs, side, *, microbatches: int = 0, remat: str
       remat: "layers" or "stage", what the backward keeps (see the module docstring).
 
     Returns:
-      The stack's output `[B, L, D]`.
+      The stack's output `[B, L, D]` and its layers' aux (a MoE stack's routing: `{}` for a
+      dense one), stacked over the layers as a scan over them gives it.
     """
     mesh = jax.sharding.get_abstract_mesh()
     S = stage_count()
@@ -80,35 +84,73 @@ def pipeline_layers(build, x_BLD, xs, side, *, microbatches: int = 0, remat: str
         split = lambda a: a.reshape(B // M, M, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
         x_M, side_M = split(x), jax.tree.map(split, side)
 
-        def run_stage(h, xs, side_m):
+        def run_stage(h, xs, side_m):  # (output, the stage's layers' aux `[T / S, ...]`)
             layer = build(*side_m)
-            return jax.lax.scan(lambda h, layer_xs: (layer(h, *layer_xs)[0], None), h, xs)[0]
+            return jax.lax.scan(lambda h, layer_xs: _out_and_aux(layer(h, *layer_xs)), h, xs)
 
         if remat == "stage":  # keep the stage's input; rerun its layers in the backward
             run_stage = jax.checkpoint(
                 run_stage, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
             )
+        side_0 = jax.tree.map(lambda a: a[0], side_M)
+        aux_shapes = jax.eval_shape(run_stage, x_M[0], xs, side_0)[1]
+        aux_init = {
+            k: jnp.zeros((M, *a.shape) if k in _PER_ROW else a.shape, a.dtype)
+            for k, a in aux_shapes.items()
+        }
 
         def tick(carry, t):
-            incoming, out_M = carry
+            incoming, out_M, aux_acc = carry
             m = jnp.clip(t - stage, 0, M - 1)  # the microbatch this stage works on
+            working = (t - stage >= 0) & (t - stage < M)
             h = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], incoming)
-            y = run_stage(h, xs, jax.tree.map(lambda a: a[m], side_M))
-            last = (stage == S - 1) & (t - stage >= 0) & (t - stage < M)
+            y, aux = run_stage(h, xs, jax.tree.map(lambda a: a[m], side_M))
+            last = (stage == S - 1) & working
             out_M = out_M.at[m].set(jnp.where(last, y, out_M[m]))
-            return (jax.lax.ppermute(y, "stage", forward), out_M), None
+            aux_acc = {k: _accumulate(k, aux_acc[k], a, m, working) for k, a in aux.items()}
+            return (jax.lax.ppermute(y, "stage", forward), out_M, aux_acc), None
 
-        init = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M))
-        (_, out_M), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
+        init = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M), aux_init)
+        (_, out_M, aux_acc), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
         out_M = jax.lax.psum(jnp.where(stage == S - 1, out_M, jnp.zeros_like(out_M)), "stage")
-        return out_M.swapaxes(0, 1).reshape(x.shape)
+        aux_T = {k: _finish(k, a, M) for k, a in aux_acc.items()}
+        return out_M.swapaxes(0, 1).reshape(x.shape), aux_T
 
     P = PartitionSpec
     return jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(P(), P("stage"), P()),
-        out_specs=P(),
+        out_specs=(P(), P("stage")),  # each stage's layers' aux: `[T, ...]` over the stages
         axis_names={"stage"},
         check_vma=False,
     )(x_BLD, xs, side)
+
+
+# A MoE layer's aux (posttrain.models._moe.route): per-row routing kept for every row, expert
+# counts summed over the microbatches, the losses and the dropped share averaged over them (as
+# over `train.micro_batches`: the balance loss is each microbatch's).
+_PER_ROW = ("routed_experts",)
+_SUMMED = ("expert_counts",)
+
+
+def _out_and_aux(layer_out):
+    """A layer's `(x, (cache, aux))` as a scan step's `(x, aux)`."""
+    x, (_, aux) = layer_out
+    return x, aux
+
+
+def _accumulate(key, acc, value, m, working):
+    """Adds microbatch m's aux of this stage's layers (nothing on an idle tick)."""
+    if key in _PER_ROW:  # [M, T / S, B / M, ...]: microbatch m's rows
+        return acc.at[m].set(jnp.where(working, value, acc[m]))
+    return acc + jnp.where(working, value, jnp.zeros_like(value))
+
+
+def _finish(key, acc, M: int):
+    """The accumulated aux as one pass over every row would give it: per-row values back in
+    row order (row r in microbatch r mod M), sums as they are, the rest averaged."""
+    if key in _PER_ROW:  # [M, T / S, B / M, ...] -> [T / S, B, ...]
+        acc = jnp.moveaxis(acc, 0, 2)
+        return acc.reshape(acc.shape[0], -1, *acc.shape[3:])
+    return acc if key in _SUMMED else acc / M

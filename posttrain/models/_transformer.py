@@ -186,8 +186,6 @@ def hidden_states(
         if cache is not None:  # a prefill's own tokens' blocks, in the slots it writes
             cache_kwargs["kv_blocks_BS"] = cache.blocks(side[-1])
     layer = build(*side)
-    if pipelined and (config.moe is not None or config.first_k_dense):
-        raise ValueError("pipeline stages (mesh stage > 1) run dense models only for now")
     if replay_experts_BLTK is not None and (config.moe is None or pipelined):
         raise ValueError("router replay needs a MoE model without pipeline stages")
     replay_TBLK = None
@@ -219,12 +217,12 @@ def hidden_states(
             xs += jax.tree.map(lambda a, layers=layers: a[layers], (k_T, v_T))
         if replay_TBLK is not None and name == "layers":  # (the MoE stack)
             xs += (None, None) * (cache is None) + (replay_TBLK,)
-        if pipelined:
+        if pipelined and name == "layers":  # (the first dense layers of a MoE model: a scan)
             micro = config.pipeline_microbatches
-            x_BLD = pipeline_layers(
+            x_BLD, aux = pipeline_layers(
                 build, x_BLD, xs, side, microbatches=micro, remat=config.pipeline_remat
             )
-            kv, aux = None, {}
+            kv = None
         else:
             x_BLD, (kv, aux) = jax.lax.scan(lambda x, xs: layer(x, *xs), x_BLD, xs)
         caches.append(kv)
