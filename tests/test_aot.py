@@ -131,7 +131,13 @@ def test_a_ppo_plan_counts_every_epoch_and_its_critic():
     assert report.compiled_flops / report.model_flops == pytest.approx(expected, rel=0.05)
 
 
-@pytest.mark.parametrize("freeze", [["vision/(patch|position|layers)"], []])
+@pytest.mark.parametrize(
+    "freeze",
+    [
+        pytest.param(["vision/(patch|position|layers)"], id="frozen-encoder"),
+        pytest.param([], id="trained-encoder", marks=pytest.mark.slow),
+    ],
+)
 def test_a_vlm_plan_counts_its_images(freeze):
     """A VLM step encodes every image slot and projects its features: the model's FLOPs count
     them (`VisionConfig.flops_per_image`: the encoder's forward, x3 when it trains; the

@@ -95,7 +95,7 @@ ACROSS = {"rollout__sampler_mesh": "global",
         pytest.param(GRPO, DECOUPLED, DECOUPLED_ONE, id="grpo-decoupled", marks=pytest.mark.slow),
         # PPO: the critic's values are gathered like the log-probs, GAE on every process.
         pytest.param(PPO, {}, {}, id="ppo", marks=pytest.mark.slow),
-        pytest.param(PPO, DECOUPLED, DECOUPLED_ONE, id="ppo-decoupled"),
+        pytest.param(PPO, DECOUPLED, DECOUPLED_ONE, id="ppo-decoupled", marks=pytest.mark.slow),
         # LoRA, decoupled: each process's sampler keeps its own copy of the base and is sent
         # only the adapters (to_process_local), merging them on its own device.
         pytest.param(
