@@ -182,6 +182,11 @@ CASES = [
     ),
     ("mesh-axes", ["train", SFT, "--workdir={run}", "--config.mesh.ici.tensor=3"], "mesh"),
     (
+        "pipeline-remat",
+        ["train", SFT, "--workdir={run}", "--config.model.pipeline_remat=stages"],
+        "pipeline_remat='stages'; choose one of ('layers', 'stage')",
+    ),
+    (
         "rl-group",
         ["train", GRPO, "--workdir={run}", "--config.rollout.num_generations=0"],
         "num_generations",
