@@ -62,13 +62,16 @@ def _batch(rows: int, seq: int) -> dict:
     }
 
 
-def time_posttrain(batch: dict, steps: int) -> float:
+def _posttrain_step():
+    """(posttrain's SFT step, not jitted; its initial train state)."""
     optimizer = make_optimizer(OptimizerConfig(learning_rate=LEARNING_RATE, grad_clip=0.0), 100)
     state = create_state(init_params(MODEL, jax.random.key(0)), optimizer, seed=0)
-    step = jax.jit(
-        functools.partial(train_step, loss_fn=sft_loss(MODEL, 0.0), optimizer=optimizer),
-        donate_argnums=0,
-    )
+    return functools.partial(train_step, loss_fn=sft_loss(MODEL, 0.0), optimizer=optimizer), state
+
+
+def time_posttrain(batch: dict, steps: int) -> float:
+    step, state = _posttrain_step()
+    step = jax.jit(step, donate_argnums=0)
     batch = jax.device_put(batch)
     for _ in range(2):  # compile, warm up
         state, metrics = step(state, batch)
@@ -149,9 +152,7 @@ def matmul_roofline(batch: dict) -> tuple[float, float, float]:
     """(seconds with XLA's kernels, seconds with the faster of XLA's and PyTorch's per shape,
     FLOPs) of the posttrain step's matmuls, each shape timed alone at its best: the step's
     time if everything but its matmuls were free."""
-    optimizer = make_optimizer(OptimizerConfig(learning_rate=LEARNING_RATE, grad_clip=0.0), 100)
-    state = create_state(init_params(MODEL, jax.random.key(0)), optimizer, seed=0)
-    step = functools.partial(train_step, loss_fn=sft_loss(MODEL, 0.0), optimizer=optimizer)
+    step, state = _posttrain_step()
     matmuls = _step_matmuls(jax.make_jaxpr(step)(state, batch).jaxpr)
     xla = best = flops = 0.0
     for key, count in matmuls.items():

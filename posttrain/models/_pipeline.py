@@ -92,28 +92,22 @@ def pipeline_layers(build, x_BLD, xs, side, *, microbatches: int = 0, remat: str
             run_stage = jax.checkpoint(
                 run_stage, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
             )
-        side_0 = jax.tree.map(lambda a: a[0], side_M)
-        aux_shapes = jax.eval_shape(run_stage, x_M[0], xs, side_0)[1]
-        aux_init = {
-            k: jnp.zeros((M, *a.shape) if k in _PER_ROW else a.shape, a.dtype)
-            for k, a in aux_shapes.items()
-        }
 
         def tick(carry, t):
-            incoming, out_M, aux_acc = carry
+            incoming, out_M = carry
             m = jnp.clip(t - stage, 0, M - 1)  # the microbatch this stage works on
-            working = (t - stage >= 0) & (t - stage < M)
             h = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], incoming)
             y, aux = run_stage(h, xs, jax.tree.map(lambda a: a[m], side_M))
-            last = (stage == S - 1) & working
+            last = (stage == S - 1) & (t - stage >= 0) & (t - stage < M)
             out_M = out_M.at[m].set(jnp.where(last, y, out_M[m]))
-            aux_acc = {k: _accumulate(k, aux_acc[k], a, m, working) for k, a in aux.items()}
-            return (jax.lax.ppermute(y, "stage", forward), out_M, aux_acc), None
+            return (jax.lax.ppermute(y, "stage", forward), out_M), aux
 
-        init = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M), aux_init)
-        (_, out_M, aux_acc), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
+        init = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M))
+        (_, out_M), aux_ticks = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
         out_M = jax.lax.psum(jnp.where(stage == S - 1, out_M, jnp.zeros_like(out_M)), "stage")
-        aux_T = {k: _finish(k, a, M) for k, a in aux_acc.items()}
+        # This stage worked on microbatch m at tick s + m.
+        aux_M = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, stage, M), aux_ticks)
+        aux_T = {k: _combine(k, a) for k, a in aux_M.items()}
         return out_M.swapaxes(0, 1).reshape(x.shape), aux_T
 
     P = PartitionSpec
@@ -140,17 +134,11 @@ def _out_and_aux(layer_out):
     return x, aux
 
 
-def _accumulate(key, acc, value, m, working):
-    """Adds microbatch m's aux of this stage's layers (nothing on an idle tick)."""
-    if key in _PER_ROW:  # [M, T / S, B / M, ...]: microbatch m's rows
-        return acc.at[m].set(jnp.where(working, value, acc[m]))
-    return acc + jnp.where(working, value, jnp.zeros_like(value))
-
-
-def _finish(key, acc, M: int):
-    """The accumulated aux as one pass over every row would give it: per-row values back in
-    row order (row r in microbatch r mod M), sums as they are, the rest averaged."""
+def _combine(key, aux_M):
+    """A stage's layers' aux of each microbatch `[M, T / S, ...]` as one pass over every row
+    would give it: per-row values back in row order (row r in microbatch r mod M), counts
+    summed, the rest averaged."""
     if key in _PER_ROW:  # [M, T / S, B / M, ...] -> [T / S, B, ...]
-        acc = jnp.moveaxis(acc, 0, 2)
-        return acc.reshape(acc.shape[0], -1, *acc.shape[3:])
-    return acc if key in _SUMMED else acc / M
+        aux_M = jnp.moveaxis(aux_M, 0, 2)
+        return aux_M.reshape(aux_M.shape[0], -1, *aux_M.shape[3:])
+    return jnp.sum(aux_M, 0) if key in _SUMMED else jnp.mean(aux_M, 0)
