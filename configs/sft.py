@@ -57,6 +57,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model.context_parallel = ""  # mesh sequence > 1: ring | all_gather ("" keeps the model's)
     c.model.pipeline_microbatches = 0  # mesh stage > 1: GPipe microbatches (0 keeps the model's)
     c.model.pipeline_remat = ""  # mesh stage > 1: "layers" or "stage" ("" keeps the model's)
+    c.model.pipeline_schedule = ""  # mesh stage > 1: "gpipe" or "1f1b" ("" keeps the model's)
     # Zero-mismatch mode: sampler and trainer log-probs bitwise equal (slower; docs/rl.md)
     c.model.batch_invariant = False
     c.model.ep_capacity_factor = 0.0  # MoE: expert-parallel buffers over the balanced share (0: the

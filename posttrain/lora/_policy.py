@@ -54,6 +54,24 @@ class Policy:
         )
         return model_params, hidden, aux
 
+    def sums(self, params, batch: dict, model_config, tail, rows: dict) -> tuple[dict, dict]:
+        """`(sums, aux)`: `tail(model params, hidden states, rows) -> sums` over the trained
+        model's hidden states of a token batch, by row groups (the microbatches of a 1F1B
+        pipeline; see `posttrain.models.hidden_states`); `rows`: the tail's per-row arrays."""
+        model_params, kwargs = self.apply(params)
+        return hidden_states(
+            model_params,
+            batch["tokens"],
+            model_config,
+            batch["positions"],
+            batch["segment_ids"],
+            return_aux=True,
+            images_BIHWC=batch.get("images"),
+            tail=tail,
+            tail_rows=rows,
+            **kwargs,
+        )
+
     def frozen(self) -> tuple[Any, dict] | None:
         """`(params, forward kwargs)` of the frozen model the trained one adapts (the base with
         the adapters off: a reference that costs no second copy of the weights), or None when

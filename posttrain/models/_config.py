@@ -10,6 +10,7 @@ from posttrain.models._nnx import NNXSpec, nnx_num_params
 
 ATTENTION_IMPLS = ("auto", "xla", "flash", "cudnn", "splash")
 PIPELINE_REMAT = ("layers", "stage")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen) | GeGLU with tanh GELU (Gemma)
@@ -283,6 +284,11 @@ class ModelConfig:
     # `remat` policy saves, "stage" only the stage's input (its layers rerun in the backward,
     # one microbatch at a time; posttrain.models._pipeline).
     pipeline_remat: str = "layers"
+    # With mesh stage > 1, the order of the microbatches' passes: "gpipe" every forward, then
+    # every backward; "1f1b" a forward and a backward per tick, so a stage keeps at most
+    # 2 x stages - 1 microbatches' residuals instead of all of them (losses that give their
+    # rest per row group: SFT and the DPO family; posttrain.models._pipeline).
+    pipeline_schedule: str = "gpipe"
     # Batch-invariant (zero-mismatch) mode: every per-token step in fixed 16-row tiles and
     # attention over 16-key blocks in a fixed order, so a token's log-prob has the same bits
     # in the trainer's pass, a prefill and a decode step (posttrain.models._invariant). Slower.
@@ -321,6 +327,11 @@ class ModelConfig:
             fail(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0")
         if self.pipeline_remat not in PIPELINE_REMAT:
             fail(f"pipeline_remat={self.pipeline_remat!r}; choose one of {PIPELINE_REMAT}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            fail(
+                f"pipeline_schedule={self.pipeline_schedule!r}; choose one of "
+                f"{PIPELINE_SCHEDULES}"
+            )
         if self.logits_chunk < 0:
             fail(f"logits_chunk={self.logits_chunk} must be >= 0 (0: no chunking)")
         if self.remat not in REMAT_POLICIES:

@@ -39,6 +39,15 @@ def stage_count() -> int:
     return 1 if mesh.empty else dict(mesh.shape).get("stage", 1)
 
 
+def loss_row_groups(config) -> int:
+    """How many groups of rows a loss tail sees at a time (`hidden_states(tail=...)`): a 1F1B
+    pipeline's microbatches (row r in group r mod M), else 1 (every row at once)."""
+    S = stage_count()
+    if S == 1 or config.pipeline_schedule != "1f1b":
+        return 1
+    return config.pipeline_microbatches or S
+
+
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """The share of a GPipe step's ticks in which a stage idles (microbatches 0: one per
     stage, as `pipeline_layers` runs them)."""
@@ -67,13 +76,7 @@ def pipeline_layers(build, x_BLD, xs, side, *, microbatches: int = 0, remat: str
     M = microbatches or S
     B = x_BLD.shape[0]
     T = jax.tree.leaves(xs)[0].shape[0]
-    if B % M:
-        raise ValueError(
-            f"{B} rows do not split into {M} pipeline microbatches; set model."
-            "pipeline_microbatches to a divisor of the rows per micro-batch"
-        )
-    if T % S:
-        raise ValueError(f"{T} layers do not split over mesh stage={S}; use a divisor of {T}")
+    _check_split(B, M, T, S)
     forward = [(i, i + 1) for i in range(S - 1)]
 
     def local(x, xs, side):
@@ -142,3 +145,203 @@ def _combine(key, aux_M):
         aux_M = jnp.moveaxis(aux_M, 0, 2)
         return aux_M.reshape(aux_M.shape[0], -1, *aux_M.shape[3:])
     return jnp.sum(aux_M, 0) if key in _SUMMED else jnp.mean(aux_M, 0)
+
+
+def pipeline_loss(build, x_BLD, xs, side, rows, tail, tail_params, *, microbatches: int = 0,
+                  remat: str = "layers"):
+    """The sums `tail` gives over every row after the layer stack, with the stack pipelined
+    in a one-forward-one-backward (1F1B) schedule when differentiated.
+
+    `tail(tail_params, hidden_bLD, rows_b) -> sums` (a dict of scalars) is the rest of the
+    loss for a group of rows: the stack's output for them and their slice of `rows` (per-row
+    arrays `[B, ...]`); its sums must add over row groups (an "X_max" keeps the largest). Only
+    `sums["loss_sum"]` may be differentiated.
+
+    Differentiated, the schedule runs M + 2S - 2 ticks: at tick t stage s runs the forward of
+    microbatch t - s and the backward of microbatch t - 2S + 2 + s, the last stage taking the
+    tail's gradient in the tick of its forward. So each stage keeps its layers' residuals for
+    at most 2S - 1 microbatches (GPipe keeps all M), and the gradients come out of the
+    schedule itself (a `custom_vjp` whose backward scales them by the loss's cotangent).
+    Undifferentiated, it is `pipeline_layers` followed by the tail over every row.
+
+    Args: as `pipeline_layers`, plus `rows`, `tail` and `tail_params` (the head's weights).
+    Returns: the tail's sums over every row.
+    """
+    S = stage_count()
+    M = microbatches or S
+    _check_split(x_BLD.shape[0], M, jax.tree.leaves(xs)[0].shape[0], S)
+    # Only float inputs have gradients: the rest (window indices, quantised weights) ride
+    # along as constants.
+    float_xs, other_xs, merge_xs = _by_dtype(xs)
+    float_tp, other_tp, merge_tp = _by_dtype(tail_params)
+
+    @jax.custom_vjp
+    def loss(x, float_xs, float_tp, other_xs, other_tp, side, rows):
+        xs = merge_xs(float_xs, other_xs)
+        out, _ = pipeline_layers(build, x, xs, side, microbatches=M, remat=remat)
+        return tail(merge_tp(float_tp, other_tp), out, rows)
+
+    def fwd(*args):
+        args = jax.tree.map(lambda p: p.value, args)
+        return _one_f_one_b(build, *args, merge_xs, merge_tp, tail, M=M, remat=remat)
+
+    def bwd(grads, ct_sums):
+        for name, ct in ct_sums.items():
+            if name != "loss_sum" and not isinstance(ct, jax.custom_derivatives.SymbolicZero):
+                raise ValueError(
+                    f"a 1F1B pipeline differentiates only the loss's loss_sum, not {name!r}"
+                )
+        scale = ct_sums["loss_sum"]
+        if isinstance(scale, jax.custom_derivatives.SymbolicZero):
+            scale = jnp.zeros((), jnp.float32)
+        g_x, g_xs, g_tp = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+        return g_x, g_xs, g_tp, None, None, None, None
+
+    loss.defvjp(fwd, bwd, symbolic_zeros=True)
+    return loss(x_BLD, float_xs, float_tp, other_xs, other_tp, side, rows)
+
+
+def _by_dtype(tree):
+    """`(float leaves, other leaves, merge)`: `merge(float, other)` rebuilds the tree."""
+    leaves, treedef = jax.tree.flatten(tree)
+    is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves]
+
+    def merge(float_leaves, other_leaves):
+        fl, ot = iter(float_leaves), iter(other_leaves)
+        return treedef.unflatten([next(fl) if f else next(ot) for f in is_float])
+
+    float_leaves = [a for a, f in zip(leaves, is_float) if f]
+    return float_leaves, [a for a, f in zip(leaves, is_float) if not f], merge
+
+
+def one_f_one_b_bubble(stages: int, microbatches: int) -> float:
+    """The share of a 1F1B schedule's ticks (each a forward and a backward) in which a stage
+    idles: (2S - 2) / (M + 2S - 2)."""
+    microbatches = microbatches or stages
+    return (2 * stages - 2) / (microbatches + 2 * stages - 2) if stages > 1 else 0.0
+
+
+def _one_f_one_b(build, x_BLD, float_xs, float_tp, other_xs, other_tp, side, rows, merge_xs,
+                 merge_tp, tail, *, M, remat):
+    """(sums, (d loss_sum / d x, d / d float_xs, d / d float_tp)) by the 1F1B schedule."""
+    mesh = jax.sharding.get_abstract_mesh()
+    S = stage_count()
+    B = x_BLD.shape[0]
+    K = 2 * S - 1  # residual slots: stage s has 2(S - s) - 1 microbatches in flight
+    forward = [(i, i + 1) for i in range(S - 1)]
+    backward = [(i + 1, i) for i in range(S - 1)]
+
+    split = lambda a: a.reshape(B // M, M, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
+    take = lambda tree, m: jax.tree.map(lambda a: a[m], tree)  # noqa: E731
+
+    def stage_fn(side_M, other_xs, m):
+        """`(float_xs, h) -> y`: a stage's layers over microbatch m's rows."""
+        layer = build(*take(side_M, m))
+
+        def run(float_xs, h):
+            step = lambda h, layer_xs: (_out_and_aux(layer(h, *layer_xs))[0], None)  # noqa: E731
+            return jax.lax.scan(step, h, merge_xs(float_xs, other_xs))[0]
+
+        if remat == "stage":
+            run = jax.checkpoint(
+                run, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+            )
+        return run
+
+    def residuals(vjp, float_xs):
+        """The VJP's leaves less the stage's weights (those it holds once, not per slot)."""
+        leaves, treedef = jax.tree.flatten(vjp)
+        weights = [any(a is w for w in jax.tree.leaves(float_xs)) for a in leaves]
+        return [a for a, w in zip(leaves, weights) if not w], (treedef, leaves, weights)
+
+    def with_residuals(structure, saved):
+        treedef, leaves, weights = structure
+        saved = iter(saved)
+        return treedef.unflatten([a if w else next(saved) for a, w in zip(leaves, weights)])
+
+    # Shapes of one microbatch's residuals on one stage, and of the tail's sums.
+    stage_slice = lambda a: a[: a.shape[0] // S]  # noqa: E731
+    h0 = split(x_BLD)[0]
+    slot_shapes = jax.eval_shape(
+        lambda fx, ox, side, h: residuals(
+            jax.vjp(stage_fn(jax.tree.map(split, side), ox, 0), fx, h)[1], fx
+        )[0],
+        jax.tree.map(stage_slice, float_xs), jax.tree.map(stage_slice, other_xs), side, h0,
+    )  # fmt: skip
+    head = lambda float_tp, h, rows: tail(merge_tp(float_tp, other_tp), h, rows)  # noqa: E731
+    sums_shape = jax.eval_shape(head, float_tp, h0, take(jax.tree.map(split, rows), 0))
+
+    def local(x, float_xs, other_xs, side, rows, float_tp):
+        stage = jax.lax.axis_index("stage")
+        last = stage == S - 1
+        x_M, side_M, rows_M = split(x), jax.tree.map(split, side), jax.tree.map(split, rows)
+        slots = [jnp.zeros((K, *s.shape), s.dtype) for s in slot_shapes]
+        zeros = lambda tree: jax.tree.map(  # noqa: E731
+            lambda s: jnp.zeros(s.shape, jnp.float32), tree
+        )
+        one_hot = {k: jnp.asarray(k == "loss_sum", s.dtype) for k, s in sums_shape.items()}
+
+        def tick(carry, t):
+            act_in, ct_in, slots, sums, g_xs, g_tps, g_x_M = carry
+            f = t - stage  # the microbatch this stage runs forward
+            b = t - 2 * S + 2 + stage  # and backward
+            fc, bc = jnp.clip(f, 0, M - 1), jnp.clip(b, 0, M - 1)
+            f_ok, b_ok = (f >= 0) & (f < M), (b >= 0) & (b < M)
+            h = jnp.where(stage == 0, x_M[fc], act_in)
+            y, vjp = jax.vjp(stage_fn(side_M, other_xs, fc), float_xs, h)
+            saved, structure = residuals(vjp, float_xs)
+            slots = [s.at[f % K].set(jnp.where(f_ok, a, s[f % K])) for s, a in zip(slots, saved)]
+            # The last stage: the tail's sums and gradient for the microbatch it just ran.
+            sums_f, tail_vjp = jax.vjp(lambda y, tp: head(tp, y, take(rows_M, fc)), y, float_tp)
+            ct_y, g_tp = tail_vjp(one_hot)
+            use = last & f_ok
+            sums = {k: _add_sum(k, sums[k], jnp.where(use, v, 0)) for k, v in sums_f.items()}
+            g_tps = jax.tree.map(lambda a, g: a + jnp.where(use, g, 0), g_tps, g_tp)
+            # Backward of microbatch b, from the residuals its forward saved.
+            ct = jnp.where(last, ct_y, ct_in)
+            g_fx, g_h = with_residuals(structure, [s[b % K] for s in slots])(ct)
+            g_xs = jax.tree.map(lambda a, g: a + jnp.where(b_ok, g, 0), g_xs, g_fx)
+            first = (stage == 0) & b_ok
+            g_x_M = g_x_M.at[bc].set(jnp.where(first, g_h, g_x_M[bc]))
+            act_out = jax.lax.ppermute(y, "stage", forward)
+            ct_out = jax.lax.ppermute(jnp.where(b_ok, g_h, 0).astype(g_h.dtype), "stage", backward)
+            return (act_out, ct_out, slots, sums, g_xs, g_tps, g_x_M), None
+
+        init = (
+            jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M[0]), slots, zeros(sums_shape),
+            zeros(float_xs), zeros(float_tp), jnp.zeros(x_M.shape, jnp.float32),
+        )  # fmt: skip
+        carry, _ = jax.lax.scan(tick, init, jnp.arange(M + 2 * S - 2))
+        _, _, _, sums, g_xs, g_tps, g_x_M = carry
+        sums = jax.tree.map(lambda a: jax.lax.psum(a, "stage"), sums)
+        g_tps = jax.tree.map(lambda a: jax.lax.psum(a, "stage"), g_tps)
+        g_x = jax.lax.psum(g_x_M, "stage").swapaxes(0, 1).reshape(x.shape)
+        cast = lambda g, p: g.astype(p.dtype)  # noqa: E731
+        grads = (cast(g_x, x), jax.tree.map(cast, g_xs, float_xs),
+                 jax.tree.map(cast, g_tps, float_tp))  # fmt: skip
+        return sums, grads
+
+    P = PartitionSpec
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P("stage"), P("stage"), P(), P(), P()),
+        out_specs=(P(), (P(), P("stage"), P())),
+        axis_names={"stage"},
+        check_vma=False,
+    )(x_BLD, float_xs, other_xs, side, rows, float_tp)
+
+
+def _add_sum(name, a, b):
+    """Two row groups' sums as one: added, or the larger for an "X_max" (as `train_step`)."""
+    return jnp.maximum(a, b) if name.endswith("_max") else a + b
+
+
+def _check_split(B, M, T, S):
+    if B % M:
+        raise ValueError(
+            f"{B} rows do not split into {M} pipeline microbatches; set model."
+            "pipeline_microbatches to a divisor of the rows per micro-batch"
+        )
+    if T % S:
+        raise ValueError(f"{T} layers do not split over mesh stage={S}; use a divisor of {T}")

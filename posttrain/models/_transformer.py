@@ -25,7 +25,7 @@ from posttrain.models._moe import moe_aux
 from posttrain.models._nnx import NNXCache, nnx_hidden_states
 from posttrain.models._ops import rms_norm
 from posttrain.models._params import init_params
-from posttrain.models._pipeline import pipeline_layers, stage_count
+from posttrain.models._pipeline import pipeline_layers, pipeline_loss, stage_count
 from posttrain.models._rope import rope_angles
 from posttrain.models._vision import image_blocks
 
@@ -83,6 +83,8 @@ def hidden_states(
     embeds_BLD: jax.Array | None = None,
     replay_experts_BLTK: jax.Array | None = None,
     images_BIHWC: jax.Array | None = None,
+    tail: Callable | None = None,
+    tail_rows: dict | None = None,
 ):
     """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read).
 
@@ -109,7 +111,27 @@ def hidden_states(
     order (`posttrain.models._vision`).
 
     An NNX module (`config.nnx`) runs whole: `layer_transform` rewrites all its params at once.
+
+    `tail(params, hidden_bLD, rows_b) -> sums`: the rest of a loss, for any group of rows with
+    their slice of `tail_rows` (per-row arrays `[B, ...]`); its sums add over row groups. With
+    a tail the call returns its sums over every row in place of the hidden states (with
+    `return_aux`, `(sums, aux)`), and a pipeline with `config.pipeline_schedule == "1f1b"`
+    runs it per microbatch inside its schedule (`posttrain.models._pipeline.pipeline_loss`:
+    only `sums["loss_sum"]` is then differentiable). No cache.
     """
+    if tail is not None and cache is not None:
+        raise ValueError("a loss tail runs over a training forward, not a cached one")
+    if tail is not None:
+        one_f_one_b = stage_count() > 1 and config.pipeline_schedule == "1f1b"
+        if config.nnx is not None or not one_f_one_b:
+            out = hidden_states(
+                params, tokens_BL, config, positions_BL, segment_ids_BL, return_aux=True,
+                layer_transform=layer_transform, layer_extras=layer_extras,
+                embeds_BLD=embeds_BLD, replay_experts_BLTK=replay_experts_BLTK,
+                images_BIHWC=images_BIHWC,
+            )  # fmt: skip
+            sums = tail(params, out[0], tail_rows)
+            return (sums, out[1]) if return_aux else sums
     B, L = tokens_BL.shape
     if positions_BL is None:
         positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
@@ -217,6 +239,18 @@ def hidden_states(
             xs += jax.tree.map(lambda a, layers=layers: a[layers], (k_T, v_T))
         if replay_TBLK is not None and name == "layers":  # (the MoE stack)
             xs += (None, None) * (cache is None) + (replay_TBLK,)
+        if pipelined and name == "layers" and tail is not None:  # 1F1B: the loss in the schedule
+            if config.moe is not None:
+                raise ValueError(
+                    "pipeline_schedule='1f1b' runs dense layer stacks; use 'gpipe' for MoE"
+                )
+            head = {k: v for k, v in params.items() if k not in ("layers", "dense_layers")}
+            final = lambda p, h, rows: tail(p, _final_norm(h, p, config), rows)  # noqa: E731
+            sums = pipeline_loss(
+                build, x_BLD, xs, side, tail_rows, final, head,
+                microbatches=config.pipeline_microbatches, remat=config.pipeline_remat,
+            )  # fmt: skip
+            return (sums, moe_aux(aux_T)) if return_aux else sums
         if pipelined and name == "layers":  # (the first dense layers of a MoE model: a scan)
             micro = config.pipeline_microbatches
             x_BLD, aux = pipeline_layers(
@@ -229,10 +263,7 @@ def hidden_states(
         aux_T = aux or aux_T
     if zigzag:
         x_BLD = zigzag_rows(x_BLD, ("act_batch", "act_length", "act_embed"), inverse=True)
-    if config.batch_invariant:
-        hidden_BLD = norm_rows(x_BLD, params["final_norm"], config.norm_eps)
-    else:
-        hidden_BLD = rms_norm(x_BLD, params["final_norm"], config.norm_eps, config.norm_offset)
+    hidden_BLD = _final_norm(x_BLD, params, config)
     if cache is None:
         return (hidden_BLD, moe_aux(aux_T)) if return_aux else hidden_BLD
     if len(caches) > 1:
@@ -241,6 +272,12 @@ def hidden_states(
         k_T, v_T = caches[0]
     new_cache = cache.updated(k_T, v_T, kv_positions_BS, kv_segment_ids_BS, L)
     return (hidden_BLD, new_cache, moe_aux(aux_T)) if return_aux else (hidden_BLD, new_cache)
+
+
+def _final_norm(x_BLD, params, config):
+    if config.batch_invariant:
+        return norm_rows(x_BLD, params["final_norm"], config.norm_eps)
+    return rms_norm(x_BLD, params["final_norm"], config.norm_eps, config.norm_offset)
 
 
 def forward(

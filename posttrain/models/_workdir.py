@@ -43,6 +43,7 @@ class ModelSpec:
     context_parallel: str = ""  # override ModelConfig.context_parallel: ring | all_gather
     pipeline_microbatches: int = 0  # override ModelConfig.pipeline_microbatches (0 keeps it)
     pipeline_remat: str = ""  # override ModelConfig.pipeline_remat: layers | stage
+    pipeline_schedule: str = ""  # override ModelConfig.pipeline_schedule: gpipe | 1f1b
     # Zero-mismatch mode (ModelConfig.batch_invariant): the sampler's and the trainer's
     # log-probs of a token are bitwise equal; True turns it on, False keeps the model's.
     batch_invariant: bool = False
@@ -84,7 +85,7 @@ class ModelSpec:
 
     def overrides(self) -> dict:
         names = ("attention", "remat", "compute_dtype", "param_dtype", "context_parallel",
-                 "pipeline_microbatches", "pipeline_remat", "batch_invariant")  # fmt: skip
+                 "pipeline_microbatches", "pipeline_remat", "pipeline_schedule", "batch_invariant")  # fmt: skip
         out = {n: getattr(self, n) for n in names if getattr(self, n)}
         return out | ({"logits_chunk": self.logits_chunk} if self.logits_chunk >= 0 else {})
 

@@ -50,7 +50,7 @@ from posttrain.losses import (
     sequence_logps,
     token_stats,
 )
-from posttrain.models import ModelConfig, hidden_states
+from posttrain.models import ModelConfig, hidden_states, loss_row_groups
 from posttrain.train._step import add_moe_aux
 
 
@@ -59,11 +59,14 @@ def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None 
     model from `params` (default: they are the model's own)."""
     policy = policy or Policy()
 
+    def tail(params, hidden, rows):
+        stats = token_stats(params, hidden, rows["targets"], model_config)
+        return cross_entropy_from_stats(stats, rows["loss_mask"], z_loss)
+
     def loss_fn(params, batch, rng):
         del rng
-        params, hidden, aux = policy.forward(params, batch, model_config)
-        stats = token_stats(params, hidden, batch["targets"], model_config)
-        sums = cross_entropy_from_stats(stats, batch["loss_mask"], z_loss)
+        rows = {"targets": batch["targets"], "loss_mask": batch["loss_mask"]}
+        sums, aux = policy.sums(params, batch, model_config, tail, rows)
         return add_moe_aux(sums, aux)
 
     return loss_fn
@@ -199,30 +202,20 @@ def dpo_loss(
     normalised = loss_type in LENGTH_NORMALISED
     domains = tuple(domains)
 
-    def loss_fn(params, batch, rng):
-        del rng
-        model_params, kwargs = policy.apply(params)
-        logps_2B, lengths_2B, aux = _logps(model_params, model_config, batch, **kwargs)
-        chosen_B, rejected_B = jnp.split(logps_2B, 2)
-        len_c_B, len_r_B = jnp.split(lengths_2B, 2)
+    def tail(params, hidden, rows):
+        """The sums of a group of pairs: its rows are chosen sides, then their rejected ones."""
+        token_logps = token_stats(params, hidden, rows["targets"], model_config)["logp"]
+        chosen_B, rejected_B = jnp.split(sequence_logps(token_logps, rows["loss_mask"]), 2)
+        len_c_B, len_r_B = jnp.split(jnp.sum(rows["loss_mask"].astype(jnp.float32), -1), 2)
         valid_B = (len_c_B > 0) & (len_r_B > 0)
         # A filler row scores log p = 0, where ORPO's log(1 - p) is -inf; give it a finite
         # stand-in so no NaN reaches the gradient (its loss is left out of the sums below).
         chosen_B = jnp.where(valid_B, chosen_B, -1.0)
         rejected_B = jnp.where(valid_B, rejected_B, -1.0)
         refs = {}
-        if reference == "precomputed":
-            refs = {
-                "ref_chosen_logps_B": jax.lax.stop_gradient(batch["ref_chosen_logps"]),
-                "ref_rejected_logps_B": jax.lax.stop_gradient(batch["ref_rejected_logps"]),
-            }
-        elif reference == "on_the_fly":
-            ref_model, ref_kwargs = policy.reference(ref_params)
-            ref = reference_logps(ref_model, model_config, batch, **ref_kwargs)
-            refs = {
-                "ref_chosen_logps_B": ref["ref_chosen_logps"],
-                "ref_rejected_logps_B": ref["ref_rejected_logps"],
-            }
+        if reference != "none":
+            ref_c_B, ref_r_B = jnp.split(rows["ref_logps"], 2)
+            refs = {"ref_chosen_logps_B": ref_c_B, "ref_rejected_logps_B": ref_r_B}
         lengths = {"chosen_lengths_B": len_c_B, "rejected_lengths_B": len_r_B} if normalised else {}
         out = preference_loss(
             chosen_B,
@@ -243,8 +236,9 @@ def dpo_loss(
         # Filler rows (no response tokens) are not pairs: their losses stay out of the sums.
         total = lambda x: jnp.sum(jnp.where(valid_B, x, 0.0))
         accuracies_B = out["rewards/accuracies"]
-        sums = {
-            **domain_accuracy_sums(accuracies_B, valid_B, batch["domain_ids"], domains),
+        domain_ids_B = jnp.split(rows["domain_ids"], 2)[0]
+        return {
+            **domain_accuracy_sums(accuracies_B, valid_B, domain_ids_B, domains),
             "loss_sum": total(losses_B),
             "num_tokens": jnp.sum(valid_B.astype(jnp.float32)),
             "rewards/chosen_sum": total(out["rewards/chosen"]),
@@ -254,6 +248,28 @@ def dpo_loss(
             "logps/chosen_sum": total(out["logps/chosen"]),
             "logps/rejected_sum": total(out["logps/rejected"]),
         }
+
+    def loss_fn(params, batch, rng):
+        del rng
+        pairs = batch["chosen_tokens"].shape[0]
+        if pairs % (groups := loss_row_groups(model_config)):
+            raise ValueError(
+                f"{pairs} pairs do not split into the 1F1B pipeline's {groups} microbatches "
+                "(a pair's two rows run in one); set model.pipeline_microbatches to a divisor "
+                "of the pairs per micro-batch"
+            )
+        x = stacked_pairs(batch)
+        rows = {n: x[n] for n in ("targets", "loss_mask")}
+        rows["domain_ids"] = jnp.concatenate([batch["domain_ids"], batch["domain_ids"]])
+        if reference == "precomputed":
+            refs = (batch["ref_chosen_logps"], batch["ref_rejected_logps"])
+        elif reference == "on_the_fly":
+            ref_model, ref_kwargs = policy.reference(ref_params)
+            ref = reference_logps(ref_model, model_config, batch, **ref_kwargs)
+            refs = (ref["ref_chosen_logps"], ref["ref_rejected_logps"])
+        if reference != "none":
+            rows["ref_logps"] = jax.lax.stop_gradient(jnp.concatenate(refs))
+        sums, aux = policy.sums(params, x, model_config, tail, rows)
         return add_moe_aux(sums, aux)
 
     return loss_fn

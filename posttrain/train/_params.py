@@ -53,8 +53,8 @@ def check_same_model(workdir: str, model_config: ModelConfig) -> None:
         old, new = to_json(saved), to_json(model_config)
         # Settings that may change between runs of one model.
         runtime = ("attention", "remat", "logits_chunk", "context_parallel",
-                   "pipeline_microbatches", "pipeline_remat", "compute_dtype", "batch_invariant",
-                   "name")  # fmt: skip
+                   "pipeline_microbatches", "pipeline_remat", "pipeline_schedule", "compute_dtype",
+                   "batch_invariant", "name")  # fmt: skip
         changed = [k for k in new if k not in runtime and old.get(k) != new[k]]
         details = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed)
         raise ConfigError(
