@@ -182,9 +182,9 @@ CASES = [
     ),
     ("mesh-axes", ["train", SFT, "--workdir={run}", "--config.mesh.ici.tensor=3"], "mesh"),
     (
-        "pipeline-remat",
-        ["train", SFT, "--workdir={run}", "--config.model.pipeline_remat=stages"],
-        "pipeline_remat='stages'; choose one of ('layers', 'stage')",
+        "pipeline-schedule",
+        ["train", SFT, "--workdir={run}", "--config.model.pipeline_schedule=1F1B"],
+        "pipeline_schedule='1F1B'; choose one of ('gpipe', '1f1b')",
     ),
     (
         "rl-group",

@@ -31,6 +31,7 @@ class CompileReport:
     compiled: bool = True  # False: the arguments alone exceed HBM, XLA was not asked
     host_temporaries: float = 0.0  # activations offloaded to host memory (remat=offload_dots)
     bubble: float = 0.0  # pipeline stages' idle share of the step (mesh stage > 1)
+    schedule: str = "gpipe"  # the pipeline's schedule (ModelConfig.pipeline_schedule)
     # The program's collectives by kind (`posttrain._collectives.summary`): runs, bytes moved
     # per device, seconds at the slice's ICI / DCN bandwidth, and how much of it is async.
     communication: dict = dataclasses.field(default_factory=dict)
@@ -117,8 +118,11 @@ class CompileReport:
             f"  temporaries   {gib(self.temporaries)}",
         ]
         if self.bubble:
-            out.append(f"  pipeline bubble {100 * self.bubble:.0f}% of the step (GPipe: stages - 1 "
-                       "idle ticks per microbatches + stages - 1)")  # fmt: skip
+            ticks = {"gpipe": "stages - 1 idle ticks of microbatches + stages - 1",
+                     "1f1b": "2 x stages - 2 idle ticks of microbatches + 2 x stages - 2, "
+                             "each a forward and a backward"}[self.schedule]  # fmt: skip
+            out.append(f"  pipeline bubble {100 * self.bubble:.0f}% of the step ({self.schedule}: "
+                       f"{ticks})")  # fmt: skip
         if self.host_temporaries:
             out.append(f"  host memory   {gib(self.host_temporaries)}  (offloaded activations, "
                        "not in HBM)")  # fmt: skip

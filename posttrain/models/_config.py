@@ -329,8 +329,7 @@ class ModelConfig:
             fail(f"pipeline_remat={self.pipeline_remat!r}; choose one of {PIPELINE_REMAT}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             fail(
-                f"pipeline_schedule={self.pipeline_schedule!r}; choose one of "
-                f"{PIPELINE_SCHEDULES}"
+                f"pipeline_schedule={self.pipeline_schedule!r}; choose one of {PIPELINE_SCHEDULES}"
             )
         if self.logits_chunk < 0:
             fail(f"logits_chunk={self.logits_chunk} must be >= 0 (0: no chunking)")

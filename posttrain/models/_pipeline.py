@@ -147,8 +147,9 @@ def _combine(key, aux_M):
     return jnp.sum(aux_M, 0) if key in _SUMMED else jnp.mean(aux_M, 0)
 
 
-def pipeline_loss(build, x_BLD, xs, side, rows, tail, tail_params, *, microbatches: int = 0,
-                  remat: str = "layers"):
+def pipeline_loss(
+    build, x_BLD, xs, side, rows, tail, tail_params, *, microbatches: int = 0, remat: str = "layers"
+):
     """The sums `tail` gives over every row after the layer stack, with the stack pipelined
     in a one-forward-one-backward (1F1B) schedule when differentiated.
 
@@ -210,8 +211,8 @@ def _by_dtype(tree):
         fl, ot = iter(float_leaves), iter(other_leaves)
         return treedef.unflatten([next(fl) if f else next(ot) for f in is_float])
 
-    float_leaves = [a for a, f in zip(leaves, is_float) if f]
-    return float_leaves, [a for a, f in zip(leaves, is_float) if not f], merge
+    float_leaves = [a for a, f in zip(leaves, is_float, strict=True) if f]
+    return float_leaves, [a for a, f in zip(leaves, is_float, strict=True) if not f], merge
 
 
 def one_f_one_b_bubble(stages: int, microbatches: int) -> float:
@@ -221,8 +222,22 @@ def one_f_one_b_bubble(stages: int, microbatches: int) -> float:
     return (2 * stages - 2) / (microbatches + 2 * stages - 2) if stages > 1 else 0.0
 
 
-def _one_f_one_b(build, x_BLD, float_xs, float_tp, other_xs, other_tp, side, rows, merge_xs,
-                 merge_tp, tail, *, M, remat):
+def _one_f_one_b(
+    build,
+    x_BLD,
+    float_xs,
+    float_tp,
+    other_xs,
+    other_tp,
+    side,
+    rows,
+    merge_xs,
+    merge_tp,
+    tail,
+    *,
+    M,
+    remat,
+):
     """(sums, (d loss_sum / d x, d / d float_xs, d / d float_tp)) by the 1F1B schedule."""
     mesh = jax.sharding.get_abstract_mesh()
     S = stage_count()
@@ -252,12 +267,14 @@ def _one_f_one_b(build, x_BLD, float_xs, float_tp, other_xs, other_tp, side, row
         """The VJP's leaves less the stage's weights (those it holds once, not per slot)."""
         leaves, treedef = jax.tree.flatten(vjp)
         weights = [any(a is w for w in jax.tree.leaves(float_xs)) for a in leaves]
-        return [a for a, w in zip(leaves, weights) if not w], (treedef, leaves, weights)
+        saved = [a for a, w in zip(leaves, weights, strict=True) if not w]
+        return saved, (treedef, leaves, weights)
 
     def with_residuals(structure, saved):
         treedef, leaves, weights = structure
         saved = iter(saved)
-        return treedef.unflatten([a if w else next(saved) for a, w in zip(leaves, weights)])
+        leaves = [a if w else next(saved) for a, w in zip(leaves, weights, strict=True)]
+        return treedef.unflatten(leaves)
 
     # Shapes of one microbatch's residuals on one stage, and of the tail's sums.
     stage_slice = lambda a: a[: a.shape[0] // S]  # noqa: E731
@@ -290,8 +307,14 @@ def _one_f_one_b(build, x_BLD, float_xs, float_tp, other_xs, other_tp, side, row
             h = jnp.where(stage == 0, x_M[fc], act_in)
             y, vjp = jax.vjp(stage_fn(side_M, other_xs, fc), float_xs, h)
             saved, structure = residuals(vjp, float_xs)
-            slots = [s.at[f % K].set(jnp.where(f_ok, a, s[f % K])) for s, a in zip(slots, saved)]
-            # The last stage: the tail's sums and gradient for the microbatch it just ran.
+            slots = [
+                s.at[f % K].set(jnp.where(f_ok, a, s[f % K]))
+                for s, a in zip(slots, saved, strict=True)
+            ]
+
+            # The last stage: the tail's sums and gradient for the microbatch it just ran. (Every
+            # stage computes it, masked: in a `lax.cond` the partitioner's collectives for the
+            # head's sharded weights span all devices, and the other stages never join them.)
             sums_f, tail_vjp = jax.vjp(lambda y, tp: head(tp, y, take(rows_M, fc)), y, float_tp)
             ct_y, g_tp = tail_vjp(one_hot)
             use = last & f_ok

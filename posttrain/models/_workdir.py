@@ -85,7 +85,8 @@ class ModelSpec:
 
     def overrides(self) -> dict:
         names = ("attention", "remat", "compute_dtype", "param_dtype", "context_parallel",
-                 "pipeline_microbatches", "pipeline_remat", "pipeline_schedule", "batch_invariant")  # fmt: skip
+                 "pipeline_microbatches", "pipeline_remat", "pipeline_schedule",
+                 "batch_invariant")  # fmt: skip
         out = {n: getattr(self, n) for n in names if getattr(self, n)}
         return out | ({"logits_chunk": self.logits_chunk} if self.logits_chunk >= 0 else {})
 

@@ -1,16 +1,20 @@
 """Pipeline parallelism on 8 fake CPU devices: the layer stack split over `stage` (with fsdp,
 and data) gives one device's losses and gradients for SFT, DPO and the GRPO loss (GPipe
-schedule, microbatches), for dense and MoE models."""
+schedule, microbatches), for dense and MoE models; the 1F1B schedule for SFT and DPO, holding
+fewer microbatches' residuals."""
+
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from posttrain.models import get_preset, hidden_states, init_params, param_shardings
-from posttrain.models._pipeline import bubble_fraction
+from posttrain.models._pipeline import bubble_fraction, one_f_one_b_bubble
 from posttrain.parallel import MeshConfig, make_mesh
 from posttrain.train._step import EXPERT_COUNTS
-from tests.losses.test_chunked import close_trees, loss_and_grads
+from tests.losses.test_chunked import close_trees, loss_and_batch, loss_and_grads
 from tests.tolerance import assert_close
 
 # Four layers (a sliding window on the first) and rows that split into 4 microbatches of 2.
@@ -21,13 +25,16 @@ ROWS, LENGTH = 8, 32
 
 
 @pytest.mark.parametrize(
-    "method, axes, microbatches, remat",
+    "method, axes, microbatches, remat, schedule",
     [
-        ("sft", {"stage": 2, "fsdp": 4}, 4, "layers"),
-        ("sft", {"stage": 4, "fsdp": 2}, 2, "stage"),
-        ("dpo", {"stage": 4, "fsdp": 2}, 4, "stage"),
-        ("grpo", {"data": 2, "stage": 2, "fsdp": 2}, 2, "layers"),
-        ("sft", {"stage": 2, "sequence": 2, "fsdp": 2}, 2, "stage"),
+        ("sft", {"stage": 2, "fsdp": 4}, 4, "layers", "gpipe"),
+        ("sft", {"stage": 4, "fsdp": 2}, 2, "stage", "gpipe"),
+        ("dpo", {"stage": 4, "fsdp": 2}, 4, "stage", "gpipe"),
+        ("grpo", {"data": 2, "stage": 2, "fsdp": 2}, 2, "layers", "gpipe"),
+        ("sft", {"stage": 2, "sequence": 2, "fsdp": 2}, 2, "stage", "gpipe"),
+        # 1F1B: 4 microbatches through 3 residual slots; 4 through 7 with only stage inputs
+        ("sft", {"stage": 2, "fsdp": 4}, 4, "layers", "1f1b"),
+        ("dpo", {"stage": 4, "fsdp": 2}, 4, "stage", "1f1b"),
     ],
     ids=[
         "sft-stage2-fsdp4",
@@ -35,12 +42,16 @@ ROWS, LENGTH = 8, 32
         "dpo-stage4-fsdp2-stage_remat",
         "grpo-data2-stage2-fsdp2",
         "sft-stage2-sequence2-fsdp2-stage_remat",
+        "sft-stage2-fsdp4-1f1b",
+        "dpo-stage4-fsdp2-stage_remat-1f1b",
     ],
 )
-def test_pipelined_losses_equal_one_device(devices, method, axes, microbatches, remat):
-    """Stages with each remat choice, and stages whose rows are also split along their length
-    (ring attention inside a stage), give one device's loss and gradients."""
-    config = CONFIG.replace(pipeline_microbatches=microbatches, pipeline_remat=remat)
+def test_pipelined_losses_equal_one_device(devices, method, axes, microbatches, remat, schedule):
+    """Stages with each remat choice and schedule, and stages whose rows are also split along
+    their length (ring attention inside a stage), give one device's loss and gradients."""
+    config = CONFIG.replace(
+        pipeline_microbatches=microbatches, pipeline_remat=remat, pipeline_schedule=schedule
+    )
     shape = dict(rows=ROWS, length=LENGTH, seed=3)
     (_, sums0), grads0 = loss_and_grads(method, CONFIG, **shape)
     mesh = make_mesh(MeshConfig.from_dict(axes), devices)
@@ -58,6 +69,70 @@ def test_bubble_fraction():
     assert bubble_fraction(4, 4) == 3 / 7
     assert bubble_fraction(2, 16) == 1 / 17
     assert bubble_fraction(4, 0) == 3 / 7  # 0: one microbatch per stage
+    assert one_f_one_b_bubble(1, 8) == 0.0
+    assert one_f_one_b_bubble(2, 8) == 2 / 10  # 8 + 2 x 2 - 2 ticks, each a forward + backward
+    assert one_f_one_b_bubble(4, 0) == 6 / 10
+
+
+def _step_temporaries(config, mesh, rows, length):
+    """Temporary bytes of the compiled SFT loss-and-gradient step on `mesh`."""
+    loss, batch = loss_and_batch("sft", np.random.RandomState(0), config, rows, length)
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+    def objective(params, batch):
+        sums = loss(params, batch, None)
+        return sums["loss_sum"], sums
+
+    with jax.set_mesh(mesh):
+        shardings = param_shardings(config, mesh)
+        params = jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings
+        )
+        run = jax.jit(jax.value_and_grad(objective, has_aux=True))
+        return run.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_one_f_one_b_holds_fewer_microbatches_than_gpipe(devices):
+    """With 16 microbatches over 2 stages, GPipe keeps every microbatch's layer residuals until
+    its backward, 1F1B at most 3 (2 x stages - 1): its compiled step's temporaries are under
+    half of GPipe's."""
+    config = CONFIG.replace(num_layers=4, pipeline_microbatches=16, remat="none")
+    mesh = make_mesh(MeshConfig.from_dict({"stage": 2, "fsdp": 4}), devices)
+    gpipe = _step_temporaries(config, mesh, rows=64, length=64)
+    one_f_one_b = _step_temporaries(config.replace(pipeline_schedule="1f1b"), mesh, 64, 64)
+    assert one_f_one_b < 0.5 * gpipe, (one_f_one_b, gpipe)
+
+
+def test_one_f_one_b_refuses_what_it_cannot_run(devices):
+    """One clear error each: a MoE stack, DPO pairs that do not split into the microbatches
+    (a pair's rows run together), a second differentiated output; bad config values."""
+    mesh = make_mesh(MeshConfig.from_dict({"stage": 2, "fsdp": 4}), devices)
+    moe = get_preset("tiny_moe", attention="xla", pipeline_schedule="1f1b")
+    with pytest.raises(ValueError, match="runs dense layer stacks; use 'gpipe' for MoE"):
+        loss_and_grads("sft", moe, rows=ROWS, length=LENGTH, mesh=mesh, collective="")
+    config = CONFIG.replace(pipeline_schedule="1f1b", pipeline_microbatches=8)
+    with pytest.raises(ValueError, match="4 pairs do not split into the 1F1B pipeline's 8"):
+        loss_and_grads("dpo", config, rows=4, length=LENGTH, mesh=mesh, collective="")
+    params = init_params(config, jax.random.key(0))
+    tokens = jnp.zeros((ROWS, LENGTH), jnp.int32)
+
+    def both(params):  # a loss whose second sum depends on the params too
+        def tail(p, hidden, rows):
+            return {"loss_sum": jnp.sum(hidden), "other_sum": jnp.sum(hidden**2)}
+
+        sums = hidden_states(params, tokens, config, tail=tail, tail_rows={})
+        return sums["loss_sum"] + sums["other_sum"]
+
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="only the loss's loss_sum"):
+        jax.jit(jax.grad(both))(jax.device_put(params, param_shardings(config, mesh)))
+    for field, value, choices in [
+        ("pipeline_schedule", "1F1B", "('gpipe', '1f1b')"),
+        ("pipeline_remat", "stages", "('layers', 'stage')"),
+    ]:
+        with pytest.raises(
+            ValueError, match=re.escape(f"{field}='{value}'; choose one of {choices}")
+        ):
+            CONFIG.replace(**{field: value})
 
 
 # MoE: tiny_moe's 2 expert layers over 2 stages; tiny_mla_moe's first (dense) layer runs as a
