@@ -19,7 +19,7 @@ from posttrain._flops import _expected_ratio, _expert_buffer, matmul_flops
 from posttrain.aot._report import CompileReport
 from posttrain.aot._slices import CHIPS, FIT_FRACTION, Chip, parse_topology
 from posttrain.config import ConfigError
-from posttrain.models import bubble_fraction, one_f_one_b_bubble
+from posttrain.models import bubble_fraction
 from posttrain.parallel import axis_rules
 
 
@@ -203,7 +203,9 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
         compile_seconds=seconds,
         compiled=compiled_ok,
         host_temporaries=host,
-        bubble=_bubble(model_config, dict(low.mesh.shape).get("stage", 1)),
+        bubble=bubble_fraction(
+            dict(low.mesh.shape).get("stage", 1), model_config.pipeline_microbatches
+        ),
         schedule=model_config.pipeline_schedule,
         communication=communication,
         remat=model_config.remat,
@@ -267,10 +269,3 @@ def smallest_fit(compile_plan: Callable, config, generation: str, *, start_chips
             return f"{generation}-{chips * chip.cores_per_chip}", report
         chips *= 2
     return None, report
-
-
-def _bubble(model_config, stages: int) -> float:
-    """The share of a pipelined step's ticks in which a stage idles, for its schedule."""
-    if model_config.pipeline_schedule == "1f1b":
-        return one_f_one_b_bubble(stages, model_config.pipeline_microbatches)
-    return bubble_fraction(stages, model_config.pipeline_microbatches)

@@ -118,11 +118,8 @@ class CompileReport:
             f"  temporaries   {gib(self.temporaries)}",
         ]
         if self.bubble:
-            ticks = {"gpipe": "stages - 1 idle ticks of microbatches + stages - 1",
-                     "1f1b": "2 x stages - 2 idle ticks of microbatches + 2 x stages - 2, "
-                             "each a forward and a backward"}[self.schedule]  # fmt: skip
             out.append(f"  pipeline bubble {100 * self.bubble:.0f}% of the step ({self.schedule}: "
-                       f"{ticks})")  # fmt: skip
+                       "stages - 1 idle ticks per microbatches + stages - 1)")  # fmt: skip
         if self.host_temporaries:
             out.append(f"  host memory   {gib(self.host_temporaries)}  (offloaded activations, "
                        "not in HBM)")  # fmt: skip

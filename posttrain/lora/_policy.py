@@ -54,10 +54,13 @@ class Policy:
         )
         return model_params, hidden, aux
 
-    def sums(self, params, batch: dict, model_config, tail, rows: dict) -> tuple[dict, dict]:
+    def sums(
+        self, params, batch: dict, model_config, tail, rows: dict, aux_weight=None
+    ) -> tuple[dict, dict]:
         """`(sums, aux)`: `tail(model params, hidden states, rows) -> sums` over the trained
         model's hidden states of a token batch, by row groups (the microbatches of a 1F1B
-        pipeline; see `posttrain.models.hidden_states`); `rows`: the tail's per-row arrays."""
+        pipeline; see `posttrain.models.hidden_states`); `rows`: the tail's per-row arrays;
+        `aux_weight`: a MoE model's balance-loss weight in `loss_sum` (the token count)."""
         model_params, kwargs = self.apply(params)
         return hidden_states(
             model_params,
@@ -69,6 +72,7 @@ class Policy:
             images_BIHWC=batch.get("images"),
             tail=tail,
             tail_rows=rows,
+            tail_aux_weight=aux_weight,
             **kwargs,
         )
 

@@ -28,7 +28,7 @@ from posttrain.models._params import (
     split_layers,
     unstack_layers,
 )
-from posttrain.models._pipeline import bubble_fraction, loss_row_groups, one_f_one_b_bubble
+from posttrain.models._pipeline import bubble_fraction, loss_row_groups
 from posttrain.models._presets import PRESETS, get_preset
 from posttrain.models._safetensors import STATS as hf_read_stats
 from posttrain.models._staged_export import staged_export
@@ -70,7 +70,6 @@ __all__ = [
     "attention_mask",
     "bubble_fraction",
     "loss_row_groups",
-    "one_f_one_b_bubble",
     "check_export_destination",
     "expert_parallelism",
     "finished_step",

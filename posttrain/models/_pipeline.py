@@ -28,6 +28,8 @@ stage stay with XLA's partitioner, so the stages compose with them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -49,8 +51,8 @@ def loss_row_groups(config) -> int:
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The share of a GPipe step's ticks in which a stage idles (microbatches 0: one per
-    stage, as `pipeline_layers` runs them)."""
+    """The share of a pipelined step's ticks in which a stage idles, GPipe's or 1F1B's
+    (microbatches 0: one per stage, as `pipeline_layers` runs them)."""
     microbatches = microbatches or stages
     return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
 
@@ -148,7 +150,17 @@ def _combine(key, aux_M):
 
 
 def pipeline_loss(
-    build, x_BLD, xs, side, rows, tail, tail_params, *, microbatches: int = 0, remat: str = "layers"
+    build,
+    x_BLD,
+    xs,
+    side,
+    rows,
+    tail,
+    tail_params,
+    *,
+    aux_weight=None,
+    microbatches: int = 0,
+    remat: str = "layers",
 ):
     """The sums `tail` gives over every row after the layer stack, with the stack pipelined
     in a one-forward-one-backward (1F1B) schedule when differentiated.
@@ -156,17 +168,25 @@ def pipeline_loss(
     `tail(tail_params, hidden_bLD, rows_b) -> sums` (a dict of scalars) is the rest of the
     loss for a group of rows: the stack's output for them and their slice of `rows` (per-row
     arrays `[B, ...]`); its sums must add over row groups (an "X_max" keeps the largest). Only
-    `sums["loss_sum"]` may be differentiated.
+    `sums["loss_sum"]` carries gradients: the others (metrics, counts) come out as constants.
 
     Differentiated, the schedule runs M + 2S - 2 ticks: at tick t stage s runs the forward of
     microbatch t - s and the backward of microbatch t - 2S + 2 + s, the last stage taking the
-    tail's gradient in the tick of its forward. So each stage keeps its layers' residuals for
-    at most 2S - 1 microbatches (GPipe keeps all M), and the gradients come out of the
-    schedule itself (a `custom_vjp` whose backward scales them by the loss's cotangent).
+    tail's gradient in the tick of its forward; the first S - 1 ticks hold forwards only and
+    the last S - 1 backwards only, so the step costs GPipe's (S - 1)(F + B) of bubble. Each
+    stage keeps its layers' residuals for at most 2S - 1 microbatches (GPipe keeps all M), and
+    the gradients come out of the schedule itself (a `custom_vjp` whose backward scales them
+    by the loss's cotangent).
     Undifferentiated, it is `pipeline_layers` followed by the tail over every row.
 
-    Args: as `pipeline_layers`, plus `rows`, `tail` and `tail_params` (the head's weights).
-    Returns: the tail's sums over every row.
+    A MoE stack's balance losses enter the loss as their mean over layers and microbatches
+    times `aux_weight` (the loss's token count: `add_moe_aux`), so the schedule takes their
+    gradient at that weight in each microbatch's backward; the aux it returns (as
+    `pipeline_layers` gives it) carries no gradient.
+
+    Args: as `pipeline_layers`, plus `rows`, `tail`, `tail_params` (the head's weights) and
+      `aux_weight` (a MoE stack's).
+    Returns: the tail's sums over every row, and the stack's aux as `pipeline_layers`'.
     """
     S = stage_count()
     M = microbatches or S
@@ -175,31 +195,32 @@ def pipeline_loss(
     # along as constants.
     float_xs, other_xs, merge_xs = _by_dtype(xs)
     float_tp, other_tp, merge_tp = _by_dtype(tail_params)
+    # Each layer's balance loss of each microbatch, in the loss: mean over T layers and M.
+    T = jax.tree.leaves(xs)[0].shape[0]
+    aux_scale = jnp.zeros((), jnp.float32) if aux_weight is None else aux_weight / (T * M)
 
     @jax.custom_vjp
-    def loss(x, float_xs, float_tp, other_xs, other_tp, side, rows):
+    def loss(x, float_xs, float_tp, other_xs, other_tp, side, rows, aux_scale):
         xs = merge_xs(float_xs, other_xs)
-        out, _ = pipeline_layers(build, x, xs, side, microbatches=M, remat=remat)
-        return tail(merge_tp(float_tp, other_tp), out, rows)
+        out, aux = pipeline_layers(build, x, xs, side, microbatches=M, remat=remat)
+        return tail(merge_tp(float_tp, other_tp), out, rows), aux
 
     def fwd(*args):
         args = jax.tree.map(lambda p: p.value, args)
         return _one_f_one_b(build, *args, merge_xs, merge_tp, tail, M=M, remat=remat)
 
-    def bwd(grads, ct_sums):
-        for name, ct in ct_sums.items():
-            if name != "loss_sum" and not isinstance(ct, jax.custom_derivatives.SymbolicZero):
-                raise ValueError(
-                    f"a 1F1B pipeline differentiates only the loss's loss_sum, not {name!r}"
-                )
-        scale = ct_sums["loss_sum"]
+    def bwd(grads, cts):
+        # (The other sums and the aux come out under a stop_gradient: no cotangent.)
+        scale = cts[0]["loss_sum"]
         if isinstance(scale, jax.custom_derivatives.SymbolicZero):
             scale = jnp.zeros((), jnp.float32)
         g_x, g_xs, g_tp = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-        return g_x, g_xs, g_tp, None, None, None, None
+        return g_x, g_xs, g_tp, None, None, None, None, None
 
     loss.defvjp(fwd, bwd, symbolic_zeros=True)
-    return loss(x_BLD, float_xs, float_tp, other_xs, other_tp, side, rows)
+    sums, aux = loss(x_BLD, float_xs, float_tp, other_xs, other_tp, side, rows, aux_scale)
+    sums = {k: v if k == "loss_sum" else jax.lax.stop_gradient(v) for k, v in sums.items()}
+    return sums, jax.lax.stop_gradient(aux)
 
 
 def _by_dtype(tree):
@@ -215,13 +236,6 @@ def _by_dtype(tree):
     return float_leaves, [a for a, f in zip(leaves, is_float, strict=True) if not f], merge
 
 
-def one_f_one_b_bubble(stages: int, microbatches: int) -> float:
-    """The share of a 1F1B schedule's ticks (each a forward and a backward) in which a stage
-    idles: (2S - 2) / (M + 2S - 2)."""
-    microbatches = microbatches or stages
-    return (2 * stages - 2) / (microbatches + 2 * stages - 2) if stages > 1 else 0.0
-
-
 def _one_f_one_b(
     build,
     x_BLD,
@@ -231,6 +245,7 @@ def _one_f_one_b(
     other_tp,
     side,
     rows,
+    aux_scale,
     merge_xs,
     merge_tp,
     tail,
@@ -238,7 +253,8 @@ def _one_f_one_b(
     M,
     remat,
 ):
-    """(sums, (d loss_sum / d x, d / d float_xs, d / d float_tp)) by the 1F1B schedule."""
+    """((sums, aux), (d loss_sum / d x, d / d float_xs, d / d float_tp)) by the 1F1B
+    schedule."""
     mesh = jax.sharding.get_abstract_mesh()
     S = stage_count()
     B = x_BLD.shape[0]
@@ -250,12 +266,15 @@ def _one_f_one_b(
     take = lambda tree, m: jax.tree.map(lambda a: a[m], tree)  # noqa: E731
 
     def stage_fn(side_M, other_xs, m):
-        """`(float_xs, h) -> y`: a stage's layers over microbatch m's rows."""
+        """`(float_xs, h) -> ((y, the layers' balance losses summed), their aux)`: a stage's
+        layers over microbatch m's rows."""
         layer = build(*take(side_M, m))
 
         def run(float_xs, h):
-            step = lambda h, layer_xs: (_out_and_aux(layer(h, *layer_xs))[0], None)  # noqa: E731
-            return jax.lax.scan(step, h, merge_xs(float_xs, other_xs))[0]
+            step = lambda h, layer_xs: _out_and_aux(layer(h, *layer_xs))  # noqa: E731
+            y, aux = jax.lax.scan(step, h, merge_xs(float_xs, other_xs))
+            balance = jnp.sum(aux["loss"]) if aux else jnp.zeros((), jnp.float32)
+            return (y, balance), aux
 
         if remat == "stage":
             run = jax.checkpoint(
@@ -264,31 +283,33 @@ def _one_f_one_b(
         return run
 
     def residuals(vjp, float_xs):
-        """The VJP's leaves less the stage's weights (those it holds once, not per slot)."""
+        """The VJP's leaves less the stage's weights (those it holds once, not per slot), and
+        its structure: the tree and which of the weights each other leaf is."""
         leaves, treedef = jax.tree.flatten(vjp)
-        weights = [any(a is w for w in jax.tree.leaves(float_xs)) for a in leaves]
-        saved = [a for a, w in zip(leaves, weights, strict=True) if not w]
-        return saved, (treedef, leaves, weights)
+        weights = [[i for i, w in enumerate(float_xs) if a is w] for a in leaves]
+        weights = [w[0] if w else None for w in weights]
+        saved = [a for a, w in zip(leaves, weights, strict=True) if w is None]
+        return saved, (treedef, weights)
 
-    def with_residuals(structure, saved):
-        treedef, leaves, weights = structure
+    def with_residuals(structure, float_xs, saved):
+        """The VJP of `structure` at these weights and saved residuals."""
+        treedef, weights = structure
         saved = iter(saved)
-        leaves = [a if w else next(saved) for a, w in zip(leaves, weights, strict=True)]
-        return treedef.unflatten(leaves)
+        return treedef.unflatten([next(saved) if w is None else float_xs[w] for w in weights])
 
     # Shapes of one microbatch's residuals on one stage, and of the tail's sums.
     stage_slice = lambda a: a[: a.shape[0] // S]  # noqa: E731
     h0 = split(x_BLD)[0]
     slot_shapes = jax.eval_shape(
         lambda fx, ox, side, h: residuals(
-            jax.vjp(stage_fn(jax.tree.map(split, side), ox, 0), fx, h)[1], fx
+            jax.vjp(stage_fn(jax.tree.map(split, side), ox, 0), fx, h, has_aux=True)[1], fx
         )[0],
         jax.tree.map(stage_slice, float_xs), jax.tree.map(stage_slice, other_xs), side, h0,
     )  # fmt: skip
     head = lambda float_tp, h, rows: tail(merge_tp(float_tp, other_tp), h, rows)  # noqa: E731
     sums_shape = jax.eval_shape(head, float_tp, h0, take(jax.tree.map(split, rows), 0))
 
-    def local(x, float_xs, other_xs, side, rows, float_tp):
+    def local(x, float_xs, other_xs, side, rows, float_tp, aux_scale):
         stage = jax.lax.axis_index("stage")
         last = stage == S - 1
         x_M, side_M, rows_M = split(x), jax.tree.map(split, side), jax.tree.map(split, rows)
@@ -298,61 +319,86 @@ def _one_f_one_b(
         )
         one_hot = {k: jnp.asarray(k == "loss_sum", s.dtype) for k, s in sums_shape.items()}
 
-        def tick(carry, t):
+        def tick(carry, t, *, forwards: bool, backwards: bool):
+            """Tick t: the forward of microbatch t - s, the backward of t - 2S + 2 + s (in the
+            first S - 1 ticks no stage has a backward yet, in the last S - 1 none a forward:
+            those ticks leave that half out, so the step costs GPipe's M + S - 1 ticks). The
+            backward is the VJP this tick traced, at the saved residuals of microbatch b."""
             act_in, ct_in, slots, sums, g_xs, g_tps, g_x_M = carry
             f = t - stage  # the microbatch this stage runs forward
             b = t - 2 * S + 2 + stage  # and backward
             fc, bc = jnp.clip(f, 0, M - 1), jnp.clip(b, 0, M - 1)
             f_ok, b_ok = (f >= 0) & (f < M), (b >= 0) & (b < M)
             h = jnp.where(stage == 0, x_M[fc], act_in)
-            y, vjp = jax.vjp(stage_fn(side_M, other_xs, fc), float_xs, h)
+            # (In the last ticks the forward is traced for the VJP's structure only: reusing
+            # the structure an earlier tick traced crashes libtpu's partitioner.)
+            (y, _), vjp, aux = jax.vjp(stage_fn(side_M, other_xs, fc), float_xs, h, has_aux=True)
             saved, structure = residuals(vjp, float_xs)
-            slots = [
-                s.at[f % K].set(jnp.where(f_ok, a, s[f % K]))
-                for s, a in zip(slots, saved, strict=True)
-            ]
+            if forwards:
+                slots = [
+                    s.at[f % K].set(jnp.where(f_ok, a, s[f % K]))
+                    for s, a in zip(slots, saved, strict=True)
+                ]
+                act_in = jax.lax.ppermute(y, "stage", forward)
+            if forwards and backwards:
+                # The last stage: the tail's sums and gradient for the microbatch it just ran.
+                # (Every stage computes it, masked: in a `lax.cond` the partitioner's
+                # collectives for the head's sharded weights span all devices, and the stages
+                # that skip it never join them.)
+                head_f = lambda y, tp: head(tp, y, take(rows_M, fc))  # noqa: E731
+                sums_f, tail_vjp = jax.vjp(head_f, y, float_tp)
+                ct_y, g_tp = tail_vjp(one_hot)
+                use = last & f_ok
+                sums = {k: _add_sum(k, sums[k], jnp.where(use, v, 0)) for k, v in sums_f.items()}
+                g_tps = jax.tree.map(lambda a, g: a + jnp.where(use, g, 0), g_tps, g_tp)
+                ct_in = jnp.where(last, ct_y, ct_in)
+            if backwards:
+                # Backward of microbatch b, from the residuals its forward saved.
+                saved = [s[b % K] for s in slots]
+                vjp = with_residuals(structure, float_xs, saved)
+                g_fx, g_h = vjp((ct_in, aux_scale.astype(jnp.float32)))
+                g_xs = jax.tree.map(lambda a, g: a + jnp.where(b_ok, g, 0), g_xs, g_fx)
+                first = (stage == 0) & b_ok
+                g_x_M = g_x_M.at[bc].set(jnp.where(first, g_h, g_x_M[bc]))
+                g_h = jnp.where(b_ok, g_h, 0).astype(g_h.dtype)
+                ct_in = jax.lax.ppermute(g_h, "stage", backward)
+            return (act_in, ct_in, slots, sums, g_xs, g_tps, g_x_M), aux if forwards else None
 
-            # The last stage: the tail's sums and gradient for the microbatch it just ran. (Every
-            # stage computes it, masked: in a `lax.cond` the partitioner's collectives for the
-            # head's sharded weights span all devices, and the other stages never join them.)
-            sums_f, tail_vjp = jax.vjp(lambda y, tp: head(tp, y, take(rows_M, fc)), y, float_tp)
-            ct_y, g_tp = tail_vjp(one_hot)
-            use = last & f_ok
-            sums = {k: _add_sum(k, sums[k], jnp.where(use, v, 0)) for k, v in sums_f.items()}
-            g_tps = jax.tree.map(lambda a, g: a + jnp.where(use, g, 0), g_tps, g_tp)
-            # Backward of microbatch b, from the residuals its forward saved.
-            ct = jnp.where(last, ct_y, ct_in)
-            g_fx, g_h = with_residuals(structure, [s[b % K] for s in slots])(ct)
-            g_xs = jax.tree.map(lambda a, g: a + jnp.where(b_ok, g, 0), g_xs, g_fx)
-            first = (stage == 0) & b_ok
-            g_x_M = g_x_M.at[bc].set(jnp.where(first, g_h, g_x_M[bc]))
-            act_out = jax.lax.ppermute(y, "stage", forward)
-            ct_out = jax.lax.ppermute(jnp.where(b_ok, g_h, 0).astype(g_h.dtype), "stage", backward)
-            return (act_out, ct_out, slots, sums, g_xs, g_tps, g_x_M), None
-
-        init = (
+        carry = (
             jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M[0]), slots, zeros(sums_shape),
             zeros(float_xs), zeros(float_tp), jnp.zeros(x_M.shape, jnp.float32),
         )  # fmt: skip
-        carry, _ = jax.lax.scan(tick, init, jnp.arange(M + 2 * S - 2))
+        aux_ticks = []
+        for ticks, forwards, backwards in [
+            (range(0, S - 1), True, False),  # warm-up: forwards only
+            (range(S - 1, M + S - 1), True, True),
+            (range(M + S - 1, M + 2 * S - 2), False, True),  # cool-down: backwards only
+        ]:
+            step = functools.partial(tick, forwards=forwards, backwards=backwards)
+            carry, aux = jax.lax.scan(step, carry, jnp.arange(ticks.start, ticks.stop))
+            aux_ticks.append(aux)
         _, _, _, sums, g_xs, g_tps, g_x_M = carry
+        # The stages' aux of each forward tick; this stage ran microbatch m at tick s + m.
+        aux_ticks = jax.tree.map(lambda *a: jnp.concatenate(a), *aux_ticks[:2])
+        aux_M = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, stage, M), aux_ticks)
+        aux_T = {k: _combine(k, a) for k, a in aux_M.items()}
         sums = jax.tree.map(lambda a: jax.lax.psum(a, "stage"), sums)
         g_tps = jax.tree.map(lambda a: jax.lax.psum(a, "stage"), g_tps)
         g_x = jax.lax.psum(g_x_M, "stage").swapaxes(0, 1).reshape(x.shape)
         cast = lambda g, p: g.astype(p.dtype)  # noqa: E731
         grads = (cast(g_x, x), jax.tree.map(cast, g_xs, float_xs),
                  jax.tree.map(cast, g_tps, float_tp))  # fmt: skip
-        return sums, grads
+        return (sums, aux_T), grads
 
     P = PartitionSpec
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(P(), P("stage"), P("stage"), P(), P(), P()),
-        out_specs=(P(), (P(), P("stage"), P())),
+        in_specs=(P(), P("stage"), P("stage"), P(), P(), P(), P()),
+        out_specs=((P(), P("stage")), (P(), P("stage"), P())),
         axis_names={"stage"},
         check_vma=False,
-    )(x_BLD, float_xs, other_xs, side, rows, float_tp)
+    )(x_BLD, float_xs, other_xs, side, rows, float_tp, aux_scale)
 
 
 def _add_sum(name, a, b):

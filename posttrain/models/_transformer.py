@@ -85,6 +85,7 @@ def hidden_states(
     images_BIHWC: jax.Array | None = None,
     tail: Callable | None = None,
     tail_rows: dict | None = None,
+    tail_aux_weight: jax.Array | None = None,
 ):
     """The final-normed residual stream `[B, L, D]` (what heads such as lm_head read).
 
@@ -117,7 +118,9 @@ def hidden_states(
     a tail the call returns its sums over every row in place of the hidden states (with
     `return_aux`, `(sums, aux)`), and a pipeline with `config.pipeline_schedule == "1f1b"`
     runs it per microbatch inside its schedule (`posttrain.models._pipeline.pipeline_loss`:
-    only `sums["loss_sum"]` is then differentiable). No cache.
+    only `sums["loss_sum"]` is then differentiable, and a MoE model's balance loss enters it
+    at `tail_aux_weight`, the loss's token count as `add_moe_aux` weighs it, its aux then
+    carrying no gradient). No cache.
     """
     if tail is not None and cache is not None:
         raise ValueError("a loss tail runs over a training forward, not a cached one")
@@ -240,17 +243,18 @@ def hidden_states(
         if replay_TBLK is not None and name == "layers":  # (the MoE stack)
             xs += (None, None) * (cache is None) + (replay_TBLK,)
         if pipelined and name == "layers" and tail is not None:  # 1F1B: the loss in the schedule
-            if config.moe is not None:
+            if config.moe is not None and tail_aux_weight is None:
                 raise ValueError(
-                    "pipeline_schedule='1f1b' runs dense layer stacks; use 'gpipe' for MoE"
+                    "a MoE model's 1F1B pipeline needs tail_aux_weight: the weight of its "
+                    "balance loss in the tail's loss_sum (the loss's token count)"
                 )
             head = {k: v for k, v in params.items() if k not in ("layers", "dense_layers")}
             final = lambda p, h, rows: tail(p, _final_norm(h, p, config), rows)  # noqa: E731
-            sums = pipeline_loss(
-                build, x_BLD, xs, side, tail_rows, final, head,
+            sums, aux = pipeline_loss(
+                build, x_BLD, xs, side, tail_rows, final, head, aux_weight=tail_aux_weight,
                 microbatches=config.pipeline_microbatches, remat=config.pipeline_remat,
             )  # fmt: skip
-            return (sums, moe_aux(aux_T)) if return_aux else sums
+            return (sums, moe_aux(aux or aux_T)) if return_aux else sums
         if pipelined and name == "layers":  # (the first dense layers of a MoE model: a scan)
             micro = config.pipeline_microbatches
             x_BLD, aux = pipeline_layers(

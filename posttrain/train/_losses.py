@@ -66,7 +66,8 @@ def sft_loss(model_config: ModelConfig, z_loss: float, *, policy: Policy | None 
     def loss_fn(params, batch, rng):
         del rng
         rows = {"targets": batch["targets"], "loss_mask": batch["loss_mask"]}
-        sums, aux = policy.sums(params, batch, model_config, tail, rows)
+        tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))  # (`add_moe_aux`'s weight)
+        sums, aux = policy.sums(params, batch, model_config, tail, rows, aux_weight=tokens)
         return add_moe_aux(sums, aux)
 
     return loss_fn
@@ -269,7 +270,10 @@ def dpo_loss(
             refs = (ref["ref_chosen_logps"], ref["ref_rejected_logps"])
         if reference != "none":
             rows["ref_logps"] = jax.lax.stop_gradient(jnp.concatenate(refs))
-        sums, aux = policy.sums(params, x, model_config, tail, rows)
+        lengths_2B = jnp.sum(x["loss_mask"].astype(jnp.float32), -1)
+        pairs_B = jnp.all(jnp.stack(jnp.split(lengths_2B, 2)) > 0, axis=0)
+        weight = jnp.sum(pairs_B.astype(jnp.float32))  # (`add_moe_aux`'s: the real pairs)
+        sums, aux = policy.sums(params, x, model_config, tail, rows, aux_weight=weight)
         return add_moe_aux(sums, aux)
 
     return loss_fn
