@@ -205,9 +205,28 @@ def pipeline_loss(
         out, aux = pipeline_layers(build, x, xs, side, microbatches=M, remat=remat)
         return tail(merge_tp(float_tp, other_tp), out, rows), aux
 
-    def fwd(*args):
-        args = jax.tree.map(lambda p: p.value, args)
-        return _one_f_one_b(build, *args, merge_xs, merge_tp, tail, M=M, remat=remat)
+    def fwd(x, float_xs, float_tp, other_xs, other_tp, side, rows, aux_scale):
+        # Gradients only for the weights being trained (LoRA's frozen base, a frozen head:
+        # constants like the integer leaves).
+        value = lambda tree: jax.tree.map(lambda p: p.value, tree)  # noqa: E731
+        trained = lambda leaves: [p.perturbed for p in leaves]  # noqa: E731
+        xs_mask, tp_mask = trained(float_xs), trained(float_tp)
+        d_xs, c_xs, merge_d_xs = _partition(
+            merge_xs(value(float_xs), value(other_xs)), merge_xs(xs_mask, [False] * len(other_xs))
+        )
+        d_tp, c_tp, merge_d_tp = _partition(merge_tp(value(float_tp), value(other_tp)),
+                                            merge_tp(tp_mask, [False] * len(other_tp)))  # fmt: skip
+        out, (g_x, g_dxs, g_dtp) = _one_f_one_b(
+            build, value(x), d_xs, d_tp, c_xs, c_tp, value(side), value(rows),
+            value(aux_scale), merge_d_xs, merge_d_tp, tail, M=M, remat=remat,
+        )  # fmt: skip
+        # Back to one cotangent per float input (zeros, never used, where none is needed).
+        expand = lambda mask, grads, values: [  # noqa: E731
+            next(grads) if m else jnp.zeros_like(v) for m, v in zip(mask, values, strict=True)
+        ]
+        g_xs = expand(xs_mask, iter(g_dxs), value(float_xs))
+        g_tp = expand(tp_mask, iter(g_dtp), value(float_tp))
+        return out, (g_x, g_xs, g_tp)
 
     def bwd(grads, cts):
         # (The other sums and the aux come out under a stop_gradient: no cotangent.)
@@ -225,15 +244,22 @@ def pipeline_loss(
 
 def _by_dtype(tree):
     """`(float leaves, other leaves, merge)`: `merge(float, other)` rebuilds the tree."""
+    leaves = jax.tree.leaves(tree)
+    return _partition(tree, [jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves])
+
+
+def _partition(tree, mask):
+    """`(leaves where mask, the others, merge)`: `merge(chosen, others)` rebuilds the tree.
+    `mask`: a bool per leaf, or a tree of them shaped like `tree`."""
     leaves, treedef = jax.tree.flatten(tree)
-    is_float = [jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves]
+    mask = jax.tree.leaves(mask)
 
-    def merge(float_leaves, other_leaves):
-        fl, ot = iter(float_leaves), iter(other_leaves)
-        return treedef.unflatten([next(fl) if f else next(ot) for f in is_float])
+    def merge(chosen, others):
+        ch, ot = iter(chosen), iter(others)
+        return treedef.unflatten([next(ch) if m else next(ot) for m in mask])
 
-    float_leaves = [a for a, f in zip(leaves, is_float, strict=True) if f]
-    return float_leaves, [a for a, f in zip(leaves, is_float, strict=True) if not f], merge
+    chosen = [a for a, m in zip(leaves, mask, strict=True) if m]
+    return chosen, [a for a, m in zip(leaves, mask, strict=True) if not m], merge
 
 
 def _one_f_one_b(
@@ -282,27 +308,28 @@ def _one_f_one_b(
             )
         return run
 
-    def residuals(vjp, float_xs):
-        """The VJP's leaves less the stage's weights (those it holds once, not per slot), and
-        its structure: the tree and which of the weights each other leaf is."""
+    def residuals(vjp, held):
+        """The VJP's leaves less the stage's inputs `held` (its weights, trained or not: held
+        once, not per slot), and its structure: the tree and which input each other leaf is."""
         leaves, treedef = jax.tree.flatten(vjp)
-        weights = [[i for i, w in enumerate(float_xs) if a is w] for a in leaves]
+        weights = [[i for i, w in enumerate(held) if a is w] for a in leaves]
         weights = [w[0] if w else None for w in weights]
         saved = [a for a, w in zip(leaves, weights, strict=True) if w is None]
         return saved, (treedef, weights)
 
-    def with_residuals(structure, float_xs, saved):
-        """The VJP of `structure` at these weights and saved residuals."""
+    def with_residuals(structure, held, saved):
+        """The VJP of `structure` at these inputs and saved residuals."""
         treedef, weights = structure
         saved = iter(saved)
-        return treedef.unflatten([next(saved) if w is None else float_xs[w] for w in weights])
+        return treedef.unflatten([next(saved) if w is None else held[w] for w in weights])
 
     # Shapes of one microbatch's residuals on one stage, and of the tail's sums.
     stage_slice = lambda a: a[: a.shape[0] // S]  # noqa: E731
     h0 = split(x_BLD)[0]
     slot_shapes = jax.eval_shape(
         lambda fx, ox, side, h: residuals(
-            jax.vjp(stage_fn(jax.tree.map(split, side), ox, 0), fx, h, has_aux=True)[1], fx
+            jax.vjp(stage_fn(jax.tree.map(split, side), ox, 0), fx, h, has_aux=True)[1],
+            [*fx, *ox],
         )[0],
         jax.tree.map(stage_slice, float_xs), jax.tree.map(stage_slice, other_xs), side, h0,
     )  # fmt: skip
@@ -333,7 +360,7 @@ def _one_f_one_b(
             # (In the last ticks the forward is traced for the VJP's structure only: reusing
             # the structure an earlier tick traced crashes libtpu's partitioner.)
             (y, _), vjp, aux = jax.vjp(stage_fn(side_M, other_xs, fc), float_xs, h, has_aux=True)
-            saved, structure = residuals(vjp, float_xs)
+            saved, structure = residuals(vjp, [*float_xs, *other_xs])
             if forwards:
                 slots = [
                     s.at[f % K].set(jnp.where(f_ok, a, s[f % K]))
@@ -355,7 +382,7 @@ def _one_f_one_b(
             if backwards:
                 # Backward of microbatch b, from the residuals its forward saved.
                 saved = [s[b % K] for s in slots]
-                vjp = with_residuals(structure, float_xs, saved)
+                vjp = with_residuals(structure, [*float_xs, *other_xs], saved)
                 g_fx, g_h = vjp((ct_in, aux_scale.astype(jnp.float32)))
                 g_xs = jax.tree.map(lambda a, g: a + jnp.where(b_ok, g, 0), g_xs, g_fx)
                 first = (stage == 0) & b_ok

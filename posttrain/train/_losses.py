@@ -105,6 +105,13 @@ def _logps(params: dict, model_config: ModelConfig, batch: dict, **forward_kwarg
     return logps_2B, jnp.sum(x["loss_mask"].astype(jnp.float32), axis=-1), aux
 
 
+def _pair_lengths(loss_mask_2B):
+    """`((chosen lengths, rejected lengths), real pairs)` `[B]` of stacked pairs' masks: a
+    real pair has response tokens on both sides."""
+    len_c_B, len_r_B = jnp.split(jnp.sum(loss_mask_2B.astype(jnp.float32), -1), 2)
+    return (len_c_B, len_r_B), (len_c_B > 0) & (len_r_B > 0)
+
+
 def domain_accuracy_sums(accuracies_B, valid_B, domain_ids_B, domains: Sequence[str]) -> dict:
     """`accuracy/<name>_sum` and `accuracy/<name>_count` per domain (see `train_step`)."""
     sums = {}
@@ -207,8 +214,7 @@ def dpo_loss(
         """The sums of a group of pairs: its rows are chosen sides, then their rejected ones."""
         token_logps = token_stats(params, hidden, rows["targets"], model_config)["logp"]
         chosen_B, rejected_B = jnp.split(sequence_logps(token_logps, rows["loss_mask"]), 2)
-        len_c_B, len_r_B = jnp.split(jnp.sum(rows["loss_mask"].astype(jnp.float32), -1), 2)
-        valid_B = (len_c_B > 0) & (len_r_B > 0)
+        (len_c_B, len_r_B), valid_B = _pair_lengths(rows["loss_mask"])
         # A filler row scores log p = 0, where ORPO's log(1 - p) is -inf; give it a finite
         # stand-in so no NaN reaches the gradient (its loss is left out of the sums below).
         chosen_B = jnp.where(valid_B, chosen_B, -1.0)
@@ -270,10 +276,8 @@ def dpo_loss(
             refs = (ref["ref_chosen_logps"], ref["ref_rejected_logps"])
         if reference != "none":
             rows["ref_logps"] = jax.lax.stop_gradient(jnp.concatenate(refs))
-        lengths_2B = jnp.sum(x["loss_mask"].astype(jnp.float32), -1)
-        pairs_B = jnp.all(jnp.stack(jnp.split(lengths_2B, 2)) > 0, axis=0)
-        weight = jnp.sum(pairs_B.astype(jnp.float32))  # (`add_moe_aux`'s: the real pairs)
-        sums, aux = policy.sums(params, x, model_config, tail, rows, aux_weight=weight)
+        pairs = jnp.sum(_pair_lengths(x["loss_mask"])[1].astype(jnp.float32))  # (`add_moe_aux`'s)
+        sums, aux = policy.sums(params, x, model_config, tail, rows, aux_weight=pairs)
         return add_moe_aux(sums, aux)
 
     return loss_fn

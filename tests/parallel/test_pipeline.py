@@ -10,11 +10,14 @@ import jax
 import numpy as np
 import pytest
 
+from posttrain.lora import LoRAConfig, Policy, init_adapters
 from posttrain.models import get_preset, hidden_states, init_params, param_shardings
 from posttrain.models._pipeline import bubble_fraction
 from posttrain.parallel import MeshConfig, make_mesh
+from posttrain.train import sft_loss
 from posttrain.train._step import EXPERT_COUNTS
-from tests.losses.test_chunked import close_trees, loss_and_batch, loss_and_grads
+from tests.lora.test_adapters import _with_random_b
+from tests.losses.test_chunked import _sft_batch, close_trees, loss_and_batch, loss_and_grads
 from tests.tolerance import assert_close
 
 # Four layers (a sliding window on the first) and rows that split into 4 microbatches of 2.
@@ -182,3 +185,24 @@ def test_pipelined_moe_routing_is_each_rows_own(devices):
     np.testing.assert_array_equal(piped["routed_experts"], whole["routed_experts"])
     np.testing.assert_array_equal(piped["expert_counts"], whole["expert_counts"])
     assert_close(piped["aux_loss"], mean_of_microbatches, rtol=1e-5)
+
+
+def test_one_f_one_b_trains_lora_adapters_on_a_frozen_base(devices):
+    """LoRA under 1F1B: the adapters' gradients equal one device's, with the frozen base (an
+    input the schedule neither differentiates nor stores per microbatch) held once."""
+    config = CONFIG.replace(pipeline_microbatches=4)
+    lora = LoRAConfig(rank=4, targets=(".",))
+    base = init_params(config, jax.random.key(0))
+    adapters = _with_random_b(init_adapters(config, lora, jax.random.key(1)))
+    batch = _sft_batch(np.random.RandomState(0), ROWS, LENGTH)
+
+    def grads(config, base, adapters):
+        loss = lambda a, base: sft_loss(config, 1e-3, policy=Policy(lora, base))(a, batch, None)  # noqa: E731
+        return jax.jit(jax.grad(lambda a, base: loss(a, base)["loss_sum"]))(adapters, base)
+
+    expected = grads(config, base, adapters)
+    mesh = make_mesh(MeshConfig.from_dict({"stage": 2, "fsdp": 4}), devices)
+    with jax.set_mesh(mesh):
+        base = jax.device_put(base, param_shardings(config, mesh))
+        got = grads(config.replace(pipeline_schedule="1f1b"), base, adapters)
+    close_trees(got, expected, rtol=1e-5)
