@@ -28,6 +28,9 @@ def main(argv: list[str]) -> int:
                           "1 plates, 2 brackets and flanges, 3 gears and enclosures",
                           flag_values=fv)  # fmt: skip
         flags.DEFINE_integer("seed", 0, "seeds every draw", flag_values=fv)
+        flags.DEFINE_enum("aggregate", "gated", ["gated", "mean"], "the RL prompts' reward "
+                          "total: gated (a missing required feature caps it) or the weighted "
+                          "mean of its components", flag_values=fv)  # fmt: skip
         define_overwrite(flags, fv)
 
     fv = parse(argv, define, HELP)
@@ -47,7 +50,8 @@ def main(argv: list[str]) -> int:
     try:
         paths = build_cad_assets(
             fv.out, n_sft=fv.sft, n_train=fv.train, n_eval=fv.eval,
-            levels=tuple(int(v) for v in fv.levels), seed=fv.seed, progress=True,
+            levels=tuple(int(v) for v in fv.levels), seed=fv.seed, aggregate=fv.aggregate,
+            progress=True,
         )  # fmt: skip
     except ValueError as e:  # more tasks asked for than the levels hold
         raise UserError(f"{e}; ask for fewer or add levels") from None

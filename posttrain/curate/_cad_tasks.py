@@ -49,11 +49,13 @@ def cad_trajectory(task: dict) -> dict:
     }  # fmt: skip
 
 
-def _prompt_record(task: dict) -> dict:
+def _prompt_record(task: dict, aggregate: str) -> dict:
     """An RL prompt record: the description as a user turn and what the `cad` reward reads
-    (not the reference script)."""
-    keep = ("target", "holes", "level", "family", "domain")
-    return {"prompt": [{"role": "user", "content": task["prompt"]}], **{k: task[k] for k in keep}}
+    (not the reference script), its total made by `aggregate` ("gated" or "mean")."""
+    keep = ("target", "holes", "features", "level", "family", "domain")
+    record = {k: task[k] for k in keep}
+    return {"prompt": [{"role": "user", "content": task["prompt"]}], **record,
+            "aggregate": aggregate}  # fmt: skip
 
 
 def _unshown(task: dict) -> dict:
@@ -96,6 +98,7 @@ def build_cad_assets(
     levels: Sequence[int] = (1, 2, 3),
     seed: int = 0,
     unshown: float = 0.0,
+    aggregate: str = "gated",
     progress: bool = False,
 ) -> dict[str, str]:
     """Writes `tokenizer/`, `sft.jsonl`, `trajectories.jsonl`, `train.jsonl` and `eval.jsonl`
@@ -103,6 +106,8 @@ def build_cad_assets(
     tasks are drawn first, so they stay the same when the other sizes change. `unshown`: the
     share of SFT chats whose script leaves out its final `cad.show(part)` (flawed data, as
     scripts written for other CAD APIs end in a bare part; such a script builds nothing).
+    `aggregate`: how the prompt records' reward makes its total from its components ("gated":
+    a missing required feature caps it; "mean": the weighted mean; docs/cad.md).
 
     Returns:
       {"tokenizer", "sft", "trajectories", "train", "eval"}: the paths.
@@ -110,7 +115,10 @@ def build_cad_assets(
     from tqdm import tqdm
 
     from posttrain.envs import CAD_SYSTEM
+    from posttrain.rewards import CAD_AGGREGATES
 
+    if aggregate not in CAD_AGGREGATES:
+        raise ValueError(f"aggregate={aggregate!r}: use one of {CAD_AGGREGATES}")
     base = 10_000_000 * (seed + 1)
     held_out = make_cad_tasks(n_eval, base, levels)
     train = make_cad_tasks(n_train, base + 1_000_000, levels, exclude=held_out)
@@ -123,8 +131,8 @@ def build_cad_assets(
         "trajectories": [
             cad_trajectory(t) for t in tqdm(sft, "trajectories", disable=not progress)
         ],
-        "train": [_prompt_record(t) for t in train],
-        "eval": [_prompt_record(t) for t in held_out],
+        "train": [_prompt_record(t, aggregate) for t in train],
+        "eval": [_prompt_record(t, aggregate) for t in held_out],
     }
     corpus = [CAD_SYSTEM, *["system", "user", "assistant", "tool"] * 500]
     corpus += [m["content"] for r in rows["trajectories"][:1000] for m in r["messages"]]

@@ -63,7 +63,10 @@ def _means(scores) -> dict:
 
     names = scores[0]["components"]
     parts = {k: float(np.mean([s["components"][k] for s in scores])) for k in names}
-    return {"reward": float(np.mean([s["reward"] for s in scores])), **parts}
+    built = [s for s in scores if not s["error"]]
+    lacking = sum(bool(s.get("missing")) for s in built)  # built parts without a required feature
+    return {"reward": float(np.mean([s["reward"] for s in scores])), **parts,
+            "built": len(built), "built_missing_a_feature": lacking}  # fmt: skip
 
 
 def cad_metrics(model, tokenizer, records) -> tuple[dict, list[dict]]:
@@ -149,7 +152,8 @@ def run_cad_demo(
         for decoding in ("sampled", "greedy"):
             values = result[stage][decoding]
             time_cell = f"{seconds[stage]:.0f} s" if decoding == "sampled" else ""
-            table.add_row(label, decoding, *(f"{values[k]:.3f}" for k in names), time_cell)
+            cells = (f"{v:.3f}" if isinstance(v, float) else str(v) for v in map(values.get, names))
+            table.add_row(label, decoding, *cells, time_cell)
     console.print(table)
     console.print("sampled: 8 scripts per task at temperature 1, as in training")
     if renders:

@@ -54,6 +54,7 @@ __all__ = [
     "RewardTerm",
     "arithmetic_reward",
     "build_solid",
+    "CAD_AGGREGATES",
     "cad_reward",
     "cad_sft_record",
     "check_format",
@@ -99,7 +100,7 @@ _LAZY = {
                      "reward_shapes", "without_lm_head"), "_reward_model"),
     **dict.fromkeys(("cad_reward", "completion_part", "run_script"), "_cad"),
     **dict.fromkeys(("cad_sft_record", "make_cad_task"), "_cad_tasks"),
-    "Measurements": "_cad_geometry",
+    **dict.fromkeys(("Measurements", "CAD_AGGREGATES"), "_cad_geometry"),
     **dict.fromkeys(("render_grid", "render_views"), "_cad_render"),
 }  # fmt: skip
 

@@ -25,7 +25,9 @@ from posttrain.rewards._cad_builder import build_limited
 from posttrain.rewards._cad_geometry import (
     DEFAULT_WEIGHTS,
     CADTask,
+    Feature,
     Measurements,
+    features_present,
     measure,
     score_measured,
 )
@@ -39,8 +41,8 @@ from posttrain.rewards._cad_kernel import (
 )
 from posttrain.rewards._code import extract_code
 
-__all__ = ["MAX_NODES", "MAX_POINTS", "MAX_SEGMENTS", "MAX_SIZE", "CADError",
-           "ScriptResult", "build", "cad_reward", "completion_part", "run_script"]  # fmt: skip
+__all__ = ["MAX_NODES", "MAX_POINTS", "MAX_SEGMENTS", "MAX_SIZE", "CADError", "ScriptResult",
+           "build", "cad_reward", "cad_task", "completion_part", "run_script"]  # fmt: skip
 API_SOURCE = open(os.path.join(os.path.dirname(__file__), "_cad_api.py")).read()
 
 
@@ -98,6 +100,18 @@ def completion_part(completion: str, **limits) -> ScriptResult:
     return run_script(extract_code(completion) or completion, **limits)
 
 
+def cad_task(record: Mapping) -> CADTask:
+    """What a `cad` record scores a part against besides its target (see `cad_reward`)."""
+    return CADTask(
+        holes=record.get("holes"),
+        tolerance=float(record.get("tolerance", CADTask.tolerance)),
+        weights=tuple(dict(record.get("weights") or DEFAULT_WEIGHTS).items()),
+        features=tuple(Feature(**f) for f in record.get("features") or ()),
+        aggregate=record.get("aggregate", "mean"),
+        cap=float(record.get("cap", CADTask.cap)),
+    )
+
+
 def cad_reward(
     record: Mapping, completion: str, *, timeout_s: float = 10.0, memory_mb: int = 256
 ) -> tuple[float, dict]:
@@ -108,25 +122,29 @@ def cad_reward(
     Args:
       record: `target`, the target part's construction tree (what `cad.show` prints, parsed);
         optional `holes` (through-holes the part must have), `tolerance` (relative, on the
-        bounding box's extents) and `weights` ({component: weight}).
+        bounding box's extents), `weights` ({component: weight}), `features` (required
+        features: [{name, kind, probe}], `_cad_geometry.Feature`), `aggregate` ("mean", the
+        default, or "gated": a missing required feature caps the total at `cap`).
       completion: the generated text.
 
     Returns:
       (total, info): info["components"] holds every component (`valid`, `iou`,
-      `dimensions`, `holes`, `single_body`, `stable`; RL logs each one's mean) and
-      info["error"] why the script produced no part ("" if it did).
+      `dimensions`, `holes`, `single_body`, `stable`, and `features` when the record lists
+      some; RL logs each one's mean), info["error"] why the script produced no part ("" if it
+      did) and info["missing"] the required features the part lacks.
     """
-    task = CADTask(
-        holes=record.get("holes"),
-        tolerance=float(record.get("tolerance", CADTask.tolerance)),
-        weights=tuple(dict(record.get("weights") or DEFAULT_WEIGHTS).items()),
-    )
+    task = cad_task(record)
     code = extract_code(completion) or completion
     result = run_script(code, timeout_s=timeout_s, memory_mb=memory_mb, target=record["target"])
+    present = {}
     if result.measurements is None:
         parts = {**dict.fromkeys(dict(task.weights), 0.0), "total": 0.0}
-    else:  # (the record's target is trusted: built and measured here)
+        parts |= {"features": 0.0} if task.features else {}
+    else:  # (the record's target and probes are trusted: built and measured here)
         want = measure(build(record["target"]))
-        parts = score_measured(result.measurements, want, result.iou or 0.0, task)
+        if result.measurements.valid:
+            present = features_present(result.solid, task.features)
+        parts = score_measured(result.measurements, want, result.iou or 0.0, task, present)
     total = parts.pop("total")
-    return total, {"components": parts, "error": result.error}
+    missing = [f.name for f in task.features if not present.get(f.name, False)]
+    return total, {"components": parts, "error": result.error, "missing": missing}

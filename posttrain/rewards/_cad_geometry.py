@@ -18,7 +18,16 @@ returns named components in [0, 1]:
 - `single_body`: 1 if the solid is one connected body.
 - `stable`: 1 if the solid rests on its lowest face without tipping.
 
-and `total`, their weighted mean with `task.weights` (`DEFAULT_WEIGHTS`).
+- `features` (when the task lists required features): the share of them present. A feature
+  is a probe solid in the target's frame that the part must leave empty (a hole, a gap between
+  gear teeth, a cavity) or fill (a tooth, a wall): present when the part overlaps less than
+  `EMPTY` (or more than `FILLED`) of the probe's volume.
+
+and `total`: with `task.aggregate == "mean"` the weighted mean of the components with
+`task.weights` (`DEFAULT_WEIGHTS`); with "gated" the same mean, capped at `task.cap` when the
+part misses a required feature (invalid, a wrong through-hole count, or a feature probe not
+present), so no part without its holes, teeth or walls scores above a part that has them and
+fits worse.
 """
 
 from __future__ import annotations
@@ -33,6 +42,23 @@ from posttrain.rewards._cad_holes import topology
 BASE_TOLERANCE = 1e-6  # vertices this close to the lowest z (relative to the height) are the base
 DEFAULT_WEIGHTS = {"valid": 1.0, "iou": 4.0, "dimensions": 2.0, "holes": 1.0,
                    "single_body": 1.0, "stable": 1.0}  # fmt: skip
+CAD_AGGREGATES = ("mean", "gated")
+GATE_CAP = 0.25  # a gated total's ceiling while a required feature is missing
+EMPTY, FILLED = 0.1, 0.9  # probe overlap at most / at least, for a feature to be present
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """A required feature: `probe` (a construction tree in the target's frame) must be left
+    "empty" (a hole, a gap, a cavity) or "filled" (a tooth, a wall) by the part."""
+
+    name: str
+    kind: str
+    probe: dict
+
+    def __post_init__(self):
+        if self.kind not in ("empty", "filled"):
+            raise ValueError(f"feature {self.name!r}: kind {self.kind!r}, use empty or filled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +68,13 @@ class CADTask:
     holes: int | None = None  # through-holes the part must have (None: not checked)
     tolerance: float = 0.02  # relative tolerance on each bounding-box extent
     weights: tuple[tuple[str, float], ...] = tuple(DEFAULT_WEIGHTS.items())
+    features: tuple[Feature, ...] = ()  # required features (probes)
+    aggregate: str = "mean"  # one of CAD_AGGREGATES
+    cap: float = GATE_CAP  # "gated": the total's ceiling while a required feature is missing
+
+    def __post_init__(self):
+        if self.aggregate not in CAD_AGGREGATES:
+            raise ValueError(f"aggregate={self.aggregate!r}: use one of {CAD_AGGREGATES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,17 +152,35 @@ def iou(a, b) -> float:
     return float((a ^ b).volume() / union) if union > 0 else 0.0
 
 
+def features_present(solid, features) -> dict[str, bool]:
+    """Which of the required `features` a (valid) solid has (see `Feature`)."""
+    from posttrain.rewards._cad_kernel import build
+
+    present = {}
+    for feature in features:
+        probe = build(feature.probe)
+        overlap = (solid ^ probe).volume() / max(probe.volume(), 1e-12)
+        present[feature.name] = overlap <= EMPTY if feature.kind == "empty" else overlap >= FILLED
+    return present
+
+
 def score(candidate, target, task: CADTask = CADTask()) -> dict[str, float]:
     """The reward components of `candidate` against `target` (see the module docstring)."""
     got = measure(candidate)
     fit = iou(candidate, target) if got.valid else 0.0
-    return score_measured(got, measure(target) if got.valid else got, fit, task)
+    present = features_present(candidate, task.features) if got.valid else {}
+    return score_measured(got, measure(target) if got.valid else got, fit, task, present)
 
 
 def score_measured(
-    got: Measurements, want: Measurements, fit: float, task: CADTask = CADTask()
+    got: Measurements,
+    want: Measurements,
+    fit: float,
+    task: CADTask = CADTask(),
+    present: dict[str, bool] | None = None,
 ) -> dict[str, float]:
-    """`score` from measurements: the candidate's, the target's and their IoU."""
+    """`score` from measurements: the candidate's, the target's, their IoU and which of the
+    task's features the candidate has (`features_present`)."""
     weights = dict(task.weights)
     if not got.valid:
         parts = dict.fromkeys(weights, 0.0)
@@ -147,4 +198,12 @@ def score_measured(
             "stable": float(got.stable),
         }
     total = sum(weights[k] * parts[k] for k in weights) / math.fsum(weights.values())
-    return {**{k: parts[k] for k in weights}, "total": total}
+    out = {k: parts[k] for k in weights}
+    complete = got.valid and (task.holes is None or got.holes == task.holes)
+    if task.features:
+        have = [got.valid and (present or {}).get(f.name, False) for f in task.features]
+        out["features"] = sum(have) / len(have)
+        complete &= all(have)
+    if task.aggregate == "gated" and not complete:
+        total = min(total, task.cap)
+    return {**out, "total": total}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import random
 import sys
 
@@ -58,7 +59,8 @@ def _plate(rng: random.Random) -> tuple[str, str, int]:
             f"for x in {tuple(xs)!r}:\n"
             f"    part = part - cad.cylinder({thick + 2}, {d / 2}).translate(x, {width / 2}, -1)\n"
             "cad.show(part)\n")  # fmt: skip
-    return text, code, n
+    probes = [_hole(f"hole at x = {x}", thick, d, (x, width / 2, 0)) for x in xs]
+    return text, code, n, probes
 
 
 def _bracket(rng: random.Random) -> tuple[str, str, int]:
@@ -77,7 +79,11 @@ def _bracket(rng: random.Random) -> tuple[str, str, int]:
             f"{(width + thick) / 2}, -1)\n"
             f"part = part - cad.cylinder({thick + 2}, {d / 2}).rotate(-90, 0, 0).translate("
             f"{length / 2}, -1, {(height + thick) / 2})\ncad.show(part)\n")  # fmt: skip
-    return text, code, 2
+    probes = [
+        _hole("hole through the base", thick, d, (length / 2, (width + thick) / 2, 0)),
+        _hole("hole through the upright", thick, d, (length / 2, 0, (height + thick) / 2), "y"),
+    ]
+    return text, code, 2, probes
 
 
 def _flange(rng: random.Random) -> tuple[str, str, int]:
@@ -93,7 +99,12 @@ def _flange(rng: random.Random) -> tuple[str, str, int]:
             f"for i in range({n}):\n    a = 2 * math.pi * i / {n}\n"
             f"    hole = cad.cylinder({thick + 2}, {d / 2}).translate({circle} * math.cos(a), "
             f"{circle} * math.sin(a), -1)\n    part = part - hole\ncad.show(part)\n")  # fmt: skip
-    return text, code, n + 1
+    probes = [_hole("centre bore", thick, bore, (0, 0, 0))]
+    for i in range(n):
+        a = 2 * math.pi * i / n
+        at = (circle * math.cos(a), circle * math.sin(a), 0)
+        probes.append(_hole(f"bolt hole {i + 1}", thick, d, at))
+    return text, code, n + 1, probes
 
 
 def _gear(rng: random.Random) -> tuple[str, str, int]:
@@ -108,7 +119,19 @@ def _gear(rng: random.Random) -> tuple[str, str, int]:
             f"        points.append((r * math.cos(a + da), r * math.sin(a + da)))\n"
             f"part = cad.extrude(points, {thick}) - cad.cylinder({thick + 2}, {bore / 2})"
             f".translate(0, 0, -1)\ncad.show(part)\n")  # fmt: skip
-    return text, code, 1
+    # Each tooth filled and each gap between teeth empty, half-way up the teeth: the tooth count
+    # and their places, whatever the outline between.
+    w, mid = math.pi / teeth, radius + depth / 2
+    r = min(depth / 4, 0.3 * mid * w)
+    probes = [_hole("centre bore", thick, bore, (0, 0, 0))]
+    for i in range(teeth):
+        for name, a, kind in ((f"tooth {i + 1}", 2 * w * i, "filled"),
+                              (f"gap after tooth {i + 1}", 2 * w * i + w, "empty")):  # fmt: skip
+            probe = _cad_api.cylinder(0.8 * thick, r).translate(
+                mid * math.cos(a), mid * math.sin(a), 0.1 * thick
+            )
+            probes.append((name, kind, probe))
+    return text, code, 1, probes
 
 
 def _enclosure(rng: random.Random) -> tuple[str, str, int]:
@@ -126,25 +149,58 @@ def _enclosure(rng: random.Random) -> tuple[str, str, int]:
             f"{wall}, {wall}, {wall})\npart = outer - inner\n"
             f"part = part - cad.cylinder({wall + 2}, {d / 2}).rotate(-90, 0, 0).translate("
             f"{length / 2}, -1, {height / 2})\ncad.show(part)\n")  # fmt: skip
-    return text, code, 1
+    # Each wall and the floor filled at half their thickness, the cavity empty from a quarter
+    # of a wall beyond it (walls within 0.75-1.25 of `wall`), and the cable hole.
+    up, tall = wall + 1, height - wall - 2
+    column = lambda x, y, r: _cad_api.cylinder(tall, r).translate(x, y, up)  # noqa: E731
+    probes = [
+        ("front wall", "filled", column(length / 4, wall / 2, wall / 4)),
+        ("back wall", "filled", column(length / 2, width - wall / 2, wall / 4)),
+        ("left wall", "filled", column(wall / 2, width / 2, wall / 4)),
+        ("right wall", "filled", column(length - wall / 2, width / 2, wall / 4)),
+        ("floor", "filled", _cad_api.cylinder(0.8 * wall, 2).translate(
+            length / 2, width / 2, 0.1 * wall)),
+        ("cavity", "empty", column(length / 2, width / 2, 2)),
+        ("front wall no thicker", "empty", column(length / 4, 1.5 * wall, wall / 4)),
+        ("back wall no thicker", "empty", column(length / 2, width - 1.5 * wall, wall / 4)),
+        ("left wall no thicker", "empty", column(1.5 * wall, width / 2, wall / 4)),
+        ("right wall no thicker", "empty", column(length - 1.5 * wall, width / 2, wall / 4)),
+        _hole("cable hole", wall, d, (length / 2, 0, height / 2), "y"),
+    ]  # fmt: skip
+    return text, code, 1, probes
+
+
+def _hole(name: str, depth: float, diameter: float, at: tuple, axis: str = "z"):
+    """A required through-hole as a probe that must be empty: a rod of a quarter of the hole's
+    diameter along its axis, inside the `depth` it goes through (starting at `at`)."""
+    rod = _cad_api.cylinder(0.8 * depth, diameter / 4).translate(0, 0, 0.1 * depth)
+    if axis == "y":
+        rod = rod.rotate(-90, 0, 0)
+    return name, "empty", rod.translate(*at)
 
 
 FAMILIES = {1: (_plate,), 2: (_bracket, _flange), 3: (_gear, _enclosure)}
 
 
-def make_cad_task(seed: int, level: int = 1) -> dict:
+def make_cad_task(seed: int, level: int = 1, aggregate: str = "gated") -> dict:
     """A `cad` prompt record: `prompt`, `reference` (a script that solves it), `target` (its
-    construction tree), `holes`, `level`, `family` and `domain`."""
+    construction tree), `holes`, `features` (the part's required features, each a probe solid
+    that must be empty or filled: `_cad_geometry.Feature`), `aggregate` (how the reward's
+    components make its total: `_cad_geometry.CAD_AGGREGATES`), `level`, `family` and `domain`."""
     if level not in FAMILIES:
         raise ValueError(f"level must be one of {sorted(FAMILIES)}, got {level}")
     rng = random.Random(f"cad-{level}-{seed}")
     family = rng.choice(FAMILIES[level])
-    text, code, holes = family(rng)
+    text, code, holes, probes = family(rng)
+    features = [{"name": name, "kind": kind, "probe": probe.to_json()}
+                for name, kind, probe in probes]  # fmt: skip
     return {
         "prompt": f"{text}\n{INSTRUCTIONS}",
         "reference": code,
         "target": script_tree(code),
         "holes": holes,
+        "features": features,
+        "aggregate": aggregate,
         "level": level,
         "family": family.__name__.lstrip("_"),
         "domain": "cad",

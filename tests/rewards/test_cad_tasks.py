@@ -27,3 +27,4 @@ def test_reference_scripts_build_their_targets_in_the_sandbox(level):
         assert target.valid and target.bodies == 1 and target.holes == task["holes"], task
         total, info = cad_reward(task, cad_sft_record(task)["messages"][1]["content"])
         assert total == pytest.approx(1.0), (task["family"], info)
+        assert info["missing"] == [] and info["components"]["features"] == 1.0
