@@ -40,8 +40,22 @@ class Policy:
         """`(model params, hidden states, aux)` of the trained model over a token batch
         (`tokens`, `positions`, `segment_ids`, a VLM's `images` when it has them); `extra`:
         more forward arguments (router replay's experts)."""
+        model_params, (hidden, aux) = self._run(params, batch, model_config, **extra)
+        return model_params, hidden, aux
+
+    def sums(
+        self, params, batch: dict, model_config, tail, rows: dict, aux_weight=None
+    ) -> tuple[dict, dict]:
+        """`(sums, aux)`: `tail(model params, hidden states, rows) -> sums` over the trained
+        model's hidden states of a token batch, by row groups (the microbatches of a 1F1B
+        pipeline; see `posttrain.models.hidden_states`); `rows`: the tail's per-row arrays;
+        `aux_weight`: a MoE model's balance-loss weight in `loss_sum` (the token count)."""
+        extra = dict(tail=tail, tail_rows=rows, tail_aux_weight=aux_weight)
+        return self._run(params, batch, model_config, **extra)[1]
+
+    def _run(self, params, batch: dict, model_config, **extra):
         model_params, kwargs = self.apply(params)
-        hidden, aux = hidden_states(
+        out = hidden_states(
             model_params,
             batch["tokens"],
             model_config,
@@ -52,29 +66,7 @@ class Policy:
             **extra,
             **kwargs,
         )
-        return model_params, hidden, aux
-
-    def sums(
-        self, params, batch: dict, model_config, tail, rows: dict, aux_weight=None
-    ) -> tuple[dict, dict]:
-        """`(sums, aux)`: `tail(model params, hidden states, rows) -> sums` over the trained
-        model's hidden states of a token batch, by row groups (the microbatches of a 1F1B
-        pipeline; see `posttrain.models.hidden_states`); `rows`: the tail's per-row arrays;
-        `aux_weight`: a MoE model's balance-loss weight in `loss_sum` (the token count)."""
-        model_params, kwargs = self.apply(params)
-        return hidden_states(
-            model_params,
-            batch["tokens"],
-            model_config,
-            batch["positions"],
-            batch["segment_ids"],
-            return_aux=True,
-            images_BIHWC=batch.get("images"),
-            tail=tail,
-            tail_rows=rows,
-            tail_aux_weight=aux_weight,
-            **kwargs,
-        )
+        return model_params, out
 
     def frozen(self) -> tuple[Any, dict] | None:
         """`(params, forward kwargs)` of the frozen model the trained one adapts (the base with

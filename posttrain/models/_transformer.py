@@ -248,7 +248,9 @@ def hidden_states(
                     "a MoE model's 1F1B pipeline needs tail_aux_weight: the weight of its "
                     "balance loss in the tail's loss_sum (the loss's token count)"
                 )
-            head = {k: v for k, v in params.items() if k not in ("layers", "dense_layers")}
+            # The head's weights (the embedding when the head is tied to it).
+            used = ("final_norm", "embed" if config.tie_embeddings else "lm_head")
+            head = {k: params[k] for k in used}
             final = lambda p, h, rows: tail(p, _final_norm(h, p, config), rows)  # noqa: E731
             sums, aux = pipeline_loss(
                 build, x_BLD, xs, side, tail_rows, final, head, aux_weight=tail_aux_weight,
