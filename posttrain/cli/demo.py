@@ -29,6 +29,14 @@ def main(argv: list[str]) -> int:
             "cad: a model learns to write CAD scripts",
             flag_values=fv,
         )
+        flags.DEFINE_enum(
+            "cad_reward",
+            "mean",
+            ["mean", "gated"],
+            "with --task=cad, the reward's total: the weighted mean of its components, or gated "
+            "(a part missing a required feature is capped; docs/cad.md)",
+            flag_values=fv,
+        )
 
     fv = parse(argv, define, HELP)
     if fv.workdir:
@@ -41,7 +49,7 @@ def main(argv: list[str]) -> int:
     if fv.task == "cad":
         from posttrain.demo import run_cad_demo
 
-        run_cad_demo(fv.workdir or "runs/cad")
+        run_cad_demo(fv.workdir or "runs/cad", aggregate=fv.cad_reward)
         return 0
     from posttrain.demo import run_demo
 

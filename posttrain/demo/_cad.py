@@ -84,8 +84,10 @@ def run_cad_demo(
     sft_overrides: dict | None = None,
     rl_overrides: dict | None = None,
     renders: int = 8,
+    aggregate: str = "mean",
 ) -> dict:
-    """Builds the assets in `workdir/assets` (unless `assets` are given), SFT from scratch
+    """Builds the assets in `workdir/assets` (unless `assets` are given; `aggregate`: their
+    RL prompts' reward total, "mean" or "gated", docs/cad.md), SFT from scratch
     (`configs/cad.py:sft`), GRPO from it (`configs/cad.py:grpo`); prints the held-out mean
     CAD reward and its parts after each stage and writes `workdir/renders.png`: the first
     `renders` held-out tasks' parts, target / after SFT / after GRPO.
@@ -106,7 +108,9 @@ def run_cad_demo(
     console = Console()
     for stale in ("sft", "grpo"):  # a demo starts from scratch (a workdir would resume)
         shutil.rmtree(os.path.join(workdir, stale), ignore_errors=True)
-    assets = assets or build_cad_assets(os.path.join(workdir, "assets"), unshown=UNSHOWN)
+    assets = assets or build_cad_assets(
+        os.path.join(workdir, "assets"), unshown=UNSHOWN, aggregate=aggregate
+    )
     tokenizer = load_tokenizer(assets["tokenizer"])
     held_out = [json.loads(line) for line in open(assets["eval"])]
 

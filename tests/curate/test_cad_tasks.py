@@ -35,8 +35,10 @@ def test_assets_are_reproducible_and_keep_held_out_tasks_apart(tmp_path):
     families = {r["family"] for r in _rows(a["train"])}
     assert families & {"plate"} and families & {"bracket", "flange"}
     assert families & {"gear", "enclosure"}
-    # RL prompt records hold no reference script (only what the reward reads).
-    assert all("reference" not in r for r in _rows(a["train"]) + _rows(a["eval"]))
+    # RL prompt records hold no reference script (only what the reward reads: the required
+    # features and the gated total by default).
+    rl = _rows(a["train"]) + _rows(a["eval"])
+    assert all("reference" not in r and r["features"] and r["aggregate"] == "gated" for r in rl)
     # Held-out tasks do not depend on the other sizes.
     c = build_cad_assets(tmp_path / "c", n_sft=3, n_train=2, n_eval=6, levels=(1, 2, 3))
     assert open(c["eval"], "rb").read() == open(a["eval"], "rb").read()
