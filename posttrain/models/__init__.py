@@ -2,7 +2,8 @@
 
 from posttrain.models._attention import attention, attention_mask
 from posttrain.models._cache import KV_DTYPES, KVCache, PagedKVCache
-from posttrain.models._config import ModelConfig, MoEConfig, NNXSpec, RopeScaling, VisionConfig
+from posttrain.models._components import MoEConfig, RopeScaling, VisionConfig
+from posttrain.models._config import ModelConfig, NNXSpec
 from posttrain.models._hf import check_export_destination, from_hf, mtp_from_hf, to_hf
 from posttrain.models._hf_config import load_hf_config
 from posttrain.models._hf_format import HFFormatError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from posttrain.models._config import RopeScaling
+from posttrain.models._components import RopeScaling
 
 
 def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:

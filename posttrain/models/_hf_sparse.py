@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig
+from posttrain.models._components import MLAConfig, MoEConfig
+from posttrain.models._config import ModelConfig
 from posttrain.models._hf_format import HFFormatError
 from posttrain.models._hf_layout import export_layout
 

@@ -14,7 +14,8 @@ import dataclasses
 import json
 
 from posttrain import paths
-from posttrain.models._config import ModelConfig, VisionConfig
+from posttrain.models._components import VisionConfig
+from posttrain.models._config import ModelConfig
 
 VLM_TYPES = ("gemma3", "llava")
 VLM_ARCHITECTURES = {

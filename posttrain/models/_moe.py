@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from posttrain.models._config import MoEConfig
+from posttrain.models._components import MoEConfig
 from posttrain.models._ops import ParamSpec, dense
 from posttrain.parallel import constrain, logical_to_spec
 

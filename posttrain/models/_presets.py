@@ -3,7 +3,8 @@ and tiny ones for tests and the demo."""
 
 from __future__ import annotations
 
-from posttrain.models._config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, VisionConfig
+from posttrain.models._components import MLAConfig, MoEConfig, RopeScaling, VisionConfig
+from posttrain.models._config import ModelConfig
 
 _LLAMA31_ROPE = RopeScaling(
     rope_type="llama3",

@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from posttrain.models._config import ModelConfig, VisionConfig
+from posttrain.models._components import VisionConfig
+from posttrain.models._config import ModelConfig
 from posttrain.models._ops import ParamSpec, dense, rms_norm
 from posttrain.parallel import constrain
 

@@ -17,7 +17,7 @@ from posttrain.models import (
     num_params,
     param_specs,
 )
-from posttrain.models._config import MLAConfig
+from posttrain.models._components import MLAConfig
 from posttrain.models._presets import PUBLISHED_ACTIVE_PARAMS
 from posttrain.parallel import MeshConfig, make_mesh, named_sharding, tree_shardings
 from posttrain.train import sft_loss

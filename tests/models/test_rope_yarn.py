@@ -11,7 +11,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from posttrain.models import from_hf, to_hf
-from posttrain.models._config import ModelConfig, RopeScaling
+from posttrain.models._components import RopeScaling
+from posttrain.models._config import ModelConfig
 from posttrain.models._hf_config import config_from_hf, config_to_hf
 from posttrain.models._hf_rope import _rope_from_hf
 from posttrain.models._rope import inverse_frequencies, rope_angles, rope_attention_factor

@@ -11,7 +11,7 @@ import pytest
 
 from posttrain.methods import run_from_config
 from posttrain.models import ModelConfig, Transformer, get_preset
-from posttrain.models._config import MoEConfig
+from posttrain.models._components import MoEConfig
 from posttrain.parallel import MeshConfig, axis_rules, make_mesh, shard_batch
 from posttrain.rl._loss import sequence_log_probs
 from posttrain.rl._rollout_batch import rollout_batch
