@@ -71,7 +71,7 @@ def test_pass_at_k_needs_sampled_answers():
 
 
 # A field that shares a name with a sampling setting but means something else.
-NOT_SAMPLING = {("posttrain/models/_config.py", "MoEConfig", "top_k"): "experts per token"}
+NOT_SAMPLING = {("posttrain/models/_components.py", "MoEConfig", "top_k"): "experts per token"}
 
 
 def _dataclass_fields(root):
