@@ -190,13 +190,13 @@ def pipeline_loss(
     """
     S = stage_count()
     M = microbatches or S
-    _check_split(x_BLD.shape[0], M, jax.tree.leaves(xs)[0].shape[0], S)
+    T = jax.tree.leaves(xs)[0].shape[0]
+    _check_split(x_BLD.shape[0], M, T, S)
     # Only float inputs have gradients: the rest (window indices, quantised weights) ride
     # along as constants.
     float_xs, other_xs, merge_xs = _by_dtype(xs)
     float_tp, other_tp, merge_tp = _by_dtype(tail_params)
     # Each layer's balance loss of each microbatch, in the loss: mean over T layers and M.
-    T = jax.tree.leaves(xs)[0].shape[0]
     aux_scale = jnp.zeros((), jnp.float32) if aux_weight is None else aux_weight / (T * M)
 
     @jax.custom_vjp
@@ -262,6 +262,24 @@ def _partition(tree, mask):
     return chosen, [a for a, m in zip(leaves, mask, strict=True) if not m], merge
 
 
+def _residuals(vjp, held):
+    """A `jax.vjp` function's leaves less the inputs `held` (a stage's weights, trained or
+    not: held once, not per microbatch slot), and its structure: the tree and which input each
+    other leaf is."""
+    leaves, treedef = jax.tree.flatten(vjp)
+    weights = [[i for i, w in enumerate(held) if a is w] for a in leaves]
+    weights = [w[0] if w else None for w in weights]
+    saved = [a for a, w in zip(leaves, weights, strict=True) if w is None]
+    return saved, (treedef, weights)
+
+
+def _with_residuals(structure, held, saved):
+    """The VJP of `structure` (`_residuals`') at these inputs and saved residuals."""
+    treedef, weights = structure
+    saved = iter(saved)
+    return treedef.unflatten([next(saved) if w is None else held[w] for w in weights])
+
+
 def _one_f_one_b(
     build,
     x_BLD,
@@ -308,26 +326,11 @@ def _one_f_one_b(
             )
         return run
 
-    def residuals(vjp, held):
-        """The VJP's leaves less the stage's inputs `held` (its weights, trained or not: held
-        once, not per slot), and its structure: the tree and which input each other leaf is."""
-        leaves, treedef = jax.tree.flatten(vjp)
-        weights = [[i for i, w in enumerate(held) if a is w] for a in leaves]
-        weights = [w[0] if w else None for w in weights]
-        saved = [a for a, w in zip(leaves, weights, strict=True) if w is None]
-        return saved, (treedef, weights)
-
-    def with_residuals(structure, held, saved):
-        """The VJP of `structure` at these inputs and saved residuals."""
-        treedef, weights = structure
-        saved = iter(saved)
-        return treedef.unflatten([next(saved) if w is None else held[w] for w in weights])
-
     # Shapes of one microbatch's residuals on one stage, and of the tail's sums.
     stage_slice = lambda a: a[: a.shape[0] // S]  # noqa: E731
     h0 = split(x_BLD)[0]
     slot_shapes = jax.eval_shape(
-        lambda fx, ox, side, h: residuals(
+        lambda fx, ox, side, h: _residuals(
             jax.vjp(stage_fn(jax.tree.map(split, side), ox, 0), fx, h, has_aux=True)[1],
             [*fx, *ox],
         )[0],
@@ -360,7 +363,7 @@ def _one_f_one_b(
             # (In the last ticks the forward is traced for the VJP's structure only: reusing
             # the structure an earlier tick traced crashes libtpu's partitioner.)
             (y, _), vjp, aux = jax.vjp(stage_fn(side_M, other_xs, fc), float_xs, h, has_aux=True)
-            saved, structure = residuals(vjp, [*float_xs, *other_xs])
+            saved, structure = _residuals(vjp, [*float_xs, *other_xs])
             if forwards:
                 slots = [
                     s.at[f % K].set(jnp.where(f_ok, a, s[f % K]))
@@ -382,7 +385,7 @@ def _one_f_one_b(
             if backwards:
                 # Backward of microbatch b, from the residuals its forward saved.
                 saved = [s[b % K] for s in slots]
-                vjp = with_residuals(structure, [*float_xs, *other_xs], saved)
+                vjp = _with_residuals(structure, [*float_xs, *other_xs], saved)
                 g_fx, g_h = vjp((ct_in, aux_scale.astype(jnp.float32)))
                 g_xs = jax.tree.map(lambda a, g: a + jnp.where(b_ok, g, 0), g_xs, g_fx)
                 first = (stage == 0) & b_ok

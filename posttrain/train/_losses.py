@@ -86,25 +86,6 @@ def stacked_pairs(batch: dict) -> dict:
     return out
 
 
-def _logps(params: dict, model_config: ModelConfig, batch: dict, **forward_kwargs):
-    """Summed response log-probs `[2B]`, response lengths `[2B]` and the MoE aux outputs of
-    the stacked pairs (`forward_kwargs`: LoRA's, see `posttrain.lora.wrap`)."""
-    x = stacked_pairs(batch)
-    hidden_2BLD, aux = hidden_states(
-        params,
-        x["tokens"],
-        model_config,
-        x["positions"],
-        x["segment_ids"],
-        return_aux=True,
-        images_BIHWC=x.get("images"),
-        **forward_kwargs,
-    )
-    token_logps = token_stats(params, hidden_2BLD, x["targets"], model_config)["logp"]
-    logps_2B = sequence_logps(token_logps, x["loss_mask"])
-    return logps_2B, jnp.sum(x["loss_mask"].astype(jnp.float32), axis=-1), aux
-
-
 def _pair_lengths(loss_mask_2B):
     """`((chosen lengths, rejected lengths), real pairs)` `[B]` of stacked pairs' masks: a
     real pair has response tokens on both sides."""
@@ -139,7 +120,18 @@ def reference_logps(
       jittable.
     """
     ref_params = jax.lax.stop_gradient(ref_params)
-    logps_2B, _, _ = _logps(ref_params, model_config, batch, **forward_kwargs)
+    x = stacked_pairs(batch)
+    hidden_2BLD = hidden_states(
+        ref_params,
+        x["tokens"],
+        model_config,
+        x["positions"],
+        x["segment_ids"],
+        images_BIHWC=x.get("images"),
+        **forward_kwargs,
+    )
+    token_logps = token_stats(ref_params, hidden_2BLD, x["targets"], model_config)["logp"]
+    logps_2B = sequence_logps(token_logps, x["loss_mask"])
     chosen_B, rejected_B = jnp.split(jax.lax.stop_gradient(logps_2B), 2)
     return {"ref_chosen_logps": chosen_B, "ref_rejected_logps": rejected_B}
 

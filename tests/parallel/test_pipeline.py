@@ -7,6 +7,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -206,3 +207,38 @@ def test_one_f_one_b_trains_lora_adapters_on_a_frozen_base(devices):
         base = jax.device_put(base, param_shardings(config, mesh))
         got = grads(config.replace(pipeline_schedule="1f1b"), base, adapters)
     close_trees(got, expected, rtol=1e-5)
+
+
+def test_a_stages_saved_residuals_leave_out_its_weights():
+    """What 1F1B keeps per microbatch slot: the stage VJP's leaves less the stage's weights,
+    trained ones (arguments) and frozen ones it closes over (LoRA's base) alike; a backward
+    rebuilt from one microbatch's VJP structure and another's saved residuals is that other
+    microbatch's VJP (the schedule's use)."""
+    from posttrain.models._pipeline import _residuals, _with_residuals
+
+    layers, width = 3, 16
+    keys = jax.random.split(jax.random.key(0), 4)
+    base = jax.random.normal(keys[0], (layers, width, width))
+    trained = jax.random.normal(keys[1], (layers, width, width)) * 0.1
+    h_a, h_b = jax.random.normal(keys[2], (4, width)), jax.random.normal(keys[3], (4, width))
+
+    def check(trained, base, h_a, h_b):
+        def stage(trained, h):
+            def layer(h, ws):
+                return jnp.tanh(h @ (ws[0] + ws[1])), None
+
+            layer = jax.checkpoint(layer, prevent_cse=False)  # as a layer's remat
+            return jax.lax.scan(layer, h, (base, trained))[0]
+
+        held = [trained, base]
+        y, vjp_a = jax.vjp(stage, trained, h_a)
+        _, structure = _residuals(vjp_a, held)
+        _, vjp_b = jax.vjp(stage, trained, h_b)
+        saved_b, _ = _residuals(vjp_b, held)
+        assert saved_b and all(a.shape != base.shape for a in saved_b)  # no weight per slot
+        ct = jnp.ones_like(y)
+        return _with_residuals(structure, held, saved_b)(ct), vjp_b(ct), vjp_a(ct)
+
+    rebuilt, expected, other = jax.jit(check)(trained, base, h_a, h_b)
+    close_trees(rebuilt, expected, rtol=1e-6)
+    assert not np.allclose(rebuilt[0], other[0])  # (microbatch a's would differ)

@@ -91,3 +91,12 @@ def test_a_part_missing_a_required_feature_is_capped(name):
     assert all(any(f.startswith(m) for f in lacks) for m in missing), (missing, lacks)
     assert gated["features"] < 1.0 and gated["total"] <= GATE_CAP
     assert mean["total"] > 2 * GATE_CAP, mean  # what the weighted mean let through
+
+
+def test_pointed_teeth_in_the_right_number_and_places_keep_every_feature():
+    """The gate checks the teeth are there, not their profile: triangular teeth cost IoU and
+    dimensions under both totals, never the cap."""
+    pointed = _sub(r"\(-w / 4, (\d+)\), \(w / 4, \d+\)", r"(0, \1)", GEAR["reference"])
+    gated, mean = _scores(GEAR, pointed)
+    assert gated["features"] == 1.0 and gated["iou"] < 1.0
+    assert gated["total"] == mean["total"] > GATE_CAP
