@@ -259,7 +259,7 @@ def test_what_counts_as_an_import(tmp_path, source, expected):
 
 # Every loss function the methods train with, and the module where it lives.
 LOSSES = {
-    "train/_losses.py": ("sft_loss", "dpo_loss", "reference_logps", "_logps"),
+    "train/_losses.py": ("sft_loss", "dpo_loss", "reference_logps"),
     "train/_reward.py": ("reward_model_loss",),
     "rewards/_reward_model.py": ("reward_scores",),
     "rl/_loss.py": ("rl_loss", "sequence_log_probs"),
