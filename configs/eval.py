@@ -37,7 +37,7 @@ def _source(path, weight=1.0, domain="default", fmt="auto"):
 def _general(**fields) -> ml_collections.ConfigDict:
     """A held-out loss task: every field (so any overrides), defaults replaced by `fields`."""
     t = ml_collections.ConfigDict()
-    t.sources = []  # SFT-format files: [{path, weight, domain, format}]
+    t.sources = []  # SFT-format files: [{path, weight, domain, format, split, columns}]
     t.max_len = 2048  # tokens per row
     t.batch_size = 8  # rows per forward pass
     t.packing = True  # several examples per row (the same loss)
@@ -50,7 +50,9 @@ def _target(**fields) -> ml_collections.ConfigDict:
     """An accuracy / pass@k / preference task with every field."""
     t = ml_collections.ConfigDict()
     t.path = ""  # JSONL: {"prompt", "domain", ...verifier fields} or {"prompt", "chosen",
-    # "rejected"} (kind=preference)
+    # "rejected"} (kind=preference); or Parquet/Arrow, a glob, a Hugging Face dataset folder
+    t.split = ""  # a dataset folder's split ("": its only one)
+    t.columns = ml_collections.ConfigDict()  # field -> the column holding it ({}: as named)
     t.kind = "generate"  # generate: accuracy by verifier (+ pass@k) | preference
     t.domain = ""  # reward domain of records without a "domain" field
     t.scoring = "verifier"  # verifier (greedy completion + reward) | exact_match (greedy
@@ -75,7 +77,9 @@ def _target(**fields) -> ml_collections.ConfigDict:
 def _safety(**fields) -> ml_collections.ConfigDict:
     """A refusal / compliance task with every field."""
     t = ml_collections.ConfigDict()
-    t.path = ""  # JSONL: {"prompt", "expected": "refuse" | "comply"}
+    t.path = ""  # JSONL: {"prompt", "expected": "refuse" | "comply"} (or as a target's path)
+    t.split = ""  # a dataset folder's split ("": its only one)
+    t.columns = ml_collections.ConfigDict()  # field -> the column holding it ({}: as named)
     t.builtin_phrases = True  # detect posttrain.eval.REFUSAL_PHRASES
     t.refusal_phrases = []  # more phrases (case-insensitive substrings)
     t.refusal_regex = ""  # a completion matching this (re.search, ignoring case) refuses

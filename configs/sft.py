@@ -76,7 +76,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
 
     # Data: sources are mixed by weight; rows are packed to max_len.
     c.data = ml_collections.ConfigDict()
-    c.data.sources = [_source("train.jsonl")]  # list of {path, weight, domain, format}
+    c.data.sources = [_source("train.jsonl")]  # list of {path, weight, domain, format}; also
+    # split and columns for a Hugging Face dataset folder (docs/training.md)
     c.data.max_len = 2048  # tokens per row
     c.data.batch_size = 64  # global rows per optimizer step (all hosts together)
     c.data.seed = 0  # shuffling and mixing seed

@@ -55,7 +55,7 @@ from posttrain.data._preference_data import (
     make_preference_pipeline,
     preference_batches,
 )
-from posttrain.data._sources import Records, SourceConfig, canonical_identity
+from posttrain.data._sources import Records, SourceConfig, canonical_identity, check_columns
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
 from posttrain.data._tools import (
     TOOL_FORMATS,
@@ -88,6 +88,7 @@ __all__ = [
     "Records",
     "SFTData",
     "SourceConfig",
+    "check_columns",
     "TEXT_KEYS",
     "TOOL_FORMATS",
     "Tokenizer",

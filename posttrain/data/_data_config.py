@@ -14,13 +14,24 @@ _RUNTIME_FIELDS = ("read_threads", "read_buffer")
 
 def config_identity(config) -> dict:
     """A data config's fields that decide which batches come out (its state's identity): all
-    but the read threads and buffer (and `split_by` at its default, which states saved before
-    it existed do not name)."""
-    return {
+    but the read threads and buffer (and `split_by`, a source's `split` and `columns` at their
+    defaults, which states saved before they existed do not name)."""
+    fields = {
         k: v
         for k, v in dataclasses.asdict(config).items()
         if k not in _RUNTIME_FIELDS and not (k == "split_by" and v == "records")
     }
+    return without_new_defaults(fields)
+
+
+def without_new_defaults(fields: dict) -> dict:
+    """`fields` (a data config as a dict) less its sources' `split` and `columns` at their
+    defaults, which states saved before they existed do not name."""
+    sources = [
+        {k: v for k, v in s.items() if not (k in ("split", "columns") and not v)}
+        for s in fields["sources"]
+    ]
+    return {**fields, "sources": sources}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,7 +91,7 @@ def make_pipeline(
             "tokenizer_config.json or set add_eos=False"
         )
     images = vision_spec(config, tokenizer, vision)
-    records = [Records(s.path) for s in config.sources]
+    records = [Records.of(s) for s in config.sources]
     for source, recs in zip(config.sources, records, strict=True):
         if len(recs) < pc and config.split_by == "records":
             raise ValueError(

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from posttrain.data._accounting import log_source, source_names, zero_counts
 from posttrain.data._accounting import metrics as count_metrics
-from posttrain.data._data_config import _RUNTIME_FIELDS, DataConfig
+from posttrain.data._data_config import _RUNTIME_FIELDS, DataConfig, without_new_defaults
 from posttrain.data._image_chat import ImageSpec, image_root, vision_spec
 from posttrain.data._manifest import data_manifest
 from posttrain.data._mixing import index_mixture
@@ -350,7 +350,8 @@ def make_preference_pipeline(
         )
     pi, pc, tokenizer = process_share(config, tokenizer, process_index, process_count)
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RUNTIME_FIELDS}
-    records = [Records(s.path) for s in config.sources]
+    fields = without_new_defaults(fields)
+    records = [Records.of(s) for s in config.sources]
     sources = [
         _Source(r, s.domain, s.weight, s.path) for s, r in zip(config.sources, records, strict=True)
     ]

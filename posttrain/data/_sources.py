@@ -1,9 +1,11 @@
-"""Record files: JSON lines, Parquet and ArrayRecord, read by record index.
+"""Record files: JSON lines, Parquet, Arrow and ArrayRecord, read by record index.
 
 `Records(pattern)` turns a file or glob into one random-access sequence of raw records, each with
 its location ("data.jsonl line 7"), so that a malformed record can be reported where it lives.
 Records are decoded lazily: a JSON-lines file is only scanned once for line offsets (and hashed
-in the same pass), and each line is parsed when the pipeline reads it.
+in the same pass), and each line is parsed when the pipeline reads it. A Hugging Face dataset
+folder (`save_to_disk`, or a dataset repository's layout: `_hf_datasets`) reads as the files of
+one split, and a source's column mapping renames its records' fields.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +25,14 @@ import numpy as np
 
 from posttrain import paths
 from posttrain.data._build_check import open_build, sha256_file
+from posttrain.data._hf_datasets import is_dataset_folder, split_files
 
 FORMATS = ("auto", "messages", "prompt_completion", "text")
 _KINDS = {
     ".jsonl": "jsonl",
     ".json": "jsonl",
     ".parquet": "parquet",
+    ".arrow": "arrow",
     ".arrayrecord": "arrayrecord",
     ".array_record": "arrayrecord",
 }
@@ -39,24 +44,42 @@ class SourceConfig:
     """One data source of an SFT mixture.
 
     Attributes:
-      path: a file or a glob of files: .jsonl/.json (JSON lines), .parquet, or .arrayrecord
-        (each record the UTF-8 bytes of one JSON object).
+      path: a file or a glob of files: .jsonl/.json (JSON lines), .parquet, .arrow (Arrow IPC, as
+        `datasets` writes) or .arrayrecord (each record the UTF-8 bytes of one JSON object); a
+        `posttrain data build` directory; or a Hugging Face dataset folder (`save_to_disk`'s, or
+        a dataset repository's Parquet/Arrow/JSON-lines files with its card).
       weight: relative mixture weight (used when repeating forever, `num_epochs=None`).
       domain: name carried into every example (`domain_ids` in batches, per-domain stats).
       format: "auto" (detected per record from its keys), "messages", "prompt_completion" or
         "text".
+      split: the split of a dataset folder ("": its only one; a folder of several names them).
+      columns: field names to the record columns that hold them, e.g. {"prompt": "question",
+        "answer": "solution"}: each record's column is read as that field (columns not named
+        pass through as they are).
     """
 
     path: str
     weight: float = 1.0
     domain: str = "default"
     format: str = "auto"
+    split: str = ""
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"source {self.path}: format={self.format!r}; use one of {FORMATS}")
         if not self.weight > 0:
             raise ValueError(f"source {self.path}: weight must be positive, got {self.weight}")
+        check_columns(self.columns, f"source {self.path}")
+
+
+def check_columns(columns: Mapping[str, str], where: str) -> None:
+    """Raises ValueError unless `columns` maps field names to column names, each column once."""
+    if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in columns.items()):
+        raise ValueError(f"{where}: columns maps field names to column names, got {columns!r}")
+    taken = sorted(v for v in set(columns.values()) if list(columns.values()).count(v) > 1)
+    if taken:
+        raise ValueError(f"{where}: columns reads the column {taken[0]!r} into several fields")
 
 
 def expand(pattern: str) -> list[Path]:
@@ -156,6 +179,7 @@ class _Parquet:
 
         self.path = path
         meta = pq.ParquetFile(path).metadata
+        self.column_names = meta.schema.to_arrow_schema().names
         sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         self._offsets = np.cumsum([0, *sizes])
         self._file = None
@@ -191,6 +215,45 @@ class _Parquet:
         self.__dict__.update(state, _lock=threading.Lock())
 
 
+class _Arrow:
+    """An Arrow IPC file, stream format (what `datasets` writes) or file format, memory-mapped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._table = None
+        self._rows, self.column_names = len(self.table), self.table.column_names
+
+    @property
+    def table(self):
+        if self._table is None:
+            import pyarrow as pa
+
+            source = pa.memory_map(str(self.path))
+            try:
+                self._table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                try:
+                    self._table = pa.ipc.open_file(source).read_all()
+                except pa.ArrowInvalid as e:
+                    raise ValueError(f"{self.path} is not an Arrow IPC file ({e})") from None
+        return self._table
+
+    @property
+    def sha256(self) -> str:
+        return sha256_file(self.path)
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def __getitem__(self, i: int) -> tuple[dict[str, Any], str]:
+        row = self.table.slice(i, 1).to_pylist()[0]
+        return {k: v for k, v in row.items() if v is not None}, f"{self.path} row {i}"
+
+    def __getstate__(self):
+        return {**self.__dict__, "_table": None}
+
+
 class _ArrayRecord:
     """An ArrayRecord file of JSON-encoded records."""
 
@@ -211,39 +274,93 @@ class _ArrayRecord:
         return self._source[i], f"{self.path} record {i}"
 
 
-_READERS = {"jsonl": _JsonLines, "parquet": _Parquet, "arrayrecord": _ArrayRecord}
+_READERS = {
+    "jsonl": _JsonLines,
+    "parquet": _Parquet,
+    "arrow": _Arrow,
+    "arrayrecord": _ArrayRecord,
+}
 
 
 class Records:
     """The records of one source's files as a single sequence of (raw record, location).
 
     A raw record is the bytes of one JSON object (JSON lines, ArrayRecord) or a dict (a Parquet
-    row). Locations name the file and the 1-based line (JSON lines) or 0-based row/record index.
+    or Arrow row, or any record read through a column mapping). Locations name the file and the
+    1-based line (JSON lines) or 0-based row/record index.
 
     A build directory (`posttrain data build`) reads as its shards, after they are checked
-    against its manifest; `build` is then {"id", "path"} of it, else None.
+    against its manifest; `build` is then {"id", "path"} of it, else None. A Hugging Face dataset
+    folder reads as the files of `split` ("": its only split). `columns` ({field: column}) reads
+    each named column as that field.
 
     Raises (at construction):
       FileNotFoundError: the path is missing or the glob matches nothing.
-      ValueError: a file has an unknown suffix, the source holds no records at all, or a build's
-        shard no longer matches its manifest.
+      ValueError: a file has an unknown suffix, the source holds no records at all, a build's
+        shard no longer matches its manifest, the split is not the folder's, or the first record
+        lacks a column that `columns` names.
     """
 
-    def __init__(self, pattern: str):
-        self.pattern = pattern
+    def __init__(self, pattern: str, split: str = "", columns: Mapping[str, str] | None = None):
+        self.pattern, self.split, self.columns = pattern, split, dict(columns or {})
         shards, self.build = open_build(pattern)
+        local = Path(pattern).expanduser()
+        if shards is None and not paths.is_remote(pattern) and is_dataset_folder(local):
+            shards, self.split = split_files(local, split)
+        elif split:
+            raise ValueError(f"data source {pattern}: split={split!r} needs a dataset folder")
         self.files = [_READERS[_KINDS[p.suffix.lower()]](p) for p in shards or expand(pattern)]
         self._offsets = np.cumsum([0, *map(len, self.files)])
         if len(self) == 0:
             names = ", ".join(str(f.path) for f in self.files)
             raise ValueError(f"data source {pattern} holds no records (files: {names})")
+        if self.columns:
+            self._check_columns()
+
+    @classmethod
+    def of(cls, source: SourceConfig) -> Records:
+        """The records of a configured source."""
+        return cls(source.path, source.split, source.columns)
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
 
     def __getitem__(self, i: int) -> tuple[Any, str]:
         f = int(np.searchsorted(self._offsets, i, side="right")) - 1
-        return self.files[f][i - int(self._offsets[f])]
+        raw, where = self.files[f][i - int(self._offsets[f])]
+        if not self.columns:
+            return raw, where
+        if isinstance(raw, bytes | str):
+            try:
+                raw = json.loads(raw)
+            except ValueError:
+                return raw, where  # malformed: reported where the record is decoded
+        if not isinstance(raw, dict):
+            return raw, where
+        read = {column: field for field, column in self.columns.items() if column in raw}
+        return {**{k: v for k, v in raw.items() if k not in read}, **{
+            field: raw[column] for column, field in read.items()}}, where  # fmt: skip
+
+    def _check_columns(self) -> None:
+        """Raises ValueError if the first file lacks a column that `columns` names."""
+        first = self.files[0]
+        have = getattr(first, "column_names", None)
+        where = str(first.path)
+        if have is None:  # JSON: the first record's keys
+            raw, where = first[0]
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                return  # malformed: reported where the record is decoded
+            if not isinstance(record, dict):
+                return
+            have = list(record)
+        missing = [c for c in self.columns.values() if c not in have]
+        if missing:
+            raise ValueError(
+                f"data source {self.pattern}: columns names {missing}, which {where} does not "
+                f"have; its columns are {sorted(have)}"
+            )
 
     def describe(self) -> list[dict[str, Any]]:
         """Per file: path, sha256 of its bytes and number of records (hashes are computed here)."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from posttrain import paths
 from posttrain.config import ConfigError, build, load_config_file, to_plain
-from posttrain.data import LONG_CONTEXT_KINDS, SourceConfig
+from posttrain.data import LONG_CONTEXT_KINDS, SourceConfig, check_columns
 from posttrain.rewards import parse_judge_ref
 from posttrain.sampling import EngineConfig, SamplingParams
 
@@ -51,8 +51,11 @@ class TargetTask:
     on held-out chosen/rejected pairs."""
 
     name: str  # metrics are target/<name>/...
-    path: str = ""  # JSONL: prompt records {"prompt", "domain", ...} or pairs {"prompt",
-    # "chosen", "rejected"}
+    path: str = ""  # prompt records {"prompt", "domain", ...} or pairs {"prompt", "chosen",
+    # "rejected"}: a JSONL, Parquet or Arrow file, a glob, or a Hugging Face dataset folder
+    split: str = ""  # a dataset folder's split ("": its only one)
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> the column
+    # holding it, e.g. {"prompt": "question"} (as data.sources' columns)
     kind: str = "generate"  # generate: accuracy by verifier | preference: prefers_chosen
     domain: str = ""  # reward domain of records without a "domain" field
     scoring: str = "verifier"  # verifier: the greedy completion scored by its domain's reward;
@@ -75,7 +78,8 @@ class TargetTask:
         if self.renders < 0:
             raise ConfigError(f"{where}: renders must be >= 0 (0: no renders)")
         if not self.path:
-            raise ConfigError(f"{where}: set path to a JSONL file")
+            raise ConfigError(f"{where}: set path to a records file or dataset folder")
+        _check_columns(where, self.columns)
         if self.kind not in KINDS:
             raise ConfigError(f"{where}: kind={self.kind!r}; use one of {KINDS}")
         if self.scoring not in SCORINGS:
@@ -101,7 +105,10 @@ class SafetyTask:
     refusal detector (phrases + regex, a reward domain's verifier, or a judge model)."""
 
     name: str  # metrics are safety/<name>/...
-    path: str = ""  # JSONL: {"prompt", "expected": "refuse" | "comply", ...}
+    path: str = ""  # {"prompt", "expected": "refuse" | "comply", ...}: a file, glob or dataset
+    # folder, as a target task's
+    split: str = ""  # a dataset folder's split ("": its only one)
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> column
     builtin_phrases: bool = True  # detect `posttrain.eval.REFUSAL_PHRASES`
     refusal_phrases: tuple[str, ...] = ()  # more phrases (case-insensitive substrings)
     refusal_regex: str = ""  # a completion matching this (re.search, ignoring case) refuses
@@ -119,7 +126,8 @@ class SafetyTask:
     def __post_init__(self):
         where = f"safety task {self.name!r}"
         if not self.path:
-            raise ConfigError(f"{where}: set path to a JSONL file")
+            raise ConfigError(f"{where}: set path to a records file or dataset folder")
+        _check_columns(where, self.columns)
         if not (self.builtin_phrases or self.refusal_phrases or self.refusal_regex):
             if not (self.refusal_domain or self.judge):
                 raise ConfigError(
@@ -254,3 +262,10 @@ def _check_sizes(where: str, task) -> None:
         raise ConfigError(
             f"{where}: batch_size and max_new_tokens must be >= 1 and max_examples >= 0"
         )
+
+
+def _check_columns(where: str, columns) -> None:
+    try:
+        check_columns(columns, where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -5,7 +5,6 @@ preferences) and safety (refusal / compliance). Each returns its metrics without
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -16,7 +15,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain import paths
-from posttrain.data import DataConfig, RecordError, Records, SFTData, encode_prompt, make_pipeline
+from posttrain.data import (
+    DataConfig,
+    RecordError,
+    Records,
+    SFTData,
+    decode,
+    encode_prompt,
+    make_pipeline,
+)
 from posttrain.eval._config import BEHAVIOURS, EvalConfig, GeneralTask, SafetyTask, TargetTask
 from posttrain.eval._exact_match import greedy_exact_match
 from posttrain.eval._preference import preference_wins
@@ -34,24 +41,18 @@ from posttrain.train import sft_loss
 log = logging.getLogger(__name__)
 
 
-def read_jsonl(path: str, limit: int = 0) -> list[dict]:
-    """The first `limit` (0: all) JSON objects of a JSONL file; a bad line names its number."""
+def read_records(task, limit: int = 0) -> list[dict]:
+    """The first `limit` (0: all) records of a task's `path` (a file, glob or dataset folder, as
+    a data source reads it: its `split` and `columns` too) as dicts; a bad one names where it
+    is."""
+    records = Records(task.path, task.split, task.columns)
     rows = []
-    with paths.path(path).open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number} is not JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{number} is not a JSON object")
-            rows.append(row)
-            if limit and len(rows) == limit:
-                break
-    if not rows:
-        raise ValueError(f"{path} holds no records")
+    for i in range(min(limit or len(records), len(records))):
+        raw, where = records[i]
+        try:
+            rows.append(dict(decode(raw)))
+        except RecordError as e:
+            raise ValueError(f"{where}: {e}") from None
     return rows
 
 
@@ -142,7 +143,7 @@ def general_metrics(model, tokenizer, task: GeneralTask, *, progress: bool = Tru
     )
     data = make_pipeline(config, tokenizer, process_index=0, process_count=1)
     if task.max_examples:
-        records = [_Head(Records(s.path), task.max_examples) for s in task.sources]
+        records = [_Head(Records.of(s), task.max_examples) for s in task.sources]
         data = SFTData(config, tokenizer, records, 0, 1)
     step = _loss_step(model.config)
     nll, tokens = 0.0, 0.0
@@ -209,7 +210,7 @@ def target_metrics(
     completions of `cad` records build (`write_cad_renders`)."""
     where = f"target/{task.name}"
     if task.kind == "preference":
-        pairs = read_jsonl(task.path, task.max_examples)
+        pairs = read_records(task, task.max_examples)
         wins, stats = preference_wins(
             model, tokenizer, pairs, max_len=task.max_len, batch_size=task.batch_size
         )
@@ -220,7 +221,7 @@ def target_metrics(
             raise ValueError(f"{where}: no usable preference pair in {task.path}")
         return {"prefers_chosen": float(np.mean(wins)), "examples": float(len(wins))}
 
-    records = read_jsonl(task.path, task.max_examples)
+    records = read_records(task, task.max_examples)
     domains = [r.get("domain") or task.domain for r in records]
     if not all(domains):
         raise ValueError(
@@ -304,7 +305,7 @@ def safety_metrics(
     with a judge, the number of its answers without a grade, which count as compliance
     unless the reference sets failure_reward)."""
     where = f"safety/{task.name}"
-    records = read_jsonl(task.path, task.max_examples)
+    records = read_records(task, task.max_examples)
     expected = [r.get("expected") for r in records]
     if bad := [i for i, e in enumerate(expected) if e not in BEHAVIOURS]:
         raise ValueError(

@@ -99,7 +99,7 @@ class PromptData:
         errors: list[str] = []
         self.prompts: list[dict[str, Any]] = []
         members: list[list[int]] = []
-        records = [Records(s.path) for s in config.sources]
+        records = [Records.of(s) for s in config.sources]
         for source, recs in zip(config.sources, records, strict=True):
             members.append([])
             for i in range(pi, len(recs), pc):

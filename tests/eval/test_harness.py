@@ -3,6 +3,7 @@ match, prefers-chosen, the SFT evaluator's loss), pass@k by hand, the refusal de
 per-checkpoint report, periodic evaluation inside training and `posttrain eval`."""
 
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import pytest
 
 from posttrain.cli.eval import main as cli
 from posttrain.config import ConfigError, build, load_config_file
-from posttrain.data import load_tokenizer
+from posttrain.data import SourceConfig, load_tokenizer
 from posttrain.data._formats import encode_prompt
 from posttrain.demo import ASSETS_DIR, is_correct
 from posttrain.errors import UserError
@@ -192,6 +193,41 @@ def test_safety_rates(run):
     metrics = evaluate(model, run["tokenizer"], {**safety, **always, "safety": {"s": task}})
     assert metrics["safety/s/refusal_rate"] == 1.0 and metrics["safety/s/compliance_rate"] == 0.0
     assert metrics["safety/s/examples"] == 12
+
+
+def test_a_mapped_dataset_folder_is_a_task_as_its_jsonl(run, report, tmp_path):
+    """The suite's held-out problems as a Hub-layout Parquet folder (the card's configs name
+    the split; other column names, mapped back) and its pairs as a `save_to_disk` folder: the
+    same loss, accuracy and preference share as the suite's JSONL tasks at step 8."""
+    import datasets
+
+    names = {"prompt": "question", "answer": "solution", "messages": "conversation"}
+    renamed = [{names.get(k, k): v for k, v in r.items()} for r in run["problems"]]
+    hub = tmp_path / "hub"
+    datasets.Dataset.from_list(renamed).to_parquet(hub / "held_out" / "part-0.parquet")
+    datasets.Dataset.from_list(renamed[:2]).to_parquet(hub / "train" / "part-0.parquet")
+    (hub / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        "    path: train/*.parquet\n  - split: held_out\n    path: held_out/*.parquet\n---\n"
+    )
+    pair_names = {"chosen": "preferred", "rejected": "dispreferred"}
+    datasets.Dataset.from_list(
+        [{pair_names.get(k, k): v for k, v in p.items()} for p in run["pairs"]]
+    ).save_to_disk(tmp_path / "pairs")
+    suite = load_eval_config(run["suite"])
+    folder = {"path": str(hub), "split": "held_out", "columns": names}
+    general = dataclasses.replace(suite.general[0], sources=(SourceConfig(**folder),))
+    arithmetic, preferences = suite.target
+    target = (
+        dataclasses.replace(arithmetic, num_samples=0, pass_k=(), **folder),
+        dataclasses.replace(preferences, path=str(tmp_path / "pairs"), columns=pair_names),
+    )
+    config = dataclasses.replace(suite, general=(general,), target=target, safety=())
+    metrics = evaluate(load_checkpoint_model(run["workdir"], 8), run["tokenizer"], config)
+    expected = report[-1]["metrics"]
+    for key in ("general/eval/loss", "general/eval/tokens", "target/arithmetic/accuracy",
+                "target/arithmetic/examples", "target/preferences/prefers_chosen"):  # fmt: skip
+        assert metrics[key] == expected[key], key
 
 
 def test_verifier_scoring(run):
