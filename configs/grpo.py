@@ -165,7 +165,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.distill.teacher_devices = 0  # > 0: the teacher on its own N devices (0: training mesh)
 
     c.rewards = ml_collections.ConfigDict()
-    c.rewards.domains = {}  # {domain: ["module:function" | "rm:<path>", ...]}; {}: built-ins
+    c.rewards.domains = {}  # {domain: ["module:function[?opt=v]" | "rm:<path>", ...]}; {}: built-in
     c.rewards.workers = 2  # verifier processes
     c.rewards.timeout_s = 10.0
     c.rewards.pass_threshold = 1.0  # reward >= this counts as a pass

@@ -32,8 +32,11 @@ from posttrain.rewards import (
     JudgeReward,
     RewardPool,
     RewardRegistry,
+    RewardResult,
+    component_means,
     default_registry,
     pass_at_k,
+    tally_components,
 )
 from posttrain.sampling import SamplingParams, generate
 from posttrain.train import sft_loss
@@ -83,19 +86,24 @@ class Scorer:
     def check(self, domains) -> None:
         self.registry.check(set(domains))
 
-    def __call__(self, records, texts, domains) -> np.ndarray:
+    def __call__(self, records, texts, domains, parts: dict | None = None) -> np.ndarray:
+        """The completions' rewards; with `parts`, their reward components are tallied into it
+        (`tally_components`: `component_means(parts)` then holds each one's mean)."""
         if self._pool is not None:
             results = self._pool.score(records, texts, domains)
-            failed = [r for r in results if r.status != "ok"]
-            scores = [r.score for r in results]
+            failed = [r.info.get("error", r.status) for r in results if r.status != "ok"]
         else:
-            scores, failed = [], []
+            results, failed = [], []
             for record, text, domain in zip(records, texts, domains, strict=True):
                 try:
-                    scores.append(self.registry.score(record, text, domain)[0])
+                    score, info = self.registry.score(record, text, domain)
+                    results.append(RewardResult(score, info, domain, "ok", 0.0))
                 except Exception as e:  # a verifier's bug costs one zero, as in the pool
-                    scores.append(0.0)
                     failed.append(f"{type(e).__name__}: {e}")
+                    results.append(RewardResult(0.0, {"error": failed[-1]}, domain, "crash", 0.0))
+        scores = [r.score for r in results]
+        if parts is not None:
+            tally_components(parts, results)
         if failed:
             self.failures += len(failed)
             log.warning("%d of %d completions failed to score (0): %s", len(failed),
@@ -246,11 +254,14 @@ def target_metrics(
             scorer.check(domains)
             texts = [s[0] for s in _completions(model, tokenizer, prompt_ids, task, bar,
                                                 engine=engine)]  # fmt: skip
-            scores = scorer(records, texts, domains)
+            parts: dict = {}
+            scores = scorer(records, texts, domains, parts)
             hits = scores >= task.pass_threshold
             if render_to and task.renders:
                 write_cad_renders(domains, texts, scores, render_to, limit=task.renders)
         metrics = {"accuracy": float(hits.mean())}
+        if task.scoring != "exact_match":  # reward components' means (reward_parts/<d>/<name>)
+            metrics.update(component_means(parts))
         for domain in sorted(set(domains)):
             rows = np.asarray([d == domain for d in domains])
             metrics[f"accuracy/{domain}"] = float(hits[rows].mean())

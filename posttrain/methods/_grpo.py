@@ -49,7 +49,7 @@ from posttrain.models import (
     with_shardings,
 )
 from posttrain.parallel import MeshConfig, axis_rules, last_of_each_process, make_mesh
-from posttrain.rewards import RewardPool
+from posttrain.rewards import RewardPool, component_means
 from posttrain.rl import (
     AdaptiveDomains,
     CriticLoss,
@@ -63,7 +63,6 @@ from posttrain.rl import (
     Scorer,
     Teacher,
     check_router_replay,
-    component_means,
     critic_config,
     make_episode_env,
     rl_loss,

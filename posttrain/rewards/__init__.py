@@ -17,6 +17,7 @@ from posttrain.rewards._arithmetic import arithmetic_reward, extract_integer, in
 from posttrain.rewards._cad_geometry import measure as measure_solid
 from posttrain.rewards._cad_kernel import build as build_solid
 from posttrain.rewards._code import code_reward, code_reward_all_pass, extract_code
+from posttrain.rewards._code_quality import LINT_GROUPS, code_quality_reward, lint
 from posttrain.rewards._difficulty import filter_by_pass_rate, pass_at_k, pass_rate
 from posttrain.rewards._extraction import extraction_reward, field_f1
 from posttrain.rewards._format import (
@@ -33,7 +34,13 @@ from posttrain.rewards._judge import (
     parse_judge_ref,
 )
 from posttrain.rewards._math import extract_answer, math_equal, math_reward
-from posttrain.rewards._pool import RewardPool, RewardResult, summarize
+from posttrain.rewards._pool import (
+    RewardPool,
+    RewardResult,
+    component_means,
+    summarize,
+    tally_components,
+)
 from posttrain.rewards._registry import (
     RewardFn,
     RewardRegistry,
@@ -59,6 +66,11 @@ __all__ = [
     "cad_sft_record",
     "check_format",
     "code_reward",
+    "code_quality_reward",
+    "lint",
+    "LINT_GROUPS",
+    "component_means",
+    "tally_components",
     "code_reward_all_pass",
     "completion_part",
     "default_registry",

@@ -20,8 +20,11 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import inspect
+import json
 import math
 import pickle
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -68,7 +71,9 @@ class RewardRegistry:
 
         Args:
           domain: the name records carry in their "domain" field.
-          fn: "package.module:function", or a top-level function (or a `functools.partial` of
+          fn: "package.module:function" (with options, "package.module:function?a=1&b=x",
+            keyword arguments it is called with: JSON numbers and true/false, else text), or a
+            top-level function (or a `functools.partial` of
             one): it must pickle by name to reach the worker processes. Or "rm:<path>" for a
             trained reward model's directory, "rm:<path>#<head>" to score with a given head
             (by default, the head named like the domain, else the model's only head). Or
@@ -231,13 +236,29 @@ def _resolve_ref(ref: str) -> Callable:
         return ModelReward.from_ref(ref)
     if is_judge_ref(ref):
         return JudgeReward.from_ref(ref)
+    ref, _, query = ref.partition("?")
     module, _, attr = ref.partition(":")
     fn = importlib.import_module(module)
     for part in attr.split("."):
         fn = getattr(fn, part)
     if not callable(fn):
         raise TypeError(f"{ref!r} is not callable")
-    return fn
+    if not query:
+        return fn
+    options = {k: _option(v) for k, v in urllib.parse.parse_qsl(query, strict_parsing=True)}
+    try:
+        inspect.signature(fn).bind({}, "", **options)
+    except TypeError as e:
+        raise TypeError(f"{ref!r} takes no such options {sorted(options)} ({e})") from None
+    return functools.partial(fn, **options)
+
+
+def _option(value: str):
+    """A reference option's value: a JSON number, true/false or null as such, else the text."""
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def resolve_fn(fn: str | Callable) -> Callable:
@@ -252,7 +273,7 @@ def _fn_name(fn: str | Callable) -> str:
     if is_judge_ref(fn):
         return "judge"
     if isinstance(fn, str):
-        return fn.rpartition(":")[2].rpartition(".")[2]
+        return fn.partition("?")[0].rpartition(":")[2].rpartition(".")[2]
     fn = getattr(fn, "func", fn)  # functools.partial
     return getattr(fn, "__name__", type(fn).__name__)
 
@@ -261,6 +282,7 @@ def default_registry() -> RewardRegistry:
     """A registry with the built-in domains.
 
     Domains: "math" (`math_reward`), "code" (`code_reward`, the sandboxed test runner),
+    "code_quality" (`code_quality_reward`: the test pass rate with lint components),
     "format" (`format_reward`), "tool_call" (`tool_call_reward`), "extraction"
     (`extraction_reward`: JSON-schema validity and field F1), "grounded_qa"
     (`grounded_qa_reward`: answer F1 and cited spans), "cad" (`cad_reward`: a CAD script's part
@@ -270,6 +292,7 @@ def default_registry() -> RewardRegistry:
     registry = RewardRegistry()
     registry.register("math", "posttrain.rewards._math:math_reward")
     registry.register("code", "posttrain.rewards._code:code_reward")
+    registry.register("code_quality", "posttrain.rewards._code_quality:code_quality_reward")
     registry.register("format", "posttrain.rewards._format:format_reward")
     registry.register("tool_call", "posttrain.rewards._format:tool_call_reward")
     registry.register("extraction", "posttrain.rewards._extraction:extraction_reward")

@@ -1,7 +1,8 @@
 """The bubblewrap (`bwrap`) container a sandboxed program runs in: interpreter, mounts, flags.
 
 What the program sees: `/usr` (and the `/bin`, `/lib*` links into it) read-only, `/etc/ld.so.cache`
-and `/etc/localtime` only, a fresh procfs for its own PID namespace, a minimal `/dev`, two
+and `/etc/localtime` only (and, when the caller names `tools`, those host executables
+read-only in `/opt/tools`), a fresh procfs for its own PID namespace, a minimal `/dev`, two
 size-capped tmpfs mounts, `/tmp` (its working directory, holding `main.py` and the caller's files)
 and `/dev/shm`, and, when the caller gives a `Workspace`, a third one at `/workspace` (then the
 working directory) that `_sandbox_workspace.SUPERVISOR` mounts and fills from the workspace's
@@ -34,6 +35,7 @@ import sys
 SANDBOX_UID = 65534  # "nobody": the host uid sandboxes run under when the caller is root
 WORKDIR = "/tmp"  # the program's working directory and only writable tree (with /dev/shm)
 WORKSPACE = "/workspace"  # where a workspace is bound (then the working directory instead)
+TOOLS = "/opt/tools"  # host executables a run asks for (`tools`), read-only, first on PATH
 SYSTEM_PYTHON = "/usr/bin/python3"
 INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; Fedora: `dnf install "
@@ -99,6 +101,7 @@ def bwrap_argv(
     tmp_bytes: int,
     command: list[str],
     workspace: bool = False,
+    tools: dict[str, str] | None = None,
 ) -> list[str]:
     """The bwrap command line that runs `command` in a fresh container.
 
@@ -110,6 +113,7 @@ def bwrap_argv(
       workspace: `command` is `SUPERVISOR`: it runs as the container's PID 1 with
         CAP_SYS_ADMIN in the container's user namespace (to mount the workspace), in
         WORKSPACE, an empty directory it mounts a tmpfs on.
+      tools: {name: host executable}, each bound read-only at TOOLS/<name>, which heads PATH.
     """
     feats = _features(bwrap)
     if workspace and not {"--as-pid-1", "--cap-add"} <= feats:
@@ -133,6 +137,8 @@ def bwrap_argv(
         argv += ["--ro-bind", d, d]
     for f in ("/etc/ld.so.cache", "/etc/localtime"):
         argv += ["--ro-bind-try", f, f]
+    for name, host in (tools or {}).items():
+        argv += ["--ro-bind", os.path.realpath(host), f"{TOOLS}/{name}"]
     argv += [
         "--proc",
         "/proc",
@@ -151,7 +157,8 @@ def bwrap_argv(
         argv += ["--dir", WORKSPACE]
     cwd = WORKSPACE if workspace else WORKDIR
     argv += ["--remount-ro", "/", "--chdir", cwd, "--clearenv"]
-    for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", WORKDIR), ("LANG", "C.UTF-8")):
+    path = f"{TOOLS}:/usr/bin:/bin" if tools else "/usr/bin:/bin"
+    for key, value in (("PATH", path), ("HOME", WORKDIR), ("LANG", "C.UTF-8")):
         argv += ["--setenv", key, value]
     return [*argv, "--", *command]
 

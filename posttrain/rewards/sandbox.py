@@ -42,7 +42,7 @@ import os
 import resource
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import posttrain.rewards._sandbox_bwrap as _bw
@@ -99,6 +99,7 @@ def run(
     file_size_mb: int = 16,
     tmp_mb: int = 64,
     backend: str | None = None,
+    tools: Mapping[str, str] | None = None,
 ) -> SandboxResult:
     """Runs a Python program or a bash script in a fresh sandbox and returns what it did.
 
@@ -126,6 +127,9 @@ def run(
       backend: "bwrap" (default) or "subprocess", the unsafe opt-in: no filesystem, network or
         process isolation, and no workspace. Defaults to `POSTTRAIN_SANDBOX` ("bwrap" or
         "unsafe-subprocess").
+      tools: host executables the program may run, {name: path}: each is bound read-only at
+        `/opt/tools/<name>`, first on PATH (a linter, say; a static binary or one that needs
+        only what `/usr` and `/lib` hold).
 
     Returns:
       A `SandboxResult`.
@@ -151,12 +155,18 @@ def run(
             f"max_output_bytes={max_output_bytes}"
         )
     main, files = _MAINS[language], {**(files or {})}
+    tools = dict(tools or {})
+    for name, host in tools.items():
+        if not (name and name.replace("-", "").replace("_", "").replace(".", "").isalnum()):
+            raise ValueError(f"sandbox tool name {name!r}: letters, digits, '-', '_', '.' only")
+        if not (os.path.isfile(host) and os.access(host, os.X_OK)):
+            raise ValueError(f"sandbox tool {name!r}: {host} is not an executable file")
     for name in files:
         norm = os.path.normpath(name)
         if os.path.isabs(name) or norm.startswith("..") or norm in (".", main):
             raise ValueError(f"sandbox file name {name!r} must be a relative path, not {main}")
     files[main] = code
-    program = (language, main, workspace, workspace_readonly)
+    program = (language, main, workspace, workspace_readonly, tools)
     limits = [
         (resource.RLIMIT_AS, memory_mb << 20, memory_mb << 20),
         (resource.RLIMIT_CPU, int(timeout_s) + 1, int(timeout_s) + 2),
@@ -198,7 +208,7 @@ def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io, program) -> Sa
             "network isolation)."
         )
     _bw.check_usable(bwrap)
-    language, main, workspace, readonly = program
+    language, main, workspace, readonly, tools = program
     fds, pass_fds, save = [], [], None
     try:
         for name, text in files.items():
@@ -234,7 +244,8 @@ def _run_bwrap(files: dict[str, str], limits, tmp_bytes: int, io, program) -> Sa
                 cfg = {**config, "ctl": started_fd, "size": size, "inodes": inodes}
                 cfg.update(timeout=io[1], argv=command, limits=limits)
                 command = [python, "-I", "-S", "-B", "-c", f"CONFIG = {cfg!r}\n{SUPERVISOR}"]
-            return prefix + _bw.bwrap_argv(bwrap, fds, tmp_bytes, command, workspace is not None)
+            argv = _bw.bwrap_argv(bwrap, fds, tmp_bytes, command, workspace is not None, tools)
+            return prefix + argv
 
         extra = [save.pipe_w] if save else []
         kwargs.update(cwd="/", pass_fds=pass_fds + extra)
@@ -254,13 +265,17 @@ def _run_subprocess(files: dict[str, str], limits, io, program) -> SandboxResult
             with open(path, "w", encoding="utf-8", errors="replace") as f:
                 f.write(text)
 
-        language, main = program[:2]
+        language, main, tools = program[0], program[1], program[4]
+        bin_dir = os.path.join(tmp, ".tools")
+        os.makedirs(bin_dir)
+        for name, host in tools.items():
+            os.symlink(os.path.realpath(host), os.path.join(bin_dir, name))
 
         def argv_for(started_fd: int) -> list[str]:
             launcher = _launcher(language, started_fd, limits, os.path.join(tmp, main), [tmp])
             return [_bw.interpreter()[0], "-I", "-S", "-B", "-c", launcher]
 
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
         return _execute(argv_for, "subprocess", io, cwd=tmp, env=env)
 
 

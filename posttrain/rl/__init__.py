@@ -14,7 +14,6 @@ from posttrain.rl._config import (
     RolloutConfig,
 )
 from posttrain.rl._critic import critic_config, value_trainable
-from posttrain.rl._domains import component_means
 from posttrain.rl._episodes_rollout import make_episode_env
 from posttrain.rl._loss import CriticLoss, PolicyLossConfig, rl_loss, sequence_log_probs
 from posttrain.rl._partial import PartialProducer
@@ -49,7 +48,6 @@ __all__ = [
     "Scorer",
     "Teacher",
     "check_router_replay",
-    "component_means",
     "make_episode_env",
     "rl_loss",
     "rollout_batch",

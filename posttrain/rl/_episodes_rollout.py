@@ -16,8 +16,8 @@ from posttrain.envs import (
     run_episodes,
     takes_tool_budget,
 )
+from posttrain.rewards import tally_components
 from posttrain.rl._config import EnvConfig
-from posttrain.rl._domains import tally_components
 
 
 def sample_episodes(rollouts, model, prompts, kwargs, timings, *, shared=None, share=None):

@@ -38,7 +38,7 @@ import numpy as np
 
 from posttrain.models import Transformer
 from posttrain.parallel import exchange
-from posttrain.rl._domains import component_means
+from posttrain.rewards import component_means
 from posttrain.rl._rollout import add_tallies_of_every_process
 from posttrain.rl._rollout_producer import RolloutProducer, Stopped
 from posttrain.rl._shares import gather_groups

@@ -21,10 +21,11 @@ from posttrain.envs import Shared, episode_metrics
 from posttrain.models import Transformer
 from posttrain.parallel import exchange, mesh_of
 from posttrain.rewards import (
+    component_means,
     overlong_penalty,
+    tally_components,
 )
 from posttrain.rl._config import RLConfig
-from posttrain.rl._domains import component_means, tally_components
 from posttrain.rl._episodes_rollout import sample_episodes
 from posttrain.rl._shares import gather_groups, prompt_share
 from posttrain.sampling import Completion, Engine, SamplingParams, generate_continuous

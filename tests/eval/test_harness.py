@@ -65,6 +65,12 @@ def always_one(record, completion):
     return 1.0, {}
 
 
+def with_parts(record, completion):
+    """A reward made of named parts (as `code_quality_reward`'s lint components)."""
+    return 1.0, {"components": {"chars": float(len(completion)), "has_digit": float(
+        any(c.isdigit() for c in completion))}}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, devices):
     """An 8-step SFT run with checkpoints at 4 and 8, the eval loss and the suite at both."""
@@ -242,6 +248,14 @@ def test_verifier_scoring(run):
     assert metrics["target/t/accuracy"] == expected
     always = {"rewards": {"arithmetic": [f"{__name__}:always_one"]}}
     assert evaluate(model, run["tokenizer"], {**config, **always})["target/t/accuracy"] == 1.0
+    # A reward's components are reported per task and domain: their means over the records.
+    parts = evaluate(model, run["tokenizer"],
+                     {**config, "rewards": {"arithmetic": [f"{__name__}:with_parts"]}})  # fmt: skip
+    assert parts["target/t/reward_parts/arithmetic/chars"] == pytest.approx(
+        np.mean([len(t) for t in texts]))  # fmt: skip
+    assert parts["target/t/reward_parts/arithmetic/has_digit"] == pytest.approx(
+        np.mean([any(c.isdigit() for c in t) for t in texts]))  # fmt: skip
+    assert parts["target/t/reward_errors"] == 0.0
 
 
 def test_the_suites_engine_settings_reach_its_completions(run):

@@ -225,7 +225,7 @@ def test_worker_that_cannot_start_raises():
 def test_a_reward_returning_a_bare_float_is_counted_and_named(pool, caplog):
     """A reward function with the wrong return type scores 0 as a crash; RL's tally makes it
     the `reward_errors` share and warns once, with what the function must return."""
-    from posttrain.rl._domains import component_means, tally_components
+    from posttrain.rewards import component_means, tally_components
 
     results = pool.score([{"domain": "returns_a_float"}] * 3 + [{"domain": "echo", "x": 1}],
                          ["a", "b", "c", "d"])  # fmt: skip

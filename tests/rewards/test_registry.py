@@ -56,8 +56,8 @@ def test_check_names_all_unknown_domains_with_close_matches():
     assert "'tool-call' (did you mean 'tool_call'?)" in message
     assert "'astronomy'" in message
     assert (
-        "Registered: arithmetic, cad, code, extraction, format, grounded_qa, math, tool_call"
-        in message
+        "Registered: arithmetic, cad, code, code_quality, extraction, format, grounded_qa, math, "
+        "tool_call" in message
     )
 
 
@@ -110,7 +110,8 @@ def test_record_without_domain():
 def test_default_domains_score_in_process():
     registry = default_registry()
     assert registry.domains() == [
-        "arithmetic", "cad", "code", "extraction", "format", "grounded_qa", "math", "tool_call"
+        "arithmetic", "cad", "code", "code_quality", "extraction", "format", "grounded_qa", "math",
+        "tool_call",
     ]  # fmt: skip
     assert registry.score({"domain": "math", "answer": r"\frac{1}{2}"}, r"\boxed{0.5}")[0] == 1.0
     layout = "<think>hmm</think>\n<answer>4</answer>"
