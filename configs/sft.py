@@ -143,6 +143,12 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.train.progress = True  # progress bar
     c.train.step_timeout_s = 600.0  # multi-process: no progress this long stops the run (0: off)
     c.train.profile_steps = ""  # "N:M": jax.profiler trace of steps N..M into <workdir>/profile
+    # Where metrics go: "jsonl" (always), "tensorboard", "wandb", "mlflow" (pip install
+    # 'posttrain[wandb]' / 'posttrain[mlflow]'); W&B offline: WANDB_MODE=offline.
+    c.train.log_to = ["jsonl", "tensorboard"]
+    c.train.project = ""  # W&B project and MLflow experiment ("": "posttrain")
+    c.train.run_name = ""  # the trackers' run name ("": the workdir's name)
+    c.train.mlflow_uri = ""  # "": MLFLOW_TRACKING_URI, else a file store in <workdir>/mlruns
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 200  # save every N steps (also at the end and on SIGTERM)

@@ -31,6 +31,8 @@ def data_manifest(
                 "domain": s.domain,
                 "weight": s.weight,
                 "format": s.format,
+                **({"split": recs.split} if recs.split else {}),  # a dataset folder's
+                **({"columns": s.columns} if s.columns else {}),
                 "records": len(recs),
                 "files": recs.describe(),
                 **({"build": recs.build} if recs.build else {}),  # a `posttrain data build`

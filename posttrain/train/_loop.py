@@ -33,6 +33,7 @@ from posttrain import paths
 from posttrain.parallel import Watchdog, agree, checks_enabled, crossing, shard_batch
 from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._metrics import MetricsWriter, peak_flops_per_device
+from posttrain.train._sinks import check_log_to, tracker_params
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,12 @@ class LoopConfig:
     # "N:M": a jax.profiler trace of steps N to M (inclusive; RL: generation, rewards and the
     # update) into <workdir>/profile, for TensorBoard's profile plugin or Perfetto. "" = off.
     profile_steps: str = ""
+    # Where metrics go: "jsonl" (always), "tensorboard", "wandb", "mlflow" (each tracker's
+    # package installed by its extra: posttrain[wandb], posttrain[mlflow]).
+    log_to: tuple[str, ...] = ("jsonl", "tensorboard")
+    project: str = ""  # W&B project and MLflow experiment ("": "posttrain")
+    run_name: str = ""  # the trackers' run name ("": the workdir's name)
+    mlflow_uri: str = ""  # MLflow tracking URI ("": MLFLOW_TRACKING_URI, else <workdir>/mlruns)
 
     def __post_init__(self):
         if self.steps <= 0 or self.micro_batches <= 0 or self.log_every <= 0:
@@ -65,6 +72,7 @@ class LoopConfig:
         if self.step_timeout_s < 0:
             raise ValueError("train.step_timeout_s must be >= 0 (0 turns the watchdog off)")
         self.profile_range()  # checks the spelling
+        check_log_to(self.log_to)
 
     def profile_range(self) -> tuple[int, int] | None:
         """(first, last) step of `profile_steps`, or None when profiling is off."""
@@ -202,7 +210,11 @@ def train_loop(
     observe = getattr(data, "observe", None)
     batch_metrics = getattr(data, "batch_metrics", None)
     watch = getattr(data, "watch", None)
-    writer = MetricsWriter(workdir, resume_step=start)
+    writer = MetricsWriter(
+        workdir, resume_step=start, log_to=loop.log_to, project=loop.project,
+        run_name=loop.run_name, mlflow_uri=loop.mlflow_uri,
+        params=tracker_params(checkpoint_json),
+    )  # fmt: skip
     peak = peak_flops_per_device()
     summary: dict = {"start_step": start, "stopped": "completed"}
     saved_step = start if checkpointer.latest_step() == start else None

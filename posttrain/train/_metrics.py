@@ -1,4 +1,4 @@
-"""Metrics to JSONL and TensorBoard, throughput and MFU."""
+"""Metrics to JSONL, TensorBoard and the trackers `train.log_to` names; throughput and MFU."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import jax
 
 from posttrain import paths
 from posttrain.errors import UserError
+from posttrain.train._sinks import check_log_to, open_sinks
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
 PEAK_FLOPS = {
@@ -32,7 +33,8 @@ def peak_flops_per_device() -> float | None:
 
 
 class MetricsWriter:
-    """Appends `{"step", "split", ...}` lines to `<workdir>/metrics.jsonl` and TensorBoard events.
+    """Appends `{"step", "split", ...}` lines to `<workdir>/metrics.jsonl`, and writes the same
+    values as TensorBoard events and to W&B and MLflow where `log_to` names them (`_sinks`).
 
     Only process 0 writes. On resume, lines past the restored step (written after the checkpoint
     by a run that then died) are dropped so the log reads as one uninterrupted run.
@@ -44,7 +46,19 @@ class MetricsWriter:
     writer re-uploads from `__del__`, after a run has ended).
     """
 
-    def __init__(self, workdir: str, *, resume_step: int | None = None, upload_secs=30.0):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        resume_step: int | None = None,
+        upload_secs=30.0,
+        log_to=("jsonl", "tensorboard"),
+        project: str = "",
+        run_name: str = "",
+        mlflow_uri: str = "",
+        params: dict | None = None,
+    ):
+        check_log_to(log_to)
         self.enabled = jax.process_index() == 0
         self.path = paths.path(workdir) / "metrics.jsonl"
         self._remote = paths.is_remote(workdir)
@@ -52,6 +66,7 @@ class MetricsWriter:
         self._lines: list[str] = []  # gs:// only: the whole log, rewritten by flush()
         self._tb = self._tb_local = None
         self._tb_dir = paths.join(workdir, "tensorboard")
+        self._sinks = []
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,6 +81,12 @@ class MetricsWriter:
                     keep.append(line + "\n")
             self._lines = keep
             paths.write_text(self.path, "".join(keep))
+        self._sinks = open_sinks(workdir, log_to, project=project, run_name=run_name,
+                                 mlflow_uri=mlflow_uri, params=params or {})  # fmt: skip
+        if "tensorboard" in log_to:
+            self._open_tensorboard()
+
+    def _open_tensorboard(self) -> None:
         from tensorboardX import SummaryWriter
 
         if self._remote:
@@ -96,9 +117,12 @@ class MetricsWriter:
         else:
             with self.path.open("a") as f:
                 f.write(line)
-        self._check_tensorboard()
-        for name, value in values.items():
-            self._tb.add_scalar(f"{split}/{name}", value, int(step))
+        if self._tb is not None:
+            self._check_tensorboard()
+            for name, value in values.items():
+                self._tb.add_scalar(f"{split}/{name}", value, int(step))
+        for sink in self._sinks:
+            sink.write(int(step), split, values)
 
     def _keep_tb_error(self, error: OSError) -> None:
         self._tb_error = self._tb_error or error
@@ -124,13 +148,17 @@ class MetricsWriter:
         """Makes every line written so far readable at `self.path` (a no-op on local disk)."""
         if self.enabled and self._remote:
             paths.write_text(self.path, "".join(self._lines))
-            self._tb.flush()
-            paths.upload(self._tb_local.name, self._tb_dir)
+            if self._tb is not None:
+                self._tb.flush()
+                paths.upload(self._tb_local.name, self._tb_dir)
             self._uploaded_at = time.monotonic()
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
         self.flush()
         if self._tb_local is not None:
             self._tb_local.cleanup()

@@ -1,7 +1,9 @@
 """The SFT driver end to end: train, export to HF, presets shape-checked."""
 
 import functools
+import json
 import os
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from posttrain.train import (
     sft_loss,
     train_step,
 )
+from posttrain.train._sinks import mlflow_name
 from tests.train.conftest import REPO, small_config
 
 
@@ -29,7 +32,13 @@ def trained(tmp_path_factory, devices):
     config = small_config(**{"train__steps": 30, "optimizer__warmup_steps": 5})
     config.eval_data = load_config_file(os.path.join(REPO, "configs", "sft.py") + ":tiny").eval_data
     config.train.eval_every = 15
-    summary = run_from_config(config, str(workdir))
+    # Every sink: W&B offline (its files in the workdir), MLflow's file store in the workdir.
+    config.train.log_to = ["jsonl", "tensorboard", "wandb", "mlflow"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_SILENT", "true")
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)
+        summary = run_from_config(config, str(workdir))
     return workdir, summary
 
 
@@ -46,6 +55,71 @@ def test_training_lowers_the_loss_and_logs_everything(trained):
     assert summary["stopped"] == "completed" and summary["data"]["used"] > 0
     counts = {k: summary["data"][k] for k in ("truncated", "dropped", "skipped", "no_loss")}
     assert {k: train[-1][f"data/{k}"] for k in counts} == counts  # the records' accounting
+
+
+def _wandb_run(path) -> tuple[dict, dict]:
+    """({step: {key: value}}, config) of an offline W&B run file: the LevelDB log format (after
+    a 7-byte file header, 32 KiB blocks of records, each with a 7-byte header: crc32, length,
+    type) of `wandb_internal_pb2.Record` protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    pos, chunk, history, config = 7, b"", {}, {}
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if left < 7 or (kind == 0 and length == 0):  # a block's zero padding
+            pos += left
+            continue
+        chunk, pos = chunk + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "history":
+                row = history.setdefault(record.history.step.num, {})
+                row.update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                            for i in record.history.item})  # fmt: skip
+            elif record.WhichOneof("record_type") in ("run", "config"):  # (config: updates)
+                items = (record.run.config if record.HasField("run") else record.config).update
+                config.update({i.key: json.loads(i.value_json) for i in items})
+    return history, config
+
+
+def test_wandb_and_mlflow_get_the_jsonl_metrics_and_the_runs_parameters(trained):
+    """`train.log_to` with W&B (offline) and MLflow (file store): per step, the same values
+    as metrics.jsonl, for the train and eval splits; the run's config and data manifest as
+    its parameters."""
+    from mlflow import MlflowClient
+
+    workdir, _ = trained
+    expected = {}
+    for split in ("train", "eval"):
+        for row in read_metrics(str(workdir), split):
+            step = row.pop("step")
+            row.pop("split")
+            expected.setdefault(step, {}).update({f"{split}/{k}": v for k, v in row.items()})
+    assert len(expected) == 30 and len(expected[30]) >= 20  # (many metrics each step)
+    ids = json.loads((workdir / "tracking.json").read_text())
+
+    (run_file,) = workdir.glob(f"wandb/offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb")
+    history, config = _wandb_run(run_file)
+    logged = {step: {k: v for k, v in row.items() if not k.startswith("_")}
+              for step, row in history.items()}  # fmt: skip
+    assert logged == expected
+    assert config["config"]["train"]["steps"] == 30 and config["data_builds"] == "none"
+    assert "train.jsonl" in json.dumps(config["manifest"]["sources"])
+
+    client = MlflowClient(tracking_uri=f"file:{workdir / 'mlruns'}")
+    run = client.get_run(ids["mlflow"])
+    for key in expected[30]:
+        name = mlflow_name(key)
+        values = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+        assert values == {s: row[key] for s, row in expected.items() if key in row}, key
+    assert run.data.params["config.train.steps"] == "30" and run.info.status == "FINISHED"
+    assert run.data.params["manifest.sources.0.files.0.sha256"] == json.loads(
+        (workdir / "manifest.json").read_text())["sources"][0]["files"][0]["sha256"]  # fmt: skip
 
 
 def test_export_writes_an_hf_model_with_the_same_logits(trained, tmp_path):
