@@ -149,6 +149,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.train.project = ""  # W&B project and MLflow experiment ("": "posttrain")
     c.train.run_name = ""  # the trackers' run name ("": the workdir's name)
     c.train.mlflow_uri = ""  # "": MLFLOW_TRACKING_URI, else a file store in <workdir>/mlruns
+    # OpenTelemetry spans of every step (pip install 'posttrain[trace]'; docs/training.md): to
+    # an OTLP collector at trace_endpoint (or OTEL_EXPORTER_OTLP_*), else <workdir>/traces.
+    c.train.trace = False
+    c.train.trace_endpoint = ""
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 200  # save every N steps (also at the end and on SIGTERM)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from posttrain.data import tool_schema
+from posttrain.parallel import tracing
 
 
 class Step(NamedTuple):
@@ -134,7 +135,10 @@ class ToolEnvironment(Environment):
             observations.append(tool_message(f"Error: {error}", None))
             failed += 1
         for call in calls:
+            started = tracing.now_ns()
             content, ok = self.call(call)
+            tracing.record("tool_call", started, tracing.now_ns(), tool=call["function"]["name"],
+                           ok=ok)  # fmt: skip
             observations.append(tool_message(content, call))
             failed += not ok
         info = {

@@ -44,6 +44,7 @@ from posttrain.data import Turns, parse_tool_calls, tool_format_for
 from posttrain.envs._base import Environment, Step
 from posttrain.envs._episode import Budget, Episode
 from posttrain.envs._pool import ElasticPool
+from posttrain.parallel import tracing
 from posttrain.sampling import Engine, Request, SamplingParams
 
 _log = logging.getLogger(__name__)
@@ -159,7 +160,8 @@ def run_episodes(
         cannot hold the rollout."""
         left_s = budget.max_tool_s - (live[g][j].episode.tool_s if kind == "step" else 0.0)
         left_s += min(_GRACE_S, budget.max_tool_s)
-        future = pool.submit(fn, *args)
+        future = pool.submit(tracing.in_context(_traced(f"env.{kind}", fn, group=g, sample=j)),
+                             *args)  # fmt: skip
         waiting[future], deadlines[future] = (kind, g, j), time.monotonic() + left_s
 
     def overdue(future: Future) -> None:
@@ -421,3 +423,15 @@ def _turn_keys(keys, size: int, turns: int) -> tuple[np.ndarray, np.ndarray, np.
         keys = jax.random.key_data(keys)
     data = np.asarray(jax.device_get(keys))  # (host data: placed by the jit's context)
     return tuple(np.asarray(a) for a in jax.device_get(_turn_key_table(data, size, turns)))
+
+
+def _traced(name: str, fn, **attributes):
+    """`fn` run inside a span (`posttrain.parallel.tracing`; `fn` itself when tracing is off)."""
+    if not tracing.enabled():
+        return fn
+
+    def run(*args):
+        with tracing.span(name, **attributes):
+            return fn(*args)
+
+    return run

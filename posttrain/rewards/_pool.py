@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from posttrain.parallel import tracing
 from posttrain.rewards._registry import (
     RewardRegistry,
     RewardTerm,
@@ -132,6 +133,7 @@ class RewardPool:
         self._ctx = multiprocessing.get_context(start_method)
         self._workers = [_Worker(self._ctx, registry) for _ in range(workers)]
         self._totals: dict[str, list[float]] = {}
+        self._sent: dict[int, int] = {}
         # Kills the workers when the pool is garbage collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
 
@@ -178,6 +180,7 @@ class RewardPool:
         model_seconds = time.monotonic() - start
         results: list[RewardResult | None] = [None] * len(records)
         pending = deque(i for i, p in enumerate(payloads) if p is not None)
+        self._sent: dict[int, int] = {}  # record -> when it went to a worker (ns, for spans)
         try:
             while pending or any(w.task for w in self._workers):
                 self._dispatch(pending, payloads, domains)
@@ -194,6 +197,10 @@ class RewardPool:
                 result = results[i] or RewardResult(0.0, {}, d, "ok", 0.0)  # only model terms
                 results[i] = _add_model_terms(result, terms[d], model_outputs[i], model_seconds)
         _tally(self._totals, results)
+        for i, sent in self._sent.items() if tracing.enabled() else ():
+            r = results[i]
+            tracing.record("reward.call", sent, sent + int(r.seconds * 1e9), domain=r.domain,
+                           status=r.status, score=r.score)  # fmt: skip
         return results
 
     def metrics(self, *, reset: bool = False) -> dict[str, float]:
@@ -235,6 +242,7 @@ class RewardPool:
                 continue
             now = time.monotonic()
             w.task = (i, now, now + self._timeout(domains[i]))
+            self._sent[i] = tracing.now_ns()
 
     def _wait(self) -> None:
         deadlines = [w.task[2] for w in self._workers if w.task] + [

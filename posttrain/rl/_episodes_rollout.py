@@ -16,6 +16,7 @@ from posttrain.envs import (
     run_episodes,
     takes_tool_budget,
 )
+from posttrain.parallel import tracing
 from posttrain.rewards import tally_components
 from posttrain.rl._config import EnvConfig
 
@@ -47,7 +48,7 @@ def sample_episodes(rollouts, model, prompts, kwargs, timings, *, shared=None, s
         turn_tokens=e.turn_tokens or r.max_new_tokens,
         max_tool_s=e.max_tool_s,
     )
-    with rollouts.on_sampler(model.params):
+    with rollouts.on_sampler(model.params), tracing.span("generate", prompts=len(prompts), n=G):
         episodes = run_episodes(
             rollouts.engine_for(model),
             rollouts.tokenizer,
@@ -83,11 +84,12 @@ def sample_episodes(rollouts, model, prompts, kwargs, timings, *, shared=None, s
         elif i in mine:
             scored.append(i)
     if scored:
-        results = rollouts.pool.score(
-            [flat[i][1].record for i in scored],
-            [flat[i][1].text for i in scored],
-            [flat[i][0]["domain"] for i in scored],
-        )
+        with tracing.span("reward", completions=len(scored)):
+            results = rollouts.pool.score(
+                [flat[i][1].record for i in scored],
+                [flat[i][1].text for i in scored],
+                [flat[i][0]["domain"] for i in scored],
+            )
         rewards[scored] = [res.score for res in results]
         if timings is not None:
             tally_components(timings, results)

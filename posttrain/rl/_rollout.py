@@ -19,7 +19,7 @@ import numpy as np
 from posttrain.data import prompt_image_spec, prompt_pixels
 from posttrain.envs import Shared, episode_metrics
 from posttrain.models import Transformer
-from posttrain.parallel import exchange, mesh_of
+from posttrain.parallel import exchange, mesh_of, tracing
 from posttrain.rewards import (
     component_means,
     overlong_penalty,
@@ -175,7 +175,7 @@ class Rollouts:
         images = None
         if self.images is not None:
             images = [prompt_pixels(p, self.images) for p in prompts]
-        with self.on_sampler(params):
+        with self.on_sampler(params), tracing.span("generate", prompts=len(prompts), n=n):
             self.engine_for(model)
             before = dataclasses.replace(self.engine.stats)
             completions = sample_groups(
@@ -193,7 +193,8 @@ class Rollouts:
         functions (with DAPO's over-length shaping when `shaped` and configured); their reward
         components are tallied into `timings` when given (`tally_components`)."""
         r = self.config.rollout
-        results = score_groups(self.pool, prompts, completions)
+        with tracing.span("reward", prompts=len(prompts)):
+            results = score_groups(self.pool, prompts, completions)
         if timings is not None:
             tally_components(timings, results)
         rewards = np.asarray([res.score for res in results], np.float32)

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from posttrain import paths
-from posttrain.parallel import Watchdog, agree, checks_enabled, crossing, shard_batch
+from posttrain.parallel import Watchdog, agree, checks_enabled, crossing, shard_batch, tracing
 from posttrain.train._checkpoint import Checkpointer
 from posttrain.train._metrics import MetricsWriter, peak_flops_per_device
 from posttrain.train._sinks import check_log_to, tracker_params
@@ -61,6 +61,11 @@ class LoopConfig:
     project: str = ""  # W&B project and MLflow experiment ("": "posttrain")
     run_name: str = ""  # the trackers' run name ("": the workdir's name)
     mlflow_uri: str = ""  # MLflow tracking URI ("": MLFLOW_TRACKING_URI, else <workdir>/mlruns)
+    # OpenTelemetry spans of each step (posttrain[trace]): generation, environment steps and
+    # tool calls, reward calls, the update; to an OTLP collector at trace_endpoint (or the
+    # OTEL_EXPORTER_OTLP_* environment), else <workdir>/traces/process<i>.jsonl.
+    trace: bool = False
+    trace_endpoint: str = ""
 
     def __post_init__(self):
         if self.steps <= 0 or self.micro_batches <= 0 or self.log_every <= 0:
@@ -237,7 +242,8 @@ def train_loop(
     def run_eval(step, state):
         if evaluate is None:
             return None
-        metrics = evaluate(state)
+        with tracing.step_span(step, kind="eval"):
+            metrics = evaluate(state)
         writer.write(step, metrics, split="eval")
         summary["eval"] = metrics
         return metrics
@@ -256,6 +262,11 @@ def train_loop(
     profiler = _Profiler(loop, workdir)
     with _Preemption() as preemption, watchdog, contextlib.ExitStack() as stack:
         stack.callback(lambda: profiler.stop(0, force=True))  # a run that stops early
+        if loop.trace:
+            where = tracing.configure(workdir, endpoint=loop.trace_endpoint,
+                                      process=jax.process_index())  # fmt: skip
+            stack.callback(tracing.shutdown)
+            log.info("tracing each step's spans to %s", where)
 
         def flush(pending):
             step, metrics, tokens, seconds, source_metrics = pending
@@ -285,21 +296,22 @@ def train_loop(
             observe(start, state, None)
         for step in range(start + 1, loop.steps + 1):
             profiler.start(step)
-            with profiler.annotate("batch", step):  # RL: generation and rewards
-                host_batch = next(data)
-            source_metrics = batch_metrics() if batch_metrics is not None else {}
-            tokens = _tokens(host_batch) * jax.process_count()
-            batch = shard_batch(host_batch, mesh)
-            if "batch_shapes" not in summary:  # what the step ran on (checked by compile's)
-                summary["batch_shapes"] = jax.tree.map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch
-                )
-            if jax.process_count() > 1:  # (the step is a program spanning the processes)
-                crossing(f"train step {_shapes(batch)}")
-                if check_processes:
-                    agree("loop", f"step {step}")
-            with profiler.annotate("train", step):
-                state, metrics = step_fn(state, batch)
+            with tracing.step_span(step):
+                with profiler.annotate("batch", step), tracing.span("batch"):
+                    host_batch = next(data)  # RL: generation and rewards
+                source_metrics = batch_metrics() if batch_metrics is not None else {}
+                tokens = _tokens(host_batch) * jax.process_count()
+                batch = shard_batch(host_batch, mesh)
+                if "batch_shapes" not in summary:  # what the step ran on (checked by compile's)
+                    summary["batch_shapes"] = jax.tree.map(
+                        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch
+                    )
+                if jax.process_count() > 1:  # (the step is a program spanning the processes)
+                    crossing(f"train step {_shapes(batch)}")
+                    if check_processes:
+                        agree("loop", f"step {step}")
+                with profiler.annotate("train", step), tracing.span("update"):
+                    state, metrics = step_fn(state, batch)
             profiler.stop(step, metrics)
             if observe is not None:
                 observe(step, state, metrics)

@@ -1,7 +1,8 @@
 """Hugging Face dataset folders read in place: `save_to_disk` folders and dataset-repository
 layouts written by the `datasets` library itself, their splits as `datasets.load_dataset` finds
 them, and column mappings; SFT, preference and RL prompt batches from them equal those of the
-same records as JSON lines, and an SFT run on one trains as on its JSONL."""
+same records as JSON lines. (An SFT run on a `save_to_disk` folder: tests/train/test_sft.py; the
+eval suite on mapped folders: tests/eval/test_harness.py.)"""
 
 import itertools
 import json
@@ -16,9 +17,7 @@ from posttrain.data import DataConfig, Records, load_tokenizer, make_pipeline
 from posttrain.data._data_config import config_identity
 from posttrain.data._preference_data import make_preference_pipeline
 from posttrain.demo import ASSETS_DIR
-from posttrain.methods import run_from_config
 from posttrain.rl._prompts import PromptData
-from tests.train.conftest import small_config, train_losses
 
 # The demo's records, with a dataset's own column names: {field: column}.
 COLUMNS = {"messages": "conversation", "prompt": "question", "answer": "solution"}
@@ -191,20 +190,3 @@ def test_a_column_mapping_renames_only_what_it_names(tmp_path):
     source = config_identity(_data(path))["sources"][0]
     assert "split" not in source and "columns" not in source
     assert config_identity(_data(path, split="x"))["sources"][0]["split"] == "x"
-
-
-def test_sft_on_a_save_to_disk_folder_trains_as_on_its_jsonl(tmp_path, devices):
-    """The SFT driver (configs/sft.py:tiny) on a `save_to_disk` folder with its own column
-    names: the same loss at every step as on the JSONL of the same records."""
-    records = _demo(64)
-    datasets.Dataset.from_list(_renamed(records)).save_to_disk(tmp_path / "saved")
-    losses = []
-    for name, source in [
-        ("jsonl", {"path": _jsonl(tmp_path / "train.jsonl", records)}),
-        ("saved", {"path": str(tmp_path / "saved"), "columns": COLUMNS}),
-    ]:
-        config = small_config(train__steps=3, checkpoint__every=3)
-        config.data.sources = [{"weight": 1.0, "domain": "arithmetic", **source}]
-        run_from_config(config, str(tmp_path / name))
-        losses.append(train_losses(tmp_path / name))
-    assert len(losses[0]) == 3 and losses[0] == losses[1]

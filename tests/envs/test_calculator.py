@@ -146,6 +146,7 @@ def test_episodes_on_two_processes_match_one(calculator_sft, tmp_path, sampler):
         # every episode would make every advantage and loss 0)
         "rewards.domains": {"arithmetic": ["tests.rl.toy:digit_share"]},
         "rollout.sampler_mesh": sampler,
+        "train.trace": True,
     }
     if sampler == "global":
         values["mesh.ici"] = {"data": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 4}
@@ -163,3 +164,17 @@ def test_episodes_on_two_processes_match_one(calculator_sft, tmp_path, sampler):
     assert all(r["reward_std"] > 0 for r in one) and any(r["loss"] != 0 for r in one)
     lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
     assert any(a != b for a, b in lengths), lengths
+    # train.trace: each step one span tree over both processes, each process's environment
+    # steps and tool calls (it runs its share's environments) and generation inside it.
+    from tests.traces import names_below, step_trees
+
+    trees = step_trees(tmp_path / "two")
+    assert sorted(trees) == [1, 2]
+    calls = {0: 0, 1: 0}
+    for root in trees.values():
+        assert sorted(c["process"] for c in root["children"]) == [0, 1]
+        for process_span in root["children"]:
+            below = names_below(process_span)
+            assert below["generate"] == 1 and below["env.step"] >= 1, below
+            calls[process_span["process"]] += below["tool_call"]
+    assert calls[0] > 0 and calls[1] > 0, calls

@@ -13,6 +13,7 @@ from posttrain.demo import ASSETS_DIR
 from posttrain.train import load_checkpoint_model, read_metrics
 from tests.launch import finish, launch, launch_group
 from tests.tolerance import assert_close
+from tests.traces import names_below, step_trees
 
 STEPS = 2
 GRPO, PPO = {"file": "grpo.py"}, {"file": "ppo.py"}  # configs/<file>:tiny
@@ -36,6 +37,7 @@ def _overrides(trained_tiny: str, eval_path: str) -> dict:
         ],  # fmt: skip
         "train__eval_every": 1,
         "checkpoint__async_save": False,
+        "train__trace": True,  # (OpenTelemetry spans, into <workdir>/traces)
     }
 
 
@@ -138,6 +140,21 @@ def test_rl_on_two_processes_matches_one_from_a_trained_start(
     lengths = [(r["response_length/process0"], r["response_length/process1"]) for r in two]
     assert any(a != b for a, b in lengths), lengths
     assert len({r["reward"] for r in one} | {r["loss"] for r in one}) > 1  # not all trivial
+    # train.trace: each step is one span tree over both processes (process 0's root `step`,
+    # a `process` span of each), its generation and each reward call on both.
+    trees = step_trees(tmp_path / "two")
+    assert sorted(trees) == list(range(1, STEPS + 1))
+    for step, root in trees.items():
+        assert root["process"] == 0
+        assert sorted(c["process"] for c in root["children"]) == [0, 1], step
+        for process_span in root["children"]:
+            below = names_below(process_span)
+            assert below["batch"] == below["update"] == 1, below
+            if "rollout__sampler_devices" not in two_extra:  # (decoupled: sampled ahead)
+                assert below["generate"] >= 1 and below["reward"] >= 1, below
+                # this process's share: 4 of the 8 prompts x 4 samples
+                assert below["reward.call"] == 16, below
+    assert sorted(step_trees(tmp_path / "two", "eval")) == [0, 1, STEPS]
 
     evals = [read_metrics(str(tmp_path / w), split="eval") for w in ("two", "one")]
     assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [0, 1, STEPS]

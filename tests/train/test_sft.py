@@ -122,6 +122,30 @@ def test_wandb_and_mlflow_get_the_jsonl_metrics_and_the_runs_parameters(trained)
         (workdir / "manifest.json").read_text())["sources"][0]["files"][0]["sha256"]  # fmt: skip
 
 
+def test_sft_on_a_save_to_disk_folder_trains_as_on_its_jsonl(trained, tmp_path):
+    """The same data as a `datasets` `save_to_disk` folder with its own column names (mapped
+    back by the source's `columns`): its first steps log the fixture's losses exactly (the
+    same batches; the learning rate is still in warm-up, the same for any run length)."""
+    import datasets
+
+    workdir, _ = trained
+    config = small_config(**{"train__steps": 3, "optimizer__warmup_steps": 5})
+    (source,) = config.data.sources
+    names = {"messages": "conversation", "prompt": "question", "answer": "solution"}
+    with open(source["path"]) as f:
+        rows = [json.loads(line) for line in f]
+    renamed = [{names.get(k, k): v for k, v in r.items()} for r in rows]
+    datasets.DatasetDict(train=datasets.Dataset.from_list(renamed)).save_to_disk(tmp_path / "ds")
+    config.data.sources = [{**source, "path": str(tmp_path / "ds"), "split": "train",
+                            "columns": names}]  # fmt: skip
+    run_from_config(config, str(tmp_path / "run"))
+    losses = [r["loss"] for r in read_metrics(str(tmp_path / "run"))]
+    assert losses == [r["loss"] for r in read_metrics(str(workdir))[:3]]
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["sources"][0]["split"] == "train" and manifest["sources"][0]["records"] == len(
+        rows)  # fmt: skip
+
+
 def test_export_writes_an_hf_model_with_the_same_logits(trained, tmp_path):
     workdir, _ = trained
     out = tmp_path / "hf"
