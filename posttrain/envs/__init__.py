@@ -18,6 +18,12 @@ from posttrain.envs._base import (
 from posttrain.envs._builtin import CALCULATOR_SYSTEM, FaultInjection, calculate
 from posttrain.envs._cad import CAD_SYSTEM, cad_env
 from posttrain.envs._cad import describe as describe_measurements
+from posttrain.envs._clarify import (
+    CLARIFY_SYSTEM,
+    ClarifyEnvironment,
+    clarify_tasks,
+    scripted_turns,
+)
 from posttrain.envs._endpoint import EpisodeServer
 from posttrain.envs._episode import FINISH_REASONS, Budget, Episode, episode_metrics
 from posttrain.envs._episodes import Shared, run_episodes
@@ -53,4 +59,8 @@ __all__ = [
     "CAD_SYSTEM",
     "describe_measurements",
     "CALCULATOR_SYSTEM",
+    "CLARIFY_SYSTEM",
+    "ClarifyEnvironment",
+    "clarify_tasks",
+    "scripted_turns",
 ]

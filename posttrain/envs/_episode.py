@@ -45,6 +45,8 @@ class Episode:
         by a successful call or the final answer.
       turn_rewards: per-turn rewards the environment reported (`info["turn_reward"]`).
       tools: the tool schemas the prompt rendered (for SFT on the episode's messages).
+      counts: the environment's own numbers (`Step.info`'s other keys, summed over turns: the
+        clarify environment's `questions`), `episode/<name>` in the metrics.
     """
 
     record: dict
@@ -63,6 +65,7 @@ class Episode:
     recovered: bool = False
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     tools: list[dict] | None = None
+    counts: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def truncated(self) -> bool:
@@ -70,7 +73,8 @@ class Episode:
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Host metrics over episodes: turns, tool calls and error rate, recovery, truncation."""
+    """Host metrics over episodes: turns, tool calls and error rate, recovery, truncation, and
+    the means of the environments' own counts."""
     if not episodes:
         return {}
     calls = sum(e.tool_calls for e in episodes)
@@ -87,6 +91,8 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "episode/tool_s": float(np.mean([e.tool_s for e in episodes])),
         "episode/tokens": float(np.mean([len(e.token_ids) for e in episodes])),
     }
+    for name in sorted({k for e in episodes for k in e.counts}):  # (absent: 0)
+        out[f"episode/{name}"] = float(np.mean([e.counts.get(name, 0.0) for e in episodes]))
     for reason in FINISH_REASONS[1:]:
         out[f"episode/ended_{reason}"] = float(
             np.mean([e.finish_reason == reason for e in episodes])

@@ -228,6 +228,9 @@ def run_episodes(
         ep.tool_s += float(info.get("tool_s", 0.0))
         if "turn_reward" in info:
             ep.turn_rewards.append(float(info["turn_reward"]))
+        for name, value in info.items():  # the environment's own numbers
+            if name not in _COUNTED and isinstance(value, int | float):
+                ep.counts[name] = ep.counts.get(name, 0.0) + float(value)
         if item.erred and (step.done or calls > errors):
             ep.recovered, item.erred = True, False
         item.erred = item.erred or errors > 0
@@ -423,6 +426,9 @@ def _turn_keys(keys, size: int, turns: int) -> tuple[np.ndarray, np.ndarray, np.
         keys = jax.random.key_data(keys)
     data = np.asarray(jax.device_get(keys))  # (host data: placed by the jit's context)
     return tuple(np.asarray(a) for a in jax.device_get(_turn_key_table(data, size, turns)))
+
+
+_COUNTED = ("tool_calls", "tool_errors", "tool_s", "turn_reward")  # (an Episode's own fields)
 
 
 def _traced(name: str, fn, **attributes):

@@ -225,7 +225,11 @@ def test_terminal_qwen25_7b(root, tiny_qwen):
     assert step.done and step.reward == 0.0 and step.info["tests_total"] > 0, step
 
 
-@pytest.mark.parametrize("preset", ["python_tool_qwen25_7b", "terminal_qwen25_7b"])
+# python_tool's (~11 s) in `make test-slow`: the same model, mesh and rows as terminal's; its
+# own run at tiny scale stays (test_python_tool_qwen25_7b).
+@pytest.mark.parametrize(
+    "preset", [pytest.param("python_tool_qwen25_7b", marks=pytest.mark.slow), "terminal_qwen25_7b"]
+)
 def test_full_size_7b_preset(preset, tmp_path, capsys):
     """As shipped (model.hf_path unset), the preset stops before anything runs, saying to set
     it; with Qwen2.5-7B-Instruct's config.json in model.hf_path its train step traces at full

@@ -17,6 +17,7 @@ from posttrain.envs import (
     Environment,
     Step,
     calculate,
+    episode_metrics,
     make_env,
     run_episodes,
 )
@@ -51,7 +52,8 @@ class Chatty(Environment):
     def step(self, message):
         turn = getattr(self, "turn", 0) + 1
         self.turn = turn
-        return Step([{"role": "user", "content": f"go on {turn}"}], None, False, {})
+        # (an environment's own number: summed per episode, averaged as episode/pokes)
+        return Step([{"role": "user", "content": f"go on {turn}"}], None, False, {"pokes": 2})
 
 
 def test_four_turn_episode_is_scored_as_sampled(model, tokenizer):
@@ -66,6 +68,9 @@ def test_four_turn_episode_is_scored_as_sampled(model, tokenizer):
     flat = [ep for group in episodes for ep in group]
     assert [ep.turns for ep in flat] == [4, 4, 4, 4]
     assert all(ep.finish_reason == "turns" and ep.truncated for ep in flat)
+    # The environment answered 4 turns (the 4th's answer is dropped: no 5th turn).
+    assert [ep.counts for ep in flat] == [{"pokes": 8.0}] * 4
+    assert episode_metrics(flat)["episode/pokes"] == 8.0
     # Observations are the rendered difference: their text is in the episode, mask 0.
     for ep in flat:
         observed = [t for t, m in zip(ep.token_ids, ep.mask, strict=True) if not m]

@@ -120,6 +120,10 @@ def test_a_checkpoint_of_another_module_is_refused(sft_run, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+# Slow (~30 s): what it meets is met in the default suite apart: the engine decodes an NNX
+# module as posttrain's own Llama (tests/models/test_nnx.py), GRPO's loss and gradients through
+# one equal its (same file), and GRPO raises the toy reward (tests/rl/test_grpo.py).
+@pytest.mark.slow
 def test_grpo_reward_rises_on_the_toy_task(tmp_path):
     """GRPO (rollouts on the engine) from the module's random init, with the toy digit reward."""
     nnx = load_config_file(os.path.join(REPO, "configs", "nnx.py:grpo"))

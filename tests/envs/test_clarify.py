@@ -1,0 +1,92 @@
+"""The `clarify` environment: a scripted policy that asks for what the request leaves out scores
+more than one that never asks or asks everything; the scripted user answers from the full
+specification, costs every question and charges more for what the request already said; the
+final program runs against the hidden tests in the sandbox."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from posttrain.envs import CLARIFY_SYSTEM, clarify_tasks, make_env, scripted_turns
+from posttrain.envs._clarify import FAMILIES, QUESTION_COST, REDUNDANT_COST, UNKNOWN
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+ASSETS = "posttrain/envs/assets/clarify_tasks.jsonl"
+
+
+def _play(record, turns):
+    """(reward, the user's replies, the last step's info) of an episode played by `turns`."""
+    env = make_env("clarify", record)
+    assert env.reset()[0] == {"role": "system", "content": CLARIFY_SYSTEM}
+    replies = []
+    for turn in turns:
+        step = env.step({"role": "assistant", "content": turn})
+        if step.done:
+            return step.reward, replies, step.info
+        replies.append(step.observations[0]["content"])
+    raise AssertionError("the episode did not end at the code")
+
+
+def test_asking_what_is_missing_scores_more_than_not_asking_or_asking_everything():
+    tasks = clarify_tasks(24, seed=1)  # every family 4 times
+    assert {t["spec"]["family"] for t in tasks} == {f.name for f in FAMILIES}
+    rewards = {"hidden": [], "all": [], "none": []}
+    for task in tasks:
+        facts = task["spec"]["facts"]
+        hidden = sum(not f["shown"] for f in facts)
+        shown = len(facts) - hidden
+        reward, replies, info = _play(task, scripted_turns(task, "hidden"))
+        # Each question got its fact's answer; the code then passes every hidden test.
+        assert replies == [f["answer"] for f in facts if not f["shown"]], replies
+        assert info["tests_passed"] == 1.0
+        assert reward == pytest.approx(1 - QUESTION_COST * hidden)
+        rewards["hidden"].append(reward)
+        reward, _, info = _play(task, scripted_turns(task, "all"))
+        assert info["tests_passed"] == 1.0
+        assert reward == pytest.approx(1 - QUESTION_COST * len(facts) - REDUNDANT_COST * shown)
+        rewards["all"].append(reward)
+        reward, _, info = _play(task, scripted_turns(task, []))  # guesses what was left out
+        assert info["tests_passed"] < 1.0, task["spec"]
+        rewards["none"].append(reward)
+    means = {k: float(np.mean(v)) for k, v in rewards.items()}
+    assert means["hidden"] > means["all"] and means["hidden"] > means["none"] + 0.3, means
+
+
+def test_the_user_answers_from_the_full_specification():
+    task = next(t for t in clarify_tasks(12, seed=3) if t["spec"]["family"] == "truncate"
+                and [f["shown"] for f in t["spec"]["facts"]] == [False, True])  # fmt: skip
+    length, suffix = task["spec"]["facts"]
+    code = f"```python\n{task['solution']}```"
+    # A question that names no fact: "I don't know", and it still costs.
+    reward, replies, _ = _play(task, ["Which language should I use?", code])
+    assert replies == [UNKNOWN] and reward == pytest.approx(1 - QUESTION_COST)
+    # What the request said already: answered, and charged as redundant.
+    reward, replies, _ = _play(task, ["What suffix marks a cut text?", code])
+    assert replies == [suffix["answer"]]
+    assert reward == pytest.approx(1 - QUESTION_COST - REDUNDANT_COST)
+    # One question naming both facts gets both; not redundant (one was hidden).
+    reward, replies, _ = _play(task, ["How many characters, and what suffix?", code])
+    assert replies == [f"{length['answer']} {suffix['answer']}"]
+    assert reward == pytest.approx(1 - QUESTION_COST)
+    # The reward never goes below 0.
+    reward, _, _ = _play(task, ["What is the suffix?"] * 12 + [code])
+    assert reward == 0.0
+
+
+def test_the_final_program_runs_contained_and_bad_records_are_refused(tmp_path):
+    task = clarify_tasks(1, seed=0)[0]
+    canary = tmp_path / "escaped"
+    hostile = f"```python\nopen({str(canary)!r}, 'w').write('x')\nwhile True:\n    pass\n```"
+    reward, _, info = _play(task, [hostile])
+    assert reward == 0.0 and info["tests_passed"] == 0.0 and not canary.exists()
+    with pytest.raises(ValueError, match="a clarify record needs 'spec'"):
+        make_env("clarify", {"prompt": "Write a function."})
+
+
+def test_the_bundled_set_is_the_generators():
+    with open(ASSETS) as f:
+        bundled = [json.loads(line) for line in f]
+    assert bundled == json.loads(json.dumps(clarify_tasks(60, seed=0)))
+    assert all(any(not f["shown"] for f in t["spec"]["facts"]) for t in bundled)
