@@ -15,8 +15,13 @@ Presets:
                          prompts (set model.hf_path and data.sources); v5p-64.
   terminal_qwen25_7b     the terminal environment (bash and file tools in a per-episode sandboxed
                          workspace, reward = hidden tests) on the bundled tasks.
+  clarify_sft            warm start of the tiny model on scripted `clarify` episodes (incomplete
+                         coding requests): half ask for what is missing, half guess.
+  clarify                GRPO with the `clarify` environment (a scripted user, hidden tests, a cost
+                         per question) from clarify_sft's run (runs/clarify/sft).
 The calculator presets read runs/agent/assets (written by `posttrain demo --task=calculator`,
-or posttrain.demo.build_calculator_assets). Every field of configs/grpo.py applies.
+or posttrain.demo.build_calculator_assets), the clarify ones runs/clarify/assets
+(posttrain.demo.build_clarify_assets). Every field of configs/grpo.py applies.
 """
 
 import os
@@ -32,7 +37,10 @@ PRESETS = (
     "calculator_faults",
     "python_tool_qwen25_7b",
     "terminal_qwen25_7b",
+    "clarify_sft",
+    "clarify",
 )
+_CLARIFY = os.path.join("runs", "clarify")
 
 
 def _source(path, domain):
@@ -83,6 +91,50 @@ def get_config(preset: str = "calculator"):
                 "train.log_every": 1,
                 "train.eval_every": 8,
                 "checkpoint.every": 16,
+            },
+        )
+    if preset == "clarify_sft":
+        c = load_config_file(os.path.join(_HERE, "sft.py") + ":tiny")
+        return override(
+            c,
+            {
+                "tokenizer": os.path.join(_CLARIFY, "assets", "tokenizer"),
+                "data.sources": [_source(os.path.join(_CLARIFY, "assets", "sft.jsonl"), "clarify")],
+                "eval_data": [],
+                "data.max_len": 256,  # an episode is ~180 tokens, at most 256
+                "data.batch_size": 16,
+                "train.steps": 600,
+                "train.log_every": 20,
+                "train.eval_every": 0,
+                "checkpoint.every": 300,
+                "optimizer.warmup_steps": 20,
+            },
+        )
+    if preset == "clarify":
+        c = load_config_file(os.path.join(_HERE, "grpo.py") + ":tiny")
+        return override(
+            c,
+            {
+                "model.checkpoint": os.path.join(_CLARIFY, "sft"),
+                "tokenizer": os.path.join(_CLARIFY, "assets", "tokenizer"),
+                "data.sources": [
+                    _source(os.path.join(_CLARIFY, "assets", "train.jsonl"), "clarify")
+                ],  # fmt: skip
+                "eval_data": [],
+                "data.batch_size": 8,
+                "rollout.num_generations": 8,
+                "rollout.max_prompt_len": 128,
+                "rollout.max_new_tokens": 256,
+                "env.name": "clarify",
+                "env.max_turns": 4,
+                "env.turn_tokens": 96,
+                "rollout.sampling.temperature": 1.0,
+                "optimizer.learning_rate": 2e-4,
+                "optimizer.warmup_steps": 5,
+                "train.steps": 20,
+                "train.log_every": 1,
+                "train.eval_every": 0,
+                "checkpoint.every": 20,
             },
         )
     c = load_config_file(os.path.join(_HERE, "grpo.py") + ":qwen3_8b_v5p")

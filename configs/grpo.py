@@ -68,6 +68,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout = ml_collections.ConfigDict()
     c.rollout.num_generations = 8  # completions per prompt (group size)
     c.rollout.max_prompt_len = 512  # longer prompts are skipped (counted)
+    # {domain: tokens}: prompts of these domains over budget keep the question and the most
+    # relevant passages of their record's "document" (dynamic truncation) instead of being skipped
+    c.rollout.fit_documents = {}
     c.rollout.max_new_tokens = 1024  # completion budget
     c.rollout.sampling = ml_collections.ConfigDict()  # how each token is drawn
     c.rollout.sampling.temperature = 1.0  # 0 is greedy; > 0 samples softmax(logits / T)

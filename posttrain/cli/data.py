@@ -24,6 +24,8 @@ VERBS: dict[str, str] = {
     "pairs": "on-policy preference pairs from a checkpoint: k samples per prompt, scored, "
     "chosen/rejected with margins",
     "synth": "rejection-sampled SFT data from a teacher checkpoint (generate, verify, keep)",
+    "index": "a BM25 index of documents' passages for the retrieval environment (built once, "
+    "reused)",
     "cad": "CAD tasks from the bundled generator: RL prompts, SFT chats and tool-call "
     "trajectories from reference scripts, a tokenizer",
 }

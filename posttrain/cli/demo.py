@@ -1,6 +1,7 @@
 """`posttrain demo`: SFT, DPO and GRPO of the bundled tiny model on the arithmetic task, or
 (`--task=calculator`) SFT and GRPO of an agent that learns to use a calculator tool, or
-(`--task=cad`) SFT and GRPO of a model that writes CAD scripts."""
+(`--task=clarify`) of one that learns to ask before it codes, or (`--task=cad`) SFT and GRPO of
+a model that writes CAD scripts."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from posttrain.cli._flags import check_folder, parse
 HELP = (
     "SFT, DPO and GRPO of a tiny model on a bundled arithmetic task, on CPU (~7 minutes); "
     "with --task=calculator, SFT and GRPO of an agent that learns to call a calculator tool; "
-    "with --task=cad, SFT and GRPO of a model that writes CAD scripts (renders before/after).",
+    "with --task=clarify, SFT and GRPO of one that learns to ask what a coding request leaves "
+    "out; with --task=cad, SFT and GRPO of a model that writes CAD scripts (renders "
+    "before/after).",
     [
         "posttrain demo --workdir=runs/demo",
         "posttrain demo --task=calculator --workdir=runs/agent",
+        "posttrain demo --task=clarify --workdir=runs/clarify",
         "posttrain demo --task=cad --workdir=runs/cad",
     ],
 )
@@ -24,9 +28,10 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_enum(
             "task",
             "arithmetic",
-            ["arithmetic", "calculator", "cad"],
+            ["arithmetic", "calculator", "clarify", "cad"],
             "arithmetic: SFT, DPO and GRPO; calculator: an agent learns to call a tool; "
-            "cad: a model learns to write CAD scripts",
+            "clarify: an agent learns to ask before it codes; cad: a model learns to write CAD "
+            "scripts",
             flag_values=fv,
         )
         flags.DEFINE_enum(
@@ -45,6 +50,11 @@ def main(argv: list[str]) -> int:
         from posttrain.demo import run_calculator_demo
 
         run_calculator_demo(fv.workdir or "runs/agent")
+        return 0
+    if fv.task == "clarify":
+        from posttrain.demo import run_clarify_demo
+
+        run_clarify_demo(fv.workdir or "runs/clarify")
         return 0
     if fv.task == "cad":
         from posttrain.demo import run_cad_demo

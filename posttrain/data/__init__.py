@@ -55,6 +55,13 @@ from posttrain.data._preference_data import (
     make_preference_pipeline,
     preference_batches,
 )
+from posttrain.data._retrieval import (
+    RetrievalIndex,
+    build_index,
+    fit_document,
+    fit_prompt,
+    passages_of,
+)
 from posttrain.data._sources import Records, SourceConfig, canonical_identity, check_columns
 from posttrain.data._tokenizer import Tokenizer, load_tokenizer
 from posttrain.data._tools import (
@@ -89,6 +96,11 @@ __all__ = [
     "SFTData",
     "SourceConfig",
     "check_columns",
+    "RetrievalIndex",
+    "build_index",
+    "fit_document",
+    "fit_prompt",
+    "passages_of",
     "TEXT_KEYS",
     "TOOL_FORMATS",
     "Tokenizer",

@@ -16,6 +16,7 @@ __all__ = [
     "build_assets",
     "build_cad_assets",
     "build_calculator_assets",
+    "build_clarify_assets",
     "build_tokenizer",
     "extract_answer",
     "greedy_accuracy",
@@ -27,6 +28,7 @@ __all__ = [
     "problem_key",
     "run_cad_demo",
     "run_calculator_demo",
+    "run_clarify_demo",
     "run_demo",
     "write_task",
 ]
@@ -47,6 +49,10 @@ def __getattr__(name):
         from posttrain.demo import _shapes
 
         return getattr(_shapes, name)
+    if name in ("build_clarify_assets", "run_clarify_demo"):
+        from posttrain.demo import _clarify
+
+        return getattr(_clarify, name)
     if name in ("build_cad_assets", "run_cad_demo"):
         from posttrain.demo import _cad
 

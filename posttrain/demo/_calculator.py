@@ -147,21 +147,14 @@ def run_calculator_demo(
       "sft_seconds", "rl_seconds"}.
     """
     import os
-    import time
 
-    import jax
     from rich.console import Console
     from rich.table import Table
 
-    from posttrain.config import load_config_file, override
     from posttrain.data import load_tokenizer
-    from posttrain.methods import method_config
-    from posttrain.models import Transformer
+    from posttrain.demo._stages import sft_then_grpo
 
     console = Console()
-    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "agent.py")
-    for stale in ("sft", "grpo"):  # a demo starts from scratch (a workdir would resume)
-        shutil.rmtree(os.path.join(workdir, stale), ignore_errors=True)
     assets = build_calculator_assets(os.path.join(workdir, "assets"))
     tokenizer = load_tokenizer(assets["tokenizer"])
     held_out = [json.loads(line) for line in open(assets["eval"])]
@@ -169,37 +162,24 @@ def run_calculator_demo(
     def source(path, domain):
         return {"path": path, "weight": 1.0, "domain": domain, "format": "auto"}
 
-    sft_dir, rl_dir = os.path.join(workdir, "sft"), os.path.join(workdir, "grpo")
-    values = {"tokenizer": assets["tokenizer"], "data.sources": [source(assets["sft"], "calc")]}
-    sft_dict = override(
-        load_config_file(f"{configs}:calculator_sft"), {**values, **(sft_overrides or {})}
-    )
-    sft_method, sft = method_config(sft_dict)  # (the methods' records: posttrain.methods)
-    console.print(f"stage 1 · SFT from scratch: {sft.train.steps} steps on solved episodes")
-    start = time.perf_counter()
-    summary = sft_method.run(sft, sft_dir)
-    sft_seconds = time.perf_counter() - start
-    model = Transformer(jax.device_get(summary["state"].params), summary["model_config"])
-    before = _measure(jax.device_put(model), tokenizer, held_out)
-
+    sft_values = {"tokenizer": assets["tokenizer"], "data.sources": [source(assets["sft"], "calc")]}
     rl_values = {
-        "model.checkpoint": sft_dir,
         "tokenizer": assets["tokenizer"],
         "data.sources": [source(assets["train"], "arithmetic")],
         "eval_data": [source(assets["eval"], "arithmetic")],
-        **(rl_overrides or {}),
     }
-    rl_dict = override(load_config_file(f"{configs}:calculator"), rl_values)
-    rl_method, rl = method_config(rl_dict)
-    console.print(
-        f"stage 2 · GRPO with the calculator: {rl.train.steps} steps of {rl.data.batch_size} "
-        f"problems x {rl.rollout.num_generations} episodes"
-    )
-    start = time.perf_counter()
-    rl_summary = rl_method.run(rl, rl_dir)
-    rl_seconds = time.perf_counter() - start
-    policy = Transformer(jax.device_get(rl_summary["state"].params), rl_summary["model_config"])
-    after = _measure(jax.device_put(policy), tokenizer, held_out)
+    runs = sft_then_grpo(
+        workdir,
+        ("calculator_sft", "calculator"),
+        ({**sft_values, **(sft_overrides or {})}, {**rl_values, **(rl_overrides or {})}),
+        lambda model: _measure(model, tokenizer, held_out),
+        ("SFT from scratch: {config.train.steps} steps on solved episodes",
+         "GRPO with the calculator: {config.train.steps} steps of {config.data.batch_size} "
+         "problems x {config.rollout.num_generations} episodes"),
+        console,
+    )  # fmt: skip
+    before, after = runs["sft"], runs["rl"]
+    sft_seconds, rl_seconds = runs["sft_seconds"], runs["rl_seconds"]
 
     table = Table(title=f"held-out problems ({len(held_out)})")
     columns = ("stage", "solved, sampled", "tool use, sampled", "solved, greedy", "train time")

@@ -21,6 +21,7 @@ from posttrain.envs._cad import describe as describe_measurements
 from posttrain.envs._clarify import (
     CLARIFY_SYSTEM,
     ClarifyEnvironment,
+    clarify_episode,
     clarify_tasks,
     scripted_turns,
 )
@@ -28,6 +29,14 @@ from posttrain.envs._endpoint import EpisodeServer
 from posttrain.envs._episode import FINISH_REASONS, Budget, Episode, episode_metrics
 from posttrain.envs._episodes import Shared, run_episodes
 from posttrain.envs._pool import ElasticPool
+from posttrain.envs._retrieval import (
+    RETRIEVAL_SYSTEM,
+    RetrievalEnvironment,
+    cited_answer,
+    context_records,
+    long_document_tasks,
+    retrieval_records,
+)
 from posttrain.envs._terminal import TerminalEnvironment, TerminalOptions, terminal_tasks
 
 __all__ = [
@@ -61,6 +70,13 @@ __all__ = [
     "CALCULATOR_SYSTEM",
     "CLARIFY_SYSTEM",
     "ClarifyEnvironment",
+    "clarify_episode",
     "clarify_tasks",
     "scripted_turns",
+    "RETRIEVAL_SYSTEM",
+    "RetrievalEnvironment",
+    "cited_answer",
+    "context_records",
+    "long_document_tasks",
+    "retrieval_records",
 ]

@@ -350,4 +350,16 @@ def _guess(family: _Family, values: dict, unknown: set[str]) -> dict:
     raise AssertionError(f"no other draw of {family.name} differs in {sorted(unknown)}")
 
 
+def clarify_episode(record: dict, *, ask: bool) -> dict:
+    """The SFT record of a scripted episode: the hidden facts asked for, then the right code
+    (`ask`), or the code at once with guesses for them."""
+    messages = [{"role": "system", "content": CLARIFY_SYSTEM},
+                {"role": "user", "content": record["prompt"]}]  # fmt: skip
+    turns = scripted_turns(record, "hidden" if ask else [])
+    for turn in turns[:-1]:
+        messages += [{"role": "assistant", "content": turn},
+                     {"role": "user", "content": answer(record["spec"], turn)[0]}]  # fmt: skip
+    return {"messages": [*messages, {"role": "assistant", "content": turns[-1]}]}
+
+
 register_env("clarify", clarify_env, rewards=True)

@@ -177,6 +177,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
         process_index=0,
         process_count=1,
         images=images,
+        fit_documents=c.rollout.fit_documents,
     )
     for field in ("kl.domain_scale", "domains.lr_scale"):
         section, name = field.split(".")
@@ -205,6 +206,7 @@ def run_rl(config: RLConfig, workdir: str, *, on_metrics=None) -> dict:
             process_index=0,
             process_count=1,
             images=images,
+            fit_documents=c.rollout.fit_documents,
         )
     registry = c.rewards.registry()
     domains = prompts.domains

@@ -26,6 +26,10 @@ from posttrain.train import CheckpointConfig, LoopConfig, OptimizerConfig
 class RolloutConfig:
     num_generations: int = 8  # completions per prompt (the group size G)
     max_prompt_len: int = 512  # longer prompts are left out (counted)
+    # {domain: tokens}: a prompt of these domains over its budget (or max_prompt_len) keeps
+    # the question and the passages of its record's "document" most relevant to it, as many
+    # as fit (dynamic truncation), instead of being left out
+    fit_documents: dict = dataclasses.field(default_factory=dict)
     max_new_tokens: int = 512  # completion budget; cut completions count as truncated
     sampling: SamplingParams = SamplingParams(temperature=1.0)  # how each token is drawn
     dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, draw prompts to refill

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from posttrain.data import (
     config_identity,
     decode,
     encode_prompt,
+    fit_prompt,
     flatten_record,
     has_images,
     image_root,
@@ -92,10 +94,12 @@ class PromptData:
         process_index: int | None = None,
         process_count: int | None = None,
         images: ImageSpec | None = None,
+        fit_documents: Mapping[str, int] | None = None,
     ):
         pi, pc, tokenizer = process_share(config, tokenizer, process_index, process_count)
+        fit_documents = dict(fit_documents or {})
         self.rows = config.batch_size // pc
-        counts = dict.fromkeys(("read", "used", "malformed", "overlong"), 0)
+        counts = dict.fromkeys(("read", "used", "malformed", "overlong", "fitted"), 0)
         errors: list[str] = []
         self.prompts: list[dict[str, Any]] = []
         members: list[list[int]] = []
@@ -124,7 +128,13 @@ class PromptData:
                     if len(errors) < _KEPT_ERRORS:
                         errors.append(f"{where}: {e}")
                     continue
-                if len(ids) > max_prompt_len:
+                budget = min(fit_documents.get(domain, max_prompt_len), max_prompt_len)
+                if len(ids) > budget and domain in fit_documents and not refs:
+                    fitted = fit_prompt(record, tokenizer, budget)
+                    if fitted is not None:  # dynamic truncation: the relevant passages
+                        record, ids = fitted, encode_prompt(fitted, tokenizer)
+                        counts["fitted"] += 1
+                if len(ids) > budget:
                     counts["overlong"] += 1
                     continue
                 counts["used"] += 1

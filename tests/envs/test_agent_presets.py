@@ -34,6 +34,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 AGENT = os.path.join(REPO, "configs", "agent.py")
 RUN_HERE = ("calculator_sft", "calculator", "calculator_faults", "python_tool_qwen25_7b",
             "terminal_qwen25_7b")  # fmt: skip
+# Presets of the tiny model run at their own size elsewhere.
+RUN_ELSEWHERE = {
+    "clarify_sft": "tests/envs/test_clarify.py::test_a_tiny_model_learns_to_ask (slow)",
+    "clarify": "tests/envs/test_clarify.py::test_a_tiny_model_learns_to_ask (slow)",
+}
 SFT_STEPS = 40  # loss falls; calling the tool takes ~100 (test_calculator.py's slow test)
 TINY_RL = {  # what size requires of a GRPO preset on 8 CPU devices
     "data.batch_size": 4,  # x 2 episodes: one row per device
@@ -100,7 +105,7 @@ def test_every_preset_runs_here():
     spec = importlib.util.spec_from_file_location("agent_presets_config", AGENT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert sorted(module.PRESETS) == sorted(RUN_HERE)
+    assert sorted(module.PRESETS) == sorted([*RUN_HERE, *RUN_ELSEWHERE])
 
 
 @pytest.fixture(scope="module")

@@ -90,3 +90,20 @@ def test_the_bundled_set_is_the_generators():
         bundled = [json.loads(line) for line in f]
     assert bundled == json.loads(json.dumps(clarify_tasks(60, seed=0)))
     assert all(any(not f["shown"] for f in t["spec"]["facts"]) for t in bundled)
+
+
+@pytest.mark.slow  # ~4 minutes: `posttrain demo --task=clarify`
+def test_a_tiny_model_learns_to_ask(tmp_path, devices):
+    """configs/agent.py:clarify_sft warm-starts the tiny model on scripted episodes (half ask,
+    half guess), then configs/agent.py:clarify's GRPO: on held-out tasks the model asks more
+    often and its reward rises (measured 2026-12-06: asked 52% -> 80%, questions per episode
+    0.64 -> 0.98, reward 0.70 -> 0.79, tests passed 73% -> 83%; docs/agents.md)."""
+    from posttrain.demo import run_clarify_demo
+
+    result = run_clarify_demo(str(tmp_path), sft_overrides={"train.progress": False},
+                              rl_overrides={"train.progress": False})  # fmt: skip
+    before, after = result["sft"], result["rl"]
+    assert 0.2 < before["asked"] < 0.8, before  # the warm start asks some of the time
+    assert after["asked"] >= before["asked"] + 0.15, (before, after)
+    assert after["reward"] > before["reward"] + 0.03, (before, after)
+    assert after["redundant"] <= 0.1, after
