@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || echo "bubblewrap (bwrap) missing: the sandbox tests will be skipped; apt-get install bubblewrap"
 	$(PY) -m ruff check posttrain tests benchmarks configs notebooks tpu_scripts
-	$(PY) -m pytest -n 3 --durations=40
+	$(PY) -m pytest -n 2 --durations=40
 
 test-slow: $(STAMP)
 	POSTTRAIN_TEST_COMPILE=optimized $(PY) -m pytest -n 2 -m slow --durations=15

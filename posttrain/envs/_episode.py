@@ -91,10 +91,11 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "episode/tool_s": float(np.mean([e.tool_s for e in episodes])),
         "episode/tokens": float(np.mean([len(e.token_ids) for e in episodes])),
     }
-    for name in sorted({k for e in episodes for k in e.counts}):  # (absent: 0)
-        out[f"episode/{name}"] = float(np.mean([e.counts.get(name, 0.0) for e in episodes]))
     for reason in FINISH_REASONS[1:]:
         out[f"episode/ended_{reason}"] = float(
             np.mean([e.finish_reason == reason for e in episodes])
         )
+    for name in sorted({k for e in episodes for k in e.counts}):  # (absent: 0)
+        if f"episode/{name}" not in out:  # (the loop's own metrics keep their meaning)
+            out[f"episode/{name}"] = float(np.mean([e.counts.get(name, 0.0) for e in episodes]))
     return out

@@ -52,8 +52,10 @@ class Chatty(Environment):
     def step(self, message):
         turn = getattr(self, "turn", 0) + 1
         self.turn = turn
-        # (an environment's own number: summed per episode, averaged as episode/pokes)
-        return Step([{"role": "user", "content": f"go on {turn}"}], None, False, {"pokes": 2})
+        # (an environment's own numbers: summed per episode, averaged as episode/pokes; one
+        # named like the loop's own metric does not replace it)
+        info = {"pokes": 2, "turns": 99}
+        return Step([{"role": "user", "content": f"go on {turn}"}], None, False, info)
 
 
 def test_four_turn_episode_is_scored_as_sampled(model, tokenizer):
@@ -69,8 +71,9 @@ def test_four_turn_episode_is_scored_as_sampled(model, tokenizer):
     assert [ep.turns for ep in flat] == [4, 4, 4, 4]
     assert all(ep.finish_reason == "turns" and ep.truncated for ep in flat)
     # The environment answered 4 turns (the 4th's answer is dropped: no 5th turn).
-    assert [ep.counts for ep in flat] == [{"pokes": 8.0}] * 4
-    assert episode_metrics(flat)["episode/pokes"] == 8.0
+    assert [ep.counts for ep in flat] == [{"pokes": 8.0, "turns": 396.0}] * 4
+    metrics = episode_metrics(flat)
+    assert metrics["episode/pokes"] == 8.0 and metrics["episode/turns"] == 4.0
     # Observations are the rendered difference: their text is in the episode, mask 0.
     for ep in flat:
         observed = [t for t, m in zip(ep.token_ids, ep.mask, strict=True) if not m]
