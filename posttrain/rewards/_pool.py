@@ -35,7 +35,6 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from posttrain.parallel import tracing
 from posttrain.rewards._registry import (
     RewardRegistry,
     RewardTerm,
@@ -197,6 +196,9 @@ class RewardPool:
                 result = results[i] or RewardResult(0.0, {}, d, "ok", 0.0)  # only model terms
                 results[i] = _add_model_terms(result, terms[d], model_outputs[i], model_seconds)
         _tally(self._totals, results)
+        # (imported here: a worker process imports this module, and needs no jax)
+        from posttrain.parallel import tracing
+
         for i, sent in self._sent.items() if tracing.enabled() else ():
             r = results[i]
             tracing.record("reward.call", sent, sent + int(r.seconds * 1e9), domain=r.domain,
@@ -242,7 +244,7 @@ class RewardPool:
                 continue
             now = time.monotonic()
             w.task = (i, now, now + self._timeout(domains[i]))
-            self._sent[i] = tracing.now_ns()
+            self._sent[i] = time.time_ns()
 
     def _wait(self) -> None:
         deadlines = [w.task[2] for w in self._workers if w.task] + [

@@ -237,3 +237,14 @@ def test_a_reward_returning_a_bare_float_is_counted_and_named(pool, caplog):
     assert component_means(totals)["reward_errors"] == 0.75
     (warning,) = [r.message for r in caplog.records]
     assert "'returns_a_float'" in warning and "must return (score, info dict), got 0.5" in warning
+
+
+def test_a_reward_worker_imports_no_jax():
+    """A worker process imports the pool's module (and the rewards package): it must not pull
+    in jax (~1 s and hundreds of modules per worker start); tracing is imported lazily."""
+    import subprocess
+    import sys
+
+    program = "import sys, posttrain.rewards._pool; print('jax' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
