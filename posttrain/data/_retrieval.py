@@ -172,25 +172,43 @@ class RetrievalIndex:
         return None if i is None else self.passages[i]
 
 
+_JOIN = " ... "
+
+
 def fit_document(question: str, document: str, count_tokens: Callable[[str], int],
                  max_tokens: int, *, passage_words: int = 60) -> str:  # fmt: skip
     """What fits of `document` in `max_tokens` (as `count_tokens` counts): the whole document if
     it fits, else its passages most relevant to `question` (BM25 over the document's passages),
-    as many as fit, in document order, joined by " ... ". Empty when not even one fits."""
+    as many as fit, in document order, joined by " ... ". Empty when not even one fits.
+
+    Each passage and the joint are counted once and summed; a join may tokenize a little
+    differently, which `fit_prompt` checks on the whole prompt."""
     if count_tokens(document) <= max_tokens:
         return document
+    return _fit(_ranked(question, document, passage_words, count_tokens), max_tokens)
+
+
+def _ranked(question: str, document: str, passage_words: int, count_tokens) -> list:
+    """(passages, their indices most relevant first, their token counts, the joint's)."""
     import bm25s
 
     passages = passages_of(document, passage_words)
     retriever = bm25s.BM25()
     retriever.index(_tokenize(passages), show_progress=False)
     found = retriever.retrieve(_tokenize([question]), k=len(passages), show_progress=False)
-    kept: list[int] = []
-    for i in (int(j) for j in found.documents[0]):
-        trial = sorted([*kept, i])
-        if count_tokens(" ... ".join(passages[j] for j in trial)) <= max_tokens:
-            kept = trial
-    return " ... ".join(passages[j] for j in kept)
+    order = [int(j) for j in found.documents[0]]
+    return [passages, order, [count_tokens(p) for p in passages], count_tokens(_JOIN)]
+
+
+def _fit(ranked: list, max_tokens: int) -> str:
+    passages, order, sizes, joint = ranked
+    kept, used = [], 0
+    for i in order:  # the most relevant first; any later one that still fits too
+        extra = sizes[i] + (joint if kept else 0)
+        if used + extra <= max_tokens:
+            kept.append(i)
+            used += extra
+    return _JOIN.join(passages[j] for j in sorted(kept))
 
 
 def fit_prompt(record: dict, tokenizer, max_tokens: int) -> dict | None:
@@ -226,8 +244,9 @@ def fit_prompt(record: dict, tokenizer, max_tokens: int) -> dict | None:
     asked = with_document("")["prompt"]  # what the prompt says beside the document
     question = asked if isinstance(asked, str) else " ".join(str(m["content"]) for m in asked)
     count = lambda text: len(tokenizer.encode(text))  # noqa: E731
+    ranked = _ranked(question, document, 60, count)  # (ranked and counted once)
     while budget > 0:  # (a join can merge tokens differently: shrink until it fits)
-        fitted = with_document(fit_document(question, document, count, budget))
+        fitted = with_document(_fit(ranked, budget))
         if len(encode_prompt(fitted, tokenizer)) <= max_tokens:
             return fitted
         budget -= 8

@@ -34,13 +34,8 @@ from posttrain.rewards._judge import (
     parse_judge_ref,
 )
 from posttrain.rewards._math import extract_answer, math_equal, math_reward
-from posttrain.rewards._pool import (
-    RewardPool,
-    RewardResult,
-    component_means,
-    summarize,
-    tally_components,
-)
+from posttrain.rewards._parts import component_means, tally_components
+from posttrain.rewards._pool import RewardPool, RewardResult, summarize
 from posttrain.rewards._registry import (
     RewardFn,
     RewardRegistry,

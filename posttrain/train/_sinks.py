@@ -14,6 +14,7 @@ that fails mid-run (a server gone) costs its own metrics, with one warning, neve
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import os
@@ -84,7 +85,7 @@ def _keep_run_id(workdir: str, tracker: str, run_id: str) -> None:
     paths.write_text(paths.path(workdir) / "tracking.json", json.dumps(ids, indent=2) + "\n")
 
 
-class _Sink:
+class _Sink(abc.ABC):
     """A tracker; `write` swallows its errors after the first warning."""
 
     name = ""
@@ -104,11 +105,13 @@ class _Sink:
                 "has every value)", self.name, type(e).__name__, str(e)[:300],
             )  # fmt: skip
 
-    def _write(self, step, split, values) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _write(self, step: int, split: str, values: dict[str, float]) -> None:
+        """Logs one step's values of one split."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        pass
+        """Ends the tracker run."""
 
 
 class WandbSink(_Sink):

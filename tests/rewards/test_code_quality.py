@@ -188,3 +188,5 @@ def test_lint_reports_findings_by_group():
     assert failure is None and counts == {**dict.fromkeys(LINT_GROUPS, 0), "errors": 2}
     counts, failure = lint("def f(:\n")  # a program that does not parse earns nothing
     assert counts == {} and failure.startswith("syntax_error"), failure
+    counts, failure = lint(CLEAN, timeout_s=0.001)  # a linter that cannot finish: nothing
+    assert (counts, failure) == ({}, "lint_timeout")

@@ -49,19 +49,23 @@ def test_a_resumed_run_logs_into_the_same_mlflow_run(tmp_path, monkeypatch):
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     params = {"config": {"train": {"steps": 4}}, "data_builds": "none"}
-    for steps in ((1, 2), (3, 4)):  # a run, then the same workdir resumed
+    # A run killed after logging step 3 whose checkpoint is at 2, then resumed from 2: step 3
+    # is logged again.
+    for resume, steps in ((None, (1, 2, 3)), (2, (3, 4))):
         writer = MetricsWriter(str(tmp_path), log_to=("jsonl", "mlflow"), params=params,
-                               resume_step=steps[0] - 1)  # fmt: skip
+                               resume_step=resume)  # fmt: skip
         for step in steps:
             writer.write(step, {"loss": 1.0 / step, "pass@1": 0.5})
         writer.close()
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4]  # the JSONL: once
     run_id = json.loads((tmp_path / "tracking.json").read_text())["mlflow"]
     client = MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}")
     (experiment,) = [e for e in client.search_experiments() if e.name == "posttrain"]
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
     history = client.get_metric_history(run_id, "train/loss")
     assert {m.step: m.value for m in history} == {s: 1.0 / s for s in range(1, 5)}
-    assert len(client.get_metric_history(run_id, "train/pass_1")) == 4
+    assert sorted(m.step for m in history) == [1, 2, 3, 3, 4]  # MLflow keeps both step 3s
+    assert len(client.get_metric_history(run_id, "train/pass_1")) == 5
     assert client.get_run(run_id).data.params == {"config.train.steps": "4", "data_builds": "none"}
 
 

@@ -19,7 +19,7 @@ class _Receiver(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
     def log_message(self, *args):
-        pass
+        """Quiet: http.server would print a line per request."""
 
 
 def test_spans_go_to_an_otlp_collector_when_one_is_configured(tmp_path):
