@@ -5,10 +5,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-slow test-perturbed demo lint format clean
 
+# uv installs the dev environment in ~15 s where pip takes ~85 s (both with empty caches, on
+# the 2-core CI machine), with pip's find-links (where a local torch wheel may lie); where uv
+# fails, pip installs.
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q uv
+	links="$${PIP_FIND_LINKS:-$$($(PY) -m pip config get global.find-links 2>/dev/null | head -1)}"; \
+	$(VENV)/bin/uv pip install -q --python $(PY) $${links:+--find-links "$$links"} -e '.[dev]' \
+		|| $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 test: $(STAMP)
