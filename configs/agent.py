@@ -19,9 +19,16 @@ Presets:
                          coding requests): half ask for what is missing, half guess.
   clarify                GRPO with the `clarify` environment (a scripted user, hidden tests, a cost
                          per question) from clarify_sft's run (runs/clarify/sft).
+  retrieval_sft          warm start of the tiny model on scripted `retrieval` episodes (search,
+                         quote the evidence, answer) about documents longer than its window.
+  retrieval              GRPO with the `retrieval` environment (grounded_qa reward) from
+                         retrieval_sft's run (runs/retrieval/search/sft).
+  truncated_sft          the same questions, answered from the document truncated to the window.
+  truncated              GRPO on them from truncated_sft's run (runs/retrieval/truncated/sft).
 The calculator presets read runs/agent/assets (written by `posttrain demo --task=calculator`,
 or posttrain.demo.build_calculator_assets), the clarify ones runs/clarify/assets
-(posttrain.demo.build_clarify_assets). Every field of configs/grpo.py applies.
+(posttrain.demo.build_clarify_assets), the retrieval and truncated ones runs/retrieval/assets
+(`posttrain demo --task=retrieval`). Every field of configs/grpo.py applies.
 """
 
 import os
@@ -39,8 +46,13 @@ PRESETS = (
     "terminal_qwen25_7b",
     "clarify_sft",
     "clarify",
+    "retrieval_sft",
+    "retrieval",
+    "truncated_sft",
+    "truncated",
 )
 _CLARIFY = os.path.join("runs", "clarify")
+_RETRIEVAL = os.path.join("runs", "retrieval")
 
 
 def _source(path, domain):
@@ -137,6 +149,52 @@ def get_config(preset: str = "calculator"):
                 "checkpoint.every": 20,
             },
         )
+    if preset in ("retrieval_sft", "truncated_sft"):
+        c = load_config_file(os.path.join(_HERE, "sft.py") + ":tiny")
+        name = "sft.jsonl" if preset == "retrieval_sft" else "truncated_sft.jsonl"
+        return override(
+            c,
+            {
+                "tokenizer": os.path.join(_RETRIEVAL, "assets", "tokenizer"),
+                "data.sources": [_source(os.path.join(_RETRIEVAL, "assets", name), "grounded_qa")],
+                "eval_data": [],
+                # A search episode is ~290 tokens (at most ~330); a truncated prompt and its
+                # answer fill the window.
+                "data.max_len": 384 if preset == "retrieval_sft" else 512,
+                "data.batch_size": 16,
+                "train.steps": 1800,  # copying the evidence from a search result takes ~1,000
+                "train.log_every": 20,
+                "train.eval_every": 0,
+                "checkpoint.every": 600,
+                "optimizer.warmup_steps": 20,
+            },
+        )
+    if preset in ("retrieval", "truncated"):
+        c = load_config_file(os.path.join(_HERE, "grpo.py") + ":tiny")
+        search = preset == "retrieval"
+        name = "train.jsonl" if search else "truncated_train.jsonl"
+        values = {
+            "model.checkpoint": os.path.join(_RETRIEVAL, "search" if search else preset, "sft"),
+            "tokenizer": os.path.join(_RETRIEVAL, "assets", "tokenizer"),
+            "data.sources": [_source(os.path.join(_RETRIEVAL, "assets", name), "grounded_qa")],
+            "eval_data": [],
+            "data.batch_size": 8,
+            "rollout.num_generations": 8,
+            "rollout.sampling.temperature": 1.0,
+            "optimizer.learning_rate": 2e-4,
+            "optimizer.warmup_steps": 5,
+            "train.steps": 40,
+            "train.log_every": 1,
+            "train.eval_every": 0,
+            "checkpoint.every": 40,
+        }
+        if search:  # the question and tools, then a search, its two passages, the answer
+            values.update({"rollout.max_prompt_len": 144, "rollout.max_new_tokens": 240,
+                           "env.name": "retrieval", "env.max_turns": 3,
+                           "env.turn_tokens": 96})  # fmt: skip
+        else:  # the truncated document and the question, then the answer
+            values.update({"rollout.max_prompt_len": 416, "rollout.max_new_tokens": 96})
+        return override(c, values)
     c = load_config_file(os.path.join(_HERE, "grpo.py") + ":qwen3_8b_v5p")
     values = {
         "model.hf_path": "",  # set: a Qwen2.5-7B-Instruct directory (local or gs://)

@@ -235,6 +235,8 @@ def test_an_rl_plan_compiles_its_samplers_decode_beside_the_step():
     assert "rollout decode: 8 rows of 40 tokens" in "\n".join(report.lines())
     huge = compile_plan(override(config, {"rollout.engine.num_blocks": 1_100_000}), "v5e-8")
     assert huge.total < 1 * 2**30 and not huge.fits  # (the step alone would fit)
+    assert not any(p["compiled"] for p in huge.programs.values())  # (the pool alone is too big)
+    assert huge.programs["rollout decode"]["arguments"] > huge.capacity
     assert "rollout.engine.slots" in suggestion(huge)
 
 

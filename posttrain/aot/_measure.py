@@ -168,7 +168,8 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
             sizes = (state_bytes + batch_bytes, state_bytes, temporaries, state_bytes)
             cost, host, communication = {}, 0.0, {}
         seconds = time.perf_counter() - start
-        programs = {name: _measure_program(p) for name, p in low.programs.items()}
+        programs = {name: _measure_program(p, chip, state_bytes)
+                    for name, p in low.programs.items()}  # fmt: skip
         program = matmul_flops(jax.make_jaxpr(step)(*low.arguments()).jaxpr)
         expert_buffer = _expert_buffer(low.model_config, low.mesh)
     model_config, length = low.model_config, low.length
@@ -214,13 +215,20 @@ def measure(lowering: Lowering, topology: str, generation: str) -> CompileReport
     )
 
 
-def _measure_program(program: Program) -> dict:
-    """A `Program` compiled (under the caller's mesh and rules): its memory per device."""
+def _measure_program(program: Program, chip: Chip, state_bytes: float) -> dict:
+    """A `Program` compiled (under the caller's mesh and rules): its memory per device; not
+    compiled where its own arguments beside the step's state already exceed HBM (a KV pool too
+    large: no compile needed to know)."""
     import time
 
     start = time.perf_counter()
-    lowered = program.fn.lower(*program.args, **program.static)
     out = {"label": program.label, "shared": program.shared, "compiled": True}
+    arguments = bytes_per_device(program.args, jax.tree.map(lambda x: x.sharding, program.args))
+    if state_bytes + arguments - program.shared > FIT_FRACTION * chip.hbm_bytes:
+        out.update(arguments=arguments, outputs=0.0, temporaries=0.0, aliased=0.0,
+                   compiled=False, seconds=time.perf_counter() - start)  # fmt: skip
+        return out
+    lowered = program.fn.lower(*program.args, **program.static)
     try:
         compiled, out["flags"] = _compile_choosing_flags(lowered)
         memory = compiled.memory_analysis()
@@ -234,7 +242,6 @@ def _measure_program(program: Program) -> dict:
         found = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", str(e))
         if "RESOURCE_EXHAUSTED" not in str(e) or not found:
             raise
-        arguments = bytes_per_device(program.args, jax.tree.map(lambda x: x.sharding, program.args))
         temporaries = float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024
         out.update(arguments=arguments, outputs=0.0, temporaries=temporaries, aliased=0.0,
                    compiled=False)  # fmt: skip

@@ -1,7 +1,8 @@
 """`posttrain demo`: SFT, DPO and GRPO of the bundled tiny model on the arithmetic task, or
 (`--task=calculator`) SFT and GRPO of an agent that learns to use a calculator tool, or
-(`--task=clarify`) of one that learns to ask before it codes, or (`--task=cad`) SFT and GRPO of
-a model that writes CAD scripts."""
+(`--task=clarify`) of one that learns to ask before it codes, or (`--task=retrieval`) of one
+that searches documents longer than its window (against one trained on them truncated), or
+(`--task=cad`) SFT and GRPO of a model that writes CAD scripts."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ HELP = (
     "SFT, DPO and GRPO of a tiny model on a bundled arithmetic task, on CPU (~7 minutes); "
     "with --task=calculator, SFT and GRPO of an agent that learns to call a calculator tool; "
     "with --task=clarify, SFT and GRPO of one that learns to ask what a coding request leaves "
-    "out; with --task=cad, SFT and GRPO of a model that writes CAD scripts (renders "
-    "before/after).",
+    "out; with --task=retrieval, SFT and GRPO of one that searches documents longer than its "
+    "window, against the same recipe on the documents truncated; with --task=cad, SFT and GRPO "
+    "of a model that writes CAD scripts (renders before/after).",
     [
         "posttrain demo --workdir=runs/demo",
         "posttrain demo --task=calculator --workdir=runs/agent",
         "posttrain demo --task=clarify --workdir=runs/clarify",
+        "posttrain demo --task=retrieval --workdir=runs/retrieval",
         "posttrain demo --task=cad --workdir=runs/cad",
     ],
 )
@@ -28,10 +31,10 @@ def main(argv: list[str]) -> int:
         flags.DEFINE_enum(
             "task",
             "arithmetic",
-            ["arithmetic", "calculator", "clarify", "cad"],
+            ["arithmetic", "calculator", "clarify", "retrieval", "cad"],
             "arithmetic: SFT, DPO and GRPO; calculator: an agent learns to call a tool; "
-            "clarify: an agent learns to ask before it codes; cad: a model learns to write CAD "
-            "scripts",
+            "clarify: an agent learns to ask before it codes; retrieval: an agent learns to "
+            "search documents longer than its window; cad: a model learns to write CAD scripts",
             flag_values=fv,
         )
         flags.DEFINE_enum(
@@ -55,6 +58,11 @@ def main(argv: list[str]) -> int:
         from posttrain.demo import run_clarify_demo
 
         run_clarify_demo(fv.workdir or "runs/clarify")
+        return 0
+    if fv.task == "retrieval":
+        from posttrain.demo import run_retrieval_demo
+
+        run_retrieval_demo(fv.workdir or "runs/retrieval")
         return 0
     if fv.task == "cad":
         from posttrain.demo import run_cad_demo

@@ -17,6 +17,7 @@ __all__ = [
     "build_cad_assets",
     "build_calculator_assets",
     "build_clarify_assets",
+    "build_retrieval_assets",
     "build_tokenizer",
     "extract_answer",
     "greedy_accuracy",
@@ -29,6 +30,7 @@ __all__ = [
     "run_cad_demo",
     "run_calculator_demo",
     "run_clarify_demo",
+    "run_retrieval_demo",
     "run_demo",
     "write_task",
 ]
@@ -53,6 +55,10 @@ def __getattr__(name):
         from posttrain.demo import _clarify
 
         return getattr(_clarify, name)
+    if name in ("build_retrieval_assets", "run_retrieval_demo"):
+        from posttrain.demo import _retrieval
+
+        return getattr(_retrieval, name)
     if name in ("build_cad_assets", "run_cad_demo"):
         from posttrain.demo import _cad
 

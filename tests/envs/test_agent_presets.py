@@ -38,6 +38,11 @@ RUN_HERE = ("calculator_sft", "calculator", "calculator_faults", "python_tool_qw
 RUN_ELSEWHERE = {
     "clarify_sft": "tests/envs/test_clarify.py::test_a_tiny_model_learns_to_ask (slow)",
     "clarify": "tests/envs/test_clarify.py::test_a_tiny_model_learns_to_ask (slow)",
+    **dict.fromkeys(
+        ("retrieval_sft", "retrieval", "truncated_sft", "truncated"),
+        "tests/envs/test_retrieval.py::test_a_tiny_model_that_searches_answers_what_one_"
+        "reading_truncated_documents_cannot (slow)",
+    ),
 }
 SFT_STEPS = 40  # loss falls; calling the tool takes ~100 (test_calculator.py's slow test)
 TINY_RL = {  # what size requires of a GRPO preset on 8 CPU devices
