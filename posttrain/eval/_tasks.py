@@ -101,14 +101,10 @@ class Scorer:
                 except Exception as e:  # a verifier's bug costs one zero, as in the pool
                     failed.append(f"{type(e).__name__}: {e}")
                     results.append(RewardResult(0.0, {"error": failed[-1]}, domain, "crash", 0.0))
-        scores = [r.score for r in results]
-        if parts is not None:
-            tally_components(parts, results)
-        if failed:
-            self.failures += len(failed)
-            log.warning("%d of %d completions failed to score (0): %s", len(failed),
-                        len(texts), str(failed[:3])[:500])  # fmt: skip
-        return np.asarray(scores, np.float64)
+        # (the tally warns once per domain and kind of error, as RL's does)
+        tally_components(parts if parts is not None else {}, results)
+        self.failures += len(failed)
+        return np.asarray([r.score for r in results], np.float64)
 
     def close(self) -> None:
         if self._pool is not None:
