@@ -59,142 +59,120 @@ def _source(path, domain):
     return {"path": path, "weight": 1.0, "domain": domain, "format": "auto"}
 
 
-def get_config(preset: str = "calculator"):
-    if preset not in PRESETS:
-        raise ValueError(f"unknown agent preset {preset!r}: {', '.join(PRESETS)}")
-    if preset == "calculator_sft":
-        c = load_config_file(os.path.join(_HERE, "sft.py") + ":tiny")
-        return override(
-            c,
-            {
-                "tokenizer": os.path.join(_ASSETS, "tokenizer"),
-                "data.sources": [_source(os.path.join(_ASSETS, "sft.jsonl"), "calculator")],
-                "eval_data": [],
-                "data.max_len": 256,  # a solved episode is ~220 tokens
-                "data.batch_size": 16,
-                "train.steps": 600,
-                "train.log_every": 20,
-                "train.eval_every": 0,
-                "checkpoint.every": 300,
-                "optimizer.warmup_steps": 20,
-            },
-        )
-    if preset in ("calculator", "calculator_faults"):
-        c = load_config_file(os.path.join(_HERE, "grpo.py") + ":tiny")
-        return override(
-            c,
-            {
-                "model.checkpoint": os.path.join("runs", "agent", "sft"),
-                "tokenizer": os.path.join(_ASSETS, "tokenizer"),
-                "data.sources": [_source(os.path.join(_ASSETS, "train.jsonl"), "arithmetic")],
-                "eval_data": [_source(os.path.join(_ASSETS, "eval.jsonl"), "arithmetic")],
-                "data.batch_size": 8,
-                "rollout.num_generations": 8,
-                "rollout.max_prompt_len": 160,
-                "rollout.max_new_tokens": 128,
-                "env.name": "calculator",
-                "env.max_turns": 3,
-                "env.turn_tokens": 96,
-                "env.fault_rate": 0.3 if preset == "calculator_faults" else 0.0,
-                "rollout.sampling.temperature": 1.0,
-                "optimizer.learning_rate": 2e-4,
-                "optimizer.warmup_steps": 5,
-                "train.steps": 16,
-                "train.log_every": 1,
-                "train.eval_every": 8,
-                "checkpoint.every": 16,
-            },
-        )
-    if preset == "clarify_sft":
-        c = load_config_file(os.path.join(_HERE, "sft.py") + ":tiny")
-        return override(
-            c,
-            {
-                "tokenizer": os.path.join(_CLARIFY, "assets", "tokenizer"),
-                "data.sources": [_source(os.path.join(_CLARIFY, "assets", "sft.jsonl"), "clarify")],
-                "eval_data": [],
-                "data.max_len": 256,  # an episode is ~180 tokens, at most 256
-                "data.batch_size": 16,
-                "train.steps": 600,
-                "train.log_every": 20,
-                "train.eval_every": 0,
-                "checkpoint.every": 300,
-                "optimizer.warmup_steps": 20,
-            },
-        )
-    if preset == "clarify":
-        c = load_config_file(os.path.join(_HERE, "grpo.py") + ":tiny")
-        return override(
-            c,
-            {
-                "model.checkpoint": os.path.join(_CLARIFY, "sft"),
-                "tokenizer": os.path.join(_CLARIFY, "assets", "tokenizer"),
-                "data.sources": [
-                    _source(os.path.join(_CLARIFY, "assets", "train.jsonl"), "clarify")
-                ],  # fmt: skip
-                "eval_data": [],
-                "data.batch_size": 8,
-                "rollout.num_generations": 8,
-                "rollout.max_prompt_len": 128,
-                "rollout.max_new_tokens": 256,
-                "env.name": "clarify",
-                "env.max_turns": 4,
-                "env.turn_tokens": 96,
-                "rollout.sampling.temperature": 1.0,
-                "optimizer.learning_rate": 2e-4,
-                "optimizer.warmup_steps": 5,
-                "train.steps": 20,
-                "train.log_every": 1,
-                "train.eval_every": 0,
-                "checkpoint.every": 20,
-            },
-        )
-    if preset in ("retrieval_sft", "truncated_sft"):
-        c = load_config_file(os.path.join(_HERE, "sft.py") + ":tiny")
-        name = "sft.jsonl" if preset == "retrieval_sft" else "truncated_sft.jsonl"
-        return override(
-            c,
-            {
-                "tokenizer": os.path.join(_RETRIEVAL, "assets", "tokenizer"),
-                "data.sources": [_source(os.path.join(_RETRIEVAL, "assets", name), "grounded_qa")],
-                "eval_data": [],
-                # A search episode is ~290 tokens (at most ~330); a truncated prompt and its
-                # answer fill the window.
-                "data.max_len": 384 if preset == "retrieval_sft" else 512,
-                "data.batch_size": 16,
-                "train.steps": 1800,  # copying the evidence from a search result takes ~1,000
-                "train.log_every": 20,
-                "train.eval_every": 0,
-                "checkpoint.every": 600,
-                "optimizer.warmup_steps": 20,
-            },
-        )
-    if preset in ("retrieval", "truncated"):
-        c = load_config_file(os.path.join(_HERE, "grpo.py") + ":tiny")
-        search = preset == "retrieval"
-        name = "train.jsonl" if search else "truncated_train.jsonl"
-        values = {
-            "model.checkpoint": os.path.join(_RETRIEVAL, "search" if search else preset, "sft"),
-            "tokenizer": os.path.join(_RETRIEVAL, "assets", "tokenizer"),
-            "data.sources": [_source(os.path.join(_RETRIEVAL, "assets", name), "grounded_qa")],
+def _tiny_sft(assets: str, file: str, domain: str, values: dict):
+    """configs/sft.py:tiny from scratch on a demo's SFT episodes (`assets`/`file`, with the
+    demo's tokenizer), and `values`."""
+    return override(
+        load_config_file(os.path.join(_HERE, "sft.py") + ":tiny"),
+        {
+            "tokenizer": os.path.join(assets, "tokenizer"),
+            "data.sources": [_source(os.path.join(assets, file), domain)],
+            "eval_data": [],
+            "data.batch_size": 16,
+            "train.steps": 600,
+            "train.log_every": 20,
+            "train.eval_every": 0,
+            "checkpoint.every": 300,
+            "optimizer.warmup_steps": 20,
+            **values,
+        },
+    )
+
+
+def _tiny_grpo(start: str, assets: str, file: str, domain: str, values: dict):
+    """configs/grpo.py:tiny from the SFT run `start` on a demo's RL prompts (`assets`/`file`):
+    8 prompts x 8 samples a step at temperature 1, and `values`."""
+    return override(
+        load_config_file(os.path.join(_HERE, "grpo.py") + ":tiny"),
+        {
+            "model.checkpoint": start,
+            "tokenizer": os.path.join(assets, "tokenizer"),
+            "data.sources": [_source(os.path.join(assets, file), domain)],
             "eval_data": [],
             "data.batch_size": 8,
             "rollout.num_generations": 8,
             "rollout.sampling.temperature": 1.0,
             "optimizer.learning_rate": 2e-4,
             "optimizer.warmup_steps": 5,
-            "train.steps": 40,
             "train.log_every": 1,
             "train.eval_every": 0,
-            "checkpoint.every": 40,
-        }
+            **values,
+        },
+    )
+
+
+def get_config(preset: str = "calculator"):
+    if preset not in PRESETS:
+        raise ValueError(f"unknown agent preset {preset!r}: {', '.join(PRESETS)}")
+    clarify, retrieval = os.path.join(_CLARIFY, "assets"), os.path.join(_RETRIEVAL, "assets")
+    if preset == "calculator_sft":  # a solved episode is ~220 tokens
+        return _tiny_sft(_ASSETS, "sft.jsonl", "calculator", {"data.max_len": 256})
+    if preset in ("calculator", "calculator_faults"):
+        return _tiny_grpo(
+            os.path.join("runs", "agent", "sft"),
+            _ASSETS,
+            "train.jsonl",
+            "arithmetic",
+            {
+                "eval_data": [_source(os.path.join(_ASSETS, "eval.jsonl"), "arithmetic")],
+                "rollout.max_prompt_len": 160,
+                "rollout.max_new_tokens": 128,
+                "env.name": "calculator",
+                "env.max_turns": 3,
+                "env.turn_tokens": 96,
+                "env.fault_rate": 0.3 if preset == "calculator_faults" else 0.0,
+                "train.steps": 16,
+                "train.eval_every": 8,
+                "checkpoint.every": 16,
+            },
+        )
+    if preset == "clarify_sft":  # an episode is ~180 tokens, at most 256
+        return _tiny_sft(clarify, "sft.jsonl", "clarify", {"data.max_len": 256})
+    if preset == "clarify":
+        return _tiny_grpo(
+            os.path.join(_CLARIFY, "sft"),
+            clarify,
+            "train.jsonl",
+            "clarify",
+            {
+                "rollout.max_prompt_len": 128,
+                "rollout.max_new_tokens": 256,
+                "env.name": "clarify",
+                "env.max_turns": 4,
+                "env.turn_tokens": 96,
+                "train.steps": 20,
+                "checkpoint.every": 20,
+            },
+        )
+    if preset in ("retrieval_sft", "truncated_sft"):
+        search = preset == "retrieval_sft"
+        return _tiny_sft(
+            retrieval,
+            "sft.jsonl" if search else "truncated_sft.jsonl",
+            "grounded_qa",
+            {
+                # A search episode is ~290 tokens (at most ~330); a truncated prompt and its
+                # answer fill the window.
+                "data.max_len": 384 if search else 512,
+                "train.steps": 1800,  # copying the evidence from a search result takes ~1,000
+                "checkpoint.every": 600,
+            },
+        )
+    if preset in ("retrieval", "truncated"):
+        search = preset == "retrieval"
         if search:  # the question and tools, then a search, its two passages, the answer
-            values.update({"rollout.max_prompt_len": 144, "rollout.max_new_tokens": 240,
-                           "env.name": "retrieval", "env.max_turns": 3,
-                           "env.turn_tokens": 96})  # fmt: skip
+            values = {"rollout.max_prompt_len": 144, "rollout.max_new_tokens": 240,
+                      "env.name": "retrieval", "env.max_turns": 3,
+                      "env.turn_tokens": 96}  # fmt: skip
         else:  # the truncated document and the question, then the answer
-            values.update({"rollout.max_prompt_len": 416, "rollout.max_new_tokens": 96})
-        return override(c, values)
+            values = {"rollout.max_prompt_len": 416, "rollout.max_new_tokens": 96}
+        return _tiny_grpo(
+            os.path.join(_RETRIEVAL, "search" if search else preset, "sft"),
+            retrieval,
+            "train.jsonl" if search else "truncated_train.jsonl",
+            "grounded_qa",
+            {**values, "train.steps": 40, "checkpoint.every": 40},
+        )
     c = load_config_file(os.path.join(_HERE, "grpo.py") + ":qwen3_8b_v5p")
     values = {
         "model.hf_path": "",  # set: a Qwen2.5-7B-Instruct directory (local or gs://)
