@@ -191,8 +191,12 @@ class MlflowSink(_Sink):
 
 
 def mlflow_name(name: str) -> str:
-    """`name` with the characters MLflow refuses in a metric name made "_"."""
-    return re.sub(r"[^\w\-. :/]", "_", name)
+    """`name` ("<split>/<metric>") as an MLflow metric name: the metric's own "/" made "." (a
+    file store keeps a metric as a file under folders of its name's parts, so
+    "train/reward/math" cannot sit beside "train/reward") and the characters MLflow refuses
+    made "_"."""
+    split, _, metric = name.partition("/")
+    return re.sub(r"[^\w\-. :/]", "_", f"{split}/{metric.replace('/', '.')}" if metric else split)
 
 
 def _name(workdir: str) -> str:

@@ -164,7 +164,7 @@ def test_the_demo_assets_fit_the_window_and_hold_out_their_registries(tmp_path):
     )
 
 
-@pytest.mark.slow  # ~25 minutes: `posttrain demo --task=retrieval`
+@pytest.mark.slow  # ~29 minutes: `posttrain demo --task=retrieval`
 def test_a_tiny_model_that_searches_answers_what_one_reading_truncated_documents_cannot(
     tmp_path, devices
 ):

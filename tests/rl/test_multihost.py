@@ -119,13 +119,15 @@ ACROSS = {"rollout__sampler_mesh": "global",
     ],
 )
 def test_rl_on_two_processes_matches_one_from_a_trained_start(
-    tmp_path, trained_tiny, method, two_extra, one_extra
+    tmp_path, trained_tiny, method, two_extra, one_extra, monkeypatch
 ):
     """Rows end at EOS at different lengths on the two processes and the eval set splits
     7/6; each process still issues the same programs spanning processes in the same order
-    (checked before every step, POSTTRAIN_CHECK_PROCESSES), and the run matches one process's."""
+    (checked before every step, POSTTRAIN_CHECK_PROCESSES), and the run matches one process's.
+    The two-process run also logs to MLflow: from process 0 alone."""
     base = {**method, **_overrides(trained_tiny, _eval_file(tmp_path))}
-    _run_both(tmp_path, {**base, **two_extra}, {**base, **one_extra})
+    tracked = {"train__log_to": ["jsonl", "mlflow"]}  # (MLflow's file store in the workdir)
+    _run_both(tmp_path, {**base, **two_extra, **tracked}, {**base, **one_extra})
 
     two, one = read_metrics(str(tmp_path / "two")), read_metrics(str(tmp_path / "one"))
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, STEPS + 1))
@@ -155,6 +157,18 @@ def test_rl_on_two_processes_matches_one_from_a_trained_start(
                 # this process's share: 4 of the 8 prompts x 4 samples
                 assert below["reward.call"] == 16, below
     assert sorted(step_trees(tmp_path / "two", "eval")) == [0, 1, STEPS]
+    # Only process 0 logs: one MLflow run, every step's values once, as in the JSONL.
+    from mlflow import MlflowClient
+
+    from posttrain.train._sinks import mlflow_name
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # (as the run itself sets it)
+    client = MlflowClient(tracking_uri=f"file:{tmp_path / 'two' / 'mlruns'}")
+    (run,) = [r for e in client.search_experiments()
+              for r in client.search_runs([e.experiment_id])]  # fmt: skip
+    for key in ("reward", "loss", "reward/arithmetic"):  # (a name below another's)
+        history = client.get_metric_history(run.info.run_id, mlflow_name(f"train/{key}"))
+        assert sorted((m.step, m.value) for m in history) == [(r["step"], r[key]) for r in two]
 
     evals = [read_metrics(str(tmp_path / w), split="eval") for w in ("two", "one")]
     assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [0, 1, STEPS]

@@ -83,3 +83,25 @@ def test_a_tracker_that_fails_mid_run_costs_only_its_metrics(tmp_path, monkeypat
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
     warned = [r for r in caplog.records if "train.log_to 'mlflow' failed" in r.getMessage()]
     assert len(warned) == 1 and "the run goes on without it" in warned[0].getMessage()
+
+
+def test_mlflow_keeps_a_metric_whose_name_is_below_another_s(tmp_path, monkeypatch):
+    """RL logs `reward` and `reward/<domain>` each step: a file store keeps a metric as a file
+    under folders of its name, so "/" inside a metric's name becomes "." (`train/reward.math`);
+    with "/" the second name failed ("Not a directory") and the tracker was dropped."""
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    writer = MetricsWriter(str(tmp_path), log_to=("jsonl", "mlflow"), params={})
+    for step in (1, 2):
+        writer.write(step, {"reward": 0.5 * step, "reward/math": 0.25 * step, "a/b/c": 1.0})
+    writer.close()
+    run_id = json.loads((tmp_path / "tracking.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    assert client.get_run(run_id).data.metrics == {
+        "train/reward": 1.0,
+        "train/reward.math": 0.5,
+        "train/a.b.c": 1.0,
+    }
+    history = client.get_metric_history(run_id, "train/reward.math")
+    assert {m.step: m.value for m in history} == {1: 0.25, 2: 0.5}
