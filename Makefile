@@ -5,14 +5,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-slow test-perturbed demo lint format clean
 
-# uv installs the dev environment in ~15 s where pip takes ~85 s (both with empty caches, on
-# the 2-core CI machine), with pip's find-links (where a local torch wheel may lie); where uv
-# fails, pip installs.
+# uv installs the dev environment in ~35 s where pip takes ~85 s (on the 2-core CI machine),
+# with pip's find-links (where a local torch wheel may lie); where uv fails, pip installs.
+# --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI sets it) every
+# test process would otherwise compile jax, torch and transformers from source at import (the
+# suite took 2 minutes longer).
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q uv
 	links="$${PIP_FIND_LINKS:-$$($(PY) -m pip config get global.find-links 2>/dev/null | head -1)}"; \
-	$(VENV)/bin/uv pip install -q --python $(PY) $${links:+--find-links "$$links"} -e '.[dev]' \
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) \
+		$${links:+--find-links "$$links"} -e '.[dev]' \
 		|| $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -187,6 +187,10 @@ def run_retrieval_demo(workdir: str = "runs/retrieval", *, sft_overrides: dict |
     from posttrain.data import load_tokenizer
     from posttrain.demo._stages import sft_then_grpo
 
+    presets = {"search": ("retrieval_sft", "retrieval"),
+               "truncated": ("truncated_sft", "truncated")}  # fmt: skip
+    if unknown := [w for w in ways if w not in presets]:
+        raise ValueError(f"unknown ways {unknown}: choose from {sorted(presets)}")
     console = Console()
     assets = build_retrieval_assets(os.path.join(workdir, "assets"))
     console.print(f"index: {assets['index']} ({assets['index_status']})")
@@ -202,7 +206,7 @@ def run_retrieval_demo(workdir: str = "runs/retrieval", *, sft_overrides: dict |
                      "data.sources": [{"path": assets[f"{prefix}train"], **source}]}  # fmt: skip
         runs[way] = sft_then_grpo(
             os.path.join(workdir, way),
-            (f"{way if prefix else 'retrieval'}_sft", way if prefix else "retrieval"),
+            presets[way],
             ({**sft_values, **(sft_overrides or {})}, {**rl_values, **(rl_overrides or {})}),
             lambda model, way=way: retrieval_measure(model, tokenizer, held_out[way],
                                                      truncated=way == "truncated"),
