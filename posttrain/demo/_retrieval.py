@@ -35,7 +35,7 @@ from posttrain.envs import (
 
 WINDOW = 512  # the tiny model's max_seq_len
 PASSAGE_WORDS = 12  # a passage is one or two sentences; a search for two finds the evidence
-SEARCH_K = 2  # for 92% of questions (one registry's town facts are four sentences)
+SEARCH_K = 2  # for ~91% of questions (one registry's town facts are four sentences)
 ANSWER_TOKENS = 96  # room a truncated prompt leaves for the answer; a turn's tokens
 PROMPT_TOKENS = 144  # a retrieval episode's opening: the system message, tools and question
 

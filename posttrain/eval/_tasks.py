@@ -91,19 +91,18 @@ class Scorer:
         (`tally_components`: `component_means(parts)` then holds each one's mean)."""
         if self._pool is not None:
             results = self._pool.score(records, texts, domains)
-            failed = [r.info.get("error", r.status) for r in results if r.status != "ok"]
         else:
-            results, failed = [], []
+            results = []
             for record, text, domain in zip(records, texts, domains, strict=True):
                 try:
                     score, info = self.registry.score(record, text, domain)
                     results.append(RewardResult(score, info, domain, "ok", 0.0))
                 except Exception as e:  # a verifier's bug costs one zero, as in the pool
-                    failed.append(f"{type(e).__name__}: {e}")
-                    results.append(RewardResult(0.0, {"error": failed[-1]}, domain, "crash", 0.0))
+                    error = {"error": f"{type(e).__name__}: {e}"}
+                    results.append(RewardResult(0.0, error, domain, "crash", 0.0))
         # (the tally warns once per domain and kind of error, as RL's does)
         tally_components(parts if parts is not None else {}, results)
-        self.failures += len(failed)
+        self.failures += sum(r.status != "ok" for r in results)
         return np.asarray([r.score for r in results], np.float64)
 
     def close(self) -> None:
