@@ -69,11 +69,14 @@ def _means(scores) -> dict:
             "built": len(built), "built_missing_a_feature": lacking}  # fmt: skip
 
 
-def cad_metrics(model, tokenizer, records) -> tuple[dict, list[dict]]:
+def cad_metrics(model, tokenizer, records, max_new_tokens: int) -> tuple[dict, list[dict]]:
     """Held-out mean reward and parts, sampled as in training (temperature 1, 8 scripts per
-    task) and greedy: ({"sampled": means, "greedy": means}, greedy scores)."""
-    sampled = cad_scores(model, tokenizer, records, temperature=1.0, samples=8)
-    greedy = cad_scores(model, tokenizer, records)
+    task) and greedy, up to `max_new_tokens` each: ({"sampled": means, "greedy": means},
+    greedy scores)."""
+    sampled = cad_scores(
+        model, tokenizer, records, max_new_tokens=max_new_tokens, temperature=1.0, samples=8
+    )
+    greedy = cad_scores(model, tokenizer, records, max_new_tokens=max_new_tokens)
     return {"sampled": _means(sampled), "greedy": _means(greedy)}, greedy
 
 
@@ -121,14 +124,6 @@ def run_cad_demo(
     values = {"tokenizer": assets["tokenizer"], "data.sources": [source(assets["sft"])]}
     sft_dict = override(load_config_file(f"{CONFIG}:sft"), {**values, **(sft_overrides or {})})
     sft_method, sft = method_config(sft_dict)  # (the methods' records: posttrain.methods)
-    console.print(f"stage 1 · SFT from scratch: {sft.train.steps} steps on reference scripts")
-    start = time.perf_counter()
-    summary = sft_method.run(sft, sft_dir)
-    seconds = {"sft": time.perf_counter() - start}
-    model = Transformer(jax.device_get(summary["state"].params), summary["model_config"])
-    result = {"eval_tasks": len(held_out)}
-    result["sft"], before = cad_metrics(jax.device_put(model), tokenizer, held_out)
-
     rl_values = {
         "model.checkpoint": sft_dir,
         "tokenizer": assets["tokenizer"],
@@ -138,6 +133,15 @@ def run_cad_demo(
     }
     rl_dict = override(load_config_file(f"{CONFIG}:grpo"), rl_values)
     rl_method, rl = method_config(rl_dict)
+    console.print(f"stage 1 · SFT from scratch: {sft.train.steps} steps on reference scripts")
+    start = time.perf_counter()
+    summary = sft_method.run(sft, sft_dir)
+    seconds = {"sft": time.perf_counter() - start}
+    model = Transformer(jax.device_get(summary["state"].params), summary["model_config"])
+    result = {"eval_tasks": len(held_out)}
+    length = rl.rollout.max_new_tokens  # held-out scripts as long as GRPO's
+    result["sft"], before = cad_metrics(jax.device_put(model), tokenizer, held_out, length)
+
     console.print(
         f"stage 2 · GRPO with the cad reward: {rl.train.steps} steps of {rl.data.batch_size} "
         f"tasks x {rl.rollout.num_generations} scripts"
@@ -146,7 +150,7 @@ def run_cad_demo(
     rl_summary = rl_method.run(rl, rl_dir)
     seconds["rl"] = time.perf_counter() - start
     policy = Transformer(jax.device_get(rl_summary["state"].params), rl_summary["model_config"])
-    result["rl"], after = cad_metrics(jax.device_put(policy), tokenizer, held_out)
+    result["rl"], after = cad_metrics(jax.device_put(policy), tokenizer, held_out, length)
 
     table = Table(title=f"held-out CAD tasks ({len(held_out)}): mean reward and its parts")
     names = list(result["sft"]["sampled"])

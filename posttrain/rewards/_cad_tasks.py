@@ -10,8 +10,11 @@ Families by difficulty:
   `enclosure`: an open-top box with walls of a given thickness and a cable hole.
 
 Every number is a whole or half millimetre drawn from the task's seed, so a task is
-reproducible from `(seed, level)`. The reference script is run on the host (trusted code) to
-make the target tree; models' scripts run in the sandbox.
+reproducible from `(seed, level)`. The reference scripts are parametric, as a designer's model
+is: they give the numbers the text states names, in the text's order, and compute every other
+one (a hole's radius, an inner wall, the bolt circle's radius, a tooth's angle), so a model
+that learns from them copies numbers and never does the sums. The reference script is run on
+the host (trusted code) to make the target tree; models' scripts run in the sandbox.
 """
 
 from __future__ import annotations
@@ -55,10 +58,11 @@ def _plate(rng: random.Random) -> tuple[str, str, int]:
     text = (f"A {length} x {width} x {thick} mm rectangular plate with {n} through-hole(s) of "
             f"{d} mm diameter on its centre line, at x = "
             f"{', '.join(map(str, xs))} mm.")  # fmt: skip
-    code = (f"import cad\npart = cad.box({length}, {width}, {thick})\n"
+    code = (f"import cad\nlength, width, thickness = {length}, {width}, {thick}\n"
+            f"diameter = {d}\npart = cad.box(length, width, thickness)\n"
             f"for x in {tuple(xs)!r}:\n"
-            f"    part = part - cad.cylinder({thick + 2}, {d / 2}).translate(x, {width / 2}, -1)\n"
-            "cad.show(part)\n")  # fmt: skip
+            "    hole = cad.cylinder(thickness + 2, diameter / 2).translate(x, width / 2, -1)\n"
+            "    part = part - hole\ncad.show(part)\n")  # fmt: skip
     probes = [_hole(f"hole at x = {x}", thick, d, (x, width / 2, 0)) for x in xs]
     return text, code, n, probes
 
@@ -73,12 +77,15 @@ def _bracket(rng: random.Random) -> tuple[str, str, int]:
     text = (f"An L-bracket: a {length} x {width} x {thick} mm base plate and a {thick} mm thick "
             f"upright {height} mm tall along its back edge (y = 0), one {d} mm hole through the "
             f"middle of the base and one through the middle of the upright.")  # fmt: skip
-    code = (f"import cad\nbase = cad.box({length}, {width}, {thick})\n"
-            f"upright = cad.box({length}, {thick}, {height})\npart = base + upright\n"
-            f"part = part - cad.cylinder({thick + 2}, {d / 2}).translate({length / 2}, "
-            f"{(width + thick) / 2}, -1)\n"
-            f"part = part - cad.cylinder({thick + 2}, {d / 2}).rotate(-90, 0, 0).translate("
-            f"{length / 2}, -1, {(height + thick) / 2})\ncad.show(part)\n")  # fmt: skip
+    code = (f"import cad\nlength, width, thickness = {length}, {width}, {thick}\n"
+            f"height = {height}\ndiameter = {d}\n"
+            "base = cad.box(length, width, thickness)\n"
+            "upright = cad.box(length, thickness, height)\npart = base + upright\n"
+            "hole = cad.cylinder(thickness + 2, diameter / 2)\n"
+            "part = part - hole.translate(length / 2, (width + thickness) / 2, -1)\n"
+            "hole = cad.cylinder(thickness + 2, diameter / 2).rotate(-90, 0, 0)\n"
+            "part = part - hole.translate(length / 2, -1, (height + thickness) / 2)\n"
+            "cad.show(part)\n")  # fmt: skip
     probes = [
         _hole("hole through the base", thick, d, (length / 2, (width + thick) / 2, 0)),
         _hole("hole through the upright", thick, d, (length / 2, 0, (height + thick) / 2), "y"),
@@ -93,12 +100,14 @@ def _flange(rng: random.Random) -> tuple[str, str, int]:
     text = (f"A flange: a disk of {outer} mm diameter and {thick} mm thickness with a {bore} mm "
             f"centre bore and {n} bolt holes of {d} mm on a {2 * circle:g} mm bolt "
             "circle.")  # fmt: skip
-    code = (f"import cad\nimport math\n"
-            f"part = cad.revolve([({bore / 2}, 0), ({outer / 2}, 0), ({outer / 2}, {thick}), "
-            f"({bore / 2}, {thick})], 360, 96)\n"
-            f"for i in range({n}):\n    a = 2 * math.pi * i / {n}\n"
-            f"    hole = cad.cylinder({thick + 2}, {d / 2}).translate({circle} * math.cos(a), "
-            f"{circle} * math.sin(a), -1)\n    part = part - hole\ncad.show(part)\n")  # fmt: skip
+    code = (f"import cad\nimport math\ndiameter, thickness, bore = {outer}, {thick}, {bore}\n"
+            f"bolts, bolt, circle = {n}, {d}, {2 * circle:g}\n"
+            "r, R = bore / 2, diameter / 2\n"
+            "part = cad.revolve([(r, 0), (R, 0), (R, thickness), (r, thickness)], 360, 96)\n"
+            "for i in range(bolts):\n    a = 2 * math.pi * i / bolts\n"
+            "    x, y = circle / 2 * math.cos(a), circle / 2 * math.sin(a)\n"
+            "    hole = cad.cylinder(thickness + 2, bolt / 2).translate(x, y, -1)\n"
+            "    part = part - hole\ncad.show(part)\n")  # fmt: skip
     probes = [_hole("centre bore", thick, bore, (0, 0, 0))]
     for i in range(n):
         a = 2 * math.pi * i / n
@@ -112,13 +121,14 @@ def _gear(rng: random.Random) -> tuple[str, str, int]:
     thick, bore = rng.randrange(4, 9), rng.choice((4, 5, 6))
     text = (f"A spur gear blank: {teeth} trapezoid teeth {depth} mm deep around a {2 * radius} mm "
             f"root circle, {thick} mm thick, with a {bore} mm centre bore.")  # fmt: skip
-    code = (f"import cad\nimport math\npoints = []\nfor i in range({teeth}):\n"
-            f"    a = 2 * math.pi * i / {teeth}\n    w = math.pi / {teeth}\n"
-            f"    for da, r in ((-w / 2, {radius}), (-w / 4, {radius + depth}), "
-            f"(w / 4, {radius + depth}), (w / 2, {radius})):\n"
-            f"        points.append((r * math.cos(a + da), r * math.sin(a + da)))\n"
-            f"part = cad.extrude(points, {thick}) - cad.cylinder({thick + 2}, {bore / 2})"
-            f".translate(0, 0, -1)\ncad.show(part)\n")  # fmt: skip
+    code = (f"import cad\nimport math\nteeth, depth, root = {teeth}, {depth}, {2 * radius}\n"
+            f"thickness, bore = {thick}, {bore}\n"
+            "r, tip, w = root / 2, root / 2 + depth, math.pi / teeth\npoints = []\n"
+            "for i in range(teeth):\n    a = 2 * math.pi * i / teeth\n"
+            "    for da, radius in ((-w / 2, r), (-w / 4, tip), (w / 4, tip), (w / 2, r)):\n"
+            "        points.append((radius * math.cos(a + da), radius * math.sin(a + da)))\n"
+            "hole = cad.cylinder(thickness + 2, bore / 2).translate(0, 0, -1)\n"
+            "part = cad.extrude(points, thickness) - hole\ncad.show(part)\n")  # fmt: skip
     # Each tooth filled and each gap between teeth empty, half-way up the teeth: the tooth count
     # and their places, whatever the outline between.
     w, mid = math.pi / teeth, radius + depth / 2
@@ -144,11 +154,13 @@ def _enclosure(rng: random.Random) -> tuple[str, str, int]:
     text = (f"An open-top enclosure, {length} x {width} x {height} mm outside, walls and floor "
             f"{wall} mm thick, with a {d} mm cable hole through the middle of the front wall "
             f"(y = 0), centred {height / 2:g} mm up.")  # fmt: skip
-    code = (f"import cad\nouter = cad.box({length}, {width}, {height})\n"
-            f"inner = cad.box({length - 2 * wall}, {width - 2 * wall}, {height}).translate("
-            f"{wall}, {wall}, {wall})\npart = outer - inner\n"
-            f"part = part - cad.cylinder({wall + 2}, {d / 2}).rotate(-90, 0, 0).translate("
-            f"{length / 2}, -1, {height / 2})\ncad.show(part)\n")  # fmt: skip
+    code = (f"import cad\nlength, width, height = {length}, {width}, {height}\n"
+            f"wall, diameter = {wall}, {d}\nouter = cad.box(length, width, height)\n"
+            "inner = cad.box(length - 2 * wall, width - 2 * wall, height)"
+            ".translate(wall, wall, wall)\npart = outer - inner\n"
+            "hole = cad.cylinder(wall + 2, diameter / 2).rotate(-90, 0, 0)\n"
+            "part = part - hole.translate(length / 2, -1, height / 2)\n"
+            "cad.show(part)\n")  # fmt: skip
     # Each wall and the floor filled at half their thickness, the cavity empty from a quarter
     # of a wall beyond it (walls within 0.75-1.25 of `wall`), and the cable hole.
     up, tall = wall + 1, height - wall - 2

@@ -1,6 +1,7 @@
 """The CAD task generator: reproducible tasks whose reference scripts, run in the sandbox, build
 exactly their targets (score 1) with the hole counts the text states."""
 
+import re
 import shutil
 
 import pytest
@@ -28,3 +29,17 @@ def test_reference_scripts_build_their_targets_in_the_sandbox(level):
         total, info = cad_reward(task, cad_sft_record(task)["messages"][1]["content"])
         assert total == pytest.approx(1.0), (task["family"], info)
         assert info["missing"] == [] and info["components"]["features"] == 1.0
+
+
+def test_reference_scripts_state_the_text_s_numbers_and_derive_the_rest():
+    """A reference script writes only numbers the text states (and a few constants of the
+    construction) and computes the rest (a radius, an inner wall, the bolt circle's radius): a
+    model that learns from it copies numbers and never does the sums."""
+    structural = {"0", "1", "2", "4", "90", "360", "96"}  # half, both sides, quarter-turns
+    for level in sorted(FAMILIES):
+        for seed in range(40):
+            task = make_cad_task(seed, level)
+            stated = re.findall(r"\d+(?:\.\d+)?", task["prompt"])
+            written = re.findall(r"(?<![\w.])\d+(?:\.\d+)?", task["reference"])
+            computed = [n for n in written if n not in stated and n not in structural]
+            assert not computed, (task["family"], computed, task["reference"])
