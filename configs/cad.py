@@ -5,10 +5,11 @@
 Presets:
   sft   the tiny model from scratch on the task generator's reference scripts (plates,
         flanges, gears, brackets and enclosures, levels 1-3), one chat per task: description
-        in, script out; the demo's chats leave cad.show out of half the scripts (flawed data
-        GRPO then fixes, docs/cad.md).
+        in, parametric script out; the demo's chats leave cad.show out of half the scripts
+        (flawed data GRPO then fixes, docs/cad.md).
   grpo  GRPO from sft's run (runs/cad/sft) on 1000 other tasks, reward = the `cad` domain
-        (validity, IoU with the target, dimensions, holes, one body, stability); eval on 64
+        (validity, IoU with the target, dimensions, holes, one body, stability, required
+        features; gated unless the assets were built with aggregate="mean"); eval on 64
         held-out tasks, greedy.
 Both read runs/cad/assets (written by `posttrain demo --task=cad`, or
 posttrain.curate.build_cad_assets). Every field of configs/sft.py / configs/grpo.py applies.
@@ -38,12 +39,12 @@ def get_config(preset: str = "grpo"):
                 "tokenizer": os.path.join(_ASSETS, "tokenizer"),
                 "data.sources": [_source("sft.jsonl")],
                 "eval_data": [],
-                "data.max_len": 320,  # a chat is up to ~312 tokens (gears)
+                "data.max_len": 400,  # a chat is up to ~395 tokens (gears)
                 "data.batch_size": 32,
-                "train.steps": 300,
+                "train.steps": 400,
                 "train.log_every": 20,
                 "train.eval_every": 0,
-                "checkpoint.every": 150,
+                "checkpoint.every": 200,
                 "optimizer.warmup_steps": 30,
             },
         )
@@ -58,7 +59,7 @@ def get_config(preset: str = "grpo"):
             "data.batch_size": 8,
             "rollout.num_generations": 8,
             "rollout.max_prompt_len": 144,  # task descriptions are up to ~134 tokens
-            "rollout.max_new_tokens": 208,  # scripts up to ~190 (gears)
+            "rollout.max_new_tokens": 288,  # answers up to ~274 tokens (gears)
             "rewards.pass_threshold": 0.99,
             "rewards.workers": 2,
             "optimizer.learning_rate": 1e-4,

@@ -39,10 +39,10 @@ def main(argv: list[str]) -> int:
         )
         flags.DEFINE_enum(
             "cad_reward",
-            "mean",
-            ["mean", "gated"],
-            "with --task=cad, the reward's total: the weighted mean of its components, or gated "
-            "(a part missing a required feature is capped; docs/cad.md)",
+            "gated",
+            ["gated", "mean"],
+            "with --task=cad, the reward's total: gated (a part missing a required feature is "
+            "capped; docs/cad.md) or the weighted mean of its components",
             flag_values=fv,
         )
 

@@ -87,7 +87,7 @@ def run_cad_demo(
     sft_overrides: dict | None = None,
     rl_overrides: dict | None = None,
     renders: int = 8,
-    aggregate: str = "mean",
+    aggregate: str = "gated",
 ) -> dict:
     """Builds the assets in `workdir/assets` (unless `assets` are given; `aggregate`: their
     RL prompts' reward total, "mean" or "gated", docs/cad.md), SFT from scratch
@@ -109,6 +109,8 @@ def run_cad_demo(
     from posttrain.models import Transformer
 
     console = Console()
+    if not console.is_terminal:  # a log: its 13 columns at full width, not cut to 80 characters
+        console = Console(width=160)
     for stale in ("sft", "grpo"):  # a demo starts from scratch (a workdir would resume)
         shutil.rmtree(os.path.join(workdir, stale), ignore_errors=True)
     assets = assets or build_cad_assets(
