@@ -4,8 +4,11 @@ Real requests are incomplete. Each task has a full specification (`spec`: the fu
 facts that decide its behaviour) and the request the model is shown (`prompt`), which states
 only some of the facts. A turn with a ```python block is the answer: its program runs against
 the task's hidden tests in the sandbox and the episode ends. Any other turn is a question to
-the user, a scripted one that answers from the full specification: every fact whose keywords
-the question names, or "I don't know" when it names none.
+the user, who answers from the full specification: by default a scripted user (every fact whose
+keywords the question names, or "I don't know" when it names none); with the option
+`user="judge:<path>[?options]"` a generative model through the judge path (`USER_RUBRIC`: the
+request, every fact, the question; its greedy answer is the reply). Either way a question costs
+the same: which facts it names is read from its keywords.
 
 The reward is the share of tests passed, less `question_cost` for each question and
 `redundant_cost` more for a question whose every fact was already in the request (asking what
@@ -21,6 +24,7 @@ reference solution; `posttrain/envs/assets/clarify.jsonl` is a small bundled set
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +40,17 @@ CLARIFY_SYSTEM = (
 QUESTION_COST = 0.05
 REDUNDANT_COST = 0.1
 UNKNOWN = "I don't know; use your own judgement."
+# A model user's prompt (str.format fields of the judge path): {prompt} the request as shown,
+# {reference} every fact of the full specification, {completion} the question.
+USER_RUBRIC = """\
+You asked a programmer for a Python function:
+{prompt}
+
+What you know about it:
+{reference}
+
+The programmer asks: {completion}
+Answer in one short sentence from what you know. If it does not say, answer: I don't know."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,13 +296,21 @@ class ClarifyEnvironment(Environment):
 
     def __init__(self, record: Mapping[str, Any], *, question_cost: float = QUESTION_COST,
                  redundant_cost: float = REDUNDANT_COST, system: str = CLARIFY_SYSTEM,
-                 timeout_s: float = 5.0):  # fmt: skip
+                 timeout_s: float = 5.0, user: str = "scripted"):  # fmt: skip
+        from posttrain.rewards import is_judge_ref
+
         super().__init__(record)
         if "spec" not in record or "asserts" not in record:
             raise ValueError(
                 "a clarify record needs 'spec' (its facts) and 'asserts' (hidden tests); make "
                 "them with posttrain.envs.clarify_tasks"
             )
+        if user != "scripted" and not is_judge_ref(user):
+            raise ValueError(
+                f"clarify: user={user!r}; use 'scripted' or a model through the judge path, "
+                "'judge:<model path>[?options]' (docs/agents.md)"
+            )
+        self.user = None if user == "scripted" else _model_user(user)
         self.question_cost, self.redundant_cost = question_cost, redundant_cost
         self.system, self.timeout_s = system, timeout_s
         self.questions = self.redundant = 0
@@ -302,6 +325,8 @@ class ClarifyEnvironment(Environment):
         content = str(message.get("content") or "")
         if extract_code(content) is None:  # a question
             reply, named = answer(self.record["spec"], content)
+            if self.user is not None:
+                reply = self.model_reply(content)
             self.questions += 1
             redundant = bool(named) and all(f["shown"] for f in named)
             self.redundant += redundant
@@ -312,6 +337,28 @@ class ClarifyEnvironment(Environment):
         cost = self.questions * self.question_cost + self.redundant * self.redundant_cost
         info = {"questions": 0, "redundant_questions": 0, "tests_passed": passed}
         return Step([], max(0.0, passed - cost), True, info)
+
+    def user_prompt(self, question: str) -> str:
+        """What a model user reads (its rubric, `USER_RUBRIC` by default): the request as shown,
+        every fact of the full specification, and `question`."""
+        facts = " ".join(f["answer"] for f in self.record["spec"]["facts"])
+        known = {"prompt": self.record["prompt"], "reference": facts}
+        return self.user.judge_prompt(known, question)
+
+    def model_reply(self, question: str) -> str:
+        """The model user's greedy answer to `question` (`UNKNOWN` when it writes nothing, or
+        its prompt does not fit the model's context)."""
+        text = self.user.answers([self.user_prompt(question)])[0]
+        return (text or "").strip() or UNKNOWN
+
+
+@functools.cache
+def _model_user(ref: str):
+    """The judge-path model behind `user=ref`, one per reference and process (its weights load
+    once, on the first question)."""
+    from posttrain.rewards import JudgeReward
+
+    return JudgeReward.from_ref(ref, default_rubric=USER_RUBRIC)
 
 
 def clarify_env(record: Mapping[str, Any], **options: Any) -> ClarifyEnvironment:

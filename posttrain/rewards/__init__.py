@@ -31,6 +31,7 @@ from posttrain.rewards._judge import (
     DEFAULT_RUBRIC,
     JudgeConfig,
     JudgeReward,
+    is_judge_ref,
     parse_judge_ref,
 )
 from posttrain.rewards._math import extract_answer, math_equal, math_reward
@@ -85,6 +86,7 @@ __all__ = [
     "measure_solid",
     "overlong_penalty",
     "pass_at_k",
+    "is_judge_ref",
     "parse_judge_ref",
     "pass_rate",
     "render_grid",

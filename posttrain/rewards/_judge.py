@@ -283,8 +283,10 @@ class JudgeReward:
             self.totals.clear()
         return out
 
-    def _grade(self, prompts: list[str]) -> list[tuple[float, dict]]:
-        """(score, info) of each judge prompt: one greedy engine call over those that fit."""
+    def answers(self, prompts: Sequence[str]) -> list[str | None]:
+        """The judge model's greedy answer to each rendered prompt, in one engine call; None
+        for a prompt too long for the judge's context (`max_len`, the model's
+        `max_seq_len`)."""
         if not prompts:
             return []
         # Here, not at the top: reward workers import this module but never grade.
@@ -304,7 +306,7 @@ class JudgeReward:
                 for p in prompts
             ]
         else:
-            ids = tokenizer.encode_batch(prompts)
+            ids = tokenizer.encode_batch(list(prompts))
         max_len = min(c.max_len, model.config.max_seq_len)
         fits = [i for i, p in enumerate(ids) if len(p) + c.max_new_tokens <= max_len]
         answers: list[str | None] = [None] * len(prompts)
@@ -321,8 +323,12 @@ class JudgeReward:
                 )
             for i, samples in zip(fits, results, strict=True):
                 answers[i] = samples[0].text
-        out = []
-        for answer in answers:
+        return answers
+
+    def _grade(self, prompts: list[str]) -> list[tuple[float, dict]]:
+        """(score, info) of each judge prompt: one greedy engine call over those that fit."""
+        c, out = self.config, []
+        for answer in self.answers(prompts):
             grade = None if answer is None else self.parse(answer)
             info = {
                 "judge_answer": "(judge prompt too long)" if answer is None else answer[:500],

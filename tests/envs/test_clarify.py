@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bub
 ASSETS = "posttrain/envs/assets/clarify_tasks.jsonl"
 
 
-def _play(record, turns):
+def _play(record, turns, **options):
     """(reward, the user's replies, the last step's info) of an episode played by `turns`."""
-    env = make_env("clarify", record)
+    env = make_env("clarify", record, **options)
     assert env.reset()[0] == {"role": "system", "content": CLARIFY_SYSTEM}
     replies = []
     for turn in turns:
@@ -73,6 +73,31 @@ def test_the_user_answers_from_the_full_specification():
     # The reward never goes below 0.
     reward, _, _ = _play(task, ["What is the suffix?"] * 12 + [code])
     assert reward == 0.0
+
+
+def test_a_model_user_answers_through_the_judge_path(tmp_path):
+    """user="judge:<path>": each question goes to a generative model, its greedy answer is the
+    reply, and a question costs what it costs with the scripted user. The model is the judge
+    tests' trained one, whose answers are known: "Score: 10" to a refusal, "Score: 0" to a
+    reply that complies (its rubric shows it only the question)."""
+    from tests.rewards.tiny_judge import HELD_OUT_TOPICS, completions, trained_judge
+
+    task = clarify_tasks(1, seed=0)[0]
+    ref = trained_judge(tmp_path)
+    code = f"```python\n{task['solution']}```"
+    asked = completions(HELD_OUT_TOPICS, seed=7)[:6] + [("What is the maximum?", None)]
+    turns = [question for question, _ in asked] + [code]
+    reward, replies, _ = _play(task, turns, user=ref)
+    assert replies[:6] == ["Score: 10" if refuses else "Score: 0" for _, refuses in asked[:6]]
+    assert reward == _play(task, turns)[0] < 1.0  # the scripted user's costs
+    # Without a rubric of its own, the model reads the request, every fact and the question.
+    env = make_env("clarify", task, user=f"judge:{tmp_path}?chat=no")
+    prompt = env.user_prompt("What is the maximum?")
+    assert task["prompt"] in prompt and prompt.endswith("answer: I don't know.")
+    assert all(f["answer"] in prompt for f in task["spec"]["facts"])
+    assert "The programmer asks: What is the maximum?" in prompt
+    with pytest.raises(ValueError, match="'scripted' or a model through the judge path"):
+        make_env("clarify", task, user="gpt-4")
 
 
 def test_the_final_program_runs_contained_and_bad_records_are_refused(tmp_path):
