@@ -96,6 +96,9 @@ def test_a_model_user_answers_through_the_judge_path(tmp_path):
     assert task["prompt"] in prompt and prompt.endswith("answer: I don't know.")
     assert all(f["answer"] in prompt for f in task["spec"]["facts"])
     assert "The programmer asks: What is the maximum?" in prompt
+    # A question whose prompt does not fit the model's context: "I don't know", still charged.
+    reward, replies, _ = _play(task, ["What is the maximum?", code], user=ref + "&max_len=16")
+    assert replies == [UNKNOWN] and reward == _play(task, ["What is the maximum?", code])[0]
     with pytest.raises(ValueError, match="'scripted' or a model through the judge path"):
         make_env("clarify", task, user="gpt-4")
 
