@@ -21,7 +21,6 @@ def test_grpo_with_the_gated_reward_builds_every_held_out_part_with_its_features
     sft, rl = result["sft"], result["rl"]
     assert rl["greedy"]["built"] >= 60, rl  # it learnt to show its part
     assert rl["greedy"]["built_missing_a_feature"] == 0, rl  # the acceptance
-    assert rl["greedy"]["features"] >= rl["greedy"]["valid"] - 1e-9, rl
     assert rl["sampled"]["reward"] > sft["sampled"]["reward"] + 0.2, (sft, rl)
     for name, value in rl["sampled"].items():  # every component rises, and the parts built
         if name != "built_missing_a_feature":

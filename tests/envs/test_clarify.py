@@ -75,13 +75,17 @@ def test_the_user_answers_from_the_full_specification():
     assert reward == 0.0
 
 
-def test_a_model_user_answers_through_the_judge_path(tmp_path):
-    """user="judge:<path>": each question goes to a generative model, its greedy answer is the
-    reply, and a question costs what it costs with the scripted user. The model is the judge
-    tests' trained one, whose answers are known: "Score: 10" to a refusal, "Score: 0" to a
-    reply that complies (its rubric shows it only the question)."""
+def test_a_model_user_answers_through_the_judge_path(tmp_path, monkeypatch):
+    """user="judge:<path>": each question goes to a generative model (one engine call), its
+    greedy answer is the reply, and a question costs what it costs with the scripted user. The
+    model is the judge tests' trained one, whose answers are known: "Score: 10" to a refusal,
+    "Score: 0" to a reply that complies (its rubric shows it only the question)."""
+    import posttrain.sampling
     from tests.rewards.tiny_judge import HELD_OUT_TOPICS, completions, trained_judge
 
+    calls, engine = [], posttrain.sampling.generate_continuous
+    monkeypatch.setattr(posttrain.sampling, "generate_continuous",
+                        lambda *a, **k: calls.append(len(a[2])) or engine(*a, **k))  # fmt: skip
     task = clarify_tasks(1, seed=0)[0]
     ref = trained_judge(tmp_path)
     code = f"```python\n{task['solution']}```"
@@ -89,6 +93,7 @@ def test_a_model_user_answers_through_the_judge_path(tmp_path):
     turns = [question for question, _ in asked] + [code]
     reward, replies, _ = _play(task, turns, user=ref)
     assert replies[:6] == ["Score: 10" if refuses else "Score: 0" for _, refuses in asked[:6]]
+    assert calls == [1] * 7  # a call per question, the code none
     assert reward == _play(task, turns)[0] < 1.0  # the scripted user's costs
     # Without a rubric of its own, the model reads the request, every fact and the question.
     env = make_env("clarify", task, user=f"judge:{tmp_path}?chat=no")
@@ -99,6 +104,7 @@ def test_a_model_user_answers_through_the_judge_path(tmp_path):
     # A question whose prompt does not fit the model's context: "I don't know", still charged.
     reward, replies, _ = _play(task, ["What is the maximum?", code], user=ref + "&max_len=16")
     assert replies == [UNKNOWN] and reward == _play(task, ["What is the maximum?", code])[0]
+    assert calls == [1] * 7  # it never reached the engine
     with pytest.raises(ValueError, match="'scripted' or a model through the judge path"):
         make_env("clarify", task, user="gpt-4")
 
